@@ -1,0 +1,9 @@
+"""Attention and loss kernels for PrefixLM packed batches, with their CPU references.
+
+Installed as the package ``mimir_kernels`` (not ``kernels``, which would shadow Hugging Face's
+``kernels`` library). Imports only torch.
+"""
+
+from mimir_kernels.prefix_lm import dense_prefix_lm_attention, prefix_lm_mask
+
+__all__ = ["dense_prefix_lm_attention", "prefix_lm_mask"]

@@ -1,0 +1,30 @@
+"""mimir-megatron: distributed training of HRM-Text (Mimir) models on megatron-core.
+
+Public API (imported lazily so that ``import mimir_megatron`` stays light):
+
+- :func:`load_config` (path, overrides) -> ModelConfig
+- :func:`build_model` (config) -> HRMTextModel; sets up a one-rank process group when needed
+- :func:`export_hf` (model, output_dir) and :func:`import_hf` (hf_dir) -> HRMTextModel
+- :class:`Batch`, the batch contract shared by data, model and trainer
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mimir_megatron.batch import Batch
+from mimir_megatron.config import ModelConfig, load_config
+
+__all__ = ["Batch", "ModelConfig", "build_model", "export_hf", "import_hf", "load_config"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "build_model":
+        from mimir_megatron.model import build_model
+
+        return build_model
+    if name in ("export_hf", "import_hf"):
+        from mimir_megatron import interop
+
+        return getattr(interop, name)
+    raise AttributeError(f"module 'mimir_megatron' has no attribute {name!r}")

@@ -1,0 +1,81 @@
+"""Run megatron-core on CPU: the one place where its CUDA-only calls are redirected.
+
+megatron-core assumes a GPU in a few places that our model path reaches:
+
+- ``torch.cuda.current_device()`` picks the device of communication buffers (the sequence-parallel
+  all-gather, vocab-parallel helpers). On CPU it must name the CPU.
+- ``torch.cuda.synchronize()`` is called around checkpoint I/O. On CPU there is nothing to wait for.
+- The CUDA RNG tracker snapshots CUDA generator states when it forks. On CPU we install the
+  inference tracker, whose ``fork()`` is a no-op (our model has no dropout).
+- ``Attention._apply_output_gate`` is wrapped in ``torch.compile`` at import; on CPU the first call
+  compiles C++ for ~20 s per process and gains nothing, so the eager function is restored.
+
+We never call megatron's RotaryEmbedding or default causal-mask helper (both allocate on CUDA):
+RoPE frequencies and the PrefixLM mask are computed by our own code on the batch's device.
+
+:func:`activate` does all of this once, only when no GPU is present, so the model code is the
+same on CPU (gloo) and GPU (NCCL) with no ``if cpu`` branches.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_ACTIVE = False
+
+# megatron warns at import that TE/apex are absent (the expected state on CPU, and apex is
+# optional everywhere), and about config defaults we do not use.
+for _message in (
+    ".*Transformer Engine and Apex are not installed.*",
+    ".*Apex is not installed.*",
+    ".*absl.logging is not installed.*",
+    ".*full scope is deprecated.*",
+    ".*is deprecated. Please use `torch.distributed.*_single` instead.*",
+):
+    warnings.filterwarnings("ignore", message=_message)
+# torch's C++-extension helper logs "No CUDA runtime is found" when megatron imports it.
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+
+def has_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    """The device this process computes on."""
+    return torch.device("cuda", torch.cuda.current_device()) if has_gpu() else torch.device("cpu")
+
+
+def distributed_backend() -> str:
+    return "nccl" if has_gpu() else "gloo"
+
+
+def activate() -> None:
+    """Redirect megatron-core's CUDA-only calls to the CPU when no GPU is present (idempotent)."""
+    global _ACTIVE
+    if _ACTIVE or has_gpu():
+        return
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.attention import Attention
+
+    mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    compiled = Attention.__dict__["_apply_output_gate"]
+    Attention._apply_output_gate = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+    _ACTIVE = True
+    log.debug("CPU backend active: megatron-core CUDA calls redirected")
+
+
+def seed_rng_tracker(seed: int) -> None:
+    """Seed megatron's model-parallel RNG tracker on GPU (the CPU tracker is a no-op)."""
+    if has_gpu():
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)

@@ -1,0 +1,52 @@
+"""`mimir` command line: one entry point, subcommands registered by the modules that own them.
+
+Each owning module exposes ``register(subparsers)``; heavy imports happen inside the handlers so
+that ``mimir --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# (module, attribute): each adds its own subcommands.
+_REGISTRARS = (
+    "mimir_megatron.commands",
+    "mimir_data_prep.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mimir", description="Train, prepare data for, and convert HRM-Text models."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in _REGISTRARS:
+        importlib.import_module(module_name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from mimir_megatron.logging_setup import setup_logging
+
+    setup_logging(verbose=args.verbose)
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # one clear line for user errors; traceback with -v
+        from mimir_megatron.errors import UserError
+
+        if isinstance(exc, UserError) and not args.verbose:
+            logging.getLogger("mimir").error("%s", exc)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""`mimir info`, `mimir export`, `mimir import`: model inspection and conversion commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("mimir")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="parameter counts of a model config (no weights allocated)")
+    p.add_argument("--config", required=True, help="model YAML, e.g. configs/model/mimir.yaml")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the model config")
+    p.set_defaults(handler=cmd_info)
+
+    p = sub.add_parser("export", help="write a transformers hrm_text model directory")
+    p.add_argument("--config", help="model YAML (with --seed: a freshly initialised model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--seed", type=int, help="initialise from this seed")
+    src.add_argument("--checkpoint", help="project weights directory (from `mimir import`)")
+    p.add_argument("--output", required=True, help="directory to write")
+    p.add_argument("--tokenizer", help="tokenizer directory to copy alongside")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the model config")
+    p.set_defaults(handler=cmd_export)
+
+    p = sub.add_parser("import", help="convert a transformers hrm_text model into project weights")
+    p.add_argument("--hf", required=True, help="transformers hrm_text model directory")
+    p.add_argument("--output", required=True, help="project weights directory to write")
+    p.set_defaults(handler=cmd_import)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from mimir_megatron.config import load_config
+    from mimir_megatron.model import build_model, count_parameters
+
+    cfg = load_config(args.config, args.overrides)
+    counts = count_parameters(build_model(cfg, device="meta"))
+    info = {
+        "total": counts.total,
+        "embedding": counts.embedding,
+        "head": counts.head,
+        "non_embedding": counts.non_embedding,
+        "stack_L": counts.stack_L,
+        "stack_H": counts.stack_H,
+        "fixed_buffers": counts.buffers,
+        "schedule": "".join(("L" * cfg.l_cycles + "H") * cfg.h_cycles),
+        "padded_vocab_size": cfg.padded_vocab_size,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(map(len, info))
+        for key, value in info.items():
+            text = f"{value:,}" if isinstance(value, int) else str(value)
+            print(f"{key:<{width}}  {text:>15}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from mimir_megatron.config import load_config
+    from mimir_megatron.errors import UserError
+    from mimir_megatron.interop import export_hf, load_weights
+    from mimir_megatron.model import build_model
+
+    if args.seed is not None:
+        if not args.config:
+            raise UserError("--seed needs --config (the model shape to initialise)")
+        model = build_model(load_config(args.config, [*args.overrides, f"seed={args.seed}"]))
+    else:
+        if not Path(args.checkpoint).is_dir():
+            raise UserError(f"checkpoint directory not found: {args.checkpoint}")
+        model = load_weights(args.checkpoint, args.overrides)
+    export_hf(model, args.output, tokenizer_dir=args.tokenizer)
+    print(f"exported to {args.output}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from mimir_megatron.interop import import_hf, save_weights
+
+    model = import_hf(args.hf)
+    save_weights(model, args.output)
+    print(f"imported {args.hf} -> {args.output}")
+    return 0

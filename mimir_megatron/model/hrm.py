@@ -1,0 +1,216 @@
+"""HRM-Text on megatron-core: two transformer stacks applied in the LLLHLLLH recurrence.
+
+Layout: megatron's ``[seq, batch, hidden]`` inside the model (sequence-sharded across TP ranks
+when sequence parallel is on); ``[batch, seq, ...]`` at the interface (the Batch and the logits).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mimir_kernels import prefix_lm_mask
+from mimir_megatron.batch import IGNORE_INDEX, Batch, BatchError
+from mimir_megatron.config import ModelConfig
+from mimir_megatron.model.init import lecun_normal_, vocab_rows_init, z_l_init_
+from mimir_megatron.model.rope import rotary_angles
+from mimir_megatron.model.spec import block_spec
+from mimir_megatron.model.window import WindowPlan, plan_window
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None
+    """``[batch, seq, vocab_size]`` (full vocabulary, gathered across TP), unless not requested."""
+    loss: torch.Tensor | None
+    """Sum of response-token cross-entropy divided by the supervised-token count."""
+    num_supervised: torch.Tensor | None
+    """Supervised tokens in this batch (labels != -100)."""
+    window: WindowPlan
+    """The applications that ran with grad."""
+
+
+def transformer_config(cfg: ModelConfig, num_layers: int) -> TransformerConfig:
+    """Megatron's config for one stack of the HRM-Text layer."""
+    dtype = torch.bfloat16 if cfg.params_dtype == "bfloat16" else torch.float32
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_attention_heads,
+        kv_channels=cfg.head_dim,
+        tensor_model_parallel_size=cfg.tensor_parallel_size,
+        sequence_parallel=cfg.uses_sequence_parallel,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        attention_output_gate=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        init_method=lecun_normal_,
+        output_layer_init_method=lecun_normal_,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+    )
+
+
+class HRMTextModel(MegatronModule):
+    """Embedding -> recurrence of L and H stacks -> untied head, with PrefixLM attention."""
+
+    def __init__(self, cfg: ModelConfig, layer_backend: str = "local"):
+        config_l = transformer_config(cfg, cfg.num_layers_L)
+        super().__init__(config=config_l)
+        self.cfg = cfg
+        self.embedding = tensor_parallel.VocabParallelEmbedding(
+            cfg.padded_vocab_size,
+            cfg.hidden_size,
+            init_method=vocab_rows_init(cfg.vocab_size),
+            config=config_l,
+        )
+        self.L = TransformerBlock(config_l, block_spec(cfg.num_layers_L, layer_backend))
+        self.H = TransformerBlock(
+            transformer_config(cfg, cfg.num_layers_H), block_spec(cfg.num_layers_H, layer_backend)
+        )
+        self.head = tensor_parallel.ColumnParallelLinear(
+            cfg.hidden_size,
+            cfg.padded_vocab_size,
+            config=config_l,
+            init_method=vocab_rows_init(cfg.vocab_size),
+            bias=False,
+            gather_output=False,
+            skip_bias_add=True,
+        )
+        # Fixed initial low-level state; saved with the weights, never trained.
+        self.register_buffer("z_L_init", torch.empty(cfg.hidden_size, dtype=config_l.params_dtype))
+        z_l_init_(self.z_L_init)
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        batch: Batch,
+        *,
+        window: int | None = None,
+        h_cycles: int | None = None,
+        l_cycles: int | None = None,
+        num_supervised: torch.Tensor | None = None,
+        return_logits: bool = True,
+        validate: bool = True,
+    ) -> ModelOutput:
+        """Run the recurrence on a batch.
+
+        Args:
+            batch: the packed PrefixLM batch (see :mod:`mimir_megatron.batch`).
+            window: bp window k (default: ``cfg.bp_window``, clipped to the schedule's depth).
+            h_cycles, l_cycles: schedule for this call (default: the config's); any values work,
+                whatever the weights were trained with.
+            num_supervised: denominator of the loss, e.g. the supervised-token count of the whole
+                global batch (all-reduced by the caller); default: this batch's count.
+            return_logits: gather and return full ``[batch, seq, vocab]`` logits.
+            validate: check the batch's shapes, dtypes and token ranges first.
+        """
+        cfg = self.cfg
+        if validate:
+            batch.validate(cfg.vocab_size)
+            self._check_sequence_split(batch.shape[1])
+        plan = self.window_plan(window, h_cycles, l_cycles)
+
+        masked_out = prefix_lm_mask(batch.segment_ids, batch.prefix_mask)
+        angles = rotary_angles(batch.position_ids, cfg.head_dim, cfg.rope_theta)
+
+        z_H = self._embed(batch.input_ids)
+        z_L = self.z_L_init.to(z_H.dtype).expand_as(z_H)
+        for module, grad in zip(plan.schedule, plan.grad):
+            with nullcontext() if grad else torch.no_grad():
+                if module == "L":
+                    z_L = self.L(z_L + z_H, attention_mask=masked_out, rotary_pos_emb=angles)
+                else:
+                    z_H = self.H(z_H + z_L, attention_mask=masked_out, rotary_pos_emb=angles)
+
+        logits_parallel, _ = self.head(z_H)  # [s, b, V/tp]
+        logits_parallel = self._mask_vocab_padding(logits_parallel)
+
+        logits = self._gather_logits(logits_parallel) if return_logits else None
+        loss = count = None
+        if batch.labels is not None:
+            # megatron's cross-entropy works in place on its input: keep returned logits intact.
+            loss_input = logits_parallel.float()
+            if return_logits:
+                loss_input = loss_input.clone()
+            loss, count = self._loss(loss_input, batch.labels, num_supervised)
+        return ModelOutput(logits=logits, loss=loss, num_supervised=count, window=plan)
+
+    def window_plan(
+        self, window: int | None = None, h_cycles: int | None = None, l_cycles: int | None = None
+    ) -> WindowPlan:
+        h = h_cycles or self.cfg.h_cycles
+        l = l_cycles or self.cfg.l_cycles
+        k = window if window is not None else min(self.cfg.bp_window, h * (l + 1))
+        return plan_window(h, l, k, self.cfg.window_policy)
+
+    # -- pieces --------------------------------------------------------------------------------
+
+    def _check_sequence_split(self, seq: int) -> None:
+        tp = self.cfg.tensor_parallel_size
+        if self.cfg.uses_sequence_parallel and seq % tp:
+            raise BatchError(
+                f"input_ids has sequence length {seq}, not divisible by tensor_parallel_size {tp} "
+                "(needed by sequence parallelism)"
+            )
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        emb = self.embedding(input_ids).transpose(0, 1).contiguous()  # [s, b, h]
+        emb = emb * self.cfg.effective_embedding_scale
+        if self.cfg.uses_sequence_parallel:
+            emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)
+        return emb
+
+    def _mask_vocab_padding(self, logits_parallel: torch.Tensor) -> torch.Tensor:
+        """Padded vocabulary rows exist only for divisibility: keep them out of the softmax."""
+        cfg = self.cfg
+        if cfg.padded_vocab_size == cfg.vocab_size:
+            return logits_parallel
+        local = logits_parallel.shape[-1]
+        start = parallel_state.get_tensor_model_parallel_rank() * local
+        ids = torch.arange(start, start + local, device=logits_parallel.device)
+        return logits_parallel.masked_fill(ids >= cfg.vocab_size, float("-inf"))
+
+    def _loss(
+        self,
+        logits_parallel: torch.Tensor,
+        labels: torch.Tensor,
+        num_supervised: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        target = labels.transpose(0, 1).contiguous()  # [s, b]
+        supervised = target != IGNORE_INDEX
+        per_token = tensor_parallel.vocab_parallel_cross_entropy(
+            logits_parallel, torch.where(supervised, target, 0)
+        )
+        count = supervised.sum()
+        denom = count if num_supervised is None else num_supervised
+        loss = (per_token * supervised).sum() / denom.clamp(min=1).to(per_token.dtype)
+        return loss, count
+
+    def _gather_logits(self, logits_parallel: torch.Tensor) -> torch.Tensor:
+        full = tensor_parallel.gather_from_tensor_model_parallel_region(logits_parallel)
+        return full.transpose(0, 1)[..., : self.cfg.vocab_size].contiguous()

@@ -1,0 +1,43 @@
+"""Worker: build the model at TP=2, run forward/backward, save full weights, grads and logits.
+
+Run by tests/test_tensor_parallel.py as two gloo ranks; rank 0 writes the results.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from conftest import tiny_config  # noqa: E402
+from test_tensor_parallel import OVERRIDES, make_batch  # noqa: E402
+
+from mimir_megatron.interop import export_hf  # noqa: E402
+from mimir_megatron.model import build_model  # noqa: E402
+from mimir_megatron.model.state import gather_full_state  # noqa: E402
+
+
+def main(out: Path) -> None:
+    batch = make_batch()
+    for sp in (True, False):
+        cfg = tiny_config(*OVERRIDES, "tensor_parallel_size=2", f"sequence_parallel={sp}")
+        model = build_model(cfg)
+        result = model(batch, window=8)
+        result.loss.backward()
+        weights = gather_full_state(model)
+        grads = gather_full_state(model, lambda p: p.grad)
+        if dist.get_rank() == 0:
+            tensors = {f"weight/{k}": v for k, v in weights.items()}
+            tensors |= {f"grad/{k}": v for k, v in grads.items()}
+            tensors["logits"] = result.logits.detach()
+            tensors["loss"] = result.loss.detach().reshape(1)
+            save_file(tensors, str(out / f"tp2_sp{int(sp)}.safetensors"))
+        if sp:
+            export_hf(model, out / "hf_tp2")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
