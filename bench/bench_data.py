@@ -1,0 +1,146 @@
+"""Data pipeline benchmark: `mimir prepare` tokens/s per worker, and packing-index build time and
+peak memory for a 103B-token mixture with synthetic document lengths.
+
+    python bench/bench_data.py            # full: 103,214,604,702 tokens (several minutes)
+    python bench/bench_data.py --small    # 1B tokens, a few seconds
+
+Not a test: numbers depend on the machine. Peak memory is the process's maximum resident set
+size, read after each phase (it includes the Python/torch baseline, printed first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+MIMIR_V15_TOKENS = 103_214_604_702
+N_DATASETS = 161
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def write_corpus(path: Path, documents: int, seed: int = 0) -> None:
+    """Multi-turn conversations of about 400 tokens built from the bundled demo texts."""
+    import json
+    import random
+
+    from mimir_data_prep.demo_data import TEXT_FILES
+
+    rng = random.Random(seed)
+    paragraphs = [p for f in TEXT_FILES.values() for p in f.read_text().split("\n\n") if p]
+    with path.open("w") as out:
+        for _ in range(documents):
+            messages = [{"role": "system", "content": "You are a helpful assistant."}]
+            for _ in range(3):
+                messages.append({"role": "user", "content": rng.choice(paragraphs)})
+                messages.append({"role": "assistant", "content": rng.choice(paragraphs)})
+            out.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+
+
+def bench_prepare(documents: int, workers: list[int], tokenizer: str | None) -> None:
+    from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
+    from mimir_data_prep.prepare import prepare
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus.jsonl"
+        write_corpus(corpus, documents)
+        size_mib = corpus.stat().st_size / 2**20
+        for n in workers:
+            start = time.perf_counter()
+            m = prepare(
+                [corpus],
+                tokenizer or DEMO_TOKENIZER_DIR,
+                Path(tmp) / f"out{n}",
+                seq_len=4096,
+                workers=n,
+                shard_bytes=max(1, corpus.stat().st_size // (4 * n)),
+                progress=False,
+            )
+            dt = time.perf_counter() - start
+            tok = m["tokens"]["total"]
+            print(
+                f"prepare: {m['documents']:,} docs, {tok:,} tokens, {size_mib:.1f} MiB JSONL, "
+                f"{n} worker(s): {dt:.1f} s, {tok / dt:,.0f} tokens/s total, "
+                f"{tok / dt / n:,.0f} tokens/s per worker, {m['documents'] / dt:,.0f} docs/s "
+                "(includes worker start-up)"
+            )
+
+
+def synthetic_mixture(total_tokens: int, seed: int = 0):
+    """Per-dataset document lengths (int32) and repeat factors summing to ``total_tokens``."""
+    rng = np.random.default_rng(seed)
+    shares = rng.dirichlet(np.full(N_DATASETS, 0.7))
+    repeats = np.ones(N_DATASETS)
+    repeats[rng.choice(N_DATASETS, 12, replace=False)] = rng.choice([4, 10, 20], 12)
+    means = rng.uniform(150, 2500, N_DATASETS)
+    lengths, counts = [], []
+    for share, repeat, mean in zip(shares, repeats, means):
+        sigma = 0.9
+        mu = np.log(mean) - sigma**2 / 2
+        pilot = np.clip(rng.lognormal(mu, sigma, 10_000), 3, 4096).astype(np.int32).mean()
+        n = max(1, int(share * total_tokens / repeat / pilot))  # clipping lowers the mean
+        lens = np.clip(rng.lognormal(mu, sigma, n), 3, 4096).astype(np.int32)
+        lengths.append(lens)
+        counts.append(n)
+    return np.concatenate(lengths), counts, repeats.tolist()
+
+
+def bench_index(total_tokens: int, seq_len: int, window: int) -> None:
+    from mimir_megatron.data.packing import build_epoch_index, padding_fraction
+
+    print(f"baseline peak RSS: {peak_rss_gib():.2f} GiB")
+    start = time.perf_counter()
+    lengths, counts, repeats = synthetic_mixture(total_tokens)
+    epoch_tokens = sum(
+        int(lengths[s : s + c].sum()) * int(r)
+        for s, c, r in zip(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts, repeats)
+    )
+    print(
+        f"synthetic mixture: {N_DATASETS} datasets, {len(lengths):,} documents, "
+        f"{epoch_tokens:,} tokens per epoch ({time.perf_counter() - start:.1f} s to generate)"
+    )
+    start = time.perf_counter()
+    index = build_epoch_index(
+        lengths, counts, repeats, seq_len=seq_len, seed=1234, epoch=0, window=window
+    )
+    dt = time.perf_counter() - start
+    pad = padding_fraction(index, lengths, seq_len)
+    print(
+        f"packing index (seq_len {seq_len}, window {window}): {index.num_contexts:,} contexts, "
+        f"{len(index.docs):,} samples, padding {100 * pad:.2f} %, built in {dt:.1f} s, "
+        f"peak RSS {peak_rss_gib():.2f} GiB, index on disk "
+        f"{(index.docs.nbytes + index.offsets.nbytes) / 2**30:.2f} GiB"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="1B tokens and a small corpus")
+    parser.add_argument("--tokens", type=int, default=None, help="mixture tokens per epoch")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=16384)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--tokenizer", default=None, help="default: the demo tokenizer")
+    parser.add_argument("--skip-prepare", action="store_true")
+    parser.add_argument("--skip-index", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if not args.skip_prepare:
+        bench_prepare(2000 if args.small else 40000, args.workers, args.tokenizer)
+    if not args.skip_index:
+        tokens = args.tokens or (1_000_000_000 if args.small else MIMIR_V15_TOKENS)
+        bench_index(tokens, args.seq_len, args.window)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,441 @@
+"""`mimir prepare`: tokenize chat data into a prepared dataset (see mimir_megatron.data.prepared).
+
+Each shard is processed by one worker process and written under a temporary name, then renamed;
+its statistics file is renamed last and marks it finished, so a rerun skips it. The manifest is
+assembled from the shard statistics at the end. Nothing is held in memory beyond one shard's
+document lengths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from mimir_megatron.data.prepared import (
+    FORMAT,
+    MANIFEST_NAME,
+    REJECTS_NAME,
+    SEQUENCES_PER_DOCUMENT,
+    SHARDS_DIR,
+)
+from mimir_megatron.errors import UserError
+
+from .records import REJECT_REASONS, RecordError, decode_json_line, to_conversation
+from .render import ChatRenderer, tokenizer_hash
+from .shards import DEFAULT_SHARD_BYTES, ShardTask, iter_jsonl, iter_parquet, plan_shards
+
+log = logging.getLogger(__name__)
+
+TOO_LONG_POLICIES = ("drop", "truncate-prefix")
+_PROGRESS_EVERY = 500  # documents between progress reports from a worker
+
+
+class StrictModeError(UserError):
+    """--strict met a bad line; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class PrepareSettings:
+    """Everything besides the input bytes that decides the output: part of each shard's key."""
+
+    tokenizer_dir: str
+    tokenizer_sha256: str
+    seq_len: int = 4096
+    too_long: str = "drop"
+    min_response_tokens: int = 2
+    strict: bool = False
+
+
+@dataclass
+class ShardStats:
+    shard_id: int
+    key: str
+    source: str
+    first_line: int
+    lines: int = 0
+    documents: int = 0
+    prefix_tokens: int = 0
+    response_tokens: int = 0
+    truncated: int = 0
+    rejects: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REJECT_REASONS})
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    sizes: dict[str, int] = field(default_factory=dict)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def shard_key(task: ShardTask, settings: PrepareSettings) -> str:
+    stat = os.stat(task.path)
+    payload = {
+        "task": task.to_dict(),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "settings": {k: v for k, v in asdict(settings).items() if k != "strict"},
+        "format": FORMAT,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def fit_to_context(
+    prefix: list[int], response: list[int], settings: PrepareSettings
+) -> tuple[list[int], bool]:
+    """Apply the too-long policy. Packed input length is len(prefix) + len(response) - 1."""
+    if len(prefix) + len(response) - 1 <= settings.seq_len:
+        return prefix, False
+    keep = settings.seq_len + 1 - len(response)
+    if settings.too_long == "truncate-prefix" and keep >= 1:
+        # Keep the end of the prefix: it holds the generation prompt the response follows.
+        return prefix[-keep:], True
+    raise RecordError(
+        "too_long",
+        f"{len(prefix)} prefix + {len(response)} response tokens exceed seq_len={settings.seq_len}",
+    )
+
+
+# --- worker side -------------------------------------------------------------------------------
+
+_renderer: ChatRenderer | None = None
+_progress: Callable[[int, int, int], None] | None = None
+
+
+def _init_worker(tokenizer_dir: str, progress_queue) -> None:
+    global _renderer, _progress
+    _renderer = ChatRenderer(tokenizer_dir)
+    _progress = (lambda d, t, r: progress_queue.put((d, t, r))) if progress_queue else None
+
+
+def _records(task: ShardTask):
+    """(line, conversation or RecordError) for each line of the shard."""
+    if task.kind == "jsonl":
+        for line, raw in iter_jsonl(task):
+            try:
+                yield line, to_conversation(decode_json_line(raw)), raw
+            except RecordError as exc:
+                yield line, exc, raw
+    else:
+        for row, record in iter_parquet(task):
+            try:
+                yield row, to_conversation(record), None
+            except RecordError as exc:
+                yield row, exc, None
+
+
+def process_shard(task: ShardTask, settings: PrepareSettings, out_dir: str) -> ShardStats:
+    """Tokenize one shard into ``shards/<id>.bin/.idx`` plus its rejects and statistics."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    assert _renderer is not None, "worker not initialised"
+    renderer = _renderer
+    out = Path(out_dir)
+    name = f"{task.shard_id:05d}"
+    final = {ext: out / SHARDS_DIR / f"{name}{ext}" for ext in (".bin", ".idx", ".rejects.jsonl")}
+    tmp = {ext: p.with_name(p.name + f".tmp{os.getpid()}") for ext, p in final.items()}
+    stats = ShardStats(task.shard_id, shard_key(task, settings), task.path, task.first_line)
+    dtype = DType.optimal_dtype(renderer.vocab_size)
+    builder = IndexedDatasetBuilder(str(tmp[".bin"]), dtype=dtype)
+    try:
+        _fill_shard(task, settings, renderer, builder, stats, tmp[".rejects.jsonl"])
+    except BaseException:
+        builder.data_file.close()
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+        raise
+    builder.finalize(str(tmp[".idx"]))
+    for ext, path in final.items():
+        os.replace(tmp[ext], path)
+        rel = f"{SHARDS_DIR}/{path.name}"
+        stats.files[rel] = sha256_file(path)
+        stats.sizes[rel] = path.stat().st_size
+    _write_json_atomic(out / SHARDS_DIR / f"{name}.json", asdict(stats))
+    return stats
+
+
+def _fill_shard(
+    task: ShardTask,
+    settings: PrepareSettings,
+    renderer: ChatRenderer,
+    builder,
+    stats: ShardStats,
+    rejects_path: Path,
+) -> None:
+    """Tokenize every record of the shard into ``builder``; rejects go to ``rejects_path``."""
+    pending = [0, 0, 0]
+    with rejects_path.open("w") as rejects:
+        for line, conv, raw in _records(task):
+            stats.lines += 1
+            try:
+                if isinstance(conv, RecordError):
+                    raise conv
+                prefix, response = renderer.tokenize(conv)
+                if len(response) < settings.min_response_tokens:
+                    raise RecordError(
+                        "response_too_short",
+                        f"{len(response)} response tokens, need >= {settings.min_response_tokens}",
+                    )
+                prefix, truncated = fit_to_context(prefix, response, settings)
+            except RecordError as exc:
+                stats.rejects[exc.reason] += 1
+                where = f"{task.path}:{line}"
+                if settings.strict:
+                    raise StrictModeError(f"{where}: {exc.reason}: {exc.detail}") from None
+                entry = {
+                    "file": task.path,
+                    "line": line,
+                    "reason": exc.reason,
+                    "detail": exc.detail,
+                }
+                if raw is not None:
+                    entry["excerpt"] = raw[:200].decode("utf-8", errors="replace")
+                rejects.write(json.dumps(entry, ensure_ascii=False) + "\n")
+                pending[2] += 1
+                continue
+            stats.truncated += truncated
+            builder.add_document(
+                np.asarray(prefix + response), lengths=[len(prefix), len(response)]
+            )
+            stats.documents += 1
+            stats.prefix_tokens += len(prefix)
+            stats.response_tokens += len(response)
+            pending[0] += 1
+            pending[1] += len(prefix) + len(response)
+            if _progress and pending[0] + pending[2] >= _PROGRESS_EVERY:
+                _progress(*pending)
+                pending = [0, 0, 0]
+    if _progress and any(pending):
+        _progress(*pending)
+
+
+# --- driver side -------------------------------------------------------------------------------
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _finished(task: ShardTask, settings: PrepareSettings, out: Path) -> ShardStats | None:
+    """The stats of a shard a previous run completed with the same inputs and settings."""
+    stats_path = out / SHARDS_DIR / f"{task.shard_id:05d}.json"
+    if not stats_path.is_file():
+        return None
+    try:
+        data = json.loads(stats_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if data.get("key") != shard_key(task, settings):
+        return None
+    for rel, size in data.get("sizes", {}).items():
+        path = out / rel
+        if not path.is_file() or path.stat().st_size != size:
+            return None
+    return ShardStats(**data)
+
+
+def prepare(
+    inputs: list[str | Path],
+    tokenizer_dir: str | Path,
+    output_dir: str | Path,
+    *,
+    seq_len: int = 4096,
+    too_long: str = "drop",
+    min_response_tokens: int = 2,
+    strict: bool = False,
+    workers: int | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool = True,
+) -> dict:
+    """Prepare ``inputs`` into ``output_dir`` and return the manifest (also written to disk)."""
+    if too_long not in TOO_LONG_POLICIES:
+        raise UserError(f"--too-long must be one of {TOO_LONG_POLICIES}, got {too_long!r}")
+    if seq_len < 2:
+        raise UserError(f"--seq-len must be >= 2, got {seq_len}")
+    if not inputs:
+        raise UserError("no input files given")
+    paths = [Path(p) for p in inputs]
+    out = Path(output_dir)
+    (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = str(Path(tokenizer_dir).resolve())
+    settings = PrepareSettings(
+        tokenizer_dir=tokenizer_dir,
+        tokenizer_sha256=tokenizer_hash(tokenizer_dir),
+        seq_len=seq_len,
+        too_long=too_long,
+        min_response_tokens=min_response_tokens,
+        strict=strict,
+    )
+    renderer = ChatRenderer(tokenizer_dir)  # fail early, in the driver, on a bad tokenizer
+    tasks = plan_shards(paths, shard_bytes)
+    done = {t.shard_id: s for t in tasks if (s := _finished(t, settings, out)) is not None}
+    todo = [t for t in tasks if t.shard_id not in done]
+    workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
+    log.info(
+        "%d input file(s), %d shard(s): %d already finished, %d to do with %d worker(s)",
+        len(paths),
+        len(tasks),
+        len(done),
+        len(todo),
+        workers,
+    )
+    started = time.perf_counter()
+    done.update(_run(todo, settings, out, workers, progress))
+    manifest = _write_manifest(tasks, done, settings, renderer, paths, out)
+    elapsed = time.perf_counter() - started
+    log.info(
+        "%s: %d documents, %d tokens, %d rejected of %d lines (%.1f s)",
+        out,
+        manifest["documents"],
+        manifest["tokens"]["total"],
+        manifest["rejected"],
+        manifest["lines_read"],
+        elapsed,
+    )
+    return manifest
+
+
+def _run(
+    todo: list[ShardTask], settings: PrepareSettings, out: Path, workers: int, show: bool
+) -> dict[int, ShardStats]:
+    from tqdm import tqdm
+
+    results: dict[int, ShardStats] = {}
+    if not todo:
+        return results
+    bar = tqdm(total=None, unit="doc", disable=not show, dynamic_ncols=True, desc="prepare")
+    counts = {"docs": 0, "tokens": 0, "rejects": 0}
+    start = time.perf_counter()
+
+    def report(docs: int, tokens: int, rejects: int) -> None:
+        counts["docs"] += docs
+        counts["tokens"] += tokens
+        counts["rejects"] += rejects
+        rate = time.perf_counter() - start
+        bar.update(docs + rejects)
+        bar.set_postfix(
+            docs_s=f"{counts['docs'] / max(rate, 1e-9):.0f}",
+            tok_s=f"{counts['tokens'] / max(rate, 1e-9):.0f}",
+            rejects=counts["rejects"],
+            refresh=False,
+        )
+
+    global _progress
+    try:
+        if workers == 1:
+            _init_worker(settings.tokenizer_dir, None)
+            _progress = report
+            for task in todo:
+                results[task.shard_id] = process_shard(task, settings, str(out))
+            return results
+        ctx = mp.get_context("spawn")  # fork after torch/tokenizers threads start is unsafe
+        progress_queue = ctx.Queue()
+        with ctx.Pool(workers, _init_worker, (settings.tokenizer_dir, progress_queue)) as pool:
+            pending = [pool.apply_async(process_shard, (t, settings, str(out))) for t in todo]
+            while pending:
+                try:
+                    while True:
+                        report(*progress_queue.get(timeout=0.2))
+                except queue.Empty:
+                    pass
+                for job in [j for j in pending if j.ready()]:
+                    stats = job.get()  # re-raises a worker's StrictModeError here
+                    results[stats.shard_id] = stats
+                    pending.remove(job)
+            while not progress_queue.empty():
+                report(*progress_queue.get())
+        return results
+    finally:
+        _progress = None
+        bar.close()
+
+
+def _write_manifest(
+    tasks: list[ShardTask],
+    stats: dict[int, ShardStats],
+    settings: PrepareSettings,
+    renderer: ChatRenderer,
+    paths: list[Path],
+    out: Path,
+) -> dict:
+    rejects = {r: 0 for r in REJECT_REASONS}
+    totals = {"lines": 0, "documents": 0, "prefix": 0, "response": 0, "truncated": 0}
+    outputs: dict[str, str] = {}
+    shards = []
+    rejects_tmp = out / (REJECTS_NAME + f".tmp{os.getpid()}")
+    with rejects_tmp.open("wb") as merged:
+        for task in tasks:
+            s = stats[task.shard_id]
+            totals["lines"] += s.lines
+            totals["documents"] += s.documents
+            totals["prefix"] += s.prefix_tokens
+            totals["response"] += s.response_tokens
+            totals["truncated"] += s.truncated
+            for reason, n in s.rejects.items():
+                rejects[reason] += n
+            outputs.update({k: v for k, v in s.files.items() if not k.endswith(".rejects.jsonl")})
+            shards.append(
+                {
+                    "prefix": f"{SHARDS_DIR}/{task.shard_id:05d}",
+                    "documents": s.documents,
+                    "source": task.path,
+                    "first_line": task.first_line,
+                    "lines": s.lines,
+                }
+            )
+            with (out / SHARDS_DIR / f"{task.shard_id:05d}.rejects.jsonl").open("rb") as part:
+                while block := part.read(1 << 22):
+                    merged.write(block)
+    os.replace(rejects_tmp, out / REJECTS_NAME)
+    outputs[REJECTS_NAME] = sha256_file(out / REJECTS_NAME)
+    rejected = sum(rejects.values())
+    assert totals["documents"] + rejected == totals["lines"], "accepted + rejected != lines read"
+    from megatron.core.datasets.indexed_dataset import DType
+
+    manifest = {
+        "format": FORMAT,
+        "layout": f"{SEQUENCES_PER_DOCUMENT} sequences per document: prefix, then response",
+        "sources": [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in paths],
+        "tokenizer": {
+            "path": settings.tokenizer_dir,
+            "sha256": settings.tokenizer_sha256,
+            "vocab_size": renderer.vocab_size,
+            "pad_token_id": renderer.tokenizer.pad_token_id,
+            "eos_token_id": renderer.tokenizer.eos_token_id,
+        },
+        "dtype": np.dtype(DType.optimal_dtype(renderer.vocab_size)).name,
+        "settings": {
+            "seq_len": settings.seq_len,
+            "too_long": settings.too_long,
+            "min_response_tokens": settings.min_response_tokens,
+        },
+        "lines_read": totals["lines"],
+        "accepted": totals["documents"],
+        "rejected": rejected,
+        "rejects": rejects,
+        "truncated": totals["truncated"],
+        "documents": totals["documents"],
+        "tokens": {
+            "prefix": totals["prefix"],
+            "response": totals["response"],
+            "total": totals["prefix"] + totals["response"],
+        },
+        "shards": shards,
+        "outputs": dict(sorted(outputs.items())),
+    }
+    _write_json_atomic(out / MANIFEST_NAME, manifest)
+    return manifest

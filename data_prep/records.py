@@ -1,0 +1,118 @@
+"""Turning one raw input line (JSONL) or row (Parquet) into a conversation, or a named reject.
+
+Nothing here raises on bad data except :class:`RecordError`, which carries the reject reason,
+so that the caller can count every line it read as either accepted or rejected.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# Every reason a line can be rejected for; the manifest counts each of them (zeros included).
+REJECT_REASONS = (
+    "empty_line",
+    "invalid_utf8",
+    "malformed_json",
+    "bad_schema",
+    "missing_role",
+    "unknown_role",
+    "no_final_assistant",
+    "template_error",
+    "response_too_short",
+    "too_long",
+)
+
+KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class RecordError(Exception):
+    """A line that cannot become a training sample; ``reason`` is one of REJECT_REASONS."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in REJECT_REASONS, reason
+        super().__init__(reason, detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Messages in the common chat format, ending with the assistant turn that is trained on."""
+
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None = None
+
+
+def decode_json_line(raw: bytes) -> Any:
+    """Bytes of one JSONL line (newline stripped) to a Python object."""
+    if not raw.strip():
+        raise RecordError("empty_line", "blank line")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecordError("invalid_utf8", f"byte {exc.start}: {exc.reason}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RecordError("malformed_json", f"column {exc.colno}: {exc.msg}") from None
+
+
+def to_conversation(obj: Any) -> Conversation:
+    """Accept ``{"messages": [...], "tools": ...}`` or ``{"prompt": ..., "completion": ...}``.
+
+    ``prompt``/``completion`` may be strings or message lists (the TRL conversational form).
+    """
+    if not isinstance(obj, dict):
+        raise RecordError("bad_schema", f"expected a JSON object, got {type(obj).__name__}")
+    if "messages" in obj and obj["messages"] is not None:
+        messages = obj["messages"]
+    elif "prompt" in obj and "completion" in obj:
+        messages = _as_messages(obj["prompt"], "user") + _as_messages(
+            obj["completion"], "assistant"
+        )
+    else:
+        raise RecordError("bad_schema", "needs a 'messages' list or 'prompt' and 'completion'")
+    if not isinstance(messages, list) or not messages:
+        raise RecordError("bad_schema", "'messages' must be a non-empty list")
+    tools = obj.get("tools")
+    if isinstance(tools, str):  # Parquet exports often store tools as a JSON string
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError:
+            raise RecordError("bad_schema", "'tools' is a string but not valid JSON") from None
+    if tools is not None and not isinstance(tools, list):
+        raise RecordError("bad_schema", "'tools' must be a list")
+    cleaned = [_check_message(i, m) for i, m in enumerate(messages)]
+    last = cleaned[-1]
+    if last["role"] != "assistant":
+        raise RecordError(
+            "no_final_assistant", f"last message has role {last['role']!r}, expected 'assistant'"
+        )
+    if not last.get("content") and not last.get("tool_calls"):
+        raise RecordError("no_final_assistant", "final assistant turn is empty")
+    return Conversation(cleaned, tools or None)
+
+
+def _as_messages(value: Any, role: str) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list):
+        return value
+    raise RecordError("bad_schema", f"{role} part must be a string or a message list")
+
+
+def _check_message(index: int, message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise RecordError("bad_schema", f"message {index} is not an object")
+    role = message.get("role")
+    if role is None or role == "":
+        raise RecordError("missing_role", f"message {index} has no role")
+    if role not in KNOWN_ROLES:
+        raise RecordError("unknown_role", f"message {index} has role {role!r}")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise RecordError("bad_schema", f"message {index} content must be a string")
+    # Parquet fills absent struct fields with None; drop them so templates see plain dicts.
+    return {k: v for k, v in message.items() if v is not None or k == "content"}

@@ -1,0 +1,82 @@
+"""Chat-template rendering and tokenization: a conversation to (prefix ids, response ids).
+
+The prefix is the template rendered for all but the final assistant turn with the generation
+prompt appended; the response is what the full rendering adds after it (the final assistant turn
+and its end-of-turn token). Prefix and response are tokenized separately so that no BPE merge
+crosses the boundary the loss mask depends on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from mimir_megatron.errors import UserError
+
+from .records import Conversation, RecordError
+
+
+def tokenizer_hash(tokenizer_dir: str | Path) -> str:
+    """sha256 over the names and bytes of every file in the tokenizer directory."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(tokenizer_dir).iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def load_tokenizer(tokenizer_dir: str | Path):
+    """A Hugging Face fast tokenizer that has a chat template; UserError otherwise."""
+    path = Path(tokenizer_dir)
+    if not (path / "tokenizer.json").is_file():
+        raise UserError(f"{path}: not a tokenizer directory (tokenizer.json is missing)")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UserError(
+            "rendering chat templates needs transformers: pip install 'mimir-megatron[hf]'"
+        ) from None
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"{path}: the tokenizer has no chat_template")
+    return tokenizer
+
+
+class ChatRenderer:
+    """Renders and tokenizes conversations with one tokenizer's chat template."""
+
+    def __init__(self, tokenizer_dir: str | Path) -> None:
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self._backend = self.tokenizer.backend_tokenizer  # the Rust tokenizer: no HF overhead
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def render(self, conv: Conversation) -> tuple[str, str]:
+        """(prefix text, response text); RecordError('template_error') if they do not line up."""
+        try:
+            full = self.tokenizer.apply_chat_template(
+                conv.messages, tools=conv.tools, tokenize=False, add_generation_prompt=False
+            )
+            prefix = self.tokenizer.apply_chat_template(
+                conv.messages[:-1], tools=conv.tools, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # jinja raises whatever the template author chose
+            raise RecordError("template_error", f"{type(exc).__name__}: {exc}") from None
+        if not full.startswith(prefix):
+            raise RecordError(
+                "template_error",
+                "the rendered conversation does not start with the rendered prefix and "
+                "generation prompt",
+            )
+        return prefix, full[len(prefix) :]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens come from the template text, none are added."""
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def tokenize(self, conv: Conversation) -> tuple[list[int], list[int]]:
+        prefix, response = self.render(conv)
+        return self.encode(prefix), self.encode(response)

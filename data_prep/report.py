@@ -1,0 +1,138 @@
+"""`mimir data report`: token accounting of a mixture in the layout of the paper's Tables 1 and 8.
+
+Tokens per epoch of a dataset = its prepared tokens (prefix + response, from the manifest) times
+its repeat factor. A dataset that is not prepared yet may declare ``tokens`` in the YAML instead,
+which lets a planned mixture be reported before any data is tokenized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mimir_megatron.data.mixture import Mixture, MixtureEntry, load_mixture
+from mimir_megatron.data.prepared import MANIFEST_NAME, read_manifest
+from mimir_megatron.errors import UserError
+
+
+@dataclass(frozen=True)
+class DatasetRow:
+    name: str
+    category: str
+    language: str
+    repeat: float
+    tokens: int  # one copy
+    tokens_per_epoch: int
+    declared: bool  # size taken from the YAML, not from a manifest
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    key: str
+    tokens_per_epoch: int
+    share: float  # percent
+    datasets: int
+    avg_tokens_per_dataset: float
+
+
+def dataset_rows(mixture: Mixture) -> list[DatasetRow]:
+    rows = []
+    for e in mixture.entries:
+        tokens, declared = _tokens(e)
+        rows.append(
+            DatasetRow(
+                e.name,
+                e.category,
+                e.language,
+                e.repeat,
+                tokens,
+                int(round(tokens * e.repeat)),
+                declared,
+            )
+        )
+    return rows
+
+
+def _tokens(entry: MixtureEntry) -> tuple[int, bool]:
+    if (Path(entry.path) / MANIFEST_NAME).is_file():
+        return int(read_manifest(entry.path)["tokens"]["total"]), False
+    if entry.tokens is not None:
+        return entry.tokens, True
+    raise UserError(
+        f"dataset {entry.name!r}: {entry.path} is not prepared and the mixture declares no "
+        "'tokens' for it; run `mimir prepare` (or `mimir data demo`) first"
+    )
+
+
+def group_rows(rows: list[DatasetRow], by: str) -> list[GroupRow]:
+    """Rows grouped by ``category`` or ``language``, largest first."""
+    total = sum(r.tokens_per_epoch for r in rows)
+    groups: dict[str, list[DatasetRow]] = {}
+    for r in rows:
+        groups.setdefault(getattr(r, by), []).append(r)
+    out = []
+    for key, members in groups.items():
+        tokens = sum(m.tokens_per_epoch for m in members)
+        out.append(
+            GroupRow(
+                key,
+                tokens,
+                100.0 * tokens / total if total else 0.0,
+                len(members),
+                tokens / len(members),
+            )
+        )
+    return sorted(out, key=lambda g: (-g.tokens_per_epoch, g.key))
+
+
+def _group_table(title: str, groups: list[GroupRow], rows: list[DatasetRow]) -> list[str]:
+    width = max([len(title)] + [len(g.key) for g in groups])
+    lines = [
+        f"{title:<{width}}  {'Tokens/epoch':>16}  {'Share':>7}  {'Datasets':>8}  "
+        f"{'Avg tokens/dataset':>18}"
+    ]
+    for g in groups:
+        lines.append(
+            f"{g.key:<{width}}  {g.tokens_per_epoch:>16,}  {g.share:>6.2f}%  "
+            f"{g.datasets:>8}  {g.avg_tokens_per_dataset:>18,.0f}"
+        )
+    total = sum(g.tokens_per_epoch for g in groups)
+    lines.append(
+        f"{'Total':<{width}}  {total:>16,}  {100.0 if total else 0.0:>6.2f}%  "
+        f"{len(rows):>8}  {total / max(len(rows), 1):>18,.0f}"
+    )
+    return lines
+
+
+def format_report(mixture: Mixture, top: int = 10) -> str:
+    rows = dataset_rows(mixture)
+    total = sum(r.tokens_per_epoch for r in rows)
+    out = [
+        f"Mixture {mixture.name} ({mixture.source}): {len(rows)} datasets, "
+        f"{total:,} tokens per epoch",
+        "",
+    ]
+    out += _group_table("Category", group_rows(rows, "category"), rows) + [""]
+    out += _group_table("Language", group_rows(rows, "language"), rows) + [""]
+    ranked = sorted(rows, key=lambda r: (-r.tokens_per_epoch, r.name))[:top]
+    width = max([7] + [len(r.name) for r in ranked])
+    cat_w = max([8] + [len(r.category) for r in ranked])
+    out.append(f"Top {len(ranked)} datasets by tokens per epoch")
+    out.append(
+        f"{'#':>3}  {'Dataset':<{width}}  {'Category':<{cat_w}}  {'Lang':<6}  "
+        f"{'Repeat':>6}  {'Tokens/epoch':>16}  {'Share':>7}"
+    )
+    for i, r in enumerate(ranked, 1):
+        share = 100.0 * r.tokens_per_epoch / total if total else 0.0
+        mark = "*" if r.declared else " "
+        out.append(
+            f"{i:>3}  {r.name:<{width}}  {r.category:<{cat_w}}  {r.language:<6}  "
+            f"{r.repeat:>5g}x  {r.tokens_per_epoch:>16,}{mark} {share:>6.2f}%"
+        )
+    if any(r.declared for r in rows):
+        out += ["", "* size declared in the mixture file (dataset not prepared yet)"]
+    return "\n".join(out)
+
+
+def report(mixture_path: str | Path, top: int = 10) -> str:
+    return format_report(load_mixture(mixture_path), top)

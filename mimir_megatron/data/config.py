@@ -1,0 +1,53 @@
+"""The data configuration of a training run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mimir_megatron.errors import ConfigError
+
+
+@dataclass
+class DataConfig:
+    mixture: str = ""
+    """Mixture YAML (configs/data/*.yaml); dataset paths in it resolve against its directory."""
+
+    seq_len: int = 4096
+    """Context length that whole samples are packed into; a sample occupies
+    len(prefix) + len(response) - 1 positions."""
+
+    seed: int = 1234
+    """Seeds the epoch plan (repeats, shuffle, packing); the plan does not depend on world size."""
+
+    pack_window: int = 16384
+    """Samples per best-fit packing window. Larger packs tighter but the window is processed in
+    Python; 16k keeps padding near 1 % on typical length mixes."""
+
+    index_dir: str | None = None
+    """Where the per-epoch packing index (.npy) is cached; default ``<first dataset>/../_index``."""
+
+    pad_token_id: int = 0
+    """Filler id for padding positions (segment 0, label -100: never attended to or trained on)."""
+
+    eval_path: str | None = None
+    """A prepared held-out dataset for exact-match evaluation (see load_eval_samples)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check values only; files are checked when the loader opens them, so configs load
+        (and can be tested) before any data has been prepared."""
+        errors = []
+        if not isinstance(self.mixture, str):
+            errors.append(f"data.mixture must be a path string, got {self.mixture!r}")
+        if not isinstance(self.seq_len, int) or self.seq_len < 2:
+            errors.append(f"data.seq_len must be an integer >= 2, got {self.seq_len!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            errors.append(f"data.seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.pack_window, int) or self.pack_window < 1:
+            errors.append(f"data.pack_window must be a positive integer, got {self.pack_window!r}")
+        if not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
+            errors.append(f"data.pad_token_id must be >= 0, got {self.pad_token_id!r}")
+        if errors:
+            raise ConfigError("; ".join(errors))

@@ -1,0 +1,207 @@
+"""From a mixture to ``Batch`` objects: the packed sample stream, sharded and resumable.
+
+Sample numbering. The stream is an endless sequence of packed contexts ("samples"): epoch 0's
+contexts, then epoch 1's, and so on, each epoch planned and packed from the seed alone. Global
+sample ``g`` is therefore the same context for every world size.
+
+Sharding. Micro-batch ``k`` of rank ``r`` holds the contiguous samples
+``[k * M * D + r * M, k * M * D + (r + 1) * M)`` for micro-batch size ``M`` and data-parallel size
+``D``. A global batch of ``G`` samples (any multiple of ``M * D``, gradient accumulation included)
+is samples ``[b * G, (b + 1) * G)``, so DP=1 with M=4 and DP=2 with M=2 train on the same global
+batches. ``consumed_samples`` counts global samples (all ranks) and must be a multiple of
+``M * D``; resuming from it continues exactly where the stream stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from mimir_megatron.batch import IGNORE_INDEX, Batch
+from mimir_megatron.errors import UserError
+
+from .config import DataConfig
+from .mixture import Mixture, load_mixture, mixture_digest
+from .packing import PACKING_VERSION, EpochIndex, build_epoch_index, padding_fraction
+from .prepared import PreparedDataset
+
+log = logging.getLogger(__name__)
+
+Sample = tuple[np.ndarray, np.ndarray]  # (prefix ids, response ids)
+
+
+def mixture_fingerprint(cfg: DataConfig) -> str:
+    """Hash of everything that decides the sample stream: the datasets' manifests (their output
+    sha256s), repeat factors, seq_len, seed and packing algorithm. A checkpoint stores it so that
+    a resume on changed data is refused instead of silently replaying a different stream."""
+    return mixture_digest(
+        load_mixture(cfg.mixture),
+        {
+            "seq_len": cfg.seq_len,
+            "seed": cfg.seed,
+            "pack_window": cfg.pack_window,
+            "packing": PACKING_VERSION,
+        },
+    )
+
+
+class PackedMixture:
+    """The global, world-size independent stream of packed contexts of one mixture."""
+
+    def __init__(self, cfg: DataConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.mixture: Mixture = load_mixture(cfg.mixture)
+        self.datasets = [PreparedDataset(e.path) for e in self.mixture.entries]
+        counts = [d.num_documents for d in self.datasets]
+        self.doc_counts = counts
+        self.doc_starts = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
+        self.repeats = [e.repeat for e in self.mixture.entries]
+        self.fingerprint = mixture_fingerprint(cfg)
+        first = self.mixture.entries[0].path
+        self.index_dir = Path(cfg.index_dir) if cfg.index_dir else first.parent / "_index"
+        self._sample_lengths: np.ndarray | None = None
+        self._epochs: list[EpochIndex] = []
+        self._ends: list[int] = []  # cumulative contexts at the end of each built epoch
+
+    @property
+    def sample_lengths(self) -> np.ndarray:
+        """Packed length (prefix + response - 1) of every global document, int32."""
+        if self._sample_lengths is None:
+            parts = [
+                (d.prefix_lengths.astype(np.int32) + d.response_lengths - 1) for d in self.datasets
+            ]
+            self._sample_lengths = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        return self._sample_lengths
+
+    def _cache_paths(self, epoch: int) -> tuple[Path, Path]:
+        stem = f"{self.mixture.name}-{self.fingerprint[:16]}-e{epoch:04d}"
+        return self.index_dir / f"{stem}.docs.npy", self.index_dir / f"{stem}.offsets.npy"
+
+    def epoch(self, epoch: int) -> EpochIndex:
+        """Load the cached index of ``epoch`` or build and cache it (tmp name, then rename, so
+        ranks racing to build it write identical files harmlessly)."""
+        docs_path, offsets_path = self._cache_paths(epoch)
+        if docs_path.is_file() and offsets_path.is_file():
+            return EpochIndex(np.load(docs_path, mmap_mode="r"), np.load(offsets_path))
+        index = build_epoch_index(
+            self.sample_lengths,
+            self.doc_counts,
+            self.repeats,
+            seq_len=self.cfg.seq_len,
+            seed=self.cfg.seed,
+            epoch=epoch,
+            window=self.cfg.pack_window,
+        )
+        log.info(
+            "epoch %d: %d contexts of %d tokens, padding %.2f %%",
+            epoch,
+            index.num_contexts,
+            self.cfg.seq_len,
+            100 * padding_fraction(index, self.sample_lengths, self.cfg.seq_len),
+        )
+        self.index_dir.mkdir(parents=True, exist_ok=True)
+        for path, array in ((docs_path, index.docs), (offsets_path, index.offsets)):
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            with tmp.open("wb") as f:
+                np.save(f, array)
+            os.replace(tmp, path)
+        return index
+
+    def locate(self, sample: int) -> tuple[int, int]:
+        """(epoch, context within the epoch) of global sample ``sample``."""
+        if sample < 0:
+            raise IndexError(f"sample {sample} < 0")
+        while not self._ends or self._ends[-1] <= sample:
+            index = self.epoch(len(self._epochs))
+            if index.num_contexts == 0:
+                raise UserError(f"{self.mixture.source}: the mixture yields no samples")
+            self._epochs.append(index)
+            self._ends.append((self._ends[-1] if self._ends else 0) + index.num_contexts)
+        epoch = int(np.searchsorted(self._ends, sample, side="right"))
+        start = self._ends[epoch - 1] if epoch else 0
+        return epoch, sample - start
+
+    def document(self, doc: int) -> Sample:
+        ds = int(np.searchsorted(self.doc_starts, doc, side="right") - 1)
+        return self.datasets[ds].document(doc - int(self.doc_starts[ds]))
+
+    def context_documents(self, sample: int) -> np.ndarray:
+        """Global document ids packed into global sample ``sample``."""
+        epoch, ctx = self.locate(sample)
+        index = self._epochs[epoch]
+        return np.asarray(index.docs[index.offsets[ctx] : index.offsets[ctx + 1]])
+
+    def context(self, sample: int) -> list[Sample]:
+        return [self.document(int(d)) for d in self.context_documents(sample)]
+
+
+def collate(rows: list[list[Sample]], seq_len: int, pad_token_id: int = 0) -> Batch:
+    """Lay out packed rows: per sample, input = prefix ++ response[:-1], labels =
+    [-100] * (len(prefix) - 1) ++ response, positions restart at 0, segments count from 1."""
+    shape = (len(rows), seq_len)
+    input_ids = np.full(shape, pad_token_id, dtype=np.int64)
+    labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
+    position_ids = np.zeros(shape, dtype=np.int64)
+    segment_ids = np.zeros(shape, dtype=np.int64)
+    prefix_mask = np.zeros(shape, dtype=bool)
+    for r, samples in enumerate(rows):
+        pos = 0
+        for seg, (prefix, response) in enumerate(samples, start=1):
+            p, n = len(prefix), len(prefix) + len(response) - 1
+            if pos + n > seq_len:
+                raise ValueError(f"row {r}: samples need more than seq_len={seq_len} positions")
+            input_ids[r, pos : pos + p] = prefix
+            input_ids[r, pos + p : pos + n] = response[:-1]
+            labels[r, pos + p - 1 : pos + n] = response
+            position_ids[r, pos : pos + n] = np.arange(n)
+            segment_ids[r, pos : pos + n] = seg
+            prefix_mask[r, pos : pos + p] = True
+            pos += n
+    return Batch(
+        input_ids=torch.from_numpy(input_ids),
+        position_ids=torch.from_numpy(position_ids),
+        segment_ids=torch.from_numpy(segment_ids),
+        prefix_mask=torch.from_numpy(prefix_mask),
+        labels=torch.from_numpy(labels),
+    )
+
+
+def build_train_loader(
+    cfg: DataConfig,
+    *,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    consumed_samples: int = 0,
+) -> Iterator[Batch]:
+    """Endless micro-batches of ``[micro_batch_size, cfg.seq_len]`` for one data-parallel rank.
+
+    See the module docstring for which global samples each rank gets. The mixture is opened and
+    validated here, before the first batch is requested.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} outside [0, dp_size={dp_size})")
+    step = micro_batch_size * dp_size
+    if consumed_samples < 0 or consumed_samples % step:
+        raise ValueError(
+            f"consumed_samples={consumed_samples} is not a multiple of micro_batch_size * dp_size "
+            f"= {step}"
+        )
+    stream = PackedMixture(cfg)
+    return _iterate(stream, micro_batch_size, consumed_samples + dp_rank * micro_batch_size, step)
+
+
+def _iterate(stream: PackedMixture, mbs: int, first: int, step: int) -> Iterator[Batch]:
+    sample = first
+    while True:
+        rows = [stream.context(sample + i) for i in range(mbs)]
+        yield collate(rows, stream.cfg.seq_len, stream.cfg.pad_token_id)
+        sample += step

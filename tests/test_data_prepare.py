@@ -1,0 +1,215 @@
+"""`mimir prepare`: round trip through megatron's IndexedDataset, rejects, strict mode, reruns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
+from mimir_data_prep.prepare import StrictModeError, prepare
+
+from mimir_megatron.data import PreparedDataset
+
+TOK = str(DEMO_TOKENIZER_DIR)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TOK)
+
+
+def _write_lines(path: Path, lines: list[str | bytes]) -> Path:
+    with path.open("wb") as f:
+        for line in lines:
+            f.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
+    return path
+
+
+def _chat(user: str, answer: str, **extra) -> str:
+    msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    return json.dumps({"messages": msgs, **extra})
+
+
+def test_round_trip_through_megatron_indexed_dataset(tmp_path, tokenizer):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    src = _write_lines(
+        tmp_path / "in.jsonl",
+        [
+            _chat("What is 2 + 3?", "Answer: 5"),
+            json.dumps({"prompt": "Copy exactly: stone", "completion": "stone"}),
+            _chat("Add 1 and 2", "Svar: 3", tools=tools),
+        ],
+    )
+    manifest = prepare([src], TOK, tmp_path / "out", seq_len=256, workers=1, progress=False)
+    assert (manifest["lines_read"], manifest["accepted"], manifest["rejected"]) == (3, 3, 0)
+
+    ds = IndexedDataset(str(tmp_path / "out" / "shards" / "00000"))
+    assert len(ds) == 6  # two sequences per document
+    assert ds.document_indices.tolist() == [0, 2, 4, 6]
+
+    def text(i: int) -> str:
+        return tokenizer.decode(ds[i].tolist(), skip_special_tokens=False)
+
+    assert (
+        text(0) == "<bos><start_of_turn>user\nWhat is 2 + 3?<end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert text(1) == "Answer: 5<end_of_turn>"
+    assert text(2).endswith("Copy exactly: stone<end_of_turn>\n<start_of_turn>model\n")
+    assert text(3) == "stone<end_of_turn>"
+    assert text(4).startswith('<bos><start_of_turn>tools\n[{"type": "function"')
+    assert ds[1][-1] == tokenizer.convert_tokens_to_ids("<end_of_turn>")
+
+    lengths = ds.sequence_lengths.reshape(-1, 2)
+    assert manifest["tokens"]["prefix"] == int(lengths[:, 0].sum())
+    assert manifest["tokens"]["response"] == int(lengths[:, 1].sum())
+    for rel, digest in manifest["outputs"].items():
+        import hashlib
+
+        assert hashlib.sha256((tmp_path / "out" / rel).read_bytes()).hexdigest() == digest
+    assert manifest["tokenizer"]["vocab_size"] == 1024 and manifest["dtype"] == "uint16"
+
+    prepared = PreparedDataset(tmp_path / "out")
+    prefix, response = prepared.document(1)
+    assert prefix.tolist() == ds[2].tolist() and response.tolist() == ds[3].tolist()
+
+
+BAD_LINES: list[tuple[str | bytes, str | None]] = [
+    (_chat("What is 2 + 3?", "Answer: 5"), None),
+    ("", "empty_line"),
+    (b'{"prompt": "\xff\xfe", "completion": "x"}', "invalid_utf8"),
+    ('{"prompt": "unterminated', "malformed_json"),
+    ("[1, 2]", "bad_schema"),
+    (
+        json.dumps({"messages": [{"content": "hi"}, {"role": "assistant", "content": "yo"}]}),
+        "missing_role",
+    ),
+    (
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "wizard", "content": "hi"},
+                    {"role": "assistant", "content": "yo"},
+                ]
+            }
+        ),
+        "unknown_role",
+    ),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}]}), "no_final_assistant"),
+    (json.dumps({"prompt": "hi", "completion": "a"}), "response_too_short"),
+    (json.dumps({"prompt": "word " * 80, "completion": "Answer: 1"}), "too_long"),
+    (_chat("Copy exactly: sky", "sky sky"), None),
+]
+
+
+def test_rejects_counted_by_reason_with_file_and_line(tmp_path):
+    src = _write_lines(tmp_path / "bad.jsonl", [line for line, _ in BAD_LINES])
+    manifest = prepare(
+        [src], TOK, tmp_path / "out", seq_len=64, min_response_tokens=3, workers=1, progress=False
+    )
+    expected = {reason: 0 for reason in manifest["rejects"]}
+    for _, reason in BAD_LINES:
+        if reason:
+            expected[reason] += 1
+    assert manifest["rejects"] == expected
+    assert manifest["lines_read"] == 11
+    assert manifest["accepted"] == 2 and manifest["rejected"] == 9
+    assert manifest["accepted"] + manifest["rejected"] == manifest["lines_read"]
+    rejects = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["reason"]) for r in rejects] == [
+        (i + 1, reason) for i, (_, reason) in enumerate(BAD_LINES) if reason
+    ]
+    assert all(r["file"] == str(src.resolve()) for r in rejects)
+
+
+def test_strict_stops_at_first_bad_line_with_location(tmp_path):
+    src = _write_lines(tmp_path / "bad.jsonl", [line for line, _ in BAD_LINES])
+    with pytest.raises(StrictModeError, match=rf"{src.resolve()}:2: empty_line"):
+        prepare([src], TOK, tmp_path / "out", strict=True, workers=1, progress=False)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert not list((tmp_path / "out" / "shards").iterdir())  # temporary files removed
+
+
+def test_truncate_prefix_keeps_the_end_of_the_prefix(tmp_path):
+    src = _write_lines(
+        tmp_path / "in.jsonl", [json.dumps({"prompt": "word " * 80, "completion": "Answer: 1"})]
+    )
+    manifest = prepare(
+        [src],
+        TOK,
+        tmp_path / "out",
+        seq_len=32,
+        too_long="truncate-prefix",
+        workers=1,
+        progress=False,
+    )
+    assert manifest["accepted"] == 1 and manifest["truncated"] == 1
+    ds = PreparedDataset(tmp_path / "out")
+    prefix, response = ds.document(0)
+    assert len(prefix) + len(response) - 1 == 32
+    full = prepare([src], TOK, tmp_path / "full", seq_len=4096, workers=1, progress=False)
+    assert full["truncated"] == 0
+    full_prefix, _ = PreparedDataset(tmp_path / "full").document(0)
+    assert prefix.tolist() == full_prefix[-len(prefix) :].tolist()
+
+
+def test_rerun_skips_finished_shards_and_redoes_changed_inputs(tmp_path):
+    a = _write_lines(
+        tmp_path / "a.jsonl", [_chat(f"Copy exactly: {i}", f"{i} {i}") for i in range(5)]
+    )
+    b = _write_lines(
+        tmp_path / "b.jsonl", [_chat(f"Write backwards: ab{i}", f"{i}ba") for i in range(4)]
+    )
+    out = tmp_path / "out"
+    first = prepare([a, b], TOK, out, seq_len=256, workers=1, progress=False)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.bin")}
+    again = prepare([a, b], TOK, out, seq_len=256, workers=1, progress=False)
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.bin")} == mtimes
+    assert again["outputs"] == first["outputs"]
+
+    _write_lines(b, [_chat(f"Write backwards: ab{i}", f"{i}ba") for i in range(3)])
+    third = prepare([a, b], TOK, out, seq_len=256, workers=1, progress=False)
+    now = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.bin")}
+    assert now["00000.bin"] == mtimes["00000.bin"] and now["00001.bin"] != mtimes["00001.bin"]
+    assert third["documents"] == 8
+
+
+def test_parquet_input_and_parallel_workers_match_serial(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Copy exactly: {i}"},
+                {"role": "assistant", "content": f"{i} {i}"},
+            ]
+        }
+        for i in range(6)
+    ]
+    rows[3] = {"messages": [{"role": "user", "content": "no answer"}]}
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet", row_group_size=2)
+    lines = [_chat(f"Sort: {i}, 1", f"1, {i}") for i in range(40)]
+    src = _write_lines(tmp_path / "in.jsonl", lines)
+    inputs = [tmp_path / "in.parquet", src]
+
+    serial = prepare(
+        inputs, TOK, tmp_path / "s", seq_len=256, workers=1, shard_bytes=600, progress=False
+    )
+    parallel = prepare(
+        inputs, TOK, tmp_path / "p", seq_len=256, workers=2, shard_bytes=600, progress=False
+    )
+    assert len(serial["shards"]) > 4  # 3 row groups + several JSONL byte ranges
+    assert serial["outputs"] == parallel["outputs"]
+    assert serial["rejects"]["no_final_assistant"] == 1 and serial["documents"] == 45
+    reject = json.loads((tmp_path / "p" / "rejects.jsonl").read_text())
+    assert reject["line"] == 4 and reject["file"].endswith("in.parquet")
+    # JSONL shards start on line boundaries and number their lines correctly.
+    firsts = [s["first_line"] for s in serial["shards"] if s["source"].endswith(".jsonl")]
+    counts = [s["lines"] for s in serial["shards"] if s["source"].endswith(".jsonl")]
+    assert firsts == list(np.cumsum([1] + counts[:-1])) and sum(counts) == 40
