@@ -4,7 +4,9 @@ megatron-core assumes a GPU in a few places that our model path reaches:
 
 - ``torch.cuda.current_device()`` picks the device of communication buffers (the sequence-parallel
   all-gather, vocab-parallel helpers). On CPU it must name the CPU.
-- ``torch.cuda.synchronize()`` is called around checkpoint I/O. On CPU there is nothing to wait for.
+- ``torch.cuda.synchronize()`` is called around checkpoint I/O, and DDP's gradient sync asks for
+  ``torch.cuda.current_stream()`` to order work. On CPU everything is synchronous: a stream whose
+  waits are no-ops stands in.
 - The CUDA RNG tracker snapshots CUDA generator states when it forks. On CPU we install the
   inference tracker, whose ``fork()`` is a no-op (our model has no dropout).
 - ``Attention._apply_output_gate`` is wrapped in ``torch.compile`` at import; on CPU the first call
@@ -62,6 +64,7 @@ def activate() -> None:
         return
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda *args, **kwargs: _SynchronousStream()  # type: ignore[assignment]
 
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.attention import Attention
@@ -71,6 +74,19 @@ def activate() -> None:
     Attention._apply_output_gate = getattr(compiled, "_torchdynamo_orig_callable", compiled)
     _ACTIVE = True
     log.debug("CPU backend active: megatron-core CUDA calls redirected")
+
+
+class _SynchronousStream:
+    """Stands in for a CUDA stream on CPU, where every operation has completed on return."""
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 def seed_rng_tracker(seed: int) -> None:

@@ -15,6 +15,8 @@ import sys
 _REGISTRARS = (
     "mimir_megatron.commands",
     "mimir_data_prep.cli",
+    "mimir_megatron.train.cli",
+    "mimir_megatron.ops.cli",
 )
 
 

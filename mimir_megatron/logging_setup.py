@@ -24,3 +24,6 @@ def setup_logging(verbose: bool = False) -> None:
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    # megatron-core and MLflow narrate their internals at INFO (every DDP bucket, DB migrations).
+    for noisy in ("megatron", "mlflow", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING if not verbose else logging.DEBUG)

@@ -22,3 +22,30 @@ def tiny_config(*overrides: str):
     # Small enough for exhaustive gradient checks in seconds.
     base = ["hidden_size=64", "num_attention_heads=4", "ffn_hidden_size=128", "vocab_size=250"]
     return load_config(TINY, [*base, *overrides])
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> Path:
+    """A small demo data set, prepared once per session, with its mixture YAML."""
+    from mimir_megatron.cli import main
+
+    out = tmp_path_factory.mktemp("demo") / "data"
+    assert main(["data", "demo", "--output", str(out), "--train-per-group", "150",
+                 "--eval-per-group", "8", "--workers", "1"]) == 0
+    names = sorted(p.name for p in out.iterdir() if (p / "manifest.json").is_file() and p.name != "eval")
+    lines = ["name: test-demo", "datasets:"]
+    lines += [f"  - {{name: {n}, path: {out / n}, category: demo, language: en, repeat: 1}}" for n in names]
+    (out / "mixture.yaml").write_text("\n".join(lines) + "\n")
+    return out
+
+
+def train_overrides(demo_data: Path, run_dir: Path, *extra: str) -> list[str]:
+    """A few-second training run: the test-sized model on the small demo data."""
+    return [
+        f"data.mixture={demo_data / 'mixture.yaml'}", f"data.eval_path={demo_data / 'eval'}",
+        "data.seq_len=64", f"run.dir={run_dir}", "model.hidden_size=64", "model.num_attention_heads=4",
+        "model.ffn_hidden_size=128", "train.steps=6", "train.global_batch_size=4",
+        "train.micro_batch_size=2", "optim.warmup_steps=2", "optim.lr=1e-3", "optim.ema_decay=0.99",
+        "checkpoint.interval=3", "eval.max_samples=0", "window.ramp_fraction=0.5",
+        *extra,
+    ]

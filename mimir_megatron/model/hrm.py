@@ -71,6 +71,8 @@ def transformer_config(cfg: ModelConfig, num_layers: int) -> TransformerConfig:
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
+        # The loss is divided by the global supervised-token count, so DP gradients are summed.
+        calculate_per_token_loss=True,
     )
 
 

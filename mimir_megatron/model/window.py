@@ -34,6 +34,13 @@ class WindowPlan:
     def k_H(self) -> int:
         return sum(g for m, g in zip(self.schedule, self.grad) if m == "H")
 
+    @property
+    def reaches_embedding(self) -> bool:
+        """Whether the embedding gets a gradient: z_H is the embedding only until the first
+        H-application, so some application of the first H-cycle must be in the window."""
+        first_cycle = self.schedule.index("H") + 1
+        return any(self.grad[:first_cycle])
+
     def describe(self) -> str:
         """Schedule with grad applications upper case: k=5 of LLLHLLLH -> 'lllHLLLH'."""
         return "".join(m if g else m.lower() for m, g in zip(self.schedule, self.grad))

@@ -1,0 +1,218 @@
+"""Training checkpoints with megatron-core dist_checkpointing.
+
+Layout of ``<checkpoint dir>``::
+
+    step_0000200/            one checkpoint, visible only once complete
+        (dist_checkpointing files: model, optimizer moments, EMA; resharding-capable)
+        trainer_state.json   step, consumed samples, window, group steps, data fingerprint,
+                             model shape, MLflow run id
+        rng_rank<r>.safetensors  each rank's RNG state
+    latest                   name of the newest complete checkpoint (replaced atomically)
+
+A checkpoint is written under ``step_N.tmp`` and renamed when every rank has finished; ``latest``
+is replaced with ``os.replace``. Only the last ``keep`` checkpoints stay. Everything is read back
+without unpickling Python objects of ours: JSON, safetensors, and dist_checkpointing's tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    make_sharded_optimizer_tensor,
+    optim_state_to_sharding_state,
+)
+from safetensors.torch import load_file, save_file
+
+from mimir_megatron import backend
+from mimir_megatron.config import ModelConfig
+from mimir_megatron.errors import UserError
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+LATEST = "latest"
+# Model fields that may change between save and resume (layout and schedule, not shape).
+_LAYOUT_FIELDS = {"tensor_parallel_size", "sequence_parallel", "bp_window", "window_policy",
+                  "attention_backend", "tokenizer", "seed", "h_cycles", "l_cycles"}
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
+    pointer = checkpoint_dir / LATEST
+    if not pointer.is_file():
+        return None
+    path = checkpoint_dir / pointer.read_text().strip()
+    return path if (path / STATE_FILE).is_file() else None
+
+
+def check_writable(checkpoint_dir: Path) -> None:
+    """Fail before training, not at the first save, when checkpoints cannot be written."""
+    try:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        probe = checkpoint_dir / f".write_probe_{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"checkpoint directory {checkpoint_dir} is not writable: {exc}") from None
+
+
+# -- sharded state ---------------------------------------------------------------------------------
+
+
+def _sharded_state(model, optimizer, ema) -> dict[str, Any]:
+    model_sd = model.sharded_state_dict()
+    by_param = {id(t.data): t for t in model_sd.values() if hasattr(t, "data")}
+    state: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        opt_sd = optimizer.state_dict()
+        optim_state_to_sharding_state(
+            opt_sd, get_param_id_to_sharded_param_map(model_sd, params), exclude_keys=("step",)
+        )
+        state["optimizer"] = opt_sd
+    if ema is not None:
+        state["ema"] = {
+            name: make_sharded_optimizer_tensor(by_param[id(param)], ema.shadow[name], prefix="ema")
+            for name, param in model.named_parameters()
+        }
+    return state
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": torch.from_numpy(np.frombuffer(json.dumps(_np_state()).encode(), dtype=np.uint8).copy()),
+        "python": torch.tensor(list(json.dumps(_py_state()).encode()), dtype=torch.uint8),
+    }
+    if backend.has_gpu():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _np_state() -> list:
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return [name, keys.tolist(), pos, has_gauss, gauss]
+
+
+def _py_state() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, gauss = json.loads(bytes(state["numpy"].tolist()).decode())
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss = json.loads(bytes(state["python"].tolist()).decode())
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and backend.has_gpu():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# -- save / load -----------------------------------------------------------------------------------
+
+
+def save_checkpoint(checkpoint_dir: Path, step: int, model, optimizer, ema,
+                    trainer_state: dict[str, Any], keep: int) -> Path:
+    """Write a complete checkpoint for ``step``; collective over all ranks."""
+    rank = dist.get_rank()
+    final = checkpoint_dir / step_dir_name(step)
+    tmp = checkpoint_dir / (step_dir_name(step) + ".tmp")
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, ema), str(tmp))
+    save_file(_rng_state(), str(tmp / f"rng_rank{rank}.safetensors"))
+    dist.barrier()
+    if rank == 0:
+        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        pointer = checkpoint_dir / (LATEST + ".tmp")
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, checkpoint_dir / LATEST)
+        _prune(checkpoint_dir, keep)
+    dist.barrier()
+    return final
+
+
+def _prune(checkpoint_dir: Path, keep: int) -> None:
+    complete = sorted(p for p in checkpoint_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    state_file = path / STATE_FILE
+    if not state_file.is_file():
+        raise UserError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
+    return json.loads(state_file.read_text())
+
+
+def check_compatible(saved: dict[str, Any], cfg: ModelConfig, path: Path) -> None:
+    """Refuse a checkpoint of another model shape, naming every differing field."""
+    current = asdict(cfg)
+    diffs = [
+        f"{key}: checkpoint {value!r}, config {current.get(key)!r}"
+        for key, value in saved["model"].items()
+        if key not in _LAYOUT_FIELDS and current.get(key) != value
+    ]
+    if saved.get("padded_vocab_size") != cfg.padded_vocab_size and not diffs:
+        diffs.append(
+            f"padded vocabulary: checkpoint {saved.get('padded_vocab_size')}, this TP layout "
+            f"{cfg.padded_vocab_size} (set model.make_vocab_size_divisible_by so both agree)"
+        )
+    if diffs:
+        raise UserError(f"checkpoint {path} holds a model of another shape:\n  - " + "\n  - ".join(diffs))
+
+
+def load_checkpoint(path: Path, model, optimizer, ema) -> dict[str, Any]:
+    """Load model (and optimizer, EMA when given) from ``path``; returns the trainer state."""
+    trainer_state = read_trainer_state(path)
+    check_compatible(trainer_state, model.cfg, path)
+    sharded = _sharded_state(model, optimizer, ema)
+    loaded = dist_checkpointing.load(sharded, str(path))
+    model.load_state_dict(loaded["model"], strict=False)
+    if optimizer is not None:
+        # Adam's per-parameter step is equal within a group; it is kept per group name.
+        steps = trainer_state["optimizer_group_steps"]
+        opt_state = loaded["optimizer"]
+        param_id = 0
+        for group in optimizer.param_groups:
+            for _ in group["params"]:
+                opt_state["state"][param_id]["step"] = torch.tensor(float(steps[group["name"]]))
+                param_id += 1
+        optimizer.load_state_dict(opt_state)
+    if ema is not None:
+        with torch.no_grad():
+            for name, tensor in loaded["ema"].items():
+                ema.shadow[name].copy_(tensor)
+    rng_file = path / f"rng_rank{dist.get_rank()}.safetensors"
+    if rng_file.is_file():
+        _set_rng_state(load_file(str(rng_file)))
+    return trainer_state
+
+
+def optimizer_group_steps(optimizer) -> dict[str, int]:
+    return {
+        g["name"]: int(optimizer.state[g["params"][0]]["step"].item()) for g in optimizer.param_groups
+    }

@@ -1,0 +1,41 @@
+"""`mimir train --config configs/train/FILE.yaml [key=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train (or resume) an HRM-Text model",
+        description="Runs as one process, under torchrun, or under Slurm srun (rank and world "
+        "size from RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS; MASTER_ADDR/MASTER_PORT from "
+        "the environment). Resumes from <run.dir>/checkpoints/latest when present.",
+    )
+    p.add_argument("--config", required=True, help="train YAML, e.g. configs/train/demo.yaml")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="resume even though the data mixture changed")
+    p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides: section.key=value")
+    p.set_defaults(handler=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from mimir_megatron.model import build_model  # noqa: F401  (activates the CPU backend first)
+    from mimir_megatron.train.config import load_train_config
+    from mimir_megatron.train.loop import train
+
+    overrides = list(args.overrides)
+    if args.allow_data_change:
+        overrides.append("checkpoint.allow_data_change=true")
+    cfg = load_train_config(args.config, overrides)
+    try:
+        result = train(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if result.exact_match is not None:
+        print(f"exact match on the held-out split: {result.exact_match:.3f}")
+    return 0

@@ -1,0 +1,297 @@
+"""Training-run configuration: one typed section per concern, validated once before any compute.
+
+A train YAML names its model YAML (``model.config``) and may override model fields next to it:
+
+    model:
+      config: configs/model/tiny.yaml
+      bp_window: 5
+    data: {mixture: configs/data/demo.yaml, seq_len: 256}
+    train: {steps: 300, global_batch_size: 16, micro_batch_size: 8}
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import OmegaConf
+
+from mimir_megatron.config import ModelConfig, _structured_merge, load_config
+from mimir_megatron.data.config import DataConfig
+from mimir_megatron.errors import ConfigError
+
+WINDOW_SCHEDULES = ("constant", "linear")
+OPTIMIZERS = ("adamw", "adam_atan2")
+COOLDOWNS = ("none", "linear", "cosine")
+
+
+@dataclass
+class RunSection:
+    name: str = "run"
+    """Run name; also the default run directory `runs/<name>`."""
+    dir: str | None = None
+    """Run directory (checkpoints, resolved config, local MLflow store)."""
+    seed: int = 1234
+    """Seed of everything random in the run that is not the model init or the data plan."""
+
+
+@dataclass
+class TrainSection:
+    steps: int = 1000
+    """Optimizer steps of this run (the schedules' 100 %)."""
+    global_batch_size: int = 16
+    """Packed contexts per optimizer step, over all data-parallel ranks and micro-batches."""
+    micro_batch_size: int = 4
+    """Contexts per forward/backward on one rank; accumulation = global / (micro * DP)."""
+    log_interval: int = 10
+    """Steps between log lines (metrics go to MLflow every step)."""
+    precision: str = "auto"
+    """auto (bf16 compute with fp32 master weights on GPU, fp32 on CPU), fp32 or bf16."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one device, for MFU (H100/H200 bf16: 989; 0: MFU not reported)."""
+
+
+@dataclass
+class WindowSection:
+    schedule: str = "constant"
+    """constant k, or linear: k0 -> k1 over the first `ramp_fraction` of the steps (step function
+    k = k0 + int(progress * (k1 - k0)), as in the reference trainer)."""
+    k: int = 5
+    """Window for `constant`."""
+    k0: int = 2
+    """First window of `linear`."""
+    k1: int = 5
+    """Last window of `linear`, held after the ramp."""
+    ramp_fraction: float = 0.2
+    """Fraction of `train.steps` over which `linear` grows."""
+
+
+@dataclass
+class OptimSection:
+    optimizer: str = "adamw"
+    """adamw, or adam_atan2 (the reference trainer's: no epsilon, bounded update)."""
+    lr: float = 3e-4
+    """Peak learning rate (embedding and head; L and H get lr / k_L and lr / k_H)."""
+    min_lr: float = 0.0
+    """Floor reached by the cool-down."""
+    warmup_steps: int = 2000
+    """Linear warm-up from 0."""
+    cooldown: str = "none"
+    """none, linear or cosine decay to `min_lr` over the last `cooldown_steps`."""
+    cooldown_steps: int = 0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_grad: float = 0.0
+    """Global gradient-norm clip; 0 disables it."""
+    ema_decay: float = 0.9999
+    """EMA of the weights (fp32); 0 disables it."""
+    divide_lr_by_window: bool = True
+    """Divide the L and H learning rates by their applications in the window (paper, section 3)."""
+
+
+@dataclass
+class CheckpointSection:
+    dir: str | None = None
+    """Default `<run.dir>/checkpoints`."""
+    interval: int = 500
+    """Steps between checkpoints (and one at the end)."""
+    keep: int = 3
+    """Checkpoints kept; older ones are deleted once a newer one is complete."""
+    resume: str = "auto"
+    """auto: continue from `<dir>/latest` if present; never; or a checkpoint directory."""
+    init_from: str | None = None
+    """Start weights (continued training): a checkpoint directory, or project weights from
+    `mimir import`. Optimizer and schedules start fresh unless `keep_optimizer`."""
+    keep_optimizer: bool = False
+    """With `init_from` a checkpoint: also take its optimizer state."""
+    allow_data_change: bool = False
+    """Resume even though the data mixture differs from the checkpoint's."""
+
+
+@dataclass
+class TrackingSection:
+    uri: str | None = None
+    """MLflow tracking URI; default a sqlite store in the run directory."""
+    experiment: str = "mimir"
+    """MLflow experiment name."""
+    enabled: bool = True
+
+
+@dataclass
+class EvalSection:
+    interval: int = 0
+    """Steps between exact-match evaluations on `data.eval_path` (0: only at the end)."""
+    max_samples: int = 200
+    """Held-out samples per evaluation."""
+    max_new_tokens: int = 48
+    """Greedy decoding budget per sample."""
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig
+    data: DataConfig
+    run: RunSection = field(default_factory=RunSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    window: WindowSection = field(default_factory=WindowSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    source: str = ""
+    """The YAML this config was loaded from."""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def errors(self, world_size: int | None = None) -> list[str]:
+        errs = self.model.errors()
+        t, w, o = self.train, self.window, self.optim
+        for name in ("steps", "global_batch_size", "micro_batch_size", "log_interval"):
+            if getattr(t, name) < 1:
+                errs.append(f"train.{name} must be >= 1, got {getattr(t, name)}")
+        if t.precision not in ("auto", "fp32", "bf16"):
+            errs.append(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
+        if world_size is not None and t.micro_batch_size >= 1:
+            dp = world_size // self.model.tensor_parallel_size
+            if world_size % self.model.tensor_parallel_size:
+                errs.append(f"model.tensor_parallel_size ({self.model.tensor_parallel_size}) "
+                            f"does not divide the world size ({world_size})")
+            elif t.global_batch_size % (t.micro_batch_size * dp):
+                errs.append(f"train.global_batch_size ({t.global_batch_size}) is not a multiple of "
+                            f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp})")
+        depth = self.model.depth if self.model.h_cycles >= 1 and self.model.l_cycles >= 1 else None
+        if w.schedule not in WINDOW_SCHEDULES:
+            errs.append(f"window.schedule must be one of {', '.join(WINDOW_SCHEDULES)}, got {w.schedule!r}")
+        ks = {"constant": ("k",), "linear": ("k0", "k1")}.get(w.schedule, ())
+        for name in ks:
+            if depth and not 1 <= getattr(w, name) <= depth:
+                errs.append(f"window.{name} must be in 1..{depth} (the model's schedule depth), "
+                            f"got {getattr(w, name)}")
+        if w.schedule == "linear" and not 0 < w.ramp_fraction <= 1:
+            errs.append(f"window.ramp_fraction must be in (0, 1], got {w.ramp_fraction}")
+        if o.optimizer not in OPTIMIZERS:
+            errs.append(f"optim.optimizer must be one of {', '.join(OPTIMIZERS)}, got {o.optimizer!r}")
+        if o.cooldown not in COOLDOWNS:
+            errs.append(f"optim.cooldown must be one of {', '.join(COOLDOWNS)}, got {o.cooldown!r}")
+        if o.lr <= 0:
+            errs.append(f"optim.lr must be > 0, got {o.lr}")
+        if not 0 <= o.min_lr <= o.lr:
+            errs.append(f"optim.min_lr must be in [0, optim.lr], got {o.min_lr}")
+        if o.warmup_steps < 0 or o.cooldown_steps < 0:
+            errs.append("optim.warmup_steps and optim.cooldown_steps must be >= 0")
+        if o.cooldown != "none" and o.cooldown_steps < 1:
+            errs.append(f"optim.cooldown={o.cooldown} needs optim.cooldown_steps >= 1")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(o, name) < 1:
+                errs.append(f"optim.{name} must be in [0, 1), got {getattr(o, name)}")
+        if not 0 <= o.ema_decay < 1:
+            errs.append(f"optim.ema_decay must be in [0, 1), got {o.ema_decay}")
+        if o.weight_decay < 0 or o.clip_grad < 0:
+            errs.append("optim.weight_decay and optim.clip_grad must be >= 0")
+        c = self.checkpoint
+        if c.interval < 1:
+            errs.append(f"checkpoint.interval must be >= 1, got {c.interval}")
+        if c.keep < 1:
+            errs.append(f"checkpoint.keep must be >= 1, got {c.keep}")
+        if c.resume not in ("auto", "never") and not Path(c.resume).is_dir():
+            errs.append(f"checkpoint.resume must be auto, never or an existing checkpoint directory, "
+                        f"got {c.resume!r}")
+        if c.init_from and not Path(c.init_from).is_dir():
+            errs.append(f"checkpoint.init_from: no directory {c.init_from}")
+        if not self.data.mixture:
+            errs.append("data.mixture is required (a mixture YAML, e.g. configs/data/demo.yaml)")
+        elif not Path(self.data.mixture).is_file():
+            errs.append(f"data.mixture: no file {self.data.mixture}")
+        return errs
+
+    def validate(self, world_size: int | None = None) -> "TrainConfig":
+        errs = self.errors(world_size)
+        if errs:
+            raise ConfigError(f"invalid training configuration ({self.source or 'overrides'}):\n  - "
+                              + "\n  - ".join(errs))
+        return self
+
+
+def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Load a train YAML plus `section.key=value` overrides; validates values (not world size)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = OmegaConf.load(path)
+        if overrides:
+            raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides)))
+        tree = OmegaConf.to_container(raw, resolve=True)
+    except Exception as exc:
+        raise ConfigError(f"cannot parse {path} with overrides {list(overrides)}: {exc}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections")
+    known = {f.name for f in fields(TrainConfig)} - {"source"}
+    unknown = sorted(set(tree) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown section(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+
+    model_tree = dict(tree.pop("model", None) or {})
+    model_path = model_tree.pop("config", None)
+    if not model_path:
+        raise ConfigError(f"{path}: model.config must name a model YAML (configs/model/*.yaml)")
+    model = load_config(_relative_to_repo(model_path, path),
+                        [f"{k}={_dotlist_value(v)}" for k, v in model_tree.items()])
+    try:
+        data = DataConfig(**(tree.pop("data", None) or {}))
+    except TypeError as exc:
+        raise ConfigError(f"{path}: data section: {exc}") from None
+    rest = _structured_merge(_Sections, [OmegaConf.create(tree)], "training")
+    cfg = TrainConfig(model=model, data=data, source=str(path),
+                      **{f.name: getattr(rest, f.name) for f in fields(_Sections)})
+    return cfg.validate()
+
+
+@dataclass
+class _Sections:
+    run: RunSection = field(default_factory=RunSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    window: WindowSection = field(default_factory=WindowSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+
+
+def _dotlist_value(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def _relative_to_repo(model_path: str, config_path: Path) -> Path:
+    """Model YAML paths are relative to the working directory, else to the train YAML's repo."""
+    candidate = Path(model_path)
+    if candidate.is_absolute() or candidate.is_file():
+        return candidate
+    for parent in config_path.resolve().parents:
+        if (parent / model_path).is_file():
+            return parent / model_path
+    return candidate
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}` (for MLflow params)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat

@@ -1,0 +1,295 @@
+"""The training loop, top to bottom: set-up, the step, logging, checkpoints, pre-emption.
+
+Composed of megatron-core pieces: parallel state, DDP (gradient buffers and the data-parallel
+reduction), dist_checkpointing; the schedules, optimizer groups and tracking are ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from mimir_megatron import backend, parallel
+from mimir_megatron.errors import UserError
+from mimir_megatron.train import checkpoint as ckpt
+from mimir_megatron.train.config import TrainConfig, flatten
+from mimir_megatron.train.flops import flops_per_token
+from mimir_megatron.train.optim import EMA, build_optimizer, clip_, grad_norm, optimizer_step
+from mimir_megatron.train.schedules import plan_step
+from mimir_megatron.train.tracking import Tracker, host_tags
+
+log = logging.getLogger("mimir.train")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass
+class TrainResult:
+    final_step: int
+    losses: list[float] = field(default_factory=list)
+    """Loss of every step this process ran (global mean over the batch)."""
+    preempted: bool = False
+    exact_match: float | None = None
+    run_id: str | None = None
+    checkpoint: str | None = None
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGUSR1; checked (and agreed on by all ranks) after each step."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.raised = True
+        log.warning("received %s: stopping after this step with a checkpoint", signal.Signals(signum).name)
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if self.raised else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def train(cfg: TrainConfig, stop_at_step: int | None = None) -> TrainResult:
+    """Run (or resume) a training run described by ``cfg``; collective over all ranks.
+
+    ``stop_at_step`` ends this invocation early, with a checkpoint, as a pre-emption would
+    (the schedules still span ``cfg.train.steps``): how resume is tested.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from mimir_megatron.data import build_train_loader, load_eval_samples, mixture_fingerprint
+    from mimir_megatron.model import build_model
+
+    env = parallel.init_distributed()
+    cfg.validate(world_size=env.world_size)
+    parallel.init_model_parallel(cfg.model.tensor_parallel_size)
+    rank, device = env.rank, backend.device()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_group = parallel_state.get_data_parallel_group()
+    accumulation = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
+    run_dir, ckpt_dir = cfg.run_dir, cfg.checkpoint_dir
+
+    if rank == 0:
+        ckpt.check_writable(ckpt_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
+    dist.barrier()
+
+    # -- model, optimizer, state ---------------------------------------------------------------
+    model = build_model(cfg.model)
+    ddp = DistributedDataParallel(
+        model.config,
+        # No overlap: L and H run several times per step, so a parameter's gradient is complete
+        # only after the whole backward pass.
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                      use_distributed_optimizer=False),
+        model,
+    )
+    optimizer = build_optimizer(model, cfg.optim)
+    ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    fingerprint = mixture_fingerprint(cfg.data)
+
+    step, consumed, run_id, parent_run_id = 0, 0, None, None
+    resume_from = _resume_path(cfg, ckpt_dir)
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(resume_from, model, optimizer, ema)
+        if state["data_fingerprint"] != fingerprint and not cfg.checkpoint.allow_data_change:
+            raise UserError(
+                f"the data mixture changed since {resume_from} was written "
+                f"(fingerprint {state['data_fingerprint'][:12]} -> {fingerprint[:12]}); "
+                "pass checkpoint.allow_data_change=true to resume anyway"
+            )
+        step, consumed, run_id = state["step"], state["consumed_samples"], state.get("mlflow_run_id")
+        log.info("resumed from %s at step %d", resume_from, step)
+    elif cfg.checkpoint.init_from:
+        parent_run_id = _init_weights(cfg, model, optimizer, ema)
+
+    # -- data, tracking, signals ---------------------------------------------------------------
+    loader = build_train_loader(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
+                                dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed)
+    eval_samples = load_eval_samples(cfg.data.eval_path, limit=cfg.eval.max_samples) if cfg.data.eval_path else []
+    tracker = Tracker(cfg.tracking.uri, run_dir, cfg.tracking.experiment,
+                      enabled=cfg.tracking.enabled and rank == 0)
+    layout = f"TP={cfg.model.tensor_parallel_size} DP={dp_size} SP={cfg.model.uses_sequence_parallel}"
+    tags = host_tags(env.world_size, layout) | {"data_fingerprint": fingerprint, "config": cfg.source}
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    tracker.start(cfg.run.name, flatten(cfg.to_dict()), tags, resume_run_id=run_id)
+    stop = _StopFlag()
+    stop.install()
+
+    result = TrainResult(final_step=step, run_id=tracker.run_id)
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                if backend.has_gpu() and cfg.train.precision in ("auto", "bf16") else nullcontext())
+    log.info("training %s: %d steps, global batch %d x %d tokens, %s, accumulation %d",
+             cfg.run.name, cfg.train.steps, cfg.train.global_batch_size, cfg.data.seq_len, layout,
+             accumulation)
+
+    def save(at_step: int) -> Path:
+        trainer_state = {
+            "step": at_step,
+            "consumed_samples": consumed,
+            "window_k": plan.window.k if at_step else None,
+            "optimizer_group_steps": ckpt.optimizer_group_steps(optimizer),
+            "data_fingerprint": fingerprint,
+            "model": asdict(cfg.model),
+            "padded_vocab_size": cfg.model.padded_vocab_size,
+            "mlflow_run_id": tracker.run_id,
+            "config": cfg.to_dict(),
+        }
+        path = ckpt.save_checkpoint(ckpt_dir, at_step, model, optimizer, ema, trainer_state,
+                                    cfg.checkpoint.keep)
+        tracker.set_tags({"checkpoint.latest": str(path.resolve())})
+        result.checkpoint = str(path)
+        return path
+
+    # -- the loop ------------------------------------------------------------------------------
+    try:
+        while step < cfg.train.steps:
+            started = time.perf_counter()
+            plan = plan_step(step, cfg)
+            micro_batches = [next(loader).to(device) for _ in range(accumulation)]
+            supervised = torch.stack([mb.num_supervised() for mb in micro_batches]).sum().to(device)
+            dist.all_reduce(supervised, group=dp_group)
+
+            ddp.zero_grad_buffer()
+            loss_sum = torch.zeros((), device=device)
+            for mb in micro_batches:
+                with autocast:
+                    out = ddp(mb, window=plan.window.k, num_supervised=supervised, return_logits=False)
+                out.loss.backward()
+                loss_sum += out.loss.detach().float()
+            ddp.finish_grad_sync()
+            dist.all_reduce(loss_sum, group=dp_group)
+
+            norm = grad_norm(params)
+            clip_(params, norm, cfg.optim.clip_grad)
+            optimizer_step(optimizer, plan)
+            if ema is not None:
+                ema.update(model)
+            step += 1
+            consumed += cfg.train.global_batch_size
+            elapsed = time.perf_counter() - started
+
+            loss = loss_sum.item()
+            result.losses.append(loss)
+            result.final_step = step
+            _log_step(tracker, cfg, step, plan, loss, norm.item(), supervised.item(),
+                      tokens_per_step, elapsed, dp_size * cfg.model.tensor_parallel_size)
+
+            if step % cfg.checkpoint.interval == 0 or step == cfg.train.steps:
+                save(step)
+            if eval_samples and cfg.eval.interval and step % cfg.eval.interval == 0 and step < cfg.train.steps:
+                _evaluate(model, eval_samples, cfg, device, dp_rank, dp_size, dp_group, tracker, step)
+            if stop.agreed(device) or step == stop_at_step:
+                if step % cfg.checkpoint.interval and step != cfg.train.steps:
+                    save(step)
+                log.warning("pre-empted: checkpoint saved at step %d", step)
+                result.preempted = True
+                break
+        if not result.preempted and eval_samples:
+            result.exact_match = _evaluate(model, eval_samples, cfg, device, dp_rank, dp_size,
+                                           dp_group, tracker, step)
+    except BaseException:
+        tracker.close(status="FAILED", wait_seconds=5)
+        raise
+    finally:
+        stop.uninstall()
+    tracker.close(status="KILLED" if result.preempted else "FINISHED")
+    result.run_id = tracker.run_id
+    return result
+
+
+def _resume_path(cfg: TrainConfig, ckpt_dir: Path) -> Path | None:
+    mode = cfg.checkpoint.resume
+    if mode == "never":
+        return None
+    if mode == "auto":
+        return ckpt.latest_checkpoint(ckpt_dir)
+    return Path(mode)
+
+
+def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> str | None:
+    """Continued training: weights from a checkpoint or from project weights (`mimir import`)."""
+    from mimir_megatron.interop import CONFIG_FILE, read_safetensors_dir
+    from mimir_megatron.model.state import load_full_state
+
+    source = Path(cfg.checkpoint.init_from)
+    if (source / CONFIG_FILE).is_file():
+        load_full_state(model, read_safetensors_dir(source), source=str(source))
+        parent = None
+    else:
+        state = ckpt.load_checkpoint(source, model, optimizer if cfg.checkpoint.keep_optimizer else None, ema)
+        parent = state.get("mlflow_run_id")
+    if ema is not None and not (cfg.checkpoint.keep_optimizer and parent is not None):
+        ema.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    log.info("initialised weights from %s (optimizer %s)", source,
+             "kept" if cfg.checkpoint.keep_optimizer else "reset")
+    return parent
+
+
+def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan, loss: float, norm: float,
+              supervised: float, tokens: int, seconds: float, devices: int) -> None:
+    flops = flops_per_token(cfg.model, plan.window.k_L, plan.window.k_H, cfg.data.seq_len) * tokens
+    tflops_per_device = flops / seconds / devices / 1e12
+    metrics = {
+        "loss": loss,
+        "grad_norm": norm,
+        "window_k": plan.window.k,
+        "k_L": plan.window.k_L,
+        "k_H": plan.window.k_H,
+        "supervised_tokens": supervised,
+        "tokens_per_s": tokens / seconds,
+        "tflops_per_device": tflops_per_device,
+        "step_time_s": seconds,
+        "peak_memory_gb": _peak_memory_gb(),
+        **{f"lr/{g}": lr for g, lr in plan.group_lr.items()},
+    }
+    if cfg.train.peak_tflops:
+        metrics["mfu"] = tflops_per_device / cfg.train.peak_tflops
+    tracker.log_metrics(step, metrics)
+    if step % cfg.train.log_interval == 0 or step == 1:
+        log.info("step %d/%d loss %.4f k=%d (L%d H%d) lr %.2e gnorm %.3f %.0f tok/s %.3f TFLOP/s/dev",
+                 step, cfg.train.steps, loss, plan.window.k, plan.window.k_L, plan.window.k_H,
+                 plan.lr, norm, tokens / seconds, tflops_per_device)
+
+
+def _peak_memory_gb() -> float:
+    if backend.has_gpu():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+
+def _evaluate(model, samples, cfg: TrainConfig, device, dp_rank, dp_size, dp_group,
+              tracker: Tracker, step: int) -> float:
+    from mimir_megatron.train.evaluate import exact_match
+
+    score, count = exact_match(model, samples, max_new_tokens=cfg.eval.max_new_tokens,
+                               device=device, dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group)
+    tracker.log_metrics(step, {"eval/exact_match": score})
+    log.info("step %d: exact match %.3f on %d held-out samples", step, score, count)
+    return score

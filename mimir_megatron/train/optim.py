@@ -1,0 +1,156 @@
+"""Per-module optimizer groups (embedding, head, L, H), Adam-atan2, gradient norm, EMA.
+
+Group identity is the group's name, stored in each torch param group (``group["name"]``) and in
+checkpoints, so a reload maps state by name, never by position. Learning rates are set per step
+from :func:`mimir_megatron.train.schedules.plan_step`; a frozen group's parameters get
+``grad = None`` for that step, which torch's Adam variants skip entirely (no moment update, no
+weight decay).
+
+Gradients come from megatron's DDP buffers (``param.main_grad``, already averaged over the
+data-parallel group). Every parameter of this model is tensor-parallel, so the global gradient
+norm is the TP all-reduce of local squared norms.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from mimir_megatron import parallel
+from mimir_megatron.train.schedules import GROUPS, StepPlan
+
+
+def group_of(name: str) -> str:
+    """Optimizer group of a parameter name of HRMTextModel."""
+    if name.startswith("embedding."):
+        return "embedding"
+    if name.startswith("head."):
+        return "head"
+    if name.startswith("L."):
+        return "L"
+    if name.startswith("H."):
+        return "H"
+    raise ValueError(f"parameter {name} belongs to no optimizer group")
+
+
+def param_groups(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
+    groups: dict[str, list[tuple[str, torch.nn.Parameter]]] = {g: [] for g in GROUPS}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            groups[group_of(name)].append((name, param))
+    return groups
+
+
+class AdamAtan2(torch.optim.Optimizer):
+    """Adam with ``atan2`` in place of the epsilon-guarded division (the HRM-Text reference's).
+
+    update = a * atan2(m_hat, b * sqrt(v_hat)); decoupled weight decay. Bounded by a * pi / 2 and
+    scale-invariant, so it needs no epsilon.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
+                 weight_decay: float = 0.0, a: float = 1.27, b: float = 1.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, a=a, b=b))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    init_state(self, p)
+                state["step"] += 1
+                t = state["step"].item()
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.lerp_(p.grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                m_hat = m / (1 - beta1**t)
+                v_hat = v / (1 - beta2**t)
+                p.add_(torch.atan2(m_hat, group["b"] * v_hat.sqrt()), alpha=-group["lr"] * group["a"])
+
+
+def init_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
+    """Adam state of one parameter, created eagerly so every parameter has checkpointable state."""
+    optimizer.state[param] = {
+        "step": torch.zeros((), dtype=torch.float32),
+        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+    }
+
+
+def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    groups = param_groups(model)
+    torch_groups = [
+        {"params": [p for _, p in groups[g]], "name": g, "lr": optim_cfg.lr} for g in GROUPS if groups[g]
+    ]
+    betas = (optim_cfg.beta1, optim_cfg.beta2)
+    if optim_cfg.optimizer == "adamw":
+        opt = torch.optim.AdamW(torch_groups, lr=optim_cfg.lr, betas=betas, eps=optim_cfg.eps,
+                                weight_decay=optim_cfg.weight_decay)
+    elif optim_cfg.optimizer == "adam_atan2":
+        opt = AdamAtan2(torch_groups, lr=optim_cfg.lr, betas=betas, weight_decay=optim_cfg.weight_decay)
+    else:
+        raise ValueError(f"unknown optimizer {optim_cfg.optimizer!r}")
+    for group in opt.param_groups:
+        for p in group["params"]:
+            init_state(opt, p)
+    return opt
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, plan: StepPlan) -> None:
+    """One update with this step's group learning rates; frozen groups get no gradient.
+
+    ``param.grad`` points at the DDP buffer only during the update: left there, the next backward
+    would accumulate into the buffer through ``.grad`` and DDP's hook would add it a second time.
+    """
+    for group in optimizer.param_groups:
+        frozen = group["name"] in plan.frozen
+        group["lr"] = plan.group_lr[group["name"]]
+        for p in group["params"]:
+            p.grad = None if frozen else p.main_grad
+    optimizer.step()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm of the DDP gradients (all parameters are TP-sharded: sum over TP ranks)."""
+    local = torch.zeros((), dtype=torch.float32, device=next(iter(params)).device)
+    for p in params:
+        local += p.main_grad.float().pow(2).sum()
+    if parallel.tp_size() > 1:
+        dist.all_reduce(local, group=parallel.tp_group())
+    return local.sqrt()
+
+
+def clip_(params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+    if max_norm > 0 and math.isfinite(norm.item()) and norm.item() > max_norm:
+        scale = max_norm / (norm.item() + 1e-6)
+        for p in params:
+            p.main_grad.mul_(scale)
+
+
+class EMA:
+    """fp32 exponential moving average of the weights, sharded like them (local shards)."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        for name, param in model.named_parameters():
+            self.shadow[name].lerp_(param.detach().float(), 1 - self.decay)
+
+    @torch.no_grad()
+    def copy_to(self, model: torch.nn.Module) -> None:
+        for name, param in model.named_parameters():
+            param.copy_(self.shadow[name])

@@ -1,0 +1,162 @@
+"""MLflow tracking from rank 0 that never stops training.
+
+The default store is a sqlite database in the run directory (browse it with ``mimir ui``);
+``tracking.uri`` points at a server instead. When the server cannot be reached, a warning is
+logged once, metrics are buffered in memory, and they are delivered when it answers again
+(retried at most every ``retry_seconds``). Requests use short timeouts and no client-side
+retries so an unreachable server costs one failed request per retry period, not minutes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_BATCH = 900  # MLflow accepts at most 1000 metrics per log_batch
+
+
+def default_tracking_uri(run_dir: Path) -> str:
+    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class Tracker:
+    """Buffered MLflow run; every method is a no-op when disabled (non-zero ranks)."""
+
+    def __init__(self, uri: str | None, run_dir: Path, experiment: str, enabled: bool,
+                 retry_seconds: float = 10.0):
+        self.enabled = enabled
+        self.uri = uri or default_tracking_uri(run_dir)
+        self.artifact_root = (run_dir / "mlartifacts").resolve().as_uri()
+        self.experiment = experiment
+        self.retry_seconds = retry_seconds
+        self.run_id: str | None = None
+        self._client = None
+        self._pending_start: dict[str, Any] | None = None
+        self._metrics: list = []
+        self._tags: dict[str, str] = {}
+        self._failing_since: float | None = None
+        self._last_attempt = 0.0
+        self._warned = False
+        if enabled:
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self.uri)
+
+    # -- public --------------------------------------------------------------------------------
+
+    def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str],
+              resume_run_id: str | None = None) -> None:
+        if not self.enabled:
+            return
+        self.run_id = resume_run_id
+        self._pending_start = {"run_name": run_name, "params": params, "tags": tags}
+        self._flush(force=True)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._metrics += [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self._flush()
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        if not self.enabled:
+            return
+        self._tags.update({k: str(v) for k, v in tags.items()})
+        self._flush()
+
+    def close(self, status: str = "FINISHED", wait_seconds: float = 30.0) -> bool:
+        """Deliver what is buffered (trying for up to ``wait_seconds``) and end the run."""
+        if not self.enabled:
+            return True
+        deadline = time.time() + wait_seconds
+        while not self._flush(force=True) and time.time() < deadline:
+            time.sleep(1.0)
+        if self.pending:
+            log.warning("MLflow unreachable at %s: %d metrics could not be delivered",
+                        self.uri, len(self._metrics))
+            return False
+        try:
+            self._client.set_terminated(self.run_id, status=status)
+        except Exception as exc:  # noqa: BLE001 - tracking must never break training
+            log.warning("could not mark the MLflow run %s: %s", status, exc)
+            return False
+        return True
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._metrics or self._tags or self._pending_start)
+
+    # -- delivery ------------------------------------------------------------------------------
+
+    def _flush(self, force: bool = False) -> bool:
+        if not self.pending:
+            return True
+        now = time.time()
+        if self._failing_since is not None and not force and now - self._last_attempt < self.retry_seconds:
+            return False
+        self._last_attempt = now
+        try:
+            if self._pending_start is not None:
+                self._create_or_resume_run()
+            if self._tags:
+                from mlflow.entities import RunTag
+
+                self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in self._tags.items()])
+                self._tags = {}
+            while self._metrics:
+                self._client.log_batch(self.run_id, metrics=self._metrics[:_BATCH])
+                self._metrics = self._metrics[_BATCH:]
+        except Exception as exc:  # noqa: BLE001 - any transport or server error
+            if not self._warned:
+                log.warning("MLflow at %s unreachable (%s); buffering metrics and retrying every %.0f s",
+                            self.uri, type(exc).__name__, self.retry_seconds)
+                self._warned = True
+            self._failing_since = self._failing_since or now
+            return False
+        if self._failing_since is not None:
+            log.info("MLflow at %s reachable again; buffered metrics delivered", self.uri)
+            self._failing_since, self._warned = None, False
+        return True
+
+    def _create_or_resume_run(self) -> None:
+        from mlflow.entities import Param, RunTag
+
+        start = self._pending_start
+        if self.run_id is None:
+            exp = self._client.get_experiment_by_name(self.experiment)
+            exp_id = exp.experiment_id if exp else self._client.create_experiment(
+                self.experiment, artifact_location=self.artifact_root)
+            run = self._client.create_run(exp_id, run_name=start["run_name"], tags=start["tags"])
+            self.run_id = run.info.run_id
+            params = [Param(k, str(v)[:6000]) for k, v in start["params"].items()]
+            for i in range(0, len(params), 90):
+                self._client.log_batch(self.run_id, params=params[i:i + 90])
+        else:
+            self._client.update_run(self.run_id, status="RUNNING")
+            self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in start["tags"].items()])
+        self._pending_start = None
+
+
+def host_tags(world_size: int, layout: str) -> dict[str, str]:
+    return {"git_commit": git_commit(), "host": socket.gethostname(), "world_size": str(world_size),
+            "parallel_layout": layout}
