@@ -118,6 +118,10 @@ class TrackingSection:
     experiment: str = "mimir"
     """MLflow experiment name."""
     enabled: bool = True
+    retry_seconds: float = 10.0
+    """While the server is unreachable, metrics are buffered and delivery is retried this often."""
+    final_flush_seconds: float = 120.0
+    """At the end of a run, how long to keep trying to deliver buffered metrics."""
 
 
 @dataclass

@@ -132,7 +132,8 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None) -> TrainResult:
                                 dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed)
     eval_samples = load_eval_samples(cfg.data.eval_path, limit=cfg.eval.max_samples) if cfg.data.eval_path else []
     tracker = Tracker(cfg.tracking.uri, run_dir, cfg.tracking.experiment,
-                      enabled=cfg.tracking.enabled and rank == 0)
+                      enabled=cfg.tracking.enabled and rank == 0,
+                      retry_seconds=cfg.tracking.retry_seconds)
     layout = f"TP={cfg.model.tensor_parallel_size} DP={dp_size} SP={cfg.model.uses_sequence_parallel}"
     tags = host_tags(env.world_size, layout) | {"data_fingerprint": fingerprint, "config": cfg.source}
     if parent_run_id:
@@ -219,7 +220,8 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None) -> TrainResult:
         raise
     finally:
         stop.uninstall()
-    tracker.close(status="KILLED" if result.preempted else "FINISHED")
+    tracker.close(status="KILLED" if result.preempted else "FINISHED",
+                  wait_seconds=cfg.tracking.final_flush_seconds)
     result.run_id = tracker.run_id
     return result
 
