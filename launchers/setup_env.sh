@@ -34,5 +34,5 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 echo "setup_env: installing mimir-megatron[$extras] into $venv (torch is large on first install)"
-"$venv/bin/python" -m pip install --quiet -e "$repo[$extras]"
+"$venv/bin/python" -m pip install --quiet -e "${repo}[${extras}]"
 echo "setup_env: ready: source $venv/bin/activate"

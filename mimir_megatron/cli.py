@@ -16,6 +16,7 @@ _REGISTRARS = (
     "mimir_megatron.commands",
     "mimir_data_prep.cli",
     "mimir_megatron.train.cli",
+    "mimir_megatron.bench",
     "mimir_megatron.ops.cli",
 )
 

@@ -7,7 +7,7 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-packages=(slurmctld slurmd slurm-client munge shellcheck)
+packages=(slurmctld slurmd slurm-client munge shellcheck procps)
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     missing=()
     for pkg in "${packages[@]}"; do

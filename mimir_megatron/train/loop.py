@@ -75,6 +75,16 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None) -> TrainResult:
     ``stop_at_step`` ends this invocation early, with a checkpoint, as a pre-emption would
     (the schedules still span ``cfg.train.steps``): how resume is tested.
     """
+    # Handlers first: a pre-emption signal during start-up must not kill a rank.
+    stop = _StopFlag()
+    stop.install()
+    try:
+        return _train(cfg, stop, stop_at_step)
+    finally:
+        stop.uninstall()
+
+
+def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> TrainResult:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -139,8 +149,6 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None) -> TrainResult:
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     tracker.start(cfg.run.name, flatten(cfg.to_dict()), tags, resume_run_id=run_id)
-    stop = _StopFlag()
-    stop.install()
 
     result = TrainResult(final_step=step, run_id=tracker.run_id)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
@@ -218,8 +226,6 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None) -> TrainResult:
     except BaseException:
         tracker.close(status="FAILED", wait_seconds=5)
         raise
-    finally:
-        stop.uninstall()
     tracker.close(status="KILLED" if result.preempted else "FINISHED",
                   wait_seconds=cfg.tracking.final_flush_seconds)
     result.run_id = tracker.run_id

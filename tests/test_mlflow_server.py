@@ -1,0 +1,160 @@
+"""MLflow browsing: a real MLflow server, a short `mimir train` logging to it, read back over REST;
+and `mimir ui` serving a run's sqlite store on 127.0.0.1 only.
+
+Skipped when the full `mlflow` package (the server) is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.parse
+from pathlib import Path
+
+import pytest
+from conftest import REPO, train_overrides
+
+pytest.importorskip("mlflow", reason="the MLflow server tests need `pip install mlflow`")
+pytest.importorskip("flask", reason="the MLflow server needs the full mlflow, not mlflow-skinny")
+
+from mimir_megatron.ops.mlflow_server import (
+    MlflowServer,
+    free_port,
+    get_json,
+    post_json,
+    wait_healthy,
+)
+
+STEPS = 6
+
+
+def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    query = urllib.parse.urlencode({"run_id": run_id, "metric_key": key})
+    metrics = get_json(f"{uri}/api/2.0/mlflow/metrics/get-history?{query}").get("metrics", [])
+    return sorted((int(m["step"]), m["value"]) for m in metrics)
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) of the sockets listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:
+                found.add(address)
+    return found
+
+
+def test_training_logs_to_a_server_and_reads_back_over_rest(demo_data, tmp_path):
+    with MlflowServer(tmp_path / "store") as server:
+        proc = subprocess.run(
+            [sys.executable, "-m", "mimir_megatron.cli", "train", "--config",
+             "configs/train/demo.yaml",
+             *train_overrides(demo_data, tmp_path / "run", f"train.steps={STEPS}",
+                              f"tracking.uri={server.uri}", "tracking.experiment=server-test")],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+        experiment = server.api("experiments/get-by-name", experiment_name="server-test")
+        experiment_id = experiment["experiment"]["experiment_id"]
+        runs = post_json(f"{server.uri}/api/2.0/mlflow/runs/search",
+                         {"experiment_ids": [experiment_id]}).get("runs", [])
+        assert len(runs) == 1
+        run = runs[0]
+        assert run["info"]["status"] == "FINISHED"
+        params = {p["key"]: p["value"] for p in run["data"]["params"]}
+        assert params["train.steps"] == str(STEPS)
+        assert params["model.hidden_size"] == "64"
+        assert params["tracking.experiment"] == "server-test"
+
+        run_id = run["info"]["run_id"]
+        steps = list(range(1, STEPS + 1))
+        loss = history(server.uri, run_id, "loss")
+        assert [s for s, _ in loss] == steps
+        assert all(0 < v < 20 for _, v in loss)
+        assert [s for s, _ in history(server.uri, run_id, "lr/L")] == steps
+        # The demo config ramps the window k from 2 to 5 (the exact schedule is test_train's).
+        window = history(server.uri, run_id, "window_k")
+        assert [s for s, _ in window] == steps
+        k = [v for _, v in window]
+        assert k == sorted(k) and (k[0], k[-1]) == (2, 5)
+        # The latest run values (runs/search) agree with the last point of each history.
+        latest = {m["key"]: m["value"] for m in run["data"]["metrics"]}
+        assert latest["loss"] == pytest.approx(loss[-1][1])
+    assert server.process is None
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """End a process started with start_new_session and everything it spawned."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    process.poll()
+
+
+def _store_with_one_run(run_dir: Path) -> tuple[str, str]:
+    from mlflow import MlflowClient
+
+    run_dir.mkdir(parents=True)
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    experiment_id = client.create_experiment(
+        "mimir-demo", artifact_location=(run_dir / "mlartifacts").as_uri())
+    run = client.create_run(experiment_id)
+    client.log_param(run.info.run_id, "train.steps", "3")
+    for step, value in enumerate((3.0, 2.5, 2.25), start=1):
+        client.log_metric(run.info.run_id, "loss", value, step=step)
+    client.set_terminated(run.info.run_id)
+    return experiment_id, run.info.run_id
+
+
+def test_mimir_ui_serves_the_run_store_on_loopback_only(tmp_path):
+    run_dir = tmp_path / "runs" / "demo"
+    experiment_id, run_id = _store_with_one_run(run_dir)
+    port = free_port()
+    log_path = tmp_path / "ui.log"
+    with open(log_path, "w") as log:
+        ui = subprocess.Popen(
+            [str(Path(sys.executable).parent / "mimir"), "ui", "--run-dir", str(run_dir),
+             "--port", str(port)],
+            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_healthy(uri, timeout=90, process=ui)
+        except RuntimeError as exc:
+            raise AssertionError(f"{exc}\n{log_path.read_text()[-4000:]}") from None
+        assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, nothing else
+        runs = post_json(f"{uri}/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment_id]})["runs"]
+        assert [r["info"]["run_id"] for r in runs] == [run_id]
+        assert history(uri, run_id, "loss") == [(1, 3.0), (2, 2.5), (3, 2.25)]
+        assert get_json(f"{uri}/api/2.0/mlflow/runs/get?run_id={run_id}")["run"]["data"][
+            "params"] == [{"key": "train.steps", "value": "3"}]
+        assert "MLflow UI on http://127.0.0.1:" in log_path.read_text()
+    finally:
+        stop_group(ui)
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlartifacts").exists()
+
+
+def test_mimir_ui_without_a_store_is_a_clear_error(tmp_path):
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "mimir"), "ui", "--run-dir", str(tmp_path / "nope")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert f"no MLflow store in {tmp_path / 'nope'}" in proc.stderr
+    assert "Traceback" not in proc.stderr
