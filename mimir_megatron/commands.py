@@ -21,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="model YAML (with --seed: a freshly initialised model)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--seed", type=int, help="initialise from this seed")
-    src.add_argument("--checkpoint", help="project weights directory (from `mimir import`)")
+    src.add_argument("--checkpoint",
+                     help="project weights (from `mimir import`) or a training checkpoint directory")
+    p.add_argument("--ema", action="store_true", help="with a training checkpoint: export the EMA weights")
     p.add_argument("--output", required=True, help="directory to write")
     p.add_argument("--tokenizer", help="tokenizer directory to copy alongside")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the model config")
@@ -70,9 +72,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         if not args.config:
             raise UserError("--seed needs --config (the model shape to initialise)")
         model = build_model(load_config(args.config, [*args.overrides, f"seed={args.seed}"]))
+    elif not Path(args.checkpoint).is_dir():
+        raise UserError(f"checkpoint directory not found: {args.checkpoint}")
+    elif (Path(args.checkpoint) / "trainer_state.json").is_file():
+        from mimir_megatron.train.checkpoint import load_model_from_checkpoint
+
+        model = load_model_from_checkpoint(Path(args.checkpoint), ema=args.ema)
     else:
-        if not Path(args.checkpoint).is_dir():
-            raise UserError(f"checkpoint directory not found: {args.checkpoint}")
+        if args.ema:
+            raise UserError("--ema needs a training checkpoint (project weights hold no EMA)")
         model = load_weights(args.checkpoint, args.overrides)
     export_hf(model, args.output, tokenizer_dir=args.tokenizer)
     print(f"exported to {args.output}")

@@ -139,3 +139,39 @@ def test_every_shipped_train_config_loads():
     for path in sorted((REPO / "configs" / "train").glob("*.yaml")):
         cfg = load_train_config(path, ["data.mixture=" + str(REPO / "configs/data/demo.yaml")])
         assert cfg.model.errors() == [], path
+
+
+def test_export_from_a_training_checkpoint_with_and_without_ema(demo_data, tmp_path):
+    from mimir_megatron.cli import main
+    from mimir_megatron.interop import read_safetensors_dir
+
+    run(demo_data, tmp_path, "train.steps=3", "optim.ema_decay=0.5")
+    step = tmp_path / "checkpoints" / "step_0000003"
+    assert main(["export", "--checkpoint", str(step), "--output", str(tmp_path / "raw")]) == 0
+    assert main(["export", "--checkpoint", str(step), "--ema", "--output", str(tmp_path / "ema")]) == 0
+    raw, ema = read_safetensors_dir(tmp_path / "raw"), read_safetensors_dir(tmp_path / "ema")
+    head_raw, head_ema = raw["lm_head.weight"], ema["lm_head.weight"]
+    assert not torch.equal(head_raw, head_ema)  # the EMA lags the weights
+    assert torch.equal(raw["model.z_L_init"], ema["model.z_L_init"])
+
+
+def test_continued_training_from_a_checkpoint_and_from_imported_weights(demo_data, tmp_path):
+    """v1 -> v1.5: new window schedule, fresh optimizer, weights from the v1 run, parent tag."""
+    from mlflow.tracking import MlflowClient
+
+    from mimir_megatron.interop import export_hf, import_hf, save_weights
+    from mimir_megatron.train.checkpoint import load_model_from_checkpoint
+
+    v1 = run(demo_data, tmp_path / "v1", "train.steps=3")
+    start = tmp_path / "v1" / "checkpoints" / "step_0000003"
+    v15 = run(demo_data, tmp_path / "v15", f"checkpoint.init_from={start}", "window.k0=5",
+              "window.k1=8", "train.steps=2")
+    assert v15.final_step == 2 and v15.losses[0] < v1.losses[0]  # starts from trained weights
+    tags = MlflowClient(f"sqlite:///{tmp_path / 'v15'}/mlflow.db").get_run(v15.run_id).data.tags
+    assert tags["mlflow.parentRunId"] == v1.run_id
+    # From a transformers model, through `mimir import` weights.
+    export_hf(load_model_from_checkpoint(start), tmp_path / "hf")
+    save_weights(import_hf(tmp_path / "hf"), tmp_path / "imported")
+    from_hf = run(demo_data, tmp_path / "from_hf", f"checkpoint.init_from={tmp_path / 'imported'}",
+                  "window.k0=5", "window.k1=8", "train.steps=2")
+    assert from_hf.losses == pytest.approx(v15.losses, rel=1e-6)

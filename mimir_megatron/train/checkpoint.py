@@ -216,3 +216,21 @@ def optimizer_group_steps(optimizer) -> dict[str, int]:
     return {
         g["name"]: int(optimizer.state[g["params"][0]]["step"].item()) for g in optimizer.param_groups
     }
+
+
+def load_model_from_checkpoint(path: Path, ema: bool = False):
+    """The model of a training checkpoint, with its trained or (``ema``) EMA weights."""
+    from mimir_megatron.config import model_config_from_dict
+    from mimir_megatron.model import build_model
+    from mimir_megatron.train.optim import EMA
+
+    state = read_trainer_state(path)
+    cfg = model_config_from_dict({**state["model"], "tensor_parallel_size": 1})
+    model = build_model(cfg)
+    averaged = EMA(model, decay=0.0) if ema else None
+    if ema and state["config"]["optim"]["ema_decay"] == 0:
+        raise UserError(f"{path} was trained without an EMA (optim.ema_decay = 0)")
+    load_checkpoint(path, model, None, averaged)
+    if averaged is not None:
+        averaged.copy_to(model)
+    return model

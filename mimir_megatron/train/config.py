@@ -135,9 +135,9 @@ class EvalSection:
 
 
 @dataclass
-class TrainConfig:
-    model: ModelConfig
-    data: DataConfig
+class RunSections:
+    """The sections OmegaConf types and merges directly (model and data load on their own)."""
+
     run: RunSection = field(default_factory=RunSection)
     train: TrainSection = field(default_factory=TrainSection)
     window: WindowSection = field(default_factory=WindowSection)
@@ -145,6 +145,12 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
     eval: EvalSection = field(default_factory=EvalSection)
+
+
+@dataclass
+class TrainConfig(RunSections):
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     source: str = ""
     """The YAML this config was loaded from."""
 
@@ -257,21 +263,10 @@ def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainC
         data = DataConfig(**(tree.pop("data", None) or {}))
     except TypeError as exc:
         raise ConfigError(f"{path}: data section: {exc}") from None
-    rest = _structured_merge(_Sections, [OmegaConf.create(tree)], "training")
+    rest = _structured_merge(RunSections, [OmegaConf.create(tree)], "training")
     cfg = TrainConfig(model=model, data=data, source=str(path),
-                      **{f.name: getattr(rest, f.name) for f in fields(_Sections)})
+                      **{f.name: getattr(rest, f.name) for f in fields(RunSections)})
     return cfg.validate()
-
-
-@dataclass
-class _Sections:
-    run: RunSection = field(default_factory=RunSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    window: WindowSection = field(default_factory=WindowSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    tracking: TrackingSection = field(default_factory=TrackingSection)
-    eval: EvalSection = field(default_factory=EvalSection)
 
 
 def _dotlist_value(value: Any) -> str:
