@@ -140,7 +140,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     # -- data, tracking, signals ---------------------------------------------------------------
     loader = build_train_loader(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
                                 dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed)
-    eval_samples = load_eval_samples(cfg.data.eval_path, limit=cfg.eval.max_samples) if cfg.data.eval_path else []
+    eval_samples = _eval_subset(load_eval_samples(cfg.data.eval_path), cfg.eval.max_samples) if cfg.data.eval_path else []
     tracker = Tracker(cfg.tracking.uri, run_dir, cfg.tracking.experiment,
                       enabled=cfg.tracking.enabled and rank == 0,
                       retry_seconds=cfg.tracking.retry_seconds)
@@ -284,6 +284,14 @@ def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan, loss: float, 
         log.info("step %d/%d loss %.4f k=%d (L%d H%d) lr %.2e gnorm %.3f %.0f tok/s %.3f TFLOP/s/dev",
                  step, cfg.train.steps, loss, plan.window.k, plan.window.k_L, plan.window.k_H,
                  plan.lr, norm, tokens / seconds, tflops_per_device)
+
+
+def _eval_subset(samples: list, limit: int) -> list:
+    """Evenly spaced samples: held-out files are often grouped by task, so a prefix would not do."""
+    if limit <= 0:
+        return []
+    stride = max(1, len(samples) // limit)
+    return samples[::stride][:limit]
 
 
 def _peak_memory_gb() -> float:
