@@ -175,3 +175,8 @@ def test_continued_training_from_a_checkpoint_and_from_imported_weights(demo_dat
     from_hf = run(demo_data, tmp_path / "from_hf", f"checkpoint.init_from={tmp_path / 'imported'}",
                   "window.k0=5", "window.k1=8", "train.steps=2")
     assert from_hf.losses == pytest.approx(v15.losses, rel=1e-6)
+
+
+def test_adam_atan2_trains(demo_data, tmp_path):
+    result = run(demo_data, tmp_path, "optim.optimizer=adam_atan2", "train.steps=3", "optim.lr=3e-4")
+    assert result.final_step == 3 and result.losses[-1] < result.losses[0]

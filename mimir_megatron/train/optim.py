@@ -62,9 +62,9 @@ class AdamAtan2(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
+                if not self.state[p]:
                     init_state(self, p)
+                state = self.state[p]
                 state["step"] += 1
                 t = state["step"].item()
                 m, v = state["exp_avg"], state["exp_avg_sq"]
