@@ -45,7 +45,8 @@ def train_overrides(demo_data: Path, run_dir: Path, *extra: str) -> list[str]:
         f"data.mixture={demo_data / 'mixture.yaml'}", f"data.eval_path={demo_data / 'eval'}",
         "data.seq_len=64", f"run.dir={run_dir}", "model.hidden_size=64", "model.num_attention_heads=4",
         "model.ffn_hidden_size=128", "train.steps=6", "train.global_batch_size=4",
-        "train.micro_batch_size=2", "optim.warmup_steps=2", "optim.lr=1e-3", "optim.ema_decay=0.99",
+        "train.micro_batch_size=2", "optim.warmup_steps=2", "optim.lr=3e-3", "optim.cooldown=none",
+        "optim.ema_decay=0.99",
         "checkpoint.interval=3", "eval.max_samples=0", "window.ramp_fraction=0.5",
         *extra,
     ]

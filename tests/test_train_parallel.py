@@ -55,3 +55,18 @@ def test_tp1_checkpoint_resumes_at_tp2(demo_data, tmp_path, reference):
     first = train(cfg, stop_at_step=3).losses
     run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path), "none", "model.tensor_parallel_size=2")
     assert first + losses(tmp_path) == pytest.approx(reference, rel=RTOL)
+
+
+def test_sharded_optimizer_checkpoint_resumes_at_dp1(demo_data, tmp_path, reference):
+    """ZeRO-1 at DP=2 (each rank owns half the Adam state) -> one process, and the reverse."""
+    run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path), "3", "train.micro_batch_size=1")
+    first = losses(tmp_path, 3)
+    cfg = load_train_config(REPO / "configs/train/demo.yaml", train_overrides(demo_data, tmp_path))
+    assert first + train(cfg).losses == pytest.approx(reference, rel=RTOL)
+
+
+def test_dp1_checkpoint_resumes_with_a_sharded_optimizer(demo_data, tmp_path, reference):
+    cfg = load_train_config(REPO / "configs/train/demo.yaml", train_overrides(demo_data, tmp_path))
+    first = train(cfg, stop_at_step=3).losses
+    run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path), "none", "train.micro_batch_size=1")
+    assert first + losses(tmp_path) == pytest.approx(reference, rel=RTOL)

@@ -21,7 +21,7 @@ import logging
 import os
 import random
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.optimizer import (
-    get_param_id_to_sharded_param_map,
-    make_sharded_optimizer_tensor,
-    optim_state_to_sharding_state,
-)
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from safetensors.torch import load_file, save_file
 
 from mimir_megatron import backend
@@ -76,16 +72,31 @@ def check_writable(checkpoint_dir: Path) -> None:
 
 
 def _sharded_state(model, optimizer, ema) -> dict[str, Any]:
+    """Model, optimizer moments and EMA as sharded tensors keyed by parameter name.
+
+    Optimizer moments are stored per parameter (``optimizer.<moment>.<param key>``), sharded like
+    the parameter. With ZeRO-1 each rank holds, and writes as the main replica, only the
+    parameters it owns; a checkpoint therefore reloads under any data-parallel size.
+    """
+    from mimir_megatron.train.optim import local_optimizer, owned_parameters
+
     model_sd = model.sharded_state_dict()
     by_param = {id(t.data): t for t in model_sd.values() if hasattr(t, "data")}
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        opt_sd = optimizer.state_dict()
-        optim_state_to_sharding_state(
-            opt_sd, get_param_id_to_sharded_param_map(model_sd, params), exclude_keys=("step",)
-        )
-        state["optimizer"] = opt_sd
+        local, sharded = local_optimizer(optimizer), local_optimizer(optimizer) is not optimizer
+        names = {id(p): n for n, p in model.named_parameters()}
+        moments = {}
+        for param in owned_parameters(optimizer):
+            entries = {}
+            for moment in ("exp_avg", "exp_avg_sq"):
+                tensor = make_sharded_optimizer_tensor(
+                    by_param[id(param)], local.state[param][moment], prefix=f"optimizer.{moment}"
+                )
+                # The owner is the only holder: it writes, whatever its data-parallel rank.
+                entries[moment] = replace(tensor, replica_id=0) if sharded else tensor
+            moments[names[id(param)]] = entries
+        state["optimizer"] = moments
     if ema is not None:
         state["ema"] = {
             name: make_sharded_optimizer_tensor(by_param[id(param)], ema.shadow[name], prefix="ema")
@@ -193,15 +204,18 @@ def load_checkpoint(path: Path, model, optimizer, ema) -> dict[str, Any]:
     loaded = dist_checkpointing.load(sharded, str(path))
     model.load_state_dict(loaded["model"], strict=False)
     if optimizer is not None:
+        from mimir_megatron.train.optim import local_optimizer, owned_parameters
+
         # Adam's per-parameter step is equal within a group; it is kept per group name.
-        steps = trainer_state["optimizer_group_steps"]
-        opt_state = loaded["optimizer"]
-        param_id = 0
-        for group in optimizer.param_groups:
-            for _ in group["params"]:
-                opt_state["state"][param_id]["step"] = torch.tensor(float(steps[group["name"]]))
-                param_id += 1
-        optimizer.load_state_dict(opt_state)
+        local, steps = local_optimizer(optimizer), trainer_state["optimizer_group_steps"]
+        names = {id(p): n for n, p in model.named_parameters()}
+        group_of_param = {id(p): g["name"] for g in local.param_groups for p in g["params"]}
+        with torch.no_grad():
+            for param in owned_parameters(optimizer):
+                slot = local.state[param]
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    slot[moment].copy_(loaded["optimizer"][names[id(param)]][moment])
+                slot["step"] = torch.tensor(float(steps[group_of_param[id(param)]]))
     if ema is not None:
         with torch.no_grad():
             for name, tensor in loaded["ema"].items():
@@ -212,10 +226,19 @@ def load_checkpoint(path: Path, model, optimizer, ema) -> dict[str, Any]:
     return trainer_state
 
 
-def optimizer_group_steps(optimizer) -> dict[str, int]:
-    return {
-        g["name"]: int(optimizer.state[g["params"][0]]["step"].item()) for g in optimizer.param_groups
-    }
+def optimizer_group_steps(optimizer, group=None) -> dict[str, int]:
+    """Adam steps per group; with ZeRO-1 a group's owner may be another data-parallel rank."""
+    from mimir_megatron.train.optim import local_optimizer
+
+    local = local_optimizer(optimizer)
+    names = [g["name"] for g in optimizer.param_groups]
+    steps = torch.full((len(names),), -1.0)
+    for g in local.param_groups:
+        if g["params"]:
+            steps[names.index(g["name"])] = local.state[g["params"][0]]["step"].item()
+    if local is not optimizer:
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)
+    return {name: int(value) for name, value in zip(names, steps.tolist())}
 
 
 def load_model_from_checkpoint(path: Path, ema: bool = False):

@@ -88,6 +88,8 @@ class OptimSection:
     """Global gradient-norm clip; 0 disables it."""
     ema_decay: float = 0.9999
     """EMA of the weights (fp32); 0 disables it."""
+    shard_state: bool = True
+    """Shard optimizer state over data-parallel ranks (ZeRO-1); no effect with one DP rank."""
     divide_lr_by_window: bool = True
     """Divide the L and H learning rates by their applications in the window (paper, section 3)."""
 

@@ -117,7 +117,8 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
                                       use_distributed_optimizer=False),
         model,
     )
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, dp_group=dp_group,
+                                shard=cfg.optim.shard_state and dp_size > 1)
     ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
     params = [p for g in optimizer.param_groups for p in g["params"]]
     fingerprint = mixture_fingerprint(cfg.data)
@@ -163,7 +164,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
             "step": at_step,
             "consumed_samples": consumed,
             "window_k": plan.window.k if at_step else None,
-            "optimizer_group_steps": ckpt.optimizer_group_steps(optimizer),
+            "optimizer_group_steps": ckpt.optimizer_group_steps(optimizer, dp_group),
             "data_fingerprint": fingerprint,
             "model": asdict(cfg.model),
             "padded_vocab_size": cfg.model.padded_vocab_size,

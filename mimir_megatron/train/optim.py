@@ -85,23 +85,47 @@ def init_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
     }
 
 
-def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, optim_cfg, dp_group=None, shard: bool = False
+                    ) -> torch.optim.Optimizer:
+    """Per-group optimizer; ``shard`` spreads its state over the data-parallel group (ZeRO-1).
+
+    Sharding uses torch's ZeroRedundancyOptimizer: each rank keeps and updates the Adam state of
+    the parameters it owns, then broadcasts them. (megatron's DistributedOptimizer needs CUDA
+    tensors, so it cannot run on the CPU machines where this project is tested.)
+    """
     groups = param_groups(model)
     torch_groups = [
         {"params": [p for _, p in groups[g]], "name": g, "lr": optim_cfg.lr} for g in GROUPS if groups[g]
     ]
     betas = (optim_cfg.beta1, optim_cfg.beta2)
     if optim_cfg.optimizer == "adamw":
-        opt = torch.optim.AdamW(torch_groups, lr=optim_cfg.lr, betas=betas, eps=optim_cfg.eps,
-                                weight_decay=optim_cfg.weight_decay)
+        cls, kwargs = torch.optim.AdamW, dict(betas=betas, eps=optim_cfg.eps)
     elif optim_cfg.optimizer == "adam_atan2":
-        opt = AdamAtan2(torch_groups, lr=optim_cfg.lr, betas=betas, weight_decay=optim_cfg.weight_decay)
+        cls, kwargs = AdamAtan2, dict(betas=betas)
     else:
         raise ValueError(f"unknown optimizer {optim_cfg.optimizer!r}")
-    for group in opt.param_groups:
+    kwargs |= dict(lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay)
+    if shard:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(torch_groups, optimizer_class=cls, process_group=dp_group, **kwargs)
+    else:
+        opt = cls(torch_groups, **kwargs)
+    local = local_optimizer(opt)
+    for group in local.param_groups:
         for p in group["params"]:
-            init_state(opt, p)
+            init_state(local, p)
     return opt
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state (the ZeRO shard's, or the optimizer itself)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def owned_parameters(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """Parameters whose optimizer state lives on this rank."""
+    return [p for g in local_optimizer(optimizer).param_groups for p in g["params"]]
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, plan: StepPlan) -> None:
