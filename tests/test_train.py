@@ -180,3 +180,15 @@ def test_continued_training_from_a_checkpoint_and_from_imported_weights(demo_dat
 def test_adam_atan2_trains(demo_data, tmp_path):
     result = run(demo_data, tmp_path, "optim.optimizer=adam_atan2", "train.steps=3", "optim.lr=3e-4")
     assert result.final_step == 3 and result.losses[-1] < result.losses[0]
+
+
+def test_checkpoint_of_another_layout_version_is_refused(demo_data, tmp_path):
+    import json
+
+    run(demo_data, tmp_path, stop_at_step=3)
+    state_file = tmp_path / "checkpoints" / "step_0000003" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state.pop("format")
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(UserError, match="layout version none; this version of mimir-megatron reads version 1"):
+        run(demo_data, tmp_path)

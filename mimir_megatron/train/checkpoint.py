@@ -39,6 +39,8 @@ from mimir_megatron.errors import UserError
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+FORMAT = 1
+"""Layout version of the sharded state; bumped whenever its keys change."""
 LATEST = "latest"
 # Model fields that may change between save and resume (layout and schedule, not shape).
 _LAYOUT_FIELDS = {"tensor_parallel_size", "sequence_parallel", "bp_window", "window_policy",
@@ -154,7 +156,7 @@ def save_checkpoint(checkpoint_dir: Path, step: int, model, optimizer, ema,
     save_file(_rng_state(), str(tmp / f"rng_rank{rank}.safetensors"))
     dist.barrier()
     if rank == 0:
-        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
+        (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "format": FORMAT}, indent=2, sort_keys=True))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -180,7 +182,10 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 
 def check_compatible(saved: dict[str, Any], cfg: ModelConfig, path: Path) -> None:
-    """Refuse a checkpoint of another model shape, naming every differing field."""
+    """Refuse a checkpoint of another layout version or model shape, naming what differs."""
+    if saved.get("format") != FORMAT:
+        raise UserError(f"checkpoint {path} has layout version {saved.get('format', 'none')}; this "
+                        f"version of mimir-megatron reads version {FORMAT}")
     current = asdict(cfg)
     diffs = [
         f"{key}: checkpoint {value!r}, config {current.get(key)!r}"
