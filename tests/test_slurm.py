@@ -66,16 +66,22 @@ def test_two_task_job_runs(cluster, tmp_path):
     assert sorted(out.read_text().split("\n")[:2]) == ["task 0 of 2", "task 1 of 2"]
 
 
-def test_v1_requeues_and_resumes_with_a_stand_in_trainer(cluster, tmp_path):
+def submit_stand_in(cluster, tmp_path, steps: int):
+    """`sbatch launchers/v1.sh` with the stand-in trainer; returns (job, run dir, output file)."""
     python = write_fake_trainer(tmp_path / "fake", sys.executable)
     run_dir = tmp_path / "run"
     out = tmp_path / "job.out"
     job = cluster.sbatch(
         [*CPU_ALLOCATION, f"--output={out}", str(V1)],
         env={"PYTHON": str(python), "CONFIG": "configs/train/demo.yaml", "RUN_DIR": str(run_dir),
-             "EXTRA_ARGS": "train.steps=25", "FAKE_STEP_SECONDS": "0.2"},
+             "EXTRA_ARGS": f"train.steps={steps}", "FAKE_STEP_SECONDS": "0.2"},
         cwd=REPO,
     )
+    return job, run_dir, out
+
+
+def test_v1_requeues_and_resumes_with_a_stand_in_trainer(cluster, tmp_path):
+    job, run_dir, out = submit_stand_in(cluster, tmp_path, 25)
     wait_for_text(out, r"step 3/25", 60, cluster, job)
     cluster.scancel("--batch", "--signal=USR1", job)
     info = cluster.wait(job, timeout=90, until=lambda f: f["JobState"] == "COMPLETED"
@@ -103,15 +109,7 @@ def test_v1_requeues_and_resumes_with_a_stand_in_trainer(cluster, tmp_path):
 
 
 def test_v1_scancel_saves_but_does_not_requeue(cluster, tmp_path):
-    python = write_fake_trainer(tmp_path / "fake", sys.executable)
-    run_dir = tmp_path / "run"
-    out = tmp_path / "job.out"
-    job = cluster.sbatch(
-        [*CPU_ALLOCATION, f"--output={out}", str(V1)],
-        env={"PYTHON": str(python), "CONFIG": "configs/train/demo.yaml", "RUN_DIR": str(run_dir),
-             "EXTRA_ARGS": "train.steps=1000", "FAKE_STEP_SECONDS": "0.2"},
-        cwd=REPO,
-    )
+    job, run_dir, out = submit_stand_in(cluster, tmp_path, 1000)
     wait_for_text(out, r"step 2/1000", 60, cluster, job)
     cluster.scancel(job)  # SIGTERM to the batch shell and the tasks
     info = cluster.wait(job, timeout=60)

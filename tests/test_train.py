@@ -153,6 +153,11 @@ def test_export_from_a_training_checkpoint_with_and_without_ema(demo_data, tmp_p
     head_raw, head_ema = raw["lm_head.weight"], ema["lm_head.weight"]
     assert not torch.equal(head_raw, head_ema)  # the EMA lags the weights
     assert torch.equal(raw["model.z_L_init"], ema["model.z_L_init"])
+    # The demo's tokenizer travels with the export, so the directory is a complete model.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "raw")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
 
 
 def test_continued_training_from_a_checkpoint_and_from_imported_weights(demo_data, tmp_path):
