@@ -163,14 +163,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if not args.no_peer:
         results.append(_bench_peer(model, cfg, args, batch, tokens, peak, device, autocast))
-    del model, opt
     _report(results, args)
     return 0
 
 
 def _bench_peer(model, cfg, args, batch, tokens, peak, device, autocast) -> BenchResult:
     import torch
-
     from transformers import AutoModelForCausalLM
 
     from mimir_megatron.interop import export_hf
@@ -205,7 +203,8 @@ def _bench_peer(model, cfg, args, batch, tokens, peak, device, autocast) -> Benc
 def _report(results: list[BenchResult], args: argparse.Namespace) -> None:
     import torch
 
-    header = f"{'implementation':<24}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'step (s)':>10}{'spread':>9}{'peak GB':>9}  window"
+    header = (f"{'implementation':<24}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'step (s)':>10}"
+              f"{'spread':>9}{'peak GB':>9}  window")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -213,9 +212,11 @@ def _report(results: list[BenchResult], args: argparse.Namespace) -> None:
         print(f"{r.name:<24}{r.tokens_per_s:>12,.0f}{r.tflops_per_s:>10.3f}{mfu:>8}"
               f"{r.step_median_s:>10.3f}{r.step_spread_s:>9.3f}{r.peak_memory_gb:>9.2f}  {r.window}")
     if len(results) == 2:
-        print(f"ratio mimir-megatron / transformers (tokens/s): {results[0].tokens_per_s / results[1].tokens_per_s:.2f}")
+        ratio = results[0].tokens_per_s / results[1].tokens_per_s
+        print(f"ratio mimir-megatron / transformers (tokens/s): {ratio:.2f}")
     if args.json:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         payload = {"shape": args.config or args.shape, "window": args.window, "seq_len": args.seq_len,
-                   "micro_batch": args.micro_batch, "device": str(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"),
+                   "micro_batch": args.micro_batch, "device": device,
                    "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in results]}
         Path(args.json).write_text(json.dumps(payload, indent=2))

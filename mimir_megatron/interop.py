@@ -243,7 +243,8 @@ def load_weights(weights_dir: str | Path, overrides: list[str] | tuple[str, ...]
     return model
 
 
-def export_hf(model: torch.nn.Module, output_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
+def export_hf(model: torch.nn.Module, output_dir: str | Path,
+              tokenizer_dir: str | Path | None = None) -> Path:
     """Write a transformers ``hrm_text`` directory; all TP ranks call, rank 0 writes."""
     from mimir_megatron.model.state import gather_full_state
 

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import MIMIR, TINY
 
 
@@ -45,8 +44,9 @@ def test_export_then_import(tmp_path):
     mimir("import", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "w"))
     assert (tmp_path / "w" / "model.yaml").is_file()
     mimir("export", "--checkpoint", str(tmp_path / "w"), "--output", str(tmp_path / "hf2"))
-    from mimir_megatron.interop import read_safetensors_dir
     import torch
+
+    from mimir_megatron.interop import read_safetensors_dir
 
     a, b = read_safetensors_dir(tmp_path / "hf"), read_safetensors_dir(tmp_path / "hf2")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -3,11 +3,10 @@
 import logging
 
 import pytest
+from conftest import MIMIR, REPO, TINY
 
 from mimir_megatron.config import ModelConfig, load_config
 from mimir_megatron.errors import ConfigError
-
-from conftest import MIMIR, REPO, TINY
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs" / "model").glob("*.yaml")), ids=lambda p: p.name)

@@ -7,13 +7,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import tiny_config
+
 from mimir_megatron.batch import single_sample_batch
 from mimir_megatron.errors import UserError
 from mimir_megatron.interop import export_hf, import_hf, load_weights, save_weights
 from mimir_megatron.model import build_model
 from mimir_megatron.model.state import gather_full_state
-
-from conftest import tiny_config
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

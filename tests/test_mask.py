@@ -1,7 +1,6 @@
 """The PrefixLM mask against the rule written out as a loop, and the dense kernel against a loop."""
 
 import torch
-
 from mimir_kernels import dense_prefix_lm_attention, prefix_lm_mask
 
 

@@ -5,13 +5,12 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.functional as F
-
+from conftest import tiny_config
 from mimir_kernels import prefix_lm_mask
+
 from mimir_megatron.batch import Batch, BatchError, single_sample_batch
 from mimir_megatron.model import build_model
 from mimir_megatron.model.rope import rotary_angles
-
-from conftest import tiny_config
 
 # Applications with grad, as indices into L0 L1 L2 H0 L3 L4 L5 H1, written out by hand.
 WINDOWS = {

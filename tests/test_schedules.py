@@ -3,11 +3,10 @@
 import math
 
 import pytest
+from conftest import REPO
 
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.schedules import base_lr_at, plan_step, window_at
-
-from conftest import REPO
 
 
 def test_v1_window_ramp_is_the_reference_step_function():

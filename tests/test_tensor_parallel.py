@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import tiny_config
+from distributed import run_ranks
 from safetensors.torch import load_file
 
 from mimir_megatron.batch import single_sample_batch
-
-from conftest import tiny_config
-from distributed import run_ranks
 
 # vocab 100 pads to 128 at TP=1 and 256 at TP=2: the padding must not matter.
 OVERRIDES = ("vocab_size=100", "seed=5")

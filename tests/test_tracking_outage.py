@@ -4,15 +4,14 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("mlflow.server", reason="the full mlflow package is needed to run a server")
 
-from mimir_megatron.ops.mlflow_server import MlflowServer  # noqa: E402
-
 from conftest import REPO, train_overrides  # noqa: E402
+
+from mimir_megatron.ops.mlflow_server import MlflowServer  # noqa: E402
 
 STEPS = 40
 

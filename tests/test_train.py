@@ -5,12 +5,11 @@ import stat
 
 import pytest
 import torch
+from conftest import REPO, train_overrides
 
 from mimir_megatron.errors import ConfigError, UserError
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
-
-from conftest import REPO, train_overrides
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
 

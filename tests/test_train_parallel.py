@@ -7,12 +7,11 @@ relative; we allow 2e-5 over six steps.
 import json
 
 import pytest
+from conftest import REPO, train_overrides
+from distributed import run_ranks
 
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
-
-from conftest import REPO, train_overrides
-from distributed import run_ranks
 
 pytestmark = pytest.mark.multiprocess
 RTOL = 2e-5

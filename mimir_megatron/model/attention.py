@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 from megatron.core.transformer.module import MegatronModule
-
 from mimir_kernels import dense_prefix_lm_attention
 
 

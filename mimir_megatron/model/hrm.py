@@ -15,8 +15,8 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
-
 from mimir_kernels import prefix_lm_mask
+
 from mimir_megatron.batch import IGNORE_INDEX, Batch, BatchError
 from mimir_megatron.config import ModelConfig
 from mimir_megatron.model.init import lecun_normal_, vocab_rows_init, z_l_init_
@@ -166,9 +166,9 @@ class HRMTextModel(MegatronModule):
         self, window: int | None = None, h_cycles: int | None = None, l_cycles: int | None = None
     ) -> WindowPlan:
         h = h_cycles or self.cfg.h_cycles
-        l = l_cycles or self.cfg.l_cycles
-        k = window if window is not None else min(self.cfg.bp_window, h * (l + 1))
-        return plan_window(h, l, k, self.cfg.window_policy)
+        low = l_cycles or self.cfg.l_cycles
+        k = window if window is not None else min(self.cfg.bp_window, h * (low + 1))
+        return plan_window(h, low, k, self.cfg.window_policy)
 
     # -- pieces --------------------------------------------------------------------------------
 

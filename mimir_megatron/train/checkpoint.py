@@ -156,7 +156,8 @@ def save_checkpoint(checkpoint_dir: Path, step: int, model, optimizer, ema,
     save_file(_rng_state(), str(tmp / f"rng_rank{rank}.safetensors"))
     dist.barrier()
     if rank == 0:
-        (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "format": FORMAT}, indent=2, sort_keys=True))
+        state_text = json.dumps({**trainer_state, "format": FORMAT}, indent=2, sort_keys=True)
+        (tmp / STATE_FILE).write_text(state_text)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

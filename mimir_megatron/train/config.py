@@ -253,7 +253,8 @@ def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainC
     known = {f.name for f in fields(TrainConfig)} - {"source"}
     unknown = sorted(set(tree) - known)
     if unknown:
-        raise ConfigError(f"{path}: unknown section(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"{path}: unknown section(s): {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
 
     model_tree = dict(tree.pop("model", None) or {})
     model_path = model_tree.pop("config", None)

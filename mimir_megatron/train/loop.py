@@ -141,7 +141,9 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     # -- data, tracking, signals ---------------------------------------------------------------
     loader = build_train_loader(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
                                 dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed)
-    eval_samples = _eval_subset(load_eval_samples(cfg.data.eval_path), cfg.eval.max_samples) if cfg.data.eval_path else []
+    eval_samples = []
+    if cfg.data.eval_path:
+        eval_samples = _eval_subset(load_eval_samples(cfg.data.eval_path), cfg.eval.max_samples)
     tracker = Tracker(cfg.tracking.uri, run_dir, cfg.tracking.experiment,
                       enabled=cfg.tracking.enabled and rank == 0,
                       retry_seconds=cfg.tracking.retry_seconds)
@@ -213,7 +215,8 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
 
             if step % cfg.checkpoint.interval == 0 or step == cfg.train.steps:
                 save(step)
-            if eval_samples and cfg.eval.interval and step % cfg.eval.interval == 0 and step < cfg.train.steps:
+            periodic_eval = cfg.eval.interval and step % cfg.eval.interval == 0
+            if eval_samples and periodic_eval and step < cfg.train.steps:
                 _evaluate(model, eval_samples, cfg, device, dp_rank, dp_size, dp_group, tracker, step)
             if stop.agreed(device) or step == stop_at_step:
                 if step % cfg.checkpoint.interval and step != cfg.train.steps:

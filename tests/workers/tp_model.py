@@ -6,7 +6,6 @@ Run by tests/test_tensor_parallel.py as two gloo ranks; rank 0 writes the result
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
