@@ -5,5 +5,6 @@ Installed as the package ``mimir_kernels`` (not ``kernels``, which would shadow 
 """
 
 from mimir_kernels.prefix_lm import dense_prefix_lm_attention, prefix_lm_mask
+from mimir_kernels.vocab_loss import chunked_vocab_parallel_cross_entropy
 
-__all__ = ["dense_prefix_lm_attention", "prefix_lm_mask"]
+__all__ = ["chunked_vocab_parallel_cross_entropy", "dense_prefix_lm_attention", "prefix_lm_mask"]

@@ -65,6 +65,9 @@ class ModelConfig:
     """Storage dtype of the weights: float32 (CPU, master weights) or bfloat16."""
     attention_backend: str = "dense"
     """PrefixLM attention implementation from `kernels/` (`dense`: boolean mask + SDPA)."""
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the fused head + cross-entropy used in training (0: plain head and
+    loss over the whole micro-batch). Chunking keeps the full fp32 logits from existing at once."""
     seed: int = 1234
     """Seed of the weight initialisation (the same weights for every TP size)."""
     tokenizer: str | None = None
@@ -143,6 +146,8 @@ class ModelConfig:
                 f"model.attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+        if self.loss_chunk_tokens < 0:
+            errs.append(f"model.loss_chunk_tokens must be >= 0, got {self.loss_chunk_tokens}")
         if self.norm_eps <= 0:
             errs.append(f"model.norm_eps must be > 0, got {self.norm_eps}")
         if self.rope_theta <= 0:

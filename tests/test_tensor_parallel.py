@@ -57,6 +57,15 @@ def test_tp2_equals_tp1(tp2_results, tp1, sp):
 
 
 @pytest.mark.multiprocess
+def test_tp2_chunked_vocab_loss_equals_tp1_plain(tp2_results, tp1):
+    """The fused, chunked head + loss, vocab-parallel over 2 ranks with sequence parallel."""
+    got = load_file(str(tp2_results / "tp2_chunked.safetensors"))
+    torch.testing.assert_close(got["loss"][0], tp1["loss"], rtol=1e-6, atol=1e-6)
+    for name, grad in tp1["grads"].items():
+        assert ((got[f"grad/{name}"] - grad).norm() / grad.norm()).item() <= 1e-5, name
+
+
+@pytest.mark.multiprocess
 def test_tp2_export_equals_tp1_export(tp2_results, tp1, tmp_path):
     from mimir_megatron.interop import export_hf, read_safetensors_dir
 

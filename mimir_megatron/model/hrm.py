@@ -15,7 +15,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
-from mimir_kernels import prefix_lm_mask
+from mimir_kernels import chunked_vocab_parallel_cross_entropy, prefix_lm_mask
 
 from mimir_megatron.batch import IGNORE_INDEX, Batch, BatchError
 from mimir_megatron.config import ModelConfig
@@ -149,6 +149,10 @@ class HRMTextModel(MegatronModule):
                 else:
                     z_H = self.H(z_H + z_L, attention_mask=masked_out, rotary_pos_emb=angles)
 
+        if batch.labels is not None and not return_logits and cfg.loss_chunk_tokens:
+            loss, count = self._chunked_loss(z_H, batch.labels, num_supervised)
+            return ModelOutput(logits=None, loss=loss, num_supervised=count, window=plan)
+
         logits_parallel, _ = self.head(z_H)  # [s, b, V/tp]
         logits_parallel = self._mask_vocab_padding(logits_parallel)
 
@@ -212,6 +216,29 @@ class HRMTextModel(MegatronModule):
         denom = count if num_supervised is None else num_supervised
         loss = (per_token * supervised).sum() / denom.clamp(min=1).to(per_token.dtype)
         return loss, count
+
+    def _chunked_loss(
+        self, z_H: torch.Tensor, labels: torch.Tensor, num_supervised: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head and loss chunk by chunk (``kernels/vocab_loss.py``): no full logits."""
+        cfg = self.cfg
+        if cfg.uses_sequence_parallel:  # the head needs every position; grads reduce-scatter back
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                z_H, tensor_parallel_output_grad=True
+            )
+        else:  # replicated over TP: grads all-reduce back
+            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(z_H)
+        target = labels.transpose(0, 1).reshape(-1)  # [s * b], the order of hidden's rows
+        supervised = target != IGNORE_INDEX
+        weight = self.head.weight
+        loss_sum = chunked_vocab_parallel_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), weight, target, supervised, cfg.loss_chunk_tokens,
+            vocab_start=parallel_state.get_tensor_model_parallel_rank() * weight.shape[0],
+            vocab_size=cfg.vocab_size, group=parallel_state.get_tensor_model_parallel_group(),
+        )
+        count = supervised.sum()
+        denom = count if num_supervised is None else num_supervised
+        return loss_sum / denom.clamp(min=1).to(loss_sum.dtype), count
 
     def _gather_logits(self, logits_parallel: torch.Tensor) -> torch.Tensor:
         full = tensor_parallel.gather_from_tensor_model_parallel_region(logits_parallel)

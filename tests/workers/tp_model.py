@@ -20,20 +20,23 @@ from mimir_megatron.model.state import gather_full_state  # noqa: E402
 
 def main(out: Path) -> None:
     batch = make_batch()
-    for sp in (True, False):
-        cfg = tiny_config(*OVERRIDES, "tensor_parallel_size=2", f"sequence_parallel={sp}")
+    # (name, sequence parallel, tokens per chunk of the fused head + loss; 0 = plain head)
+    for name, sp, chunk in (("sp1", True, 0), ("sp0", False, 0), ("chunked", True, 5)):
+        cfg = tiny_config(*OVERRIDES, "tensor_parallel_size=2", f"sequence_parallel={sp}",
+                          f"loss_chunk_tokens={chunk}")
         model = build_model(cfg)
-        result = model(batch, window=8)
+        result = model(batch, window=8, return_logits=not chunk)
         result.loss.backward()
         weights = gather_full_state(model)
         grads = gather_full_state(model, lambda p: p.grad)
         if dist.get_rank() == 0:
             tensors = {f"weight/{k}": v for k, v in weights.items()}
             tensors |= {f"grad/{k}": v for k, v in grads.items()}
-            tensors["logits"] = result.logits.detach()
+            if result.logits is not None:
+                tensors["logits"] = result.logits.detach()
             tensors["loss"] = result.loss.detach().reshape(1)
-            save_file(tensors, str(out / f"tp2_sp{int(sp)}.safetensors"))
-        if sp:
+            save_file(tensors, str(out / f"tp2_{name}.safetensors"))
+        if name == "sp1":
             export_hf(model, out / "hf_tp2")
     dist.barrier()
 
