@@ -7,8 +7,10 @@ megatron-core assumes a GPU in a few places that our model path reaches:
 - ``torch.cuda.synchronize()`` is called around checkpoint I/O, and DDP's gradient sync asks for
   ``torch.cuda.current_stream()`` to order work. On CPU everything is synchronous: a stream whose
   waits are no-ops stands in.
-- The CUDA RNG tracker snapshots CUDA generator states when it forks. On CPU we install the
-  inference tracker, whose ``fork()`` is a no-op (our model has no dropout).
+- The CUDA RNG tracker snapshots CUDA generator states when it forks, and activation recompute
+  saves and restores the CUDA RNG state around each checkpointed layer. On CPU we install the
+  inference tracker, whose ``fork()`` is a no-op (our model has no dropout), and make the CUDA
+  RNG state get/set no-ops (the CPU generator is still saved and restored by megatron).
 - ``Attention._apply_output_gate`` is wrapped in ``torch.compile`` at import; on CPU the first call
   compiles C++ for ~20 s per process and gains nothing, so the eager function is restored.
 
@@ -70,6 +72,8 @@ def activate() -> None:
     from megatron.core.transformer.attention import Attention
 
     mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    mcore_random._set_cuda_rng_state = lambda *args, **kwargs: None
     compiled = Attention.__dict__["_apply_output_gate"]
     Attention._apply_output_gate = getattr(compiled, "_torchdynamo_orig_callable", compiled)
     _ACTIVE = True

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 WINDOW_POLICIES = ("last_k", "h_first")
 PARAMS_DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("dense",)
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass
@@ -65,6 +66,9 @@ class ModelConfig:
     """Storage dtype of the weights: float32 (CPU, master weights) or bfloat16."""
     attention_backend: str = "dense"
     """PrefixLM attention implementation from `kernels/` (`dense`: boolean mask + SDPA)."""
+    recompute: str = "none"
+    """Activation recompute in the applications with grad: none, selective (core attention) or
+    full (every layer's input is kept, the layer recomputed in backward)."""
     loss_chunk_tokens: int = 0
     """Tokens per chunk of the fused head + cross-entropy used in training (0: plain head and
     loss over the whole micro-batch). Chunking keeps the full fp32 logits from existing at once."""
@@ -146,6 +150,8 @@ class ModelConfig:
                 f"model.attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+        if self.recompute not in RECOMPUTE:
+            errs.append(f"model.recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.loss_chunk_tokens < 0:
             errs.append(f"model.loss_chunk_tokens must be >= 0, got {self.loss_chunk_tokens}")
         if self.norm_eps <= 0:

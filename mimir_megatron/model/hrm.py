@@ -40,7 +40,13 @@ class ModelOutput:
 def transformer_config(cfg: ModelConfig, num_layers: int) -> TransformerConfig:
     """Megatron's config for one stack of the HRM-Text layer."""
     dtype = torch.bfloat16 if cfg.params_dtype == "bfloat16" else torch.float32
+    recompute = {
+        "none": {},
+        "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    }[cfg.recompute]
     return TransformerConfig(
+        **recompute,
         num_layers=num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size,
