@@ -32,7 +32,13 @@ if [ ! -x "$venv/bin/python" ]; then
     echo "setup_env: creating $venv with $python"
     "$python" -m venv "$venv"
 fi
-"$venv/bin/python" -m pip install --quiet --upgrade pip
-echo "setup_env: installing mimir-megatron[$extras] into $venv (torch is large on first install)"
-"$venv/bin/python" -m pip install --quiet -e "${repo}[${extras}]"
+log="$venv/setup.log"
+echo "setup_env: installing mimir-megatron[$extras] into $venv (torch is large on first install; log: $log)"
+# pip and setuptools are chatty about editable installs: keep their output in the log, show it on failure.
+if ! { "$venv/bin/python" -m pip install --upgrade pip \
+        && "$venv/bin/python" -m pip install -e "${repo}[${extras}]"; } >"$log" 2>&1; then
+    tail -n 40 "$log" >&2
+    echo "setup_env: installation failed; full log: $log" >&2
+    exit 1
+fi
 echo "setup_env: ready: source $venv/bin/activate"

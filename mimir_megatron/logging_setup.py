@@ -27,3 +27,5 @@ def setup_logging(verbose: bool = False) -> None:
     # megatron-core and MLflow narrate their internals at INFO (every DDP bucket, DB migrations).
     for noisy in ("megatron", "mlflow", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING if not verbose else logging.DEBUG)
+    # megatron 0.19 warns on every checkpoint that its (unused here) async save is deprecated.
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").setLevel(logging.ERROR)

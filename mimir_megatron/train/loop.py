@@ -177,6 +177,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
                                     cfg.checkpoint.keep)
         tracker.set_tags({"checkpoint.latest": str(path.resolve())})
         result.checkpoint = str(path)
+        log.info("checkpoint saved: %s", path)
         return path
 
     # -- the loop ------------------------------------------------------------------------------
@@ -224,6 +225,8 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
                 log.warning("pre-empted: checkpoint saved at step %d", step)
                 result.preempted = True
                 break
+        if not result.preempted:
+            log.info("training done at step %d", step)
         if not result.preempted and eval_samples:
             result.exact_match = _evaluate(model, eval_samples, cfg, device, dp_rank, dp_size,
                                            dp_group, tracker, step)

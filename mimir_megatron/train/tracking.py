@@ -53,6 +53,7 @@ class Tracker:
         self._last_attempt = 0.0
         self._warned = False
         if enabled:
+            os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # no DB-migration chatter
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
             from mlflow.tracking import MlflowClient
