@@ -88,7 +88,12 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from mimir_megatron.data import build_train_loader, load_eval_samples, mixture_fingerprint
+    from mimir_megatron.data import (
+        PackedMixture,
+        build_train_loader,
+        load_eval_samples,
+        mixture_fingerprint,
+    )
     from mimir_megatron.model import build_model
 
     env = parallel.init_distributed()
@@ -139,6 +144,11 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
         parent_run_id = _init_weights(cfg, model, optimizer, ema)
 
     # -- data, tracking, signals ---------------------------------------------------------------
+    # The packing index is built once, by rank 0, up to the epoch being resumed; the other
+    # ranks then read it from its cache instead of each building it (minutes at 100B tokens).
+    if rank == 0:
+        PackedMixture(cfg.data).locate(consumed)
+    dist.barrier()
     loader = build_train_loader(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
                                 dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed)
     eval_samples = []
