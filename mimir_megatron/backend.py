@@ -55,6 +55,15 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if has_gpu() else torch.device("cpu")
 
 
+def peak_memory_gb() -> float:
+    """Peak memory of this process: allocated GPU memory, or the CPU resident set size."""
+    if has_gpu():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+
 def distributed_backend() -> str:
     return "nccl" if has_gpu() else "gloo"
 

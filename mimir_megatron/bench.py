@@ -95,23 +95,15 @@ def _time_steps(step: Callable[[], None], warmup: int, steps: int, device: torch
     return times
 
 
-def _peak_memory_gb(device: torch.device) -> float:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
 def _result(name: str, times: list[float], tokens: int, flops_per_token: float, peak: float | None,
-            device: torch.device, window: str) -> BenchResult:
+            window: str) -> BenchResult:
+    from mimir_megatron.backend import peak_memory_gb
+
     median = statistics.median(times)
     tflops = flops_per_token * tokens / median / 1e12
     return BenchResult(name=name, tokens_per_s=tokens / median, tflops_per_s=tflops,
                        mfu=tflops / peak if peak else None, step_median_s=median,
-                       step_spread_s=max(times) - min(times), peak_memory_gb=_peak_memory_gb(device),
+                       step_spread_s=max(times) - min(times), peak_memory_gb=peak_memory_gb(),
                        window=window)
 
 
@@ -159,7 +151,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     fpt = flops_per_token(cfg, plan.k_L, plan.k_H, args.seq_len)
     results.append(_result("mimir-megatron", _time_steps(ours, args.warmup, args.steps, device),
-                           tokens, fpt, peak, device, plan.describe()))
+                           tokens, fpt, peak, plan.describe()))
 
     if not args.no_peer:
         results.append(_bench_peer(model, cfg, args, batch, tokens, peak, device, autocast))
@@ -197,7 +189,7 @@ def _bench_peer(model, cfg, args, batch, tokens, peak, device, autocast) -> Benc
     times = _time_steps(step, args.warmup, args.steps, device)
     window = f"L_bp={bp} (k_L={k_L}, k_H={k_H})"
     return _result("transformers hrm_text", times, tokens,
-                   flops_per_token(cfg, k_L, k_H, args.seq_len), peak, device, window)
+                   flops_per_token(cfg, k_L, k_H, args.seq_len), peak, window)
 
 
 def _report(results: list[BenchResult], args: argparse.Namespace) -> None:

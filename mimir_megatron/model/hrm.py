@@ -218,10 +218,7 @@ class HRMTextModel(MegatronModule):
         per_token = tensor_parallel.vocab_parallel_cross_entropy(
             logits_parallel, torch.where(supervised, target, 0)
         )
-        count = supervised.sum()
-        denom = count if num_supervised is None else num_supervised
-        loss = (per_token * supervised).sum() / denom.clamp(min=1).to(per_token.dtype)
-        return loss, count
+        return self._normalise((per_token * supervised).sum(), supervised, num_supervised)
 
     def _chunked_loss(
         self, z_H: torch.Tensor, labels: torch.Tensor, num_supervised: torch.Tensor | None
@@ -242,6 +239,13 @@ class HRMTextModel(MegatronModule):
             vocab_start=parallel_state.get_tensor_model_parallel_rank() * weight.shape[0],
             vocab_size=cfg.vocab_size, group=parallel_state.get_tensor_model_parallel_group(),
         )
+        return self._normalise(loss_sum, supervised, num_supervised)
+
+    @staticmethod
+    def _normalise(
+        loss_sum: torch.Tensor, supervised: torch.Tensor, num_supervised: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Divide by the supervised-token count: the caller's (global batch) or this batch's."""
         count = supervised.sum()
         denom = count if num_supervised is None else num_supervised
         return loss_sum / denom.clamp(min=1).to(loss_sum.dtype), count

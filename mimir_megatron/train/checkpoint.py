@@ -86,7 +86,8 @@ def _sharded_state(model, optimizer, ema) -> dict[str, Any]:
     by_param = {id(t.data): t for t in model_sd.values() if hasattr(t, "data")}
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
-        local, sharded = local_optimizer(optimizer), local_optimizer(optimizer) is not optimizer
+        local = local_optimizer(optimizer)
+        sharded = local is not optimizer
         names = {id(p): n for n, p in model.named_parameters()}
         moments = {}
         for param in owned_parameters(optimizer):
@@ -254,11 +255,11 @@ def load_model_from_checkpoint(path: Path, ema: bool = False):
     from mimir_megatron.train.optim import EMA
 
     state = read_trainer_state(path)
+    if ema and state["config"]["optim"]["ema_decay"] == 0:
+        raise UserError(f"{path} was trained without an EMA (optim.ema_decay = 0)")
     cfg = model_config_from_dict({**state["model"], "tensor_parallel_size": 1})
     model = build_model(cfg)
     averaged = EMA(model, decay=0.0) if ema else None
-    if ema and state["config"]["optim"]["ema_decay"] == 0:
-        raise UserError(f"{path} was trained without an EMA (optim.ema_decay = 0)")
     load_checkpoint(path, model, None, averaged)
     if averaged is not None:
         averaged.copy_to(model)

@@ -7,7 +7,6 @@ reduction), dist_checkpointing; the schedules, optimizer groups and tracking are
 from __future__ import annotations
 
 import logging
-import resource
 import signal
 import time
 from contextlib import nullcontext
@@ -291,7 +290,7 @@ def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan, loss: float, 
         "tokens_per_s": tokens / seconds,
         "tflops_per_device": tflops_per_device,
         "step_time_s": seconds,
-        "peak_memory_gb": _peak_memory_gb(),
+        "peak_memory_gb": backend.peak_memory_gb(),
         **{f"lr/{g}": lr for g, lr in plan.group_lr.items()},
     }
     if cfg.train.peak_tflops:
@@ -309,12 +308,6 @@ def _eval_subset(samples: list, limit: int) -> list:
         return []
     stride = max(1, len(samples) // limit)
     return samples[::stride][:limit]
-
-
-def _peak_memory_gb() -> float:
-    if backend.has_gpu():
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
 
 
 def _evaluate(model, samples, cfg: TrainConfig, device, dp_rank, dp_size, dp_group,
