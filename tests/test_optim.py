@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from mimir_megatron.train.optim import EMA, AdamAtan2, group_of, init_state, optimizer_step
@@ -28,13 +29,7 @@ def test_adam_atan2_two_steps_by_hand():
     opt = AdamAtan2([q], lr=1.0, weight_decay=0.0)
     q.grad = torch.tensor([1e-12])
     opt.step()
-    assert q.item() == pytest_approx(-1.27 * math.pi / 4)
-
-
-def pytest_approx(x):
-    import pytest
-
-    return pytest.approx(x, rel=1e-6)
+    assert q.item() == pytest.approx(-1.27 * math.pi / 4, rel=1e-6)
 
 
 def test_frozen_group_gets_no_update_and_no_weight_decay():

@@ -80,16 +80,22 @@ def submit_stand_in(cluster, tmp_path, steps: int):
     return job, run_dir, out
 
 
-def test_v1_requeues_and_resumes_with_a_stand_in_trainer(cluster, tmp_path):
-    job, run_dir, out = submit_stand_in(cluster, tmp_path, 25)
-    wait_for_text(out, r"step 3/25", 60, cluster, job)
+def preempt_until_complete(cluster, job, out, started: str, start_timeout: float,
+                           timeout: float) -> tuple[str, int]:
+    """Once ``started`` is logged, send USR1 to the batch script; the job must checkpoint,
+    requeue once and complete. Returns the log and the step the checkpoint was saved at."""
+    wait_for_text(out, started, start_timeout, cluster, job)
     cluster.scancel("--batch", "--signal=USR1", job)
-    info = cluster.wait(job, timeout=90, until=lambda f: f["JobState"] == "COMPLETED"
+    info = cluster.wait(job, timeout=timeout, until=lambda f: f["JobState"] == "COMPLETED"
                         or (f["JobState"] in ("FAILED", "CANCELLED", "TIMEOUT")))
     log = out.read_text()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), log
+    return log, int(re.search(r"pre-empted: checkpoint saved at step (\d+)", log).group(1))
 
-    saved = int(re.search(r"pre-empted: checkpoint saved at step (\d+)", log).group(1))
+
+def test_v1_requeues_and_resumes_with_a_stand_in_trainer(cluster, tmp_path):
+    job, run_dir, out = submit_stand_in(cluster, tmp_path, 25)
+    log, saved = preempt_until_complete(cluster, job, out, r"step 3/25", start_timeout=60, timeout=90)
     assert 3 <= saved < 25
     assert f"requeueing job {job}" in log
     assert f"resumed from {run_dir}/checkpoints/step_{saved:07d} at step {saved}" in log
@@ -175,13 +181,8 @@ def test_v1_demo_is_preempted_requeued_and_resumes(cluster, demo_data, tmp_path)
     job = submit_demo(cluster, demo_data, run_dir, out, f"train.steps={steps}",
                       "checkpoint.interval=1000", "train.log_interval=1")
     # Pre-empt once training is under way (a step has been logged).
-    wait_for_text(out, rf"step 2/{steps} loss", 600, cluster, job)
-    cluster.scancel("--batch", "--signal=USR1", job)
-    info = cluster.wait(job, timeout=600, until=lambda f: f["JobState"] == "COMPLETED"
-                        or (f["JobState"] in ("FAILED", "CANCELLED", "TIMEOUT")))
-    log = out.read_text()
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), log
-    saved = int(re.search(r"pre-empted: checkpoint saved at step (\d+)", log).group(1))
+    log, saved = preempt_until_complete(cluster, job, out, rf"step 2/{steps} loss",
+                                       start_timeout=600, timeout=600)
     assert 2 <= saved < steps, log
     assert f"requeueing job {job}" in log
     resumed = re.search(r"resumed from (\S+) at step (\d+)", log)

@@ -49,10 +49,7 @@ def test_checkpoints_are_atomic_and_pruned(demo_data, tmp_path):
 def test_mlflow_run_holds_config_and_per_step_metrics(uninterrupted):
     from mlflow.tracking import MlflowClient
 
-    run_dir = None
-    client = None
-    for candidate in [p for p in (uninterrupted.checkpoint,) if p]:
-        run_dir = os.path.dirname(os.path.dirname(candidate))
+    run_dir = os.path.dirname(os.path.dirname(uninterrupted.checkpoint))  # <run>/checkpoints/step_N
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
     mlrun = client.get_run(uninterrupted.run_id)
     assert mlrun.info.status == "FINISHED"
@@ -72,7 +69,6 @@ def test_mlflow_run_holds_config_and_per_step_metrics(uninterrupted):
 
 def test_frozen_modules_do_not_move(demo_data, tmp_path):
     """With k=1 (last_k) only H trains: L and the embedding must stay bit-identical."""
-    from mimir_megatron.interop import read_safetensors_dir  # noqa: F401
     from mimir_megatron.model import build_model
     from mimir_megatron.model.state import gather_full_state
     from mimir_megatron.train.checkpoint import load_checkpoint
