@@ -64,6 +64,37 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
 
 
+def transformer_engine_missing() -> str | None:
+    """Why Transformer Engine cannot be used here, or None when it can (GPU and TE imports)."""
+    if not has_gpu():
+        return "no GPU in this process"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # ImportError, or a CUDA/library mismatch raised at import
+        return f"transformer_engine does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
+def layer_backend(requested: str) -> str:
+    """The layer implementation a model uses: ``te`` (Transformer Engine linears, FP8-capable)
+    or ``local`` (megatron's own). ``auto`` takes te where it works, else local."""
+    if requested == "auto":
+        return "te" if transformer_engine_missing() is None else "local"
+    if requested == "te" and (why := transformer_engine_missing()):
+        from mimir_megatron.errors import ConfigError
+
+        raise ConfigError(f"model.layer_backend=te needs Transformer Engine on a GPU: {why}")
+    return requested
+
+
+def attention_backend(requested: str) -> str:
+    """The PrefixLM attention kernel: ``auto`` is FlexAttention on GPU, the dense reference on
+    CPU (FlexAttention has no CPU backward)."""
+    if requested == "auto":
+        return "flex" if has_gpu() else "dense"
+    return requested
+
+
 def distributed_backend() -> str:
     return "nccl" if has_gpu() else "gloo"
 

@@ -5,6 +5,11 @@ backward over the window, AdamW step. The peer's window is expressed through its
 ``L_bp_cycles`` (its H-applications always get gradients), which matches ``last_k`` exactly for
 k = 5..8 (k=5: ``L_bp = [0, 3]``); other k are reported with the peer's nearest window.
 
+Our model can be measured in several variants in one run (``--variant``), each a set of model
+overrides: the speed levers (attention kernel, layer backend and FP8, torch.compile, recompute,
+chunked loss) are all model settings. A variant that fails (out of memory, a missing library)
+is reported with its error; the others still run.
+
 Reports tokens/s, TFLOP/s (formula: :mod:`mimir_megatron.train.flops`), MFU when the device's
 peak is known, step-time median and spread, and peak memory, as a table and as JSON.
 """
@@ -12,35 +17,65 @@ peak is known, step-time median and spread, and peak memory, as a table and as J
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported when the command runs, not when the CLI starts
     import torch
+
+    from mimir_megatron.batch import Batch
 
 log = logging.getLogger(__name__)
 
 SHAPES = {"tiny": "configs/model/tiny.yaml", "mimir": "configs/model/mimir.yaml"}
 # Dense bf16 peaks (TFLOP/s) of devices we know; MFU is left out elsewhere unless --peak-tflops.
 PEAK_BF16 = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}
+PEER_NAME = "transformers hrm_text"
 
 
 @dataclass
 class BenchResult:
     name: str
-    tokens_per_s: float
-    tflops_per_s: float
-    mfu: float | None
-    step_median_s: float
-    step_spread_s: float
-    peak_memory_gb: float
-    window: str
+    tokens_per_s: float = 0.0
+    tflops_per_s: float = 0.0
+    mfu: float | None = None
+    step_median_s: float = 0.0
+    step_spread_s: float = 0.0
+    peak_memory_gb: float = 0.0
+    window: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class Variant:
+    """One configuration of our model to measure: a name and model ``key=value`` overrides."""
+
+    name: str
+    overrides: list[str]
+
+
+@dataclass
+class BenchSetup:
+    """What every measurement of one run shares."""
+
+    window: int
+    tokens: int
+    seq_len: int
+    batch: Batch
+    device: torch.device
+    precision: str
+    peak_tflops: float | None
+    warmup: int
+    steps: int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,13 +85,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=5, help="bp window k (default 5)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--samples-per-context", type=int, default=1,
+                   help="packed samples per context (the PrefixLM kernels' sparsity depends on it)")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (and compilation)")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="compute precision: auto = bf16 autocast on GPU, fp32 on CPU")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
+                   help="measure our model with these extra overrides (repeatable), e.g. "
+                        "'flex+compile:attention_backend=flex,compile=true'")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
     p.add_argument("--json", help="also write the results here")
-    p.add_argument("overrides", nargs="*", help="model key=value overrides")
+    p.add_argument("overrides", nargs="*", help="model key=value overrides for every variant")
     p.set_defaults(handler=cmd_bench)
+
+
+def parse_variant(text: str) -> Variant:
+    """``NAME:key=value,key=value`` (or just ``NAME`` for the shared settings)."""
+    name, _, rest = text.partition(":")
+    if not name.strip():
+        raise ValueError(f"variant {text!r} needs a name before ':'")
+    overrides = [item.strip() for item in rest.split(",") if item.strip()]
+    bad = [item for item in overrides if "=" not in item]
+    if bad:
+        raise ValueError(f"variant {name!r}: expected key=value, got {', '.join(bad)}")
+    return Variant(name.strip(), overrides)
 
 
 def _repo_path(relative: str) -> Path:
@@ -64,19 +118,33 @@ def _repo_path(relative: str) -> Path:
     return here if here.is_file() else Path(__file__).resolve().parent.parent / relative
 
 
-def _batch(vocab: int, micro_batch: int, seq_len: int, device: torch.device):
+def bench_batch(vocab: int, micro_batch: int, seq_len: int, samples_per_context: int = 1) -> Batch:
+    """Random tokens, ``samples_per_context`` samples packed per row (the last one takes the
+    remainder), each half prefix and half supervised response."""
     import torch
 
-    from mimir_megatron.batch import Batch
+    from mimir_megatron.batch import IGNORE_INDEX, Batch
 
+    if not 1 <= samples_per_context <= seq_len // 2:
+        raise ValueError(f"--samples-per-context must be in 1..{seq_len // 2}, got {samples_per_context}")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (micro_batch, seq_len), generator=g)
-    prefix = torch.zeros(micro_batch, seq_len, dtype=torch.bool)
-    prefix[:, : seq_len // 2] = True
     labels = torch.randint(0, vocab, (micro_batch, seq_len), generator=g)
-    labels[:, : seq_len // 2 - 1] = -100
-    return Batch(ids, torch.arange(seq_len).repeat(micro_batch, 1),
-                 torch.ones(micro_batch, seq_len, dtype=torch.long), prefix, labels).to(device)
+    length = seq_len // samples_per_context
+    starts = [i * length for i in range(samples_per_context)] + [seq_len]
+    segment = torch.zeros(seq_len, dtype=torch.long)
+    position = torch.zeros(seq_len, dtype=torch.long)
+    prefix = torch.zeros(seq_len, dtype=torch.bool)
+    supervised = torch.zeros(seq_len, dtype=torch.bool)
+    for n, (a, b) in enumerate(zip(starts, starts[1:]), start=1):
+        half = (b - a) // 2
+        segment[a:b] = n
+        position[a:b] = torch.arange(b - a)
+        prefix[a : a + half] = True
+        supervised[a + half - 1 : b] = True
+    labels[:, ~supervised] = IGNORE_INDEX
+    rows = micro_batch
+    return Batch(ids, position.repeat(rows, 1), segment.repeat(rows, 1), prefix.repeat(rows, 1), labels)
 
 
 def _time_steps(step: Callable[[], None], warmup: int, steps: int, device: torch.device) -> list[float]:
@@ -95,16 +163,16 @@ def _time_steps(step: Callable[[], None], warmup: int, steps: int, device: torch
     return times
 
 
-def _result(name: str, times: list[float], tokens: int, flops_per_token: float, peak: float | None,
-            window: str) -> BenchResult:
+def _result(name: str, times: list[float], setup: BenchSetup, flops_per_token: float, window: str,
+            settings: dict[str, Any]) -> BenchResult:
     from mimir_megatron.backend import peak_memory_gb
 
     median = statistics.median(times)
-    tflops = flops_per_token * tokens / median / 1e12
-    return BenchResult(name=name, tokens_per_s=tokens / median, tflops_per_s=tflops,
-                       mfu=tflops / peak if peak else None, step_median_s=median,
-                       step_spread_s=max(times) - min(times), peak_memory_gb=peak_memory_gb(),
-                       window=window)
+    tflops = flops_per_token * setup.tokens / median / 1e12
+    return BenchResult(name=name, tokens_per_s=setup.tokens / median, tflops_per_s=tflops,
+                       mfu=tflops / setup.peak_tflops if setup.peak_tflops else None,
+                       step_median_s=median, step_spread_s=max(times) - min(times),
+                       peak_memory_gb=peak_memory_gb(), window=window, settings=settings)
 
 
 def peer_l_bp_cycles(h_cycles: int, l_cycles: int, k: int) -> list[int]:
@@ -118,97 +186,202 @@ def peer_l_bp_cycles(h_cycles: int, l_cycles: int, k: int) -> list[int]:
     return list(reversed(cycles))
 
 
+def _autocast(setup: BenchSetup):
+    import torch
+
+    bf16 = setup.precision == "bf16" or (setup.precision == "auto" and setup.device.type == "cuda")
+    return torch.autocast(setup.device.type, dtype=torch.bfloat16, enabled=bf16)
+
+
+def _release(device: torch.device) -> None:
+    """Free the previous measurement's model and optimizer before the next one's peak memory."""
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from mimir_megatron import backend
     from mimir_megatron.config import load_config
-    from mimir_megatron.model import build_model
-    from mimir_megatron.train.flops import flops_per_token
 
-    cfg = load_config(_repo_path(args.config or SHAPES[args.shape]), args.overrides)
+    config_path = _repo_path(args.config or SHAPES[args.shape])
+    variants = [parse_variant(v) for v in args.variant] or [Variant("mimir-megatron", [])]
+    configs = {v.name: load_config(config_path, [*args.overrides, *v.overrides]) for v in variants}
     device = backend.device()
     peak = args.peak_tflops
     if peak is None and device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
-    tokens = args.micro_batch * args.seq_len
-    batch = _batch(cfg.vocab_size, args.micro_batch, args.seq_len, device)
-    results = []
-
-    model = build_model(cfg)
-    plan = model.window_plan(args.window)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def ours() -> None:
-        with autocast:
-            out = model(batch, window=args.window, return_logits=False, validate=False)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    fpt = flops_per_token(cfg, plan.k_L, plan.k_H, args.seq_len)
-    results.append(_result("mimir-megatron", _time_steps(ours, args.warmup, args.steps, device),
-                           tokens, fpt, peak, plan.describe()))
-
+    first = next(iter(configs.values()))
+    batch = bench_batch(first.vocab_size, args.micro_batch, args.seq_len, args.samples_per_context)
+    setup = BenchSetup(window=args.window, tokens=args.micro_batch * args.seq_len, seq_len=args.seq_len,
+                       batch=batch.to(device), device=device, precision=args.precision,
+                       peak_tflops=peak, warmup=args.warmup, steps=args.steps)
+    report = Report(args, device)
+    weights = SharedWeights()
+    for name, cfg in configs.items():
+        report.add(_bench_ours(name, cfg, setup, weights))
     if not args.no_peer:
-        results.append(_bench_peer(model, cfg, args, batch, tokens, peak, device, autocast))
-    _report(results, args)
-    return 0
+        report.add(_bench_peer(first, setup, weights))
+    report.finish()
+    return 0 if all(r.error is None for r in report.results) else 1
 
 
-def _bench_peer(model, cfg, args, batch, tokens, peak, device, autocast) -> BenchResult:
+class SharedWeights:
+    """Initialise the weights once (a Mimir-size init takes tens of seconds on CPU) and give every
+    later model of the run the same values: built on the meta device, then loaded."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def model(self, cfg, device: torch.device):
+        from mimir_megatron import backend
+        from mimir_megatron.model import build_model
+
+        te = backend.layer_backend(cfg.layer_backend) == "te"
+        if self.state is None or te:  # TE keeps FP8 state that an empty model would not have
+            model = build_model(cfg, device=device)
+            if self.state is None and not te:
+                self.state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            elif self.state is not None:
+                model.load_state_dict(self.state, strict=False)  # missing: TE's `_extra_state`
+            return model
+        model = build_model(cfg, device="meta").to_empty(device=device)
+        model.load_state_dict(self.state)
+        return model
+
+
+def _failed(name: str, exc: BaseException, device: torch.device) -> BenchResult:
+    log.error("%s failed: %s: %s", name, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+    _release(device)
+    return BenchResult(name=name, error=f"{type(exc).__name__}: {exc}"[:500])
+
+
+def _bench_ours(name: str, cfg, setup: BenchSetup, weights: SharedWeights) -> BenchResult:
+    import torch
+
+    from mimir_megatron.train.flops import flops_per_token
+
+    _release(setup.device)
+    try:
+        model = weights.model(cfg, setup.device)
+        plan = model.window_plan(setup.window)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        autocast = _autocast(setup)
+
+        def step() -> None:
+            with autocast:
+                out = model(setup.batch, window=setup.window, return_logits=False, validate=False)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        times = _time_steps(step, setup.warmup, setup.steps, setup.device)
+        settings = {"attention": model.attention_backend, "layers": model.layer_backend,
+                    "fp8": cfg.fp8, "compile": cfg.compile, "recompute": cfg.recompute,
+                    "loss_chunk_tokens": cfg.loss_chunk_tokens}
+        result = _result(name, times, setup, flops_per_token(cfg, plan.k_L, plan.k_H, setup.seq_len),
+                         plan.describe(), settings)
+    except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
+        return _failed(name, exc, setup.device)
+    return result
+
+
+def _bench_peer(cfg, setup: BenchSetup, weights: SharedWeights) -> BenchResult:
     import torch
     from transformers import AutoModelForCausalLM
 
     from mimir_megatron.interop import export_hf
     from mimir_megatron.train.flops import flops_per_token
 
-    with tempfile.TemporaryDirectory() as tmp:
-        export_hf(model, Path(tmp) / "hf")
-        peer = AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.float32,
-                                                    attn_implementation="sdpa").to(device).train()
-    bp = peer_l_bp_cycles(cfg.h_cycles, cfg.l_cycles, args.window)
-    peer.model.L_bp_cycles_padded = bp
-    k_L, k_H = sum(bp), cfg.h_cycles
-    opt = torch.optim.AdamW(peer.parameters(), lr=1e-4)
-    valid = batch.segment_ids > 0
+    _release(setup.device)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            local = replace(cfg, layer_backend="local", fp8="none", compile=False)
+            export_hf(weights.model(local, torch.device("cpu")), Path(tmp) / "hf")
+            peer = AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.float32,
+                                                        attn_implementation="sdpa")
+        peer = peer.to(setup.device).train()
+        bp = peer_l_bp_cycles(cfg.h_cycles, cfg.l_cycles, setup.window)
+        peer.model.L_bp_cycles_padded = bp
+        k_L, k_H = sum(bp), cfg.h_cycles
+        opt = torch.optim.AdamW(peer.parameters(), lr=1e-4)
+        batch, autocast = setup.batch, _autocast(setup)
+        if int(batch.segment_ids.max()) > 1:
+            raise ValueError("the transformers peer cannot express packed samples "
+                             "(use --samples-per-context 1, or --no-peer)")
+        valid = batch.segment_ids > 0
 
-    def step() -> None:
-        with autocast:
-            out = peer(input_ids=batch.input_ids, attention_mask=valid.long(),
-                       token_type_ids=batch.prefix_mask.long(), labels=batch.labels, use_cache=False)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        def step() -> None:
+            with autocast:
+                out = peer(input_ids=batch.input_ids, attention_mask=valid.long(),
+                           token_type_ids=batch.prefix_mask.long(), labels=batch.labels,
+                           use_cache=False)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = _time_steps(step, args.warmup, args.steps, device)
-    window = f"L_bp={bp} (k_L={k_L}, k_H={k_H})"
-    return _result("transformers hrm_text", times, tokens,
-                   flops_per_token(cfg, k_L, k_H, args.seq_len), peak, window)
+        times = _time_steps(step, setup.warmup, setup.steps, setup.device)
+        window = f"L_bp={bp} (k_L={k_L}, k_H={k_H})"
+        result = _result(PEER_NAME, times, setup, flops_per_token(cfg, k_L, k_H, setup.seq_len),
+                         window, {"attention": "sdpa"})
+    except Exception as exc:  # noqa: BLE001
+        return _failed(PEER_NAME, exc, setup.device)
+    return result
 
 
-def _report(results: list[BenchResult], args: argparse.Namespace) -> None:
-    import torch
+class Report:
+    """Prints each result as it is measured and rewrites the JSON after each one, so a run cut
+    short (a time limit, an out-of-memory kill) keeps what it measured."""
 
-    header = (f"{'implementation':<24}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'step (s)':>10}"
-              f"{'spread':>9}{'peak GB':>9}  window")
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
-        print(f"{r.name:<24}{r.tokens_per_s:>12,.0f}{r.tflops_per_s:>10.3f}{mfu:>8}"
-              f"{r.step_median_s:>10.3f}{r.step_spread_s:>9.3f}{r.peak_memory_gb:>9.2f}  {r.window}")
-    if len(results) == 2:
-        ratio = results[0].tokens_per_s / results[1].tokens_per_s
-        print(f"ratio mimir-megatron / transformers (tokens/s): {ratio:.2f}")
-    if args.json:
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        payload = {"shape": args.config or args.shape, "window": args.window, "seq_len": args.seq_len,
-                   "micro_batch": args.micro_batch, "device": device,
-                   "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in results]}
-        Path(args.json).write_text(json.dumps(payload, indent=2))
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        import torch
+
+        self.args, self.results = args, []
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        self.torch_version = torch.__version__
+        header = (f"{'implementation':<28}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'step (s)':>10}"
+                  f"{'spread':>9}{'peak GB':>9}  window / settings")
+        print(header)
+        print("-" * len(header), flush=True)
+
+    def add(self, r: BenchResult) -> None:
+        self.results.append(r)
+        if r.error:
+            print(f"{r.name:<28}FAILED: {r.error.splitlines()[0]}", flush=True)
+        else:
+            mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
+            settings = " ".join(f"{k}={v}" for k, v in r.settings.items())
+            print(f"{r.name:<28}{r.tokens_per_s:>12,.0f}{r.tflops_per_s:>10.3f}{mfu:>8}"
+                  f"{r.step_median_s:>10.3f}{r.step_spread_s:>9.3f}{r.peak_memory_gb:>9.2f}  "
+                  f"{r.window}  {settings}", flush=True)
+        self._write()
+
+    def ratios(self) -> dict[str, float]:
+        """tokens/s of each of our variants over the peer's, when the peer ran."""
+        peer = next((r for r in self.results if r.name == PEER_NAME and not r.error), None)
+        if peer is None:
+            return {}
+        return {r.name: r.tokens_per_s / peer.tokens_per_s
+                for r in self.results if r is not peer and not r.error}
+
+    def finish(self) -> None:
+        for name, ratio in self.ratios().items():
+            print(f"ratio {name} / transformers (tokens/s): {ratio:.2f}")
+        self._write()
+
+    def _write(self) -> None:
+        if not self.args.json:
+            return
+        a = self.args
+        payload = {"shape": a.config or a.shape, "window": a.window, "seq_len": a.seq_len,
+                   "micro_batch": a.micro_batch, "samples_per_context": a.samples_per_context,
+                   "precision": a.precision, "device": self.device_name, "torch": self.torch_version,
+                   "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in self.results],
+                   "ratio_vs_transformers": self.ratios()}
+        Path(a.json).write_text(json.dumps(payload, indent=2))

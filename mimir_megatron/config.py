@@ -20,8 +20,14 @@ log = logging.getLogger(__name__)
 
 WINDOW_POLICIES = ("last_k", "h_first")
 PARAMS_DTYPES = ("float32", "bfloat16")
-ATTENTION_BACKENDS = ("dense",)
+ATTENTION_BACKENDS = ("auto", "dense", "flex", "varlen")
+LAYER_BACKENDS = ("auto", "local", "te")
+FP8_RECIPES = ("none", "delayed", "current", "mxfp8")
 RECOMPUTE = ("none", "selective", "full")
+EXECUTION_FIELDS = ("attention_backend", "layer_backend", "fp8", "compile", "recompute",
+                    "loss_chunk_tokens")
+"""Model settings that choose how the model computes, not what it is: free to change between a
+checkpoint's save and its resume or export."""
 
 
 @dataclass
@@ -64,8 +70,18 @@ class ModelConfig:
     """Shard activations along the sequence between TP regions (only used when TP > 1)."""
     params_dtype: str = "float32"
     """Storage dtype of the weights: float32 (CPU, master weights) or bfloat16."""
-    attention_backend: str = "dense"
-    """PrefixLM attention implementation from `kernels/` (`dense`: boolean mask + SDPA)."""
+    attention_backend: str = "auto"
+    """PrefixLM attention from `kernels/`: `dense` (boolean mask + SDPA, the CPU reference),
+    `flex` (FlexAttention block mask, compiled on GPU), `varlen` (two-pass variable-length
+    flash attention, GPU); `auto` picks flex on GPU and dense on CPU."""
+    layer_backend: str = "auto"
+    """Linear layers of the L/H stacks: `local` (megatron's own, CPU and GPU) or `te`
+    (Transformer Engine, needed for FP8); `auto` picks te where it imports on a GPU."""
+    fp8: str = "none"
+    """FP8 recipe of the Transformer Engine linears: none (bf16), delayed or current scaling
+    (Hopper), mxfp8 (Blackwell). Needs layer_backend te (or auto resolving to it)."""
+    compile: bool = False
+    """torch.compile each module application (the L and H stacks) on GPU."""
     recompute: str = "none"
     """Activation recompute in the applications with grad: none, selective (core attention) or
     full (every layer's input is kept, the layer recomputed in backward)."""
@@ -147,9 +163,14 @@ class ModelConfig:
             errs.append(f"model.params_dtype must be one of {PARAMS_DTYPES}, got {self.params_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             errs.append(
-                f"model.attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"model.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
             )
+        for name, allowed in (("layer_backend", LAYER_BACKENDS), ("fp8", FP8_RECIPES)):
+            if getattr(self, name) not in allowed:
+                errs.append(f"model.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.fp8 != "none" and self.layer_backend == "local":
+            errs.append(f"model.fp8={self.fp8} needs model.layer_backend te (or auto), not local")
         if self.recompute not in RECOMPUTE:
             errs.append(f"model.recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.loss_chunk_tokens < 0:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_config
-from mimir_kernels import prefix_lm_mask
+from mimir_kernels import PrefixLMLayout, prefix_lm_mask
 
 from mimir_megatron.batch import Batch, BatchError, single_sample_batch
 from mimir_megatron.model import build_model
@@ -41,16 +41,19 @@ def batch():
 def explicit_loss(model, batch: Batch, with_grad: set[int]) -> torch.Tensor:
     """The recurrence written out independently of the model's loop and loss."""
     cfg = model.cfg
-    masked = prefix_lm_mask(batch.segment_ids, batch.prefix_mask)
+    # The dense reference layout, whatever backend the model would pick.
+    layout = PrefixLMLayout("dense", dense_mask=prefix_lm_mask(batch.segment_ids, batch.prefix_mask))
     angles = rotary_angles(batch.position_ids, cfg.head_dim, cfg.rope_theta)
     z_H = model.embedding(batch.input_ids).transpose(0, 1) * cfg.hidden_size ** 0.5
     z_L = model.z_L_init.expand_as(z_H)
     for i, module in enumerate("LLLHLLLH"):
         with nullcontext() if i in with_grad else torch.no_grad():
             if module == "L":
-                z_L = model.L(z_L + z_H, attention_mask=masked, rotary_pos_emb=angles)
+                z_L = model.L(z_L + z_H, attention_mask=None, rotary_pos_emb=angles,
+                              packed_seq_params=layout)
             else:
-                z_H = model.H(z_H + z_L, attention_mask=masked, rotary_pos_emb=angles)
+                z_H = model.H(z_H + z_L, attention_mask=None, rotary_pos_emb=angles,
+                              packed_seq_params=layout)
     logits = model.head(z_H)[0].transpose(0, 1)[..., : cfg.vocab_size]  # drop padded rows
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1),
                            ignore_index=-100)

@@ -29,6 +29,10 @@ class DataConfig:
     pad_token_id: int = 0
     """Filler id for padding positions (segment 0, label -100: never attended to or trained on)."""
 
+    prefetch: int = 2
+    """Micro-batches built ahead on a background thread (pinned, copied asynchronously on GPU);
+    0 builds each one when the step asks for it."""
+
     eval_path: str | None = None
     """A prepared held-out dataset for exact-match evaluation (see load_eval_samples)."""
 
@@ -47,6 +51,8 @@ class DataConfig:
             errors.append(f"data.seed must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.pack_window, int) or self.pack_window < 1:
             errors.append(f"data.pack_window must be a positive integer, got {self.pack_window!r}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            errors.append(f"data.prefetch must be an integer >= 0, got {self.prefetch!r}")
         if not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
             errors.append(f"data.pad_token_id must be >= 0, got {self.pad_token_id!r}")
         if errors:

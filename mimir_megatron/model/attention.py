@@ -1,15 +1,18 @@
 """PrefixLM core attention in megatron's ``core_attention`` slot.
 
 Megatron's attention module computes q, k, v, the sigmoid output gate and RoPE; this slot
-receives ``[seq, batch, heads, head_dim]`` tensors and the boolean PrefixLM mask and returns
-``[seq, batch, heads * head_dim]``. The kernel comes from ``kernels/`` (``mimir_kernels``).
+receives ``[seq, batch, heads, head_dim]`` tensors and returns ``[seq, batch, heads * head_dim]``.
+The kernel comes from ``kernels/`` (``mimir_kernels``). What it needs about the batch (dense mask,
+FlexAttention block mask or variable-length indices) is a :class:`mimir_kernels.PrefixLMLayout`
+built once per forward pass; it travels through megatron's ``packed_seq_params`` argument, which
+megatron hands to this slot unchanged and keeps out of its activation checkpoints' saved inputs.
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core.transformer.module import MegatronModule
-from mimir_kernels import dense_prefix_lm_attention
+from mimir_kernels import PrefixLMLayout, prefix_lm_attention
 
 
 class PrefixLMCoreAttention(MegatronModule):
@@ -19,8 +22,9 @@ class PrefixLMCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None) -> torch.Tensor:
-        if attention_mask is None:
-            raise ValueError("PrefixLM attention needs the mask built from the batch")
-        return dense_prefix_lm_attention(query, key, value, attention_mask, self.softmax_scale)
+                attention_mask: torch.Tensor | None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params: PrefixLMLayout | None = None) -> torch.Tensor:
+        if not isinstance(packed_seq_params, PrefixLMLayout):
+            raise ValueError("PrefixLM attention needs the layout built from the batch "
+                             "(mimir_kernels.build_layout), passed as packed_seq_params")
+        return prefix_lm_attention(query, key, value, packed_seq_params, self.softmax_scale)

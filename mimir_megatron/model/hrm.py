@@ -15,8 +15,9 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
-from mimir_kernels import chunked_vocab_parallel_cross_entropy, prefix_lm_mask
+from mimir_kernels import build_layout, chunked_vocab_parallel_cross_entropy
 
+from mimir_megatron import backend
 from mimir_megatron.batch import IGNORE_INDEX, Batch, BatchError
 from mimir_megatron.config import ModelConfig
 from mimir_megatron.model.init import lecun_normal_, vocab_rows_init, z_l_init_
@@ -45,8 +46,17 @@ def transformer_config(cfg: ModelConfig, num_layers: int) -> TransformerConfig:
         "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
         "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     }[cfg.recompute]
+    # TE recipes: e4m3 forward / e5m2 gradients ("hybrid"); MXFP8 blocks use e4m3 throughout.
+    fp8 = {
+        "none": {},
+        "delayed": dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
+                        fp8_amax_compute_algo="max"),
+        "current": dict(fp8="hybrid", fp8_recipe="tensorwise"),
+        "mxfp8": dict(fp8="e4m3", fp8_recipe="mxfp8"),
+    }[cfg.fp8]
     return TransformerConfig(
         **recompute,
+        **fp8,
         num_layers=num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size,
@@ -85,19 +95,21 @@ def transformer_config(cfg: ModelConfig, num_layers: int) -> TransformerConfig:
 class HRMTextModel(MegatronModule):
     """Embedding -> recurrence of L and H stacks -> untied head, with PrefixLM attention."""
 
-    def __init__(self, cfg: ModelConfig, layer_backend: str = "local"):
+    def __init__(self, cfg: ModelConfig):
         config_l = transformer_config(cfg, cfg.num_layers_L)
         super().__init__(config=config_l)
         self.cfg = cfg
+        self.layer_backend = backend.layer_backend(cfg.layer_backend)
+        self.attention_backend = backend.attention_backend(cfg.attention_backend)
         self.embedding = tensor_parallel.VocabParallelEmbedding(
             cfg.padded_vocab_size,
             cfg.hidden_size,
             init_method=vocab_rows_init(cfg.vocab_size),
             config=config_l,
         )
-        self.L = TransformerBlock(config_l, block_spec(cfg.num_layers_L, layer_backend))
+        self.L = TransformerBlock(config_l, block_spec(cfg.num_layers_L, self.layer_backend))
         self.H = TransformerBlock(
-            transformer_config(cfg, cfg.num_layers_H), block_spec(cfg.num_layers_H, layer_backend)
+            transformer_config(cfg, cfg.num_layers_H), block_spec(cfg.num_layers_H, self.layer_backend)
         )
         self.head = tensor_parallel.ColumnParallelLinear(
             cfg.hidden_size,
@@ -111,6 +123,11 @@ class HRMTextModel(MegatronModule):
         # Fixed initial low-level state; saved with the weights, never trained.
         self.register_buffer("z_L_init", torch.empty(cfg.hidden_size, dtype=config_l.params_dtype))
         z_l_init_(self.z_L_init)
+        if cfg.compile:
+            # In place (keeps parameter names): each module application runs the compiled
+            # stack; grad and no-grad applications get one compiled graph each.
+            self.L.compile()
+            self.H.compile()
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -143,17 +160,19 @@ class HRMTextModel(MegatronModule):
             self._check_sequence_split(batch.shape[1])
         plan = self.window_plan(window, h_cycles, l_cycles)
 
-        masked_out = prefix_lm_mask(batch.segment_ids, batch.prefix_mask)
+        # Built once, shared by every layer of every application.
+        layout = build_layout(self.attention_backend, batch.segment_ids, batch.prefix_mask)
         angles = rotary_angles(batch.position_ids, cfg.head_dim, cfg.rope_theta)
+        stack_args = dict(attention_mask=None, rotary_pos_emb=angles, packed_seq_params=layout)
 
         z_H = self._embed(batch.input_ids)
         z_L = self.z_L_init.to(z_H.dtype).expand_as(z_H)
         for module, grad in zip(plan.schedule, plan.grad):
             with nullcontext() if grad else torch.no_grad():
                 if module == "L":
-                    z_L = self.L(z_L + z_H, attention_mask=masked_out, rotary_pos_emb=angles)
+                    z_L = self.L(z_L + z_H, **stack_args)
                 else:
-                    z_H = self.H(z_H + z_L, attention_mask=masked_out, rotary_pos_emb=angles)
+                    z_H = self.H(z_H + z_L, **stack_args)
 
         if batch.labels is not None and not return_logits and cfg.loss_chunk_tokens:
             loss, count = self._chunked_loss(z_H, batch.labels, num_supervised)

@@ -1,9 +1,20 @@
-"""The one place that chooses the layer implementation (megatron "spec") for a backend."""
+"""The one place that chooses the layer implementation (megatron "spec") for a layer backend.
+
+Both backends build the same layer: parameterless RMSNorm, then gated attention (megatron's
+``attention_output_gate``: a sigmoid gate from the fused qkv projection) with our PrefixLM core
+attention from ``kernels/``, then a SwiGLU MLP, no biases. They differ only in the linears:
+
+- ``local``: megatron's own tensor-parallel linears (CPU and GPU; the reference in tests).
+- ``te``: Transformer Engine linears (GPU; bf16 or FP8 through TE recipes). TE's fused
+  norm + linear is deliberately not used: it carries a learnable norm weight, and HRM-Text's
+  norms have none. Keeping our norm module in the slot keeps its semantics identical on both
+  paths; the gate is megatron's code on both.
+"""
 
 from __future__ import annotations
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -15,25 +26,33 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from mimir_megatron.model.attention import PrefixLMCoreAttention
 from mimir_megatron.model.norm import ParameterlessRMSNorm
 
-BACKENDS = ("local",)
+BACKENDS = ("local", "te")
+
+
+def _provider(backend: str) -> BackendSpecProvider:
+    if backend == "local":
+        return LocalSpecProvider()
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        class UnfusedNormTESpecProvider(TESpecProvider):
+            def fuse_layernorm_and_linear(self) -> bool:
+                return False  # our parameterless norm stays a separate module
+
+        return UnfusedNormTESpecProvider()
+    raise ValueError(f"unknown layer backend {backend!r}; available: {', '.join(BACKENDS)}")
 
 
 def block_spec(num_layers: int, backend: str = "local") -> TransformerBlockSubmodules:
-    """Layers of one stack: pre-norm gated attention + SwiGLU MLP, then a parameterless exit norm.
-
-    ``local`` uses megatron's own parallel linears (CPU and GPU); the Transformer Engine spec for
-    GPUs plugs in here.
-    """
-    if backend != "local":
-        raise ValueError(f"unknown layer backend {backend!r}; available: {BACKENDS}")
-    provider = LocalSpecProvider()
+    """Layers of one stack: pre-norm gated attention + SwiGLU MLP, then a parameterless exit norm."""
+    provider = _provider(backend)
     layer = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=ParameterlessRMSNorm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
-                # The mask is always given explicitly (PrefixLM over packed samples).
+                # The PrefixLM layout over packed samples always comes from the batch.
                 params={"attn_mask_type": AttnMaskType.arbitrary},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=provider.column_parallel_linear(),

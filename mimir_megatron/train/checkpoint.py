@@ -33,7 +33,7 @@ from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_te
 from safetensors.torch import load_file, save_file
 
 from mimir_megatron import backend
-from mimir_megatron.config import ModelConfig
+from mimir_megatron.config import EXECUTION_FIELDS, ModelConfig
 from mimir_megatron.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ FORMAT = 1
 LATEST = "latest"
 # Model fields that may change between save and resume (layout and schedule, not shape).
 _LAYOUT_FIELDS = {"tensor_parallel_size", "sequence_parallel", "bp_window", "window_policy",
-                  "attention_backend", "tokenizer", "seed", "h_cycles", "l_cycles"}
+                  "tokenizer", "seed", "h_cycles", "l_cycles", "max_position_embeddings"} | set(
+    EXECUTION_FIELDS)
 
 
 def step_dir_name(step: int) -> str:
@@ -82,7 +83,9 @@ def _sharded_state(model, optimizer, ema) -> dict[str, Any]:
     """
     from mimir_megatron.train.optim import local_optimizer, owned_parameters
 
-    model_sd = model.sharded_state_dict()
+    # Transformer Engine's `_extra_state` (FP8 scaling history) is left out: it is rebuilt within
+    # a few steps, and without it a checkpoint loads under either layer backend.
+    model_sd = {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
     by_param = {id(t.data): t for t in model_sd.values() if hasattr(t, "data")}
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
@@ -257,7 +260,9 @@ def load_model_from_checkpoint(path: Path, ema: bool = False):
     state = read_trainer_state(path)
     if ema and state["config"]["optim"]["ema_decay"] == 0:
         raise UserError(f"{path} was trained without an EMA (optim.ema_decay = 0)")
-    cfg = model_config_from_dict({**state["model"], "tensor_parallel_size": 1})
+    # Kernels and layer implementation are this machine's choice, not the checkpoint's.
+    execution = {name: ModelConfig().to_dict()[name] for name in EXECUTION_FIELDS}
+    cfg = model_config_from_dict({**state["model"], **execution, "tensor_parallel_size": 1})
     model = build_model(cfg)
     averaged = EMA(model, decay=0.0) if ema else None
     load_checkpoint(path, model, None, averaged)

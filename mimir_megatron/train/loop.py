@@ -93,6 +93,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
         load_eval_samples,
         mixture_fingerprint,
     )
+    from mimir_megatron.data.prefetch import DevicePrefetcher
     from mimir_megatron.model import build_model
 
     env = parallel.init_distributed()
@@ -150,6 +151,8 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     dist.barrier()
     loader = build_train_loader(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
                                 dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed)
+    if cfg.data.prefetch:
+        loader = DevicePrefetcher(loader, device, cfg.data.prefetch)
     eval_samples = []
     if cfg.data.eval_path:
         eval_samples = _eval_subset(load_eval_samples(cfg.data.eval_path), cfg.eval.max_samples)
@@ -190,6 +193,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
         return path
 
     # -- the loop ------------------------------------------------------------------------------
+    first_step = step
     try:
         while step < cfg.train.steps:
             started = time.perf_counter()
@@ -202,7 +206,10 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
             loss_sum = torch.zeros((), device=device)
             for mb in micro_batches:
                 with autocast:
-                    out = ddp(mb, window=plan.window.k, num_supervised=supervised, return_logits=False)
+                    # The loader's batches are checked on this process's first step only: the
+                    # checks (token ranges) cost host syncs that a GPU step should not pay.
+                    out = ddp(mb, window=plan.window.k, num_supervised=supervised,
+                              return_logits=False, validate=step == first_step)
                 out.loss.backward()
                 loss_sum += out.loss.detach().float()
             ddp.finish_grad_sync()
@@ -242,6 +249,9 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     except BaseException:
         tracker.close(status="FAILED", wait_seconds=5)
         raise
+    finally:
+        if isinstance(loader, DevicePrefetcher):
+            loader.close()
     tracker.close(status="KILLED" if result.preempted else "FINISHED",
                   wait_seconds=cfg.tracking.final_flush_seconds)
     result.run_id = tracker.run_id
