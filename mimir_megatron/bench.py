@@ -240,6 +240,8 @@ class SharedWeights:
         self.state: dict[str, torch.Tensor] | None = None
 
     def model(self, cfg, device: torch.device):
+        import torch
+
         from mimir_megatron import backend
         from mimir_megatron.model import build_model
 
@@ -247,7 +249,8 @@ class SharedWeights:
         if self.state is None or te:  # TE keeps FP8 state that an empty model would not have
             model = build_model(cfg, device=device)
             if self.state is None and not te:
-                self.state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+                self.state = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                              for k, v in model.state_dict().items()}
             elif self.state is not None:
                 model.load_state_dict(self.state, strict=False)  # missing: TE's `_extra_state`
             return model

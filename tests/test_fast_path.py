@@ -224,5 +224,7 @@ def test_bench_variants_share_the_first_models_weights():
     first = weights.model(tiny_config(), torch.device("cpu"))
     second = weights.model(tiny_config("attention_backend=varlen", "seed=99"), torch.device("cpu"))
     assert second.attention_backend == "varlen"
-    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
-        assert torch.equal(a, b), name
+    tensors = {k: v for k, v in first.state_dict().items() if isinstance(v, torch.Tensor)}
+    assert len(tensors) > 10
+    for name, value in second.state_dict().items():
+        assert name not in tensors or torch.equal(value, tensors[name]), name
