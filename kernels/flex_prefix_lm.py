@@ -75,6 +75,10 @@ def flex_prefix_lm_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     if query.is_cuda:
         out = _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=softmax_scale)
     else:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            # torch's own message surfaces only in backward, far from the setting that caused it.
+            raise NotImplementedError("FlexAttention has no backward on CPU: train on CPU with "
+                                      "attention_backend dense or varlen (flex runs forward only)")
         with warnings.catch_warnings():  # eager is intended here: CPU runs only serve tests
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             out = flex_attention(q, k, v, block_mask=block_mask, scale=softmax_scale)

@@ -228,3 +228,9 @@ def test_bench_variants_share_the_first_models_weights():
     assert len(tensors) > 10
     for name, value in second.state_dict().items():
         assert name not in tensors or torch.equal(value, tensors[name]), name
+
+
+def test_flex_training_on_cpu_is_refused_with_the_alternatives():
+    model = build_model(tiny_config("attention_backend=flex"))
+    with pytest.raises(NotImplementedError, match="attention_backend dense or varlen"):
+        model(packed_batch(), return_logits=False)
