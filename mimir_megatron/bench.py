@@ -376,6 +376,8 @@ class Report:
     def finish(self) -> None:
         for name, ratio in self.ratios().items():
             print(f"ratio {name} / transformers (tokens/s): {ratio:.2f}")
+        if self.device_name == "cpu" and len(self.results) > 1:
+            print("peak GB on CPU is the process's largest resident set so far, not per row")
         self._write()
 
     def _write(self) -> None:
