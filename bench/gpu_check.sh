@@ -4,8 +4,8 @@
 #
 #   WHEELS=.whl bash bench/gpu_check.sh [RESULTS_DIR]
 #
-# RESULTS_DIR defaults to $OUT when set, else bench/results/<date-time>. It receives at most seven
-# files: env.txt, tests.log, bench_k5.{json,log}, bench_k8.{json,log}, summary.md.
+# RESULTS_DIR defaults to $OUT when set, else bench/results/<date-time>. It receives seven files:
+# env.txt, tests.log, bench.log, bench_k5_packed.json, bench_k5.json, bench_k8.json, summary.md.
 #
 # Needs only a preinstalled PyTorch (>= 2.6 with Triton). Missing Python packages come from the
 # wheel folder WHEELS (made by bench/fetch_wheels.sh where PyPI is reachable) and are installed
@@ -70,41 +70,46 @@ timeout --signal=INT 200 "$python" -m pytest -q -m gpu -p no:cacheprovider -o ad
 echo "GPU tests: exit $? (log: tests.log)"
 tail -n 3 "$out/tests.log"
 
-# 2. Benchmarks. Every variant shares the Mimir preset's chunked loss; contexts are one sample
-#    each so that the transformers peer can run the same batch.
-variants_k5=(
+# 2. Benchmarks, three runs. Every variant shares the Mimir preset's chunked loss.
+#    a) k=5 on packed contexts (8 samples each, like real SFT data): the attention kernels and
+#       levers against each other; the peer cannot express packing, so it sits this one out.
+#    b) k=5 and c) k=8 on one sample per context, next to the transformers peer.
+packed_variants=(
     "dense+recompute:attention_backend=dense,recompute=full"
     "flex+recompute:attention_backend=flex,recompute=full"
     "flex+recompute+compile:attention_backend=flex,recompute=full,compile=true"
     "varlen+recompute:attention_backend=varlen,recompute=full"
     "flex:attention_backend=flex"
 )
-variants_k8=(
+peer_variants=(
     "flex+recompute:attention_backend=flex,recompute=full"
     "flex+recompute+compile:attention_backend=flex,recompute=full,compile=true"
 )
 if ((have_te)); then
-    variants_k5+=(
+    packed_variants+=(
         "te+flex+recompute:layer_backend=te,attention_backend=flex,recompute=full"
         "te-fp8-current:layer_backend=te,attention_backend=flex,recompute=full,fp8=current"
         "te-fp8-delayed:layer_backend=te,attention_backend=flex,recompute=full,fp8=delayed"
     )
-    variants_k8+=("te-fp8-current:layer_backend=te,attention_backend=flex,recompute=full,fp8=current")
+    peer_variants+=("te-fp8-current:layer_backend=te,attention_backend=flex,recompute=full,fp8=current")
 fi
 
-run_bench() {  # window, seconds, variants...
-    local k=$1 seconds=$2
-    shift 2
-    local args=()
-    for v in "$@"; do args+=(--variant "$v"); done
+: >"$out/bench.log"
+run_bench() {  # name, window, seconds, extra bench arguments (--variant ..., --no-peer, ...)
+    local name=$1 k=$2 seconds=$3
+    shift 3
+    echo "== $name: k=$k, micro-batch $micro_batch x $seq_len tokens $*" >>"$out/bench.log"
     timeout --signal=INT "$seconds" "$python" -m mimir_megatron.cli bench --shape "$shape" \
         --window "$k" --seq-len "$seq_len" --micro-batch "$micro_batch" --steps "$steps" --warmup 2 \
-        --json "$out/bench_k$k.json" "${args[@]}" loss_chunk_tokens=2048 >"$out/bench_k$k.log" 2>&1
-    echo "bench k=$k: exit $? (log: bench_k$k.log)"
+        --json "$out/$name.json" "$@" loss_chunk_tokens=2048 >>"$out/bench.log" 2>&1
+    echo "bench $name: exit $?"
 }
-k5_time=$(( $(left) * 3 / 5 ))
-run_bench 5 "$k5_time" "${variants_k5[@]}"
-run_bench 8 "$(( $(left) - 10 ))" "${variants_k8[@]}"
+variant_args() { local v; for v in "$@"; do printf -- '--variant\n%s\n' "$v"; done; }
+mapfile -t packed_args < <(variant_args "${packed_variants[@]}")
+mapfile -t peer_args < <(variant_args "${peer_variants[@]}")
+run_bench bench_k5_packed 5 "$(( $(left) * 9 / 20 ))" --no-peer --samples-per-context 8 "${packed_args[@]}"
+run_bench bench_k5 5 "$(( $(left) * 9 / 20 ))" "${peer_args[@]}"
+run_bench bench_k8 8 "$(( $(left) - 10 ))" "${peer_args[@]}"
 
 {
     echo "# GPU check $(date -u +%Y-%m-%d)"
@@ -117,13 +122,11 @@ run_bench 8 "$(( $(left) - 10 ))" "${variants_k8[@]}"
     echo '```'
     tail -n 15 "$out/tests.log"
     echo '```'
-    for k in 5 8; do
-        echo
-        echo "## Bench $shape k=$k (micro-batch $micro_batch x $seq_len tokens)"
-        echo '```'
-        grep -v -E "^(W|I)[0-9]{4} " "$out/bench_k$k.log" | tail -n 25
-        echo '```'
-    done
+    echo
+    echo "## Bench ($shape)"
+    echo '```'
+    grep -v -E "^[WI][0-9]{4} |[Ww]arn|Loading weights| INFO | ERROR |^[[:space:]]" "$out/bench.log"
+    echo '```'
     echo
     echo "total: $((SECONDS - started)) s"
 } >"$out/summary.md"
