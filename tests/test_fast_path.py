@@ -59,6 +59,18 @@ def test_fp8_needs_transformer_engine_layers():
         tiny_config("fp8=current", "layer_backend=local")
 
 
+@pytest.mark.parametrize("recipe,fp8,megatron_recipe,history", [
+    ("delayed", "hybrid", "delayed", 1024), ("current", "hybrid", "tensorwise", 1),
+    ("mxfp8", "e4m3", "mxfp8", 1),
+])
+def test_fp8_recipes_map_onto_megatrons_settings(recipe, fp8, megatron_recipe, history):
+    from mimir_megatron.model.hrm import transformer_config
+
+    config = transformer_config(tiny_config(f"fp8={recipe}", "layer_backend=te"), num_layers=2)
+    assert (config.fp8, config.fp8_recipe, config.fp8_amax_history_len) == (fp8, megatron_recipe, history)
+    assert transformer_config(tiny_config(), num_layers=2).fp8 is None
+
+
 def test_auto_resolves_to_the_cpu_paths():
     assert backend.attention_backend("auto") == "dense"
     assert backend.layer_backend("auto") == "local"
