@@ -76,6 +76,8 @@ class BenchSetup:
     peak_tflops: float | None
     warmup: int
     steps: int
+    attended_keys: float
+    """Mean keys each position attends to in this batch (the attention FLOPs)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -208,6 +210,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from mimir_megatron import backend
     from mimir_megatron.config import load_config
+    from mimir_megatron.train.flops import attended_keys_per_token
 
     config_path = _repo_path(args.config or SHAPES[args.shape])
     variants = [parse_variant(v) for v in args.variant] or [Variant("mimir-megatron", [])]
@@ -221,8 +224,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     batch = bench_batch(first.vocab_size, args.micro_batch, args.seq_len, args.samples_per_context)
     setup = BenchSetup(window=args.window, tokens=args.micro_batch * args.seq_len, seq_len=args.seq_len,
                        batch=batch.to(device), device=device, precision=args.precision,
-                       peak_tflops=peak, warmup=args.warmup, steps=args.steps)
-    report = Report(args, device)
+                       peak_tflops=peak, warmup=args.warmup, steps=args.steps,
+                       attended_keys=attended_keys_per_token(batch.segment_ids, batch.prefix_mask).item())
+    report = Report(args, device, setup.attended_keys)
     weights = SharedWeights()
     for name, cfg in configs.items():
         report.add(_bench_ours(name, cfg, setup, weights))
@@ -288,8 +292,8 @@ def _bench_ours(name: str, cfg, setup: BenchSetup, weights: SharedWeights) -> Be
         settings = {"attention": model.attention_backend, "layers": model.layer_backend,
                     "fp8": cfg.fp8, "compile": cfg.compile, "recompute": cfg.recompute,
                     "loss_chunk_tokens": cfg.loss_chunk_tokens}
-        result = _result(name, times, setup, flops_per_token(cfg, plan.k_L, plan.k_H, setup.seq_len),
-                         plan.describe(), settings)
+        fpt = flops_per_token(cfg, plan.k_L, plan.k_H, setup.seq_len, attended_keys=setup.attended_keys)
+        result = _result(name, times, setup, fpt, plan.describe(), settings)
     except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
         return _failed(name, exc, setup.device)
     return result
@@ -331,8 +335,8 @@ def _bench_peer(cfg, setup: BenchSetup, weights: SharedWeights) -> BenchResult:
 
         times = _time_steps(step, setup.warmup, setup.steps, setup.device)
         window = f"L_bp={bp} (k_L={k_L}, k_H={k_H})"
-        result = _result(PEER_NAME, times, setup, flops_per_token(cfg, k_L, k_H, setup.seq_len),
-                         window, {"attention": "sdpa"})
+        fpt = flops_per_token(cfg, k_L, k_H, setup.seq_len, attended_keys=setup.attended_keys)
+        result = _result(PEER_NAME, times, setup, fpt, window, {"attention": "sdpa"})
     except Exception as exc:  # noqa: BLE001
         return _failed(PEER_NAME, exc, setup.device)
     return result
@@ -342,10 +346,11 @@ class Report:
     """Prints each result as it is measured and rewrites the JSON after each one, so a run cut
     short (a time limit, an out-of-memory kill) keeps what it measured."""
 
-    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+    def __init__(self, args: argparse.Namespace, device: torch.device, attended_keys: float) -> None:
         import torch
 
-        self.args, self.results = args, []
+        self.args, self.results, self.attended_keys = args, [], attended_keys
+        print(f"attention FLOPs counted for {attended_keys:,.1f} keys per position (this batch)")
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         self.torch_version = torch.__version__
         header = (f"{'implementation':<28}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'step (s)':>10}"
@@ -387,6 +392,7 @@ class Report:
         payload = {"shape": a.config or a.shape, "window": a.window, "seq_len": a.seq_len,
                    "micro_batch": a.micro_batch, "samples_per_context": a.samples_per_context,
                    "precision": a.precision, "device": self.device_name, "torch": self.torch_version,
+                   "attended_keys_per_token": self.attended_keys,
                    "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in self.results],
                    "ratio_vs_transformers": self.ratios()}
         Path(a.json).write_text(json.dumps(payload, indent=2))

@@ -22,7 +22,7 @@ from mimir_megatron import backend, parallel
 from mimir_megatron.errors import UserError
 from mimir_megatron.train import checkpoint as ckpt
 from mimir_megatron.train.config import TrainConfig, flatten
-from mimir_megatron.train.flops import flops_per_token
+from mimir_megatron.train.flops import attended_keys_per_token, flops_per_token
 from mimir_megatron.train.optim import EMA, build_optimizer, clip_, grad_norm, optimizer_step
 from mimir_megatron.train.schedules import plan_step
 from mimir_megatron.train.tracking import Tracker, host_tags
@@ -200,6 +200,8 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
             plan = plan_step(step, cfg)
             micro_batches = [next(loader).to(device) for _ in range(accumulation)]
             supervised = torch.stack([mb.num_supervised() for mb in micro_batches]).sum().to(device)
+            attended = torch.stack([attended_keys_per_token(mb.segment_ids, mb.prefix_mask)
+                                    for mb in micro_batches]).mean()  # for TFLOP/s
             dist.all_reduce(supervised, group=dp_group)
 
             ddp.zero_grad_buffer()
@@ -228,7 +230,8 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
             result.losses.append(loss)
             result.final_step = step
             _log_step(tracker, cfg, step, plan, loss, norm.item(), supervised.item(),
-                      tokens_per_step, elapsed, dp_size * cfg.model.tensor_parallel_size)
+                      tokens_per_step, elapsed, dp_size * cfg.model.tensor_parallel_size,
+                      attended.item())
 
             if step % cfg.checkpoint.interval == 0 or step == cfg.train.steps:
                 save(step)
@@ -287,8 +290,10 @@ def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> str | None:
 
 
 def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan, loss: float, norm: float,
-              supervised: float, tokens: int, seconds: float, devices: int) -> None:
-    flops = flops_per_token(cfg.model, plan.window.k_L, plan.window.k_H, cfg.data.seq_len) * tokens
+              supervised: float, tokens: int, seconds: float, devices: int,
+              attended_keys: float) -> None:
+    flops = flops_per_token(cfg.model, plan.window.k_L, plan.window.k_H, cfg.data.seq_len,
+                            attended_keys=attended_keys) * tokens
     tflops_per_device = flops / seconds / devices / 1e12
     metrics = {
         "loss": loss,
