@@ -1,5 +1,9 @@
 """The GPU fast path against the CPU-path references, on CUDA (``bench/gpu_check.sh`` runs these).
 
+bf16 autocast cannot be checked on CPU instead: megatron's linear layers bind their custom
+autograd functions to CUDA autocast (``custom_fwd(device_type="cuda")``), so under CPU autocast
+their backward multiplies a bf16 gradient with an fp32 weight and fails.
+
 Every test here needs CUDA and skips cleanly without it; the Transformer Engine tests also skip,
 naming the reason, where TE does not import. Tolerances are stated per test: bf16 compute
 against an fp32 reference of the same weights and batch.
