@@ -44,6 +44,10 @@ class Batch:
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
 
+    def pin_memory(self) -> "Batch":
+        """A copy in page-locked host memory, so that ``to(cuda)`` copies asynchronously."""
+        return Batch(**{f.name: _pin(getattr(self, f.name)) for f in fields(self)})
+
     def num_supervised(self) -> torch.Tensor:
         """Number of tokens that carry a loss (labels != IGNORE_INDEX)."""
         if self.labels is None:
@@ -97,6 +101,10 @@ class Batch:
 
 def _to(value: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
     return None if value is None else value.to(device, non_blocking=True)
+
+
+def _pin(value: torch.Tensor | None) -> torch.Tensor | None:
+    return None if value is None else value.pin_memory()
 
 
 def single_sample_batch(

@@ -308,6 +308,10 @@ def _bench_peer(cfg, setup: BenchSetup, weights: SharedWeights) -> BenchResult:
 
     _release(setup.device)
     try:
+        # Checked before the export and load, which take minutes at the Mimir shape.
+        if int(setup.batch.segment_ids.max()) > 1:
+            raise ValueError("the transformers peer cannot express packed samples "
+                             "(use --samples-per-context 1, or --no-peer)")
         with tempfile.TemporaryDirectory() as tmp:
             local = replace(cfg, layer_backend="local", fp8="none", compile=False)
             export_hf(weights.model(local, torch.device("cpu")), Path(tmp) / "hf")
@@ -319,9 +323,6 @@ def _bench_peer(cfg, setup: BenchSetup, weights: SharedWeights) -> BenchResult:
         k_L, k_H = sum(bp), cfg.h_cycles
         opt = torch.optim.AdamW(peer.parameters(), lr=1e-4)
         batch, autocast = setup.batch, _autocast(setup)
-        if int(batch.segment_ids.max()) > 1:
-            raise ValueError("the transformers peer cannot express packed samples "
-                             "(use --samples-per-context 1, or --no-peer)")
         valid = batch.segment_ids > 0
 
         def step() -> None:

@@ -71,6 +71,19 @@ def assert_grads_close(got, ref, rel: float):
         assert err < rel, f"{name}: relative gradient error {err:.3g} >= {rel}"
 
 
+def like(ref_model, *overrides: str, strict: bool = True):
+    """A model of SHAPE with ``overrides``, holding the reference model's weights."""
+    model = build_model(tiny_config(*SHAPE, *overrides))
+    model.load_state_dict(ref_model.state_dict(), strict=strict)
+    return model
+
+
+def assert_matches(got, ref, loss_rtol: float, grad_rel: float) -> None:
+    """(loss, grads) within ``loss_rtol`` and norm-relative ``grad_rel`` of the reference's."""
+    torch.testing.assert_close(got[0], ref[0], rtol=loss_rtol, atol=0)
+    assert_grads_close(got[1], ref[1], rel=grad_rel)
+
+
 @pytest.fixture(scope="module")
 def reference():
     """fp32, dense attention, local layers: the CPU path's semantics, on the GPU."""
@@ -82,35 +95,24 @@ def reference():
 @pytest.mark.parametrize("attention", ["dense", "flex", "varlen"])
 def test_bf16_attention_backends_match_fp32_dense(reference, attention):
     """Loss within 2 % and gradients within 5 % (norm-relative) of fp32 dense."""
-    ref_model, batch, (ref_loss, ref_grads) = reference
-    model = build_model(tiny_config(*SHAPE, f"attention_backend={attention}"))
-    model.load_state_dict(ref_model.state_dict())
-    loss, grads = loss_and_grads(model, batch, bf16=True)
-    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=0)
-    assert_grads_close(grads, ref_grads, rel=5e-2)
+    ref_model, batch, ref = reference
+    got = loss_and_grads(like(ref_model, f"attention_backend={attention}"), batch, bf16=True)
+    assert_matches(got, ref, loss_rtol=2e-2, grad_rel=5e-2)
 
 
 @pytest.mark.parametrize("attention", ["flex"])  # flash varlen kernels take fp16/bf16 only
 def test_fp32_fused_attention_matches_dense_closely(reference, attention):
     """The same kernel in fp32: loss within 1e-4 and gradients within 1e-3 of dense."""
-    ref_model, batch, (ref_loss, ref_grads) = reference
-    model = build_model(tiny_config(*SHAPE, f"attention_backend={attention}"))
-    model.load_state_dict(ref_model.state_dict())
-    loss, grads = loss_and_grads(model, batch, bf16=False)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=0)
-    assert_grads_close(grads, ref_grads, rel=1e-3)
+    ref_model, batch, ref = reference
+    got = loss_and_grads(like(ref_model, f"attention_backend={attention}"), batch, bf16=False)
+    assert_matches(got, ref, loss_rtol=1e-4, grad_rel=1e-3)
 
 
 def test_compiled_flex_stacks_match_eager(reference):
     ref_model, batch, _ = reference
-    eager = build_model(tiny_config(*SHAPE, "attention_backend=flex"))
-    eager.load_state_dict(ref_model.state_dict())
-    compiled = build_model(tiny_config(*SHAPE, "attention_backend=flex", "compile=true"))
-    compiled.load_state_dict(ref_model.state_dict())
-    loss, grads = loss_and_grads(eager, batch, bf16=True)
-    c_loss, c_grads = loss_and_grads(compiled, batch, bf16=True)
-    torch.testing.assert_close(c_loss, loss, rtol=1e-2, atol=0)
-    assert_grads_close(c_grads, grads, rel=3e-2)
+    eager = loss_and_grads(like(ref_model, "attention_backend=flex"), batch, bf16=True)
+    compiled = loss_and_grads(like(ref_model, "attention_backend=flex", "compile=true"), batch, bf16=True)
+    assert_matches(compiled, eager, loss_rtol=1e-2, grad_rel=3e-2)
 
 
 def test_bf16_training_steps_reduce_the_loss(reference):
@@ -131,15 +133,13 @@ def test_bf16_training_steps_reduce_the_loss(reference):
 def test_transformer_engine_layers_keep_the_local_semantics(reference):
     """TE linears with our parameterless norm and megatron's sigmoid gate: same function as the
     local layers for the same weights (fp32: loss within 1e-4, gradients within 1e-3)."""
-    ref_model, batch, (ref_loss, ref_grads) = reference
+    ref_model, batch, ref = reference
     model = build_model(tiny_config(*SHAPE, "attention_backend=dense", "layer_backend=te"))
     assert model.layer_backend == "te"
     missing, unexpected = model.load_state_dict(ref_model.state_dict(), strict=False)
     assert all(k.endswith("_extra_state") for k in missing) and not unexpected
     assert not any("layer_norm_weight" in n for n, _ in model.named_parameters())
-    loss, grads = loss_and_grads(model, batch, bf16=False)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=0)
-    assert_grads_close(grads, ref_grads, rel=1e-3)
+    assert_matches(loss_and_grads(model, batch, bf16=False), ref, loss_rtol=1e-4, grad_rel=1e-3)
 
 
 @needs_te
@@ -147,9 +147,7 @@ def test_transformer_engine_layers_keep_the_local_semantics(reference):
 def test_fp8_recipes_train(reference, recipe):
     """FP8 (Hopper recipes) through TE: loss within 10 % of fp32 and decreasing over steps."""
     ref_model, batch, (ref_loss, _) = reference
-    model = build_model(tiny_config(*SHAPE, "attention_backend=flex", "layer_backend=te",
-                                    f"fp8={recipe}"))
-    model.load_state_dict(ref_model.state_dict(), strict=False)
+    model = like(ref_model, "attention_backend=flex", "layer_backend=te", f"fp8={recipe}", strict=False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(6):

@@ -38,7 +38,7 @@ class DevicePrefetcher:
         try:
             for batch in batches:
                 if self._pin:
-                    batch = Batch(*(None if t is None else t.pin_memory() for t in _fields(batch)))
+                    batch = batch.pin_memory()
                 while not self._stop.is_set():
                     try:
                         self._queue.put(batch, timeout=0.1)
@@ -66,7 +66,3 @@ class DevicePrefetcher:
         """Stop the thread (it finishes the batch it is building)."""
         self._stop.set()
         self._thread.join(timeout=10)
-
-
-def _fields(batch: Batch) -> tuple:
-    return (batch.input_ids, batch.position_ids, batch.segment_ids, batch.prefix_mask, batch.labels)

@@ -261,7 +261,8 @@ def load_model_from_checkpoint(path: Path, ema: bool = False):
     if ema and state["config"]["optim"]["ema_decay"] == 0:
         raise UserError(f"{path} was trained without an EMA (optim.ema_decay = 0)")
     # Kernels and layer implementation are this machine's choice, not the checkpoint's.
-    execution = {name: ModelConfig().to_dict()[name] for name in EXECUTION_FIELDS}
+    defaults = ModelConfig().to_dict()
+    execution = {name: defaults[name] for name in EXECUTION_FIELDS}
     cfg = model_config_from_dict({**state["model"], **execution, "tensor_parallel_size": 1})
     model = build_model(cfg)
     averaged = EMA(model, decay=0.0) if ema else None
