@@ -16,6 +16,8 @@ from conftest import tiny_config
 
 from mimir_megatron.batch import single_sample_batch
 
+pytestmark = pytest.mark.timeout(900)  # a deadlocked server fails the module instead of hanging
+
 MAX_QUEUE = 16
 MAX_TOKENS_LIMIT = 64
 PROMPTS = [f"{word} number {i}" for i, word in enumerate(["Hello", "The cat", "Once", "A", "Data", "Why"] * 3)][:16]
@@ -71,6 +73,7 @@ def _wait_for(predicate, timeout: float = 120.0) -> None:
 def test_models_and_health(served, client):
     url, _ = served
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").max_model_len == 512
     assert httpx.get(url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
 
 
@@ -121,6 +124,44 @@ def test_requests_arriving_during_decoding_join_the_running_batch(served, client
     assert after["steps"] - before["steps"] < 12 + 2
 
 
+def test_other_schedules_wait_first_come_first_served(served, client):
+    """A (trained schedule), B (another), C (trained) waiting together: C must not overtake B, so
+    three batches run one after another, each giving what it gives alone."""
+    _, server = served
+    scheduler = server.scheduler
+    kinds = [("A", {}), ("B", {"extra_body": {"h_cycles": 1, "l_cycles": 1}}), ("C", {})]
+    alone = [_complete(client, prompt, **kw) for prompt, kw in kinds]
+    before = scheduler.stats.as_dict()
+    with ThreadPoolExecutor(3) as pool, scheduler.paused():
+        futures = []
+        for prompt, kw in kinds:  # in this order
+            futures.append(pool.submit(_complete, client, prompt, **kw))
+            _wait_for(lambda n=len(futures): scheduler.queue_depth == n)
+    together = [f.result() for f in futures]
+    assert scheduler.stats.sessions - before["sessions"] == 3
+    for a, t in zip(alone, together):
+        assert t[:3] == a[:3] and t[3] == pytest.approx(a[3], abs=1e-4)
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(engine, client, monkeypatch):
+    import openai
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(engine, "decode_step", broken)  # the prefill works, the next step fails
+    with pytest.raises(openai.InternalServerError, match="injected failure"):
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
+    with pytest.raises(openai.APIError, match="injected failure"):
+        list(client.completions.create(model="tiny", prompt="Hi", max_tokens=3, stream=True))
+    monkeypatch.setattr(engine, "_score_batch", broken)
+    with pytest.raises(openai.InternalServerError):
+        client.post("/score", body={"context": "a", "continuation": "b"}, cast_to=object)
+    monkeypatch.undo()
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=3).usage.completion_tokens == 3
+    assert client.post("/score", body={"context": "a", "continuation": "b"}, cast_to=object)["results"]
+
+
 def test_streaming_gives_the_same_text(client):
     for kw in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 7}):
         whole = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, **kw)
@@ -168,6 +209,7 @@ BAD = [  # (endpoint, body changes, the field the error must name)
     ("completions", {"temperature": "hot"}, "temperature"),
     ("completions", {"top_p": 0}, "top_p"),
     ("completions", {"n": 0}, "n"),
+    ("completions", {"n": MAX_QUEUE + 1}, "n"),
     ("completions", {"prompt": [1, 2, 1024]}, "prompt"),
     ("completions", {"prompt": [[1, 2], [-1]]}, "prompt[1]"),
     ("completions", {"prompt": "word " * 600}, "prompt"),

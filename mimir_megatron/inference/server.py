@@ -224,6 +224,9 @@ class Translator:
                  prompt_param: str) -> list[GenerationRequest]:
         """``n`` requests per prompt (seeds seed, seed + 1, ... in choice order)."""
         h, low = self.schedule(body)
+        if len(prompts) * body.n > self.limits.max_queue:
+            raise bad_request(f"{len(prompts)} prompts x n={body.n} requests cannot fit the queue of "
+                              f"{self.limits.max_queue}", "n")
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if any(not s for s in stops):
             raise bad_request("stop strings must not be empty", "stop")
@@ -421,6 +424,12 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
         return {"object": "list", "data": [{
             "id": engine.model_name, "object": "model", "created": server.created, "owned_by": "mimir",
             "max_model_len": engine.max_context, "trained_schedule": list(engine.trained_schedule)}]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str):
+        if model != engine.model_name:
+            raise ApiError(404, f"model {model!r} is not served here", "model", code="model_not_found")
+        return (await models())["data"][0]
 
     @app.get("/v1/stats")
     async def stats():
