@@ -162,6 +162,20 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(engine, 
     assert client.post("/score", body={"context": "a", "continuation": "b"}, cast_to=object)["results"]
 
 
+def test_a_client_that_leaves_frees_its_row(served, client):
+    _, server = served
+    stats = server.scheduler.stats
+    before = stats.as_dict()
+    stream = client.completions.create(model="tiny", prompt="Leaving", max_tokens=MAX_TOKENS_LIMIT,
+                                       temperature=0, logprobs=1, stream=True)
+    next(iter(stream))
+    stream.close()
+    _wait_for(lambda: stats.requests_cancelled > before["requests_cancelled"])
+    _wait_for(lambda: not server.scheduler.busy)
+    assert stats.steps - before["steps"] < MAX_TOKENS_LIMIT
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
 def test_streaming_gives_the_same_text(client):
     for kw in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 7}):
         whole = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, **kw)

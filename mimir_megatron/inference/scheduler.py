@@ -47,7 +47,7 @@ class GenerationWork:
     sink: Sink
     schedule: tuple[int, int]
     cancelled: bool = False
-    """Set by the server when the client has gone; the result is then not delivered."""
+    """Set by the server when the client has gone: the request leaves its batch at the next step."""
 
 
 @dataclass
@@ -69,6 +69,8 @@ class SchedulerStats:
     max_rows_per_step: int = 0
     requests_finished: int = 0
     requests_failed: int = 0
+    requests_cancelled: int = 0
+    """Dropped from their batch because the client went away."""
     score_requests: int = 0
     rejected_queue_full: int = 0
     started: float = field(default_factory=time.time)
@@ -124,6 +126,11 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self._waiting)
 
+    @property
+    def busy(self) -> bool:
+        """Whether work is waiting or a batch is decoding."""
+        return bool(self._waiting) or self._session is not None
+
     @contextmanager
     def paused(self):
         """Admit no work and take no step while inside (the step in progress finishes)."""
@@ -146,12 +153,16 @@ class Scheduler:
                 if self._stop:
                     break
                 scoring, admitted = self._take()
-            for work in scoring:
-                self._score(work)
-            for work in admitted:
-                self._admit(work)
-            if self._session is not None:
-                self._step()
+            try:
+                for work in scoring:
+                    self._score(work)
+                for work in admitted:
+                    self._admit(work)
+                if self._session is not None:
+                    self._step()
+            except Exception as exc:  # noqa: BLE001 - a bug here must not stop the server
+                log.exception("scheduler error; failing the running batch")
+                self._fail_session(exc)
         self._shutdown()
 
     def _take(self) -> tuple[list[ScoreWork], list[GenerationWork]]:
@@ -189,6 +200,10 @@ class Scheduler:
 
     def _step(self) -> None:
         session = self._session
+        for handle in [h for h, w in self._session_work.items() if w.cancelled]:
+            session.cancel(handle)  # the client has gone: free its row
+            del self._session_work[handle]
+            self.stats.requests_cancelled += 1
         if not session.active:
             self._session = None
             return
@@ -197,23 +212,26 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - fail this session's requests, keep serving
             log.exception("decoding step failed; failing the %d requests of this batch",
                           len(self._session_work))
-            for work in self._session_work.values():
-                self._fail(work, exc)
-            self._session, self._session_work = None, {}
+            self._fail_session(exc)
             return
         self.stats.steps += 1
         self.stats.rows_stepped += len(events)
         self.stats.max_rows_per_step = max(self.stats.max_rows_per_step, len(events))
         for event in events:
             if event.finished:
-                work = self._session_work.pop(event.handle)
+                work = self._session_work.pop(event.handle, None)
                 self.stats.requests_finished += 1
             else:
-                work = self._session_work[event.handle]
-            if not work.cancelled:
+                work = self._session_work.get(event.handle)
+            if work is not None and not work.cancelled:
                 self._deliver(work.sink.event, event)
         if not session.active:
             self._session = None
+
+    def _fail_session(self, exc: BaseException) -> None:
+        for work in self._session_work.values():
+            self._fail(work, exc)
+        self._session, self._session_work = None, {}
 
     def _score(self, work: ScoreWork) -> None:
         if work.cancelled:
