@@ -93,7 +93,8 @@ class InferenceEngine:
     # -- checks ----------------------------------------------------------------------------------
 
     def schedule(self, h_cycles: int | None, l_cycles: int | None) -> tuple[int, int]:
-        h, low = h_cycles or self.cfg.h_cycles, l_cycles or self.cfg.l_cycles
+        h = self.cfg.h_cycles if h_cycles is None else h_cycles
+        low = self.cfg.l_cycles if l_cycles is None else l_cycles
         for name, value in (("h_cycles", h), ("l_cycles", low)):
             if not isinstance(value, int) or value < 1:
                 raise RequestError(f"{name} must be an integer >= 1, got {value!r}")
