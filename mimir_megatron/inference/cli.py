@@ -33,8 +33,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def engine_from_args(args: argparse.Namespace, **kwargs):
     from mimir_megatron.inference import load_engine
 
-    return load_engine(checkpoint=args.checkpoint, ema=args.ema, weights=args.weights, hf=args.hf,
-                       tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size, **kwargs)
+    return load_engine(
+        checkpoint=args.checkpoint,
+        ema=args.ema,
+        weights=args.weights,
+        hf=args.hf,
+        tokenizer=args.tokenizer,
+        tensor_parallel_size=args.tensor_parallel_size,
+        **kwargs,
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -93,9 +100,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             try:
                 record = json.loads(raw)
                 params = SamplingParams(
-                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=None if args.seed is None else args.seed + number - 1,
-                    stop_strings=tuple(args.stop))
+                    max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature,
+                    top_k=args.top_k,
+                    top_p=args.top_p,
+                    seed=None if args.seed is None else args.seed + number - 1,
+                    stop_strings=tuple(args.stop),
+                )
                 request = GenerationRequest(_prompt_ids(engine, record), params, args.h_cycles, args.l_cycles)
                 engine.check_request(request)
                 requests.append((len(records), request))
@@ -114,11 +125,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 line["error"] = errors[i]
             else:
                 res = by_index[i]
-                line.update(completion=res.text, completion_ids=res.token_ids, finish_reason=res.finish_reason)
+                line.update(
+                    completion=res.text, completion_ids=res.token_ids, finish_reason=res.finish_reason
+                )
                 if args.logprobs:
                     line["logprobs"] = res.logprobs
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
     tmp.replace(args.output)
-    log.info("generated %d of %d lines (%d bad) -> %s; %s", len(requests), len(records), len(errors),
-             args.output, engine.stats.summary())
+    log.info(
+        "generated %d of %d lines (%d bad) -> %s; %s",
+        len(requests),
+        len(records),
+        len(errors),
+        args.output,
+        engine.stats.summary(),
+    )
     return 1 if errors and not requests else 0
