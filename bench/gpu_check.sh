@@ -89,7 +89,10 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFOR
     date -u +"date: %Y-%m-%dT%H:%M:%SZ"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
     "$python" - <<'PY' 2>&1
-import importlib, torch
+import importlib, logging, warnings
+warnings.filterwarnings("ignore")  # megatron's import-time notes about TE and apex
+logging.disable(logging.WARNING)
+import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())
 for name in ("triton", "megatron.core", "omegaconf", "transformers", "transformer_engine", "flash_attn",
              "pytest_timeout"):
