@@ -87,7 +87,11 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFOR
 
 {
     date -u +"date: %Y-%m-%dT%H:%M:%SZ"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    else
+        echo "nvidia-smi: absent"
+    fi
     "$python" - <<'PY' 2>&1
 import importlib, logging, warnings
 warnings.filterwarnings("ignore")  # megatron's import-time notes about TE and apex
@@ -124,9 +128,10 @@ write_summary() {
         echo
         printf -- '- %s\n' "${parts[@]}"
         echo
-        echo "## Tests (slowest first in the durations list)"
+        echo "## Tests (failures, skips with their reasons, durations slowest first)"
         echo '```'
-        grep -E "passed|failed|error|skipped|Timeout|^[0-9.]+s (call|setup)" "$out/tests.log" | tail -n 40
+        grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|skipped|Timeout|^[0-9.]+s (call|setup)" "$out/tests.log" |
+            tail -n 50
         echo '```'
         echo
         echo "## Bench ($shape, micro-batch $micro_batch x $seq_len tokens)"
@@ -145,7 +150,7 @@ write_summary() {
 #    bf16 training on the GPU). Only their files are collected: the rest of the suite needs
 #    packages (mlflow, Slurm) that a bare GPU image lacks.
 seconds=$(part_limit 30 150)
-limited "$seconds" "$python" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" --durations=0 \
+limited "$seconds" "$python" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfEs --durations=0 \
     "${per_test[@]}" "$repo/tests/test_attention_backends.py" "$repo/tests/test_gpu.py" >"$out/tests.log" 2>&1
 code=$?
 parts+=("GPU tests: $(status_word "$code") (limit ${seconds} s, ${test_timeout} s per test), at $((SECONDS - started)) s")
