@@ -88,24 +88,24 @@ sleep 60
 
 
 def test_gpu_check_limits_clamp_and_kill_a_stuck_process(tmp_path):
-    """20 s of budget, 2 s of kill delay, a 3 s minimum part: the tests get 30 % of the 13 s left
-    (the budget less kill delay and summary) and are killed after ignoring the interrupt, the
-    first bench too; the second has under 3 s left and is skipped, not started without a limit
-    (`timeout 0` is none); the summary is written all the same, within the budget."""
+    """24 s of budget, 2 s of kill delay, a 3 s minimum part: the tests get 30 % of the 17 s left
+    (the budget less kill delay and summary), ~5 s, and are killed after ignoring the interrupt,
+    the first bench (60 % of the rest) too; the second has under 3 s left and is skipped, not
+    started without a limit (`timeout 0` is none); the summary is written, within the budget."""
     stub = tmp_path / "python"
     stub.write_text(STUCK_PYTHON)
     stub.chmod(0o755)
     results = tmp_path / "results"
-    env = {**os.environ, "PYTHON": str(stub), "STUCK_LOG": str(tmp_path / "calls.log"), "BUDGET_S": "20",
+    env = {**os.environ, "PYTHON": str(stub), "STUCK_LOG": str(tmp_path / "calls.log"), "BUDGET_S": "24",
            "KILL_AFTER_S": "2", "MIN_PART_S": "3", "SHAPE": "tiny"}
     start = time.monotonic()
     proc = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), str(results)], env=env,
                           capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr
-    assert elapsed < 20, f"{elapsed:.1f} s: the budget was not kept"
+    assert elapsed < 24, f"{elapsed:.1f} s: the budget was not kept"
     summary = (results / "summary.md").read_text()
-    assert "GPU tests: killed 2 s after the interrupt (limit 3 s" in summary
+    assert "GPU tests: killed 2 s after the interrupt" in summary
     assert "bench bench_k5_k8: killed 2 s after the interrupt" in summary
     assert "bench bench_k5_packed: skipped (budget)" in summary
     calls = (tmp_path / "calls.log").read_text().splitlines()
