@@ -163,17 +163,34 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(engine, 
 
 
 def test_a_client_that_leaves_frees_its_row(served, client):
+    """A stream closed after its first chunk leaves the batch at the next step; the request that
+    shares the batch decodes as it would alone."""
     _, server = served
     stats = server.scheduler.stats
+    alone = _complete(client, "Staying", max_tokens=20)
     before = stats.as_dict()
-    stream = client.completions.create(model="tiny", prompt="Leaving", max_tokens=MAX_TOKENS_LIMIT,
-                                       temperature=0, logprobs=1, stream=True)
-    next(iter(stream))
-    stream.close()
+    with ThreadPoolExecutor(1) as pool:
+        with server.scheduler.paused():
+            stream = client.completions.create(model="tiny", prompt="Leaving", max_tokens=MAX_TOKENS_LIMIT,
+                                               temperature=0, logprobs=1, stream=True)
+            staying = pool.submit(_complete, client, "Staying", max_tokens=20)
+            _wait_for(lambda: server.scheduler.queue_depth == 2)
+        next(iter(stream))
+        stream.close()
+        together = staying.result()
     _wait_for(lambda: stats.requests_cancelled > before["requests_cancelled"])
     _wait_for(lambda: not server.scheduler.busy)
     assert stats.steps - before["steps"] < MAX_TOKENS_LIMIT
-    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+    assert together[:3] == alone[:3] and together[3] == pytest.approx(alone[3], abs=1e-4)
+
+
+def test_stop_strings_cut_the_text(client):
+    whole = client.completions.create(model="tiny", prompt="Stop here", max_tokens=8, temperature=0).choices[0]
+    stop = next(whole.text[i:i + 2] for i in range(1, len(whole.text) - 1)
+                if "\ufffd" not in whole.text[i:i + 2] and whole.text[i:i + 2].strip())
+    cut = client.completions.create(model="tiny", prompt="Stop here", max_tokens=8, temperature=0,
+                                    stop=[stop, "never appears"]).choices[0]
+    assert cut.text == whole.text[: whole.text.find(stop)] and cut.finish_reason == "stop"
 
 
 def test_streaming_gives_the_same_text(client):
@@ -321,3 +338,40 @@ def test_serve_cli_parses(tmp_path):
     args = build_parser().parse_args(["serve", "--weights", str(tmp_path), "--port", "0"])
     assert (args.host, args.port, args.max_queue) == ("127.0.0.1", 0, 256)
     assert main(["serve", "--weights", str(tmp_path / "missing")]) != 0
+
+
+@pytest.mark.slow
+def test_mimir_serve_command_end_to_end(tmp_path, repo):
+    """The real entry point: `mimir serve --hf DIR` in its own process, on 127.0.0.1."""
+    import socket
+    import subprocess
+    import sys
+
+    from openai import OpenAI
+
+    from mimir_megatron.cli import main
+
+    assert main(["export", "--config", str(repo / "configs/model/tiny.yaml"), "--seed", "0",
+                 "--output", str(tmp_path / "hf")]) == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "mimir_megatron.cli", "serve", "--hf", str(tmp_path / "hf"),
+                             "--tokenizer", str(repo / "data_prep/demo/tokenizer"), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait_for(up, timeout=300)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        assert client.models.list().data[0].id == "hf"
+        out = client.completions.create(model="hf", prompt="Hello", max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens == 3
+    finally:
+        proc.terminate()
+        proc.wait(60)
