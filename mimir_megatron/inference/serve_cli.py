@@ -31,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import logging
+
     from mimir_megatron.errors import UserError
     from mimir_megatron.inference.loading import load_engine
     from mimir_megatron.inference.server import serve
@@ -39,6 +41,10 @@ def _serve(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger(__name__).warning(
+            "binding %s: the model is reachable from the network, and the server has no authentication",
+            args.host)
     engine = load_engine(checkpoint=args.checkpoint, ema=args.ema, weights=args.weights, hf=args.hf,
                          tokenizer=args.tokenizer, max_batch_size=args.max_batch_size,
                          max_context=args.max_context)
