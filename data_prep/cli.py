@@ -27,6 +27,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="what to do with samples longer than the context (default drop)",
     )
     p.add_argument("--min-response-tokens", type=int, default=2)
+    p.add_argument(
+        "--input-format",
+        choices=("auto", "messages", "sharegpt", "alpaca", "columns"),
+        default="auto",
+        help="input layout; auto decides per file from its first lines (default auto)",
+    )
+    p.add_argument(
+        "--columns",
+        default=None,
+        metavar="TARGET=COLUMN,...",
+        help="column mapping for the columns layout, e.g. prompt=problem,completion=generated_solution "
+        "(targets: prompt, completion, system, messages, tools)",
+    )
+    p.add_argument(
+        "--control-chars",
+        choices=("reject", "strip"),
+        default="reject",
+        help="lines with NUL or other control characters: reject them (default) or strip the characters",
+    )
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: cores)")
     p.add_argument("--shard-mb", type=float, default=64.0, help="JSONL shard size in MiB")
@@ -80,6 +99,9 @@ def _prepare(args: argparse.Namespace) -> int:
         too_long=args.too_long,
         min_response_tokens=args.min_response_tokens,
         strict=args.strict,
+        input_format=args.input_format,
+        columns=args.columns,
+        control_chars=args.control_chars,
         workers=args.workers,
         shard_bytes=max(1, int(args.shard_mb * 1024 * 1024)),
         progress=not args.no_progress,
