@@ -1,12 +1,17 @@
-"""Subcommands `mimir prepare` and `mimir data {report,demo,demo-tokenizer,pack}`."""
+"""Subcommands `mimir prepare`, `mimir data {report,demo,demo-tokenizer,pack}` and `mimir synth`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+# `mimir synth ACTION`: each module listed here exposes ``register_synth(subparsers)`` and adds its
+# actions to the group (heavy imports inside the handlers). A new action adds its module here.
+SYNTH_REGISTRARS = ("mimir_data_prep.tool_use.cli",)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -86,6 +91,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--index-dir", default=None)
     k.add_argument("--epochs", type=int, default=1, help="epochs to index (default 1)")
     k.set_defaults(handler=_pack)
+
+    register_synth_group(sub)
+
+
+def register_synth_group(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """The `mimir synth` group, filled by every module in SYNTH_REGISTRARS; returns its subparsers."""
+    synth = sub.add_parser("synth", help="build training data: convert tool-use traces, generate and audit")
+    ssub = synth.add_subparsers(dest="synth_command", required=True, metavar="ACTION")
+    for module_name in SYNTH_REGISTRARS:
+        importlib.import_module(module_name).register_synth(ssub)
+    return ssub
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -68,7 +68,12 @@ SHAREGPT = {
     ],
     "tools": '[{"type": "function", "function": {"name": "weather"}}]',
 }
-ALPACA = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "Answer: 5", "history": [["Hi", "Hello"]]}
+ALPACA = {
+    "instruction": "Add the numbers.",
+    "input": "2 and 3",
+    "output": "Answer: 5",
+    "history": [["Hi", "Hello"]],
+}
 COLUMNS = {"problem": "What is 2 + 2?", "generated_solution": "Answer: 4", "id": 7}
 
 
@@ -81,7 +86,11 @@ def test_sharegpt_alpaca_and_columns_become_messages_exactly():
                 "role": "assistant",
                 "content": "",
                 "tool_calls": [
-                    {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": {"city": "Oslo"}},
+                    }
                 ],
             },
             {"role": "tool", "content": '{"temp": 3}', "tool_call_id": "call_1"},
@@ -118,7 +127,9 @@ def test_sharegpt_alpaca_and_columns_become_messages_exactly():
 
 def test_auto_decides_per_file_and_records_the_decision(tmp_path):
     files = {
-        "chat": _write(tmp_path / "chat.jsonl", [{"prompt": "Copy exactly: sky", "completion": "sky sky"}] * 3),
+        "chat": _write(
+            tmp_path / "chat.jsonl", [{"prompt": "Copy exactly: sky", "completion": "sky sky"}] * 3
+        ),
         "share": _write(tmp_path / "share.jsonl", [SHAREGPT] * 2 + [{"messages": "not a list"}]),
         "alpaca": _write(tmp_path / "alpaca.jsonl", [ALPACA] * 4),
     }
@@ -126,7 +137,12 @@ def test_auto_decides_per_file_and_records_the_decision(tmp_path):
     formats = {Path(k).stem: v for k, v in manifest["input_formats"].items()}
     assert formats == {
         "chat": {"requested": "auto", "format": "messages", "sampled": 3, "matches": {"messages": 3}},
-        "share": {"requested": "auto", "format": "sharegpt", "sampled": 3, "matches": {"none": 1, "sharegpt": 2}},
+        "share": {
+            "requested": "auto",
+            "format": "sharegpt",
+            "sampled": 3,
+            "matches": {"none": 1, "sharegpt": 2},
+        },
         "alpaca": {"requested": "auto", "format": "alpaca", "sampled": 4, "matches": {"alpaca": 4}},
     }
     # The odd line out of the ShareGPT file is rejected under the file's layout, not guessed at.
@@ -135,7 +151,9 @@ def test_auto_decides_per_file_and_records_the_decision(tmp_path):
     assert response[-1] == EOT
 
     cols = _write(tmp_path / "math.jsonl", [COLUMNS] * 2)
-    with pytest.raises(UserError, match=r"math.jsonl: unknown input layout .*columns seen: problem, generated_solution, id"):
+    with pytest.raises(
+        UserError, match=r"math.jsonl: unknown input layout .*columns seen: problem, generated_solution, id"
+    ):
         _run(tmp_path, "bad", [cols])
     manifest = _run(tmp_path, "cols", [cols], columns="prompt=problem,completion=generated_solution")
     assert manifest["accepted"] == 2
