@@ -21,9 +21,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Render conversations with a tokenizer's chat template and write a prepared "
         "dataset directory (shards/*.bin|.idx, manifest.json, rejects.jsonl).",
     )
-    p.add_argument("--input", "-i", nargs="+", required=True, help="JSONL or Parquet files")
-    p.add_argument("--tokenizer", "-t", required=True, help="Hugging Face tokenizer directory")
-    p.add_argument("--output", "-o", required=True, help="output directory")
+    p.add_argument("--input", "-i", nargs="+", help="JSONL or Parquet files")
+    p.add_argument("--tokenizer", "-t", help="Hugging Face tokenizer directory")
+    p.add_argument("--output", "-o", help="output directory")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="YAML listing several datasets (input, output, input_format, columns each); "
+        "replaces -i/-t/-o (see data_prep/prepare_config.py)",
+    )
     p.add_argument("--seq-len", type=int, default=4096, help="context length (default 4096)")
     p.add_argument(
         "--too-long",
@@ -66,9 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(handler=_report)
 
     d = dsub.add_parser("demo", help="generate and prepare the bilingual demo data set")
-    d.add_argument(
-        "--output", "-o", default="data/demo", help="output directory (default data/demo)"
-    )
+    d.add_argument("--output", "-o", default="data/demo", help="output directory (default data/demo)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--train-per-group", type=int, default=3000)
     d.add_argument("--eval-per-group", type=int, default=100)
@@ -105,6 +109,20 @@ def register_synth_group(sub: argparse._SubParsersAction) -> argparse._SubParser
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from mimir_megatron.errors import UserError
+
+    if args.config:
+        if args.input or args.output or args.tokenizer:
+            raise UserError("--config names inputs, outputs and the tokenizer; drop -i/-o/-t")
+        from .prepare_config import run_prepare_config
+
+        run_prepare_config(args.config, progress=not args.no_progress, workers=args.workers)
+        return 0
+    missing = [
+        flag for flag, value in (("-i", args.input), ("-t", args.tokenizer), ("-o", args.output)) if not value
+    ]
+    if missing:
+        raise UserError(f"mimir prepare needs {', '.join(missing)} (or --config FILE.yaml)")
     from .prepare import prepare
 
     prepare(

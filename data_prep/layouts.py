@@ -51,15 +51,15 @@ def parse_columns(spec: str | Mapping[str, str] | None) -> dict[str, str]:
         for part in spec.split(","):
             target, sep, column = part.partition("=")
             if not sep or not target.strip() or not column.strip():
-                raise UserError(f"--columns: {part!r} is not TARGET=COLUMN")
+                raise UserError(f"columns: {part!r} is not TARGET=COLUMN")
             pairs[target.strip()] = column.strip()
     else:
         pairs = {str(k): str(v) for k, v in spec.items()}
     unknown = sorted(set(pairs) - set(COLUMN_TARGETS))
     if unknown:
-        raise UserError(f"--columns: unknown target(s) {unknown}; targets are {list(COLUMN_TARGETS)}")
+        raise UserError(f"columns: unknown target(s) {unknown}; targets are {list(COLUMN_TARGETS)}")
     if "messages" not in pairs and not {"prompt", "completion"} <= set(pairs):
-        raise UserError("--columns needs prompt= and completion=, or messages=")
+        raise UserError("columns: needs prompt= and completion=, or messages=")
     return pairs
 
 

@@ -242,3 +242,47 @@ def test_gemma_style_template_response_ends_at_end_of_turn(tmp_path):
     assert newline[0] in sample.completion_ids[:-1] and newline[0] not in renderer.end_of_turn_ids
     prompt = renderer.tokenizer.decode(sample.prompt_ids, skip_special_tokens=False)
     assert prompt == "<bos><start_of_turn>user\nWrite two lines<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_yaml_config_sets_the_layout_per_dataset(tmp_path):
+    from mimir_data_prep.prepare_config import load_prepare_config
+
+    from mimir_megatron.cli import main
+    from mimir_megatron.errors import ConfigError
+
+    (tmp_path / "raw").mkdir()
+    _write(tmp_path / "raw" / "math.jsonl", [COLUMNS] * 2)
+    _write(tmp_path / "raw" / "share.jsonl", [SHAREGPT] * 3)
+    config = tmp_path / "prep.yaml"
+    config.write_text(
+        f"tokenizer: {TOK}\nseq_len: 256\ndatasets:\n"
+        "  - {name: math, input: [raw/math.jsonl], output: out/math, input_format: columns,\n"
+        "     columns: {prompt: problem, completion: generated_solution}}\n"
+        "  - {name: share, input: [raw/share.jsonl], output: out/share}\n"
+    )
+    assert main(["prepare", "--config", str(config), "--workers", "1", "--no-progress"]) == 0
+    math, share = PreparedDataset(tmp_path / "out" / "math"), PreparedDataset(tmp_path / "out" / "share")
+    assert (math.num_documents, share.num_documents) == (2, 3)
+    assert list(math.manifest["input_formats"].values())[0]["format"] == "columns"
+    assert list(share.manifest["input_formats"].values())[0] == {
+        "requested": "auto",
+        "format": "sharegpt",
+        "sampled": 3,
+        "matches": {"sharegpt": 3},
+    }
+
+    config.write_text(
+        "seq_len: 1\ndatasets:\n"
+        "  - {input: [a.jsonl], output: o, input_format: csv}\n"
+        "  - {name: b, input: [], output: o, input_format: columns}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_prepare_config(config)
+    assert str(info.value).splitlines()[1:] == [
+        "  - tokenizer: required (a Hugging Face tokenizer directory)",
+        "  - seq_len: must be >= 2, got 1",
+        "  - datasets[0].input_format: one of ('auto', 'messages', 'sharegpt', 'alpaca', 'columns'), got 'csv'",
+        "  - datasets[1] (b).input: at least one input file",
+        "  - datasets[1] (b).output: o is also datasets[0]'s output",
+        "  - datasets[1] (b).columns: input_format columns needs a 'columns' mapping",
+    ]
