@@ -628,3 +628,14 @@ def test_converted_file_prepares_with_loss_on_the_final_turn(converted, tmp_path
         '<start_of_turn>tool\n{"symbol": "AAPL", "price": 150.75}<end_of_turn>\n' in prefix
     )
     assert prefix.endswith("<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_results_are_matched_to_calls_by_function_name():
+    turns = TOOLACE["conversations"]
+    swapped = turns[2]["value"].split(", {")
+    reordered = "[{" + swapped[1][:-1] + ", " + swapped[0][1:] + "]"
+    obj = dict(TOOLACE, conversations=[turns[0], turns[1], {"from": "tool", "value": reordered}, turns[3]])
+    sample, _, repairs, _ = convert_line(_line(obj), dangling="drop-sample")
+    tools = [m for m in sample["messages"] if m["role"] == "tool"]
+    assert [(m["tool_call_id"], m["name"]) for m in tools] == [("call_2", "newAddress"), ("call_1", "Market Trends API")]
+    assert tools[0]["content"] == '{"status": "ok"}' and not repairs
