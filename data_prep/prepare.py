@@ -506,6 +506,9 @@ def _write_manifest(
             "vocab_size": renderer.vocab_size,
             "pad_token_id": renderer.tokenizer.pad_token_id,
             "eos_token_id": renderer.tokenizer.eos_token_id,
+            # What generation stops on; every response ends with one of them when the template
+            # writes one (render.end_of_turn_ids).
+            "end_of_turn_ids": renderer.end_of_turn_ids,
         },
         "dtype": np.dtype(DType.optimal_dtype(renderer.vocab_size)).name,
         "settings": {

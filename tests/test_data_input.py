@@ -237,6 +237,7 @@ def test_gemma_style_template_response_ends_at_end_of_turn(tmp_path):
     text = renderer.tokenizer.decode(sample.completion_ids, skip_special_tokens=False)
     assert text == answer + "<end_of_turn>"  # not "...<end_of_turn>\n"
     assert sample.completion_ids[-1] in renderer.end_of_turn_ids
+    assert PreparedDataset(tmp_path / "out").manifest["tokenizer"]["end_of_turn_ids"] == [EOT]
     # The stop token is not the newline, which occurs inside the multi-line answer.
     newline = renderer.encode("\n")
     assert newline[0] in sample.completion_ids[:-1] and newline[0] not in renderer.end_of_turn_ids

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
 from mimir_data_prep.tool_use import (
+    convert_files,
     convert_line,
     parse_arguments,
     parse_call_list,
@@ -637,5 +638,26 @@ def test_results_are_matched_to_calls_by_function_name():
     obj = dict(TOOLACE, conversations=[turns[0], turns[1], {"from": "tool", "value": reordered}, turns[3]])
     sample, _, repairs, _ = convert_line(_line(obj), dangling="drop-sample")
     tools = [m for m in sample["messages"] if m["role"] == "tool"]
-    assert [(m["tool_call_id"], m["name"]) for m in tools] == [("call_2", "newAddress"), ("call_1", "Market Trends API")]
+    assert [(m["tool_call_id"], m["name"]) for m in tools] == [
+        ("call_2", "newAddress"),
+        ("call_1", "Market Trends API"),
+    ]
     assert tools[0]["content"] == '{"status": "ok"}' and not repairs
+
+
+def test_parquet_rows_convert_like_lines(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = sorted({k for row in (XLAM, HERMES, TOOLACE) for k in row})
+    rows = [{k: row.get(k) for k in columns} for row in (XLAM, HERMES, TOOLACE)]  # absent: null
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet", row_group_size=2)
+    report = convert_files([tmp_path / "in.parquet"], tmp_path / "out.jsonl", progress=False)
+    assert (report["lines_read"], report["accepted"], report["rejected"]) == (3, 3, 0)
+    samples = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in s.items() if k != "meta"} for s in samples] == [
+        XLAM_EXPECTED,
+        HERMES_EXPECTED,
+        TOOLACE_EXPECTED,
+    ]
+    assert [s["meta"]["line"] for s in samples] == [1, 2, 3]

@@ -2,7 +2,7 @@
 declared JSON-schema tools, structured calls with ids, matching results, final answers."""
 
 from .assemble import DANGLING_POLICIES, assemble
-from .convert import convert_files, convert_line
+from .convert import convert_files, convert_line, convert_record
 from .formats import FORMATS, detect_format, read
 from .literals import parse_arguments, parse_call_list, parse_literal
 
@@ -12,6 +12,7 @@ __all__ = [
     "assemble",
     "convert_files",
     "convert_line",
+    "convert_record",
     "detect_format",
     "parse_arguments",
     "parse_call_list",

@@ -13,7 +13,7 @@ def register_synth(sub: argparse._SubParsersAction) -> None:
         "the chat format `mimir prepare` reads (tools, assistant tool_calls, tool messages with "
         "tool_call_id, final answer). Writes OUTPUT, OUTPUT's .rejects.jsonl and .report.json.",
     )
-    p.add_argument("--input", "-i", nargs="+", required=True, help="JSONL files")
+    p.add_argument("--input", "-i", nargs="+", required=True, help="JSONL or Parquet files")
     p.add_argument("--output", "-o", required=True, help="converted JSONL file")
     p.add_argument(
         "--format",

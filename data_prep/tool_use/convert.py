@@ -14,10 +14,11 @@ import logging
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from mimir_megatron.errors import UserError
 
+from ..shards import CorruptRowGroup, iter_parquet, plan_shards
 from .assemble import DANGLING_POLICIES, assemble
 from .formats import FORMATS, detect_format, read
 from .trace import REJECT_REASONS, REPAIR_REASONS, ConversionError
@@ -45,6 +46,13 @@ def convert_line(
         raise ConversionError("invalid_utf8", f"byte {exc.start}: {exc.reason}") from None
     except json.JSONDecodeError as exc:
         raise ConversionError("malformed_json", f"column {exc.colno}: {exc.msg}") from None
+    return convert_record(obj, fmt, dangling)
+
+
+def convert_record(
+    obj: Any, fmt: str = "auto", dangling: str = "drop-part"
+) -> tuple[dict, str, Counter, Counter]:
+    """(sample, format, repairs, notes) for one decoded line or Parquet row."""
     found = detect_format(obj) if fmt == "auto" else fmt
     if found is None:
         keys = ", ".join(sorted(obj)[:12]) if isinstance(obj, dict) else type(obj).__name__
@@ -52,6 +60,31 @@ def convert_line(
     trace = read(obj, found)
     result = assemble(trace, dangling)
     return result.sample, found, result.repairs, trace.notes
+
+
+def _lines(path: Path, fmt: str, dangling: str) -> Iterator[tuple[int, int, Any, str]]:
+    """(line or row number, lines it stands for, converted tuple or ConversionError, excerpt)."""
+    if path.name.lower().endswith(".parquet"):
+        for task in plan_shards([path]):
+            for row, record in iter_parquet(task):
+                if isinstance(record, CorruptRowGroup):
+                    detail = f"row group {record.row_group}: {record.rows} row(s) unreadable: {record.detail}"
+                    yield row, record.rows, ConversionError("corrupt_row_group", detail), ""
+                    continue
+                # Parquet fills the columns a row lacks with None; such keys are absent.
+                record = {k: v for k, v in record.items() if v is not None}
+                try:
+                    yield row, 1, convert_record(record, fmt, dangling), ""
+                except ConversionError as exc:
+                    yield row, 1, exc, json.dumps(record, ensure_ascii=False, default=str)[:200]
+        return
+    with path.open("rb") as f:
+        for number, line in enumerate(f, 1):
+            raw = line.rstrip(b"\r\n")
+            try:
+                yield number, 1, convert_line(raw, fmt, dangling), ""
+            except ConversionError as exc:
+                yield number, 1, exc, raw[:200].decode("utf-8", errors="replace")
 
 
 def convert_files(
@@ -62,7 +95,8 @@ def convert_files(
     dangling: str = "drop-part",
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Convert ``inputs`` into one JSONL file; returns the report (also written beside it)."""
+    """Convert JSONL or Parquet ``inputs`` into one JSONL file; returns the report (also written
+    beside it)."""
     if fmt != "auto" and fmt not in FORMATS:
         raise UserError(f"--format must be auto or one of {FORMATS}, got {fmt!r}")
     if dangling not in DANGLING_POLICIES:
@@ -82,45 +116,37 @@ def convert_files(
     tmp = {p: p.with_name(p.name + f".tmp{os.getpid()}") for p in (out, rejects_path(out))}
     from tqdm import tqdm
 
+    bar = tqdm(desc="synth tools", unit=" lines", disable=not progress, dynamic_ncols=True)
     try:
         with tmp[out].open("w", encoding="utf-8") as sink, tmp[rejects_path(out)].open("w") as bad:
             for path in paths:
-                with (
-                    path.open("rb") as f,
-                    tqdm(f, desc=path.name, unit=" lines", disable=not progress, dynamic_ncols=True) as lines,
-                ):
-                    for number, line in enumerate(lines, 1):
-                        raw = line.rstrip(b"\r\n")
-                        counts["lines_read"] += 1
-                        try:
-                            sample, found, fixed, noted = convert_line(raw, fmt, dangling)
-                        except ConversionError as exc:
-                            counts["rejected"] += 1
-                            rejects[exc.reason] += 1
-                            entry = {
-                                "file": str(path),
-                                "line": number,
-                                "reason": exc.reason,
-                                "detail": exc.detail,
-                            }
-                            entry["excerpt"] = raw[:200].decode("utf-8", errors="replace")
-                            bad.write(json.dumps(entry, ensure_ascii=False) + "\n")
-                            continue
-                        formats[found] += 1
-                        notes.update({k: v for k, v in noted.items() if v})
-                        if fixed:
-                            counts["repaired"] += 1
-                            repairs.update(dict.fromkeys(fixed, 1))
-                            parts_dropped.update(fixed)
-                        else:
-                            counts["accepted"] += 1
-                        meta = {"source": str(path), "line": number, "format": found}
-                        if fixed:
-                            meta["repairs"] = dict(sorted(fixed.items()))
-                        sink.write(json.dumps({**sample, "meta": meta}, ensure_ascii=False) + "\n")
+                for number, lines, converted, excerpt in _lines(path, fmt, dangling):
+                    counts["lines_read"] += lines
+                    bar.update(lines)
+                    if isinstance(converted, ConversionError):
+                        counts["rejected"] += lines
+                        rejects[converted.reason] += lines
+                        entry = {"file": str(path), "line": number, "reason": converted.reason}
+                        entry.update(detail=converted.detail, excerpt=excerpt)
+                        bad.write(json.dumps(entry, ensure_ascii=False) + "\n")
+                        continue
+                    sample, found, fixed, noted = converted
+                    formats[found] += 1
+                    notes.update({k: v for k, v in noted.items() if v})
+                    if fixed:
+                        counts["repaired"] += 1
+                        repairs.update(dict.fromkeys(fixed, 1))
+                        parts_dropped.update(fixed)
+                    else:
+                        counts["accepted"] += 1
+                    meta = {"source": str(path), "line": number, "format": found}
+                    if fixed:
+                        meta["repairs"] = dict(sorted(fixed.items()))
+                    sink.write(json.dumps({**sample, "meta": meta}, ensure_ascii=False) + "\n")
         for path in tmp:
             os.replace(tmp[path], path)
     finally:
+        bar.close()
         for path in tmp.values():
             path.unlink(missing_ok=True)
     assert counts["accepted"] + counts["repaired"] + counts["rejected"] == counts["lines_read"]

@@ -20,6 +20,7 @@ REJECT_REASONS = (
     "call_without_result",  # under --dangling drop-sample
     "result_without_call",  # under --dangling drop-sample
     "no_final_answer",
+    "corrupt_row_group",  # Parquet input: every unread row of the group
 )
 # What was cut out of a line that is kept (under --dangling drop-part).
 REPAIR_REASONS = ("call_without_result", "result_without_call")
