@@ -287,3 +287,17 @@ def test_yaml_config_sets_the_layout_per_dataset(tmp_path):
         "  - datasets[1] (b).output: o is also datasets[0]'s output",
         "  - datasets[1] (b).columns: input_format columns needs a 'columns' mapping",
     ]
+
+
+def test_shipped_prepare_example_validates():
+    from mimir_data_prep.prepare_config import load_prepare_config
+
+    root = Path(__file__).resolve().parents[1]
+    job = load_prepare_config(root / "configs" / "prepare" / "example.yaml")
+    assert Path(job.tokenizer).resolve() == DEMO_TOKENIZER_DIR.resolve()
+    assert [(d.name, d.input_format) for d in job.datasets] == [
+        ("openmath", "columns"),
+        ("openhermes", "sharegpt"),
+        ("tool-use", "auto"),
+    ]
+    assert job.datasets[0].columns == {"prompt": "problem", "completion": "generated_solution"}
