@@ -145,7 +145,10 @@ def _records(task: ShardTask, settings: PrepareSettings):
     columns = dict(settings.columns)
 
     def convert(obj):
-        return to_conversation(normalise(obj, task.layout, columns))
+        try:
+            return to_conversation(normalise(obj, task.layout, columns))
+        except RecursionError:
+            raise RecordError("bad_schema", "nested too deeply") from None
 
     if task.kind == "jsonl":
         for line, raw in iter_jsonl(task):

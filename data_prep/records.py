@@ -73,6 +73,8 @@ def decode_json_line(raw: bytes, control_chars: str = "reject") -> Any:
         return json.loads(text, strict=match is None)
     except json.JSONDecodeError as exc:
         raise RecordError("malformed_json", f"column {exc.colno}: {exc.msg}") from None
+    except RecursionError:  # json recurses once per nesting level
+        raise RecordError("malformed_json", "nested too deeply") from None
 
 
 def to_conversation(obj: Any) -> Conversation:
@@ -140,7 +142,10 @@ def clean_control_chars(conv: Conversation, policy: str = "reject") -> tuple[Con
     ``reject`` raises RecordError('control_characters'); ``strip`` removes them. Returns the
     conversation and the number of characters removed.
     """
-    found = _count_control(conv.messages) + _count_control(conv.tools)
+    try:
+        found = _count_control(conv.messages) + _count_control(conv.tools)
+    except RecursionError:
+        raise RecordError("bad_schema", "nested too deeply") from None
     if not found:
         return conv, 0
     if policy != "strip":

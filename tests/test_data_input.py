@@ -301,3 +301,15 @@ def test_shipped_prepare_example_validates():
         ("tool-use", "auto"),
     ]
     assert job.datasets[0].columns == {"prompt": "problem", "completion": "generated_solution"}
+
+
+def test_deeply_nested_lines_are_rejected_not_crashed():
+    from mimir_data_prep.records import decode_json_line
+    from mimir_data_prep.tool_use import convert_line
+    from mimir_data_prep.tool_use.trace import ConversionError
+
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b', "completion": "x"}'
+    with pytest.raises(RecordError, match="nested too deeply"):
+        decode_json_line(deep)
+    with pytest.raises(ConversionError, match="nested too deeply"):
+        convert_line(deep)

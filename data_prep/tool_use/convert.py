@@ -46,6 +46,8 @@ def convert_line(
         raise ConversionError("invalid_utf8", f"byte {exc.start}: {exc.reason}") from None
     except json.JSONDecodeError as exc:
         raise ConversionError("malformed_json", f"column {exc.colno}: {exc.msg}") from None
+    except RecursionError:  # json recurses once per nesting level
+        raise ConversionError("malformed_json", "nested too deeply") from None
     return convert_record(obj, fmt, dangling)
 
 
@@ -57,8 +59,11 @@ def convert_record(
     if found is None:
         keys = ", ".join(sorted(obj)[:12]) if isinstance(obj, dict) else type(obj).__name__
         raise ConversionError("unknown_format", f"no tool-use format fits (keys: {keys})")
-    trace = read(obj, found)
-    result = assemble(trace, dangling)
+    try:
+        trace = read(obj, found)
+        result = assemble(trace, dangling)
+    except RecursionError:
+        raise ConversionError("bad_schema", "nested too deeply") from None
     return result.sample, found, result.repairs, trace.notes
 
 

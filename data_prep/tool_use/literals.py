@@ -30,7 +30,7 @@ def parse_literal(text: str) -> tuple[Any, str]:
     """(value, "json" | "python"); ValueError if the text is neither JSON nor a literal."""
     try:
         return json.loads(text), "json"
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         pass
     return _literal(_parse(text.strip())), "python"
 
