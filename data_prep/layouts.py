@@ -144,10 +144,12 @@ def _from_sharegpt(obj: dict) -> dict:
         if not isinstance(value, str):
             raise RecordError("bad_schema", f"sharegpt: turn {i} value must be a string")
         if who == "function_call":
-            calls += 1
-            call_id = f"call_{calls}"
-            messages.append({"role": "assistant", "content": "", "tool_calls": [_call(value, call_id, i)]})
-            pending.append(call_id)
+            tool_calls = []
+            for call in _calls(value, i):  # one call, or a list of parallel calls
+                calls += 1
+                tool_calls.append({"id": f"call_{calls}", "type": "function", "function": call})
+                pending.append(f"call_{calls}")
+            messages.append({"role": "assistant", "content": "", "tool_calls": tool_calls})
         elif role == "tool":
             message = {"role": "tool", "content": value}
             if pending:
@@ -161,20 +163,26 @@ def _from_sharegpt(obj: dict) -> dict:
     return out
 
 
-def _call(value: str, call_id: str, index: int) -> dict:
+def _calls(value: str, index: int) -> list[dict]:
+    """{"name", "arguments"} JSON (or a list of them) -> [{"name", "arguments": {...}}]."""
     try:
-        call = json.loads(value)
+        parsed = json.loads(value)
     except json.JSONDecodeError:
         raise RecordError("bad_schema", f"sharegpt: function_call turn {index} is not JSON") from None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        raise RecordError("bad_schema", f"sharegpt: function_call turn {index} has no 'name'")
-    arguments = call.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            raise RecordError("bad_schema", f"sharegpt: turn {index} arguments are not JSON") from None
-    return {"id": call_id, "type": "function", "function": {"name": call["name"], "arguments": arguments}}
+    out = []
+    for call in parsed if isinstance(parsed, list) else [parsed]:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise RecordError("bad_schema", f"sharegpt: function_call turn {index} has no 'name'")
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                raise RecordError("bad_schema", f"sharegpt: turn {index} arguments are not JSON") from None
+        out.append({"name": call["name"], "arguments": arguments})
+    if not out:
+        raise RecordError("bad_schema", f"sharegpt: function_call turn {index} holds no call")
+    return out
 
 
 def _from_alpaca(obj: dict) -> dict:

@@ -98,6 +98,20 @@ def test_sharegpt_alpaca_and_columns_become_messages_exactly():
         ],
         "tools": SHAREGPT["tools"],
     }
+    parallel = {
+        "conversations": [
+            {"from": "human", "value": "Oslo and Bergen?"},
+            {
+                "from": "function_call",
+                "value": '[{"name": "w", "arguments": {"c": "Oslo"}}, {"name": "w", "arguments": "{}"}]',
+            },
+            {"from": "gpt", "value": "Both cold."},
+        ]
+    }
+    assert normalise(parallel, "sharegpt")["messages"][1]["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": {"c": "Oslo"}}},
+        {"id": "call_2", "type": "function", "function": {"name": "w", "arguments": {}}},
+    ]
     assert normalise(ALPACA, "alpaca") == {
         "messages": [
             {"role": "user", "content": "Hi"},
