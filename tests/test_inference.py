@@ -311,3 +311,17 @@ def test_engine_loads_a_training_checkpoint_and_its_ema(demo_data, tmp_path):
     text = load_engine(checkpoint=checkpoints).generate(
         [GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=3))])[0]
     assert len(text.token_ids) <= 3 and isinstance(text.text, str)
+
+
+def test_evaluation_stops_on_the_templates_end_of_turn(demo_data, repo):
+    """Held-out evaluation stops on the end-of-turn ids its dataset's manifest records, and the
+    engine's default stops are the same ids (not a guessed token list)."""
+    from mimir_data_prep.render import load_tokenizer
+
+    from mimir_megatron.train.evaluate import eval_stop_ids
+
+    tokenizer = load_tokenizer(repo / "data_prep" / "demo" / "tokenizer")
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert eval_stop_ids(demo_data / "eval") == (end_of_turn,)
+    engine = InferenceEngine(build_model(tiny_config("vocab_size=1024")), tokenizer)
+    assert engine.default_stop_ids == (end_of_turn,)

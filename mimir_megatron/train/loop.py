@@ -327,10 +327,11 @@ def _eval_subset(samples: list, limit: int) -> list:
 
 def _evaluate(model, samples, cfg: TrainConfig, device, dp_rank, dp_size, dp_group,
               tracker: Tracker, step: int) -> float:
-    from mimir_megatron.train.evaluate import exact_match
+    from mimir_megatron.train.evaluate import eval_stop_ids, exact_match
 
     score, count = exact_match(model, samples, max_new_tokens=cfg.eval.max_new_tokens,
-                               device=device, dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group)
+                               device=device, dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group,
+                               stop_token_ids=eval_stop_ids(cfg.data.eval_path))
     tracker.log_metrics(step, {"eval/exact_match": score})
     log.info("step %d: exact match %.3f on %d held-out samples", step, score, count)
     return score
