@@ -5,10 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import skip_policy
+
+pytest_plugins = ["pytester"]  # tests/test_skip_policy.py runs pytest on small generated suites
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "model" / "tiny.yaml"
 MIMIR = REPO / "configs" / "model" / "mimir.yaml"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    skip_policy.install(config)  # unexpected skips fail under CI=true
 
 
 @pytest.fixture(scope="session")
