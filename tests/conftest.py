@@ -55,5 +55,6 @@ def train_overrides(demo_data: Path, run_dir: Path, *extra: str) -> list[str]:
         "train.micro_batch_size=2", "optim.warmup_steps=2", "optim.lr=3e-3", "optim.cooldown=none",
         "optim.ema_decay=0.99",
         "checkpoint.interval=3", "eval.max_samples=0", "window.ramp_fraction=0.5",
+        "tracking.system_metrics=false",  # on in tests/test_system_metrics.py
         *extra,
     ]

@@ -132,6 +132,12 @@ class TrackingSection:
     """While the server is unreachable, metrics are buffered and delivery is retried this often."""
     final_flush_seconds: float = 120.0
     """At the end of a run, how long to keep trying to deliver buffered metrics."""
+    system_metrics: bool = True
+    """CPU, memory, disk, network and, on a GPU, GPU utilisation and memory, logged by MLflow's
+    system-metrics monitor from local rank 0 of every node into the run (`system/...`; with
+    several nodes `system/<host>/...`)."""
+    system_metrics_interval: float = 10.0
+    """Seconds between system-metric samples."""
 
 
 @dataclass
@@ -230,6 +236,9 @@ class TrainConfig(RunSections):
             errs.append(f"optim.ema_decay must be in [0, 1), got {o.ema_decay}")
         if o.weight_decay < 0 or o.clip_grad < 0:
             errs.append("optim.weight_decay and optim.clip_grad must be >= 0")
+        if self.tracking.system_metrics_interval <= 0:
+            errs.append("tracking.system_metrics_interval must be > 0, got "
+                        f"{self.tracking.system_metrics_interval}")
         c = self.checkpoint
         if c.interval < 1:
             errs.append(f"checkpoint.interval must be >= 1, got {c.interval}")

@@ -22,16 +22,15 @@ from omegaconf import OmegaConf
 
 from mimir_megatron import backend, parallel
 from mimir_megatron.errors import NonFiniteTraining, UserError
+from mimir_megatron.stop_signals import STOP_SIGNALS, take_early
 from mimir_megatron.train import checkpoint as ckpt
 from mimir_megatron.train.config import TrainConfig, flatten
 from mimir_megatron.train.flops import attended_keys_per_token, flops_per_token
 from mimir_megatron.train.optim import EMA, build_optimizer, clip_, grad_norm, optimizer_step
 from mimir_megatron.train.schedules import plan_step
-from mimir_megatron.train.tracking import Tracker, host_tags
+from mimir_megatron.train.tracking import SystemMetrics, Tracker, host_tags
 
 log = logging.getLogger("mimir.train")
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 FAULT_ENV = "MIMIR_TEST_FAULTS"
 """Test-only fault injection: ``"3:grad,5:loss"`` makes step 3's gradient norm and step 5's loss
@@ -59,6 +58,8 @@ class _StopFlag:
     def install(self) -> None:
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        for signum in take_early():  # arrived while the CLI was still importing
+            self._handle(signum, None)
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
@@ -170,6 +171,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     tracker.start(cfg.run.name, flatten(cfg.to_dict()), tags, resume_run_id=run_id)
+    system = _start_system_metrics(cfg, tracker, env.local_rank)
 
     result = TrainResult(final_step=step, run_id=tracker.run_id)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
@@ -274,15 +276,37 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
             result.exact_match = _evaluate(model, eval_samples, cfg, device, dp_rank, dp_size,
                                            dp_group, tracker, step)
     except BaseException:
+        if system is not None:
+            system.close()
         tracker.close(status="FAILED", wait_seconds=5)
         raise
     finally:
         if isinstance(loader, DevicePrefetcher):
             loader.close()
+    if system is not None:
+        system.close()
     tracker.close(status="KILLED" if result.preempted else "FINISHED",
                   wait_seconds=cfg.tracking.final_flush_seconds)
     result.run_id = tracker.run_id
     return result
+
+
+def _start_system_metrics(cfg: TrainConfig, tracker: Tracker, local_rank: int) -> SystemMetrics | None:
+    """MLflow system metrics from local rank 0 of each node, into rank 0's run; collective."""
+    if not (cfg.tracking.enabled and cfg.tracking.system_metrics):
+        return None
+    shared = [tracker.run_id, tracker.uri]
+    dist.broadcast_object_list(shared, src=0)  # the run exists on rank 0 only
+    run_id, uri = shared
+    first_on_node = torch.tensor([float(local_rank == 0)], device=backend.device())
+    dist.all_reduce(first_on_node)
+    nodes = int(first_on_node.item())
+    if local_rank != 0 or run_id is None:  # None: MLflow was unreachable at the start
+        return None
+    import socket
+
+    return SystemMetrics(uri, run_id, cfg.tracking.system_metrics_interval,
+                         node_id=socket.gethostname() if nodes > 1 else None)
 
 
 def _resume_path(cfg: TrainConfig, ckpt_dir: Path) -> Path | None:
