@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jinja2
+import yaml
 from jinja2.sandbox import SandboxedEnvironment
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -240,6 +241,7 @@ class Pipeline:
                 ep.pop(key, None)
         tree["output"].pop("dir", None)
         tree["source"].pop("path", None)
+        tree["source"].pop("limit", None)
         tree["template_texts"] = self.template_texts
         return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
 
@@ -455,8 +457,11 @@ def load_pipeline(path: str | Path, overrides: Sequence[str] = ()) -> Pipeline:
         raise ConfigError(f"pipeline file not found: {path}")
     try:
         raw = OmegaConf.load(path)
-        if overrides:
-            raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides)))
+        for override in overrides:  # update, not merge: `checks.0.name=x` must index the list
+            key, eq, value = override.partition("=")
+            if not eq or not key:
+                raise ValueError(f"override {override!r} is not KEY=VALUE")
+            OmegaConf.update(raw, key, yaml.safe_load(value) if value else "", force_add=True)
         tree = OmegaConf.to_container(raw, resolve=True)
     except Exception as exc:  # YAML syntax, bad override
         raise ConfigError(f"cannot parse {path} with overrides {list(overrides)}: {exc}") from None
