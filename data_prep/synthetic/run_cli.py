@@ -38,6 +38,10 @@ def register_synth_run(synth_subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_command)
 
 
+# The `mimir synth` group (data_prep/cli.py) calls ``register_synth`` of each module it lists.
+register_synth = register_synth_run
+
+
 def run_command(args: argparse.Namespace) -> int:
     from .acceptance import format_report
     from .pipeline import load_pipeline

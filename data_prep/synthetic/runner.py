@@ -157,8 +157,8 @@ class RowProcessor:
                 attempt["checks"] = [c.to_dict() for c in checks]
                 failed = [c for c in checks if not c.passed]
                 if failed:
-                    verdict = Verdict("discard" if any(c.on_fail == "discard" for c in failed) else "regenerate",
-                                      [{"code": c.name, "detail": c.detail} for c in failed])
+                    word = "discard" if any(c.on_fail == "discard" for c in failed) else "regenerate"
+                    verdict = Verdict(word, [{"code": c.name, "detail": c.detail} for c in failed])
                 else:
                     context = base | {"candidate": candidate, "output": output,
                                       "checks": [c.to_dict() for c in checks]}
@@ -192,13 +192,18 @@ def _plain_json(value: Any) -> Any:
     return json.loads(json.dumps(value, ensure_ascii=False, default=str))
 
 
+def _is_done(state: StateFile, row: SourceRow, retry_errors: bool) -> bool:
+    """Decided for this very input (same hash), and not an error the user asked to redo."""
+    entry = state.index.get(row.row_id)
+    return (entry is not None and entry.sha256 == row.sha256
+            and not (retry_errors and entry.status == "error"))
+
+
 def _pending_rows(pipeline: Pipeline, state: StateFile, retry_errors: bool):
     src = pipeline.config.source
     for row in iter_source(pipeline.source_path, src.format, src.id_field, src.limit):
-        entry = state.index.get(row.row_id)
-        if entry is not None and entry.sha256 == row.sha256 and not (retry_errors and entry.status == "error"):
-            continue
-        yield row
+        if not _is_done(state, row, retry_errors):
+            yield row
 
 
 def _count_rows(pipeline: Pipeline, state: StateFile, retry_errors: bool) -> tuple[int, int]:
@@ -207,9 +212,7 @@ def _count_rows(pipeline: Pipeline, state: StateFile, retry_errors: bool) -> tup
     src = pipeline.config.source
     for row in iter_source(pipeline.source_path, src.format, src.id_field, src.limit):
         total += 1
-        entry = state.index.get(row.row_id)
-        if entry is None or entry.sha256 != row.sha256 or (retry_errors and entry.status == "error"):
-            todo += 1
+        todo += not _is_done(state, row, retry_errors)
     return total, todo
 
 
