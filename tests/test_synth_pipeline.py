@@ -239,3 +239,15 @@ def test_cli_check_flag(capsys):
     assert main([str(SHIPPED[0]), "--check"]) == 0
     assert "valid" in capsys.readouterr().out
     assert main([str(SHIPPED[0]), "no_such_key=1", "--check"]) == 2
+
+
+def test_registers_into_a_synth_group():
+    import argparse
+
+    from mimir_data_prep.synthetic.run_cli import register_synth, run_command
+
+    parser = argparse.ArgumentParser()
+    register_synth(parser.add_subparsers(dest="synth_command"))
+    args = parser.parse_args(["run", "p.yaml", "a.b=1", "c=2", "--output", "o", "-n", "3", "--retry-errors"])
+    assert (args.pipeline, args.overrides, args.output, args.concurrency) == ("p.yaml", ["a.b=1", "c=2"], "o", 3)
+    assert args.retry_errors and args.handler is run_command

@@ -43,6 +43,13 @@ register_synth = register_synth_run
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from mimir_megatron.errors import UserError
+
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        raise UserError("`mimir synth run` needs the openai client: "
+                        "pip install 'mimir-megatron[synth]'") from None
     from .acceptance import format_report
     from .pipeline import load_pipeline
     from .runner import RunOptions, default_output_dir, run_pipeline
