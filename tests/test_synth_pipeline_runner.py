@@ -388,3 +388,14 @@ def test_shipped_pipeline(name, tmp_path):
         assert by_id["c2"]["synth"]["status"] == "accepted"
         assert by_id["c2"]["messages"][-1]["content"].endswith("lower it by one.")
         assert by_id["c1"]["synth"]["status"] == "kept"
+
+
+def test_bad_source_rows_are_counted_as_errors(fresh, tmp_path):
+    path = write_pipeline(tmp_path, fresh.base_url, 2)
+    with (tmp_path / "src.jsonl").open("a") as f:
+        f.write('{"id": "r002", "text": \n')  # malformed JSON
+        f.write('{"id": "r003", "body": "no text field"}\n')  # the prompt's row.text is missing
+    report = run(path, tmp_path / "out")
+    assert report["source_rows"] == report["decided"] == 4
+    assert report["status"] == {"kept": 0, "accepted": 1, "discarded": 1, "error": 2}
+    assert report["error_reasons"] == {"invalid_source_row": 1, "prompt_template_error": 1}

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
+
 from mimir_megatron.errors import UserError
 from mimir_data_prep.records import RecordError, to_conversation
 
@@ -168,6 +170,10 @@ class RowProcessor:
             except RequestRejected as exc:
                 attempts.append(attempt | {"error": exc.detail})
                 return record | _decided("error", [{"code": exc.code, "detail": exc.detail}], attempts)
+            except jinja2.TemplateError as exc:  # e.g. a source row without a field the prompt uses
+                attempts.append(attempt | {"error": str(exc)})
+                reasons = [{"code": "prompt_template_error", "detail": f"{type(exc).__name__}: {exc}"}]
+                return record | _decided("error", reasons, attempts)
             attempt["verdict"] = verdict.to_dict()
             attempts.append(attempt)
             if verdict.verdict == "accept":

@@ -42,6 +42,7 @@ class StateFile:
         self.index: dict[str, Entry] = {}
         self._fd: int | None = None
         self._lock_fd: int | None = None
+        self._reader: Any = None
 
     def __enter__(self) -> "StateFile":
         self.open()
@@ -64,6 +65,9 @@ class StateFile:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -120,9 +124,10 @@ class StateFile:
         self.index[record["row_id"]] = Entry(offset, record["input_sha256"], record["status"])
 
     def read(self, entry: Entry) -> dict[str, Any]:
-        with self.path.open("rb") as f:
-            f.seek(entry.offset)
-            return json.loads(f.readline())
+        if self._reader is None:
+            self._reader = self.path.open("rb")
+        self._reader.seek(entry.offset)
+        return json.loads(self._reader.readline())
 
     def check_pipeline(self, fingerprint: str, name: str, allow_change: bool) -> None:
         """Refuse to mix rows produced by different prompts/models unless told to."""
