@@ -399,3 +399,18 @@ def test_bad_source_rows_are_counted_as_errors(fresh, tmp_path):
     assert report["source_rows"] == report["decided"] == 4
     assert report["status"] == {"kept": 0, "accepted": 1, "discarded": 1, "error": 2}
     assert report["error_reasons"] == {"invalid_source_row": 1, "prompt_template_error": 1}
+
+
+def test_parquet_source_with_line_numbers_as_ids(fresh, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = 6
+    path = write_pipeline(tmp_path, fresh.base_url, rows)
+    texts = [r["text"] for r in read_jsonl(tmp_path / "src.jsonl")]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "src.parquet", row_group_size=4)
+    path.write_text(path.read_text().replace("{path: src.jsonl, id_field: id}", "{path: src.parquet}"))
+    run(path, tmp_path / "out")
+    verdicts = read_jsonl(tmp_path / "out" / "verdicts.jsonl")
+    assert [v["row_id"] for v in verdicts] == [str(i) for i in range(1, rows + 1)]
+    assert [v["status"] for v in verdicts] == [EXPECTED[kind_of(i)][0] for i in range(rows)]

@@ -276,6 +276,9 @@ def run_pipeline(pipeline: Pipeline, options: RunOptions) -> dict[str, Any]:
                 asyncio.run(_run_rows(pipeline, state, concurrency, options.retry_errors, bar))
             except EndpointUnavailable as exc:
                 stopped = exc
+            except KeyboardInterrupt:  # Ctrl-C: the outputs still show every row decided so far
+                finalize(pipeline, state, out, stopped="interrupted")
+                raise
         report = finalize(pipeline, state, out, stopped=str(stopped) if stopped else None)
     if stopped is not None:
         raise EndpointUnavailable(f"{stopped}\n{report['decided']} of {report['source_rows']} rows are "
