@@ -298,6 +298,7 @@ def test_server_stopped_and_restarted_mid_run(tmp_path):
     while time.time() < deadline and (not state.exists() or len(state.read_bytes().splitlines()) < 6):
         time.sleep(0.02)
     server.stop()
+    time.sleep(0.3)  # replies already being written when the server stopped still arrive
     decided_while_down = len(state.read_bytes().splitlines())
     time.sleep(1.5)
     assert len(state.read_bytes().splitlines()) == decided_while_down < rows  # nothing answered
