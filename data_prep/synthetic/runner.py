@@ -121,6 +121,31 @@ class RowProcessor:
             results.append(CheckResult("output_format", "output", False, f"{exc.reason}: {exc.detail}"))
         return results, output
 
+    async def _propose(self, row: SourceRow, base: dict[str, Any], attempt: dict[str, Any]):
+        """(candidate, parse error): the source's own candidate, or the generator's."""
+        if base["from_source"]:
+            return self._source_candidate(row)
+        call = await self.generator.chat(self._messages("generate", base))
+        attempt["generator"] = call.evidence
+        return self._parse_candidate(call.text)
+
+    async def _judge(self, candidate: dict[str, Any] | None, parse_error: str | None,
+                     base: dict[str, Any], attempt: dict[str, Any]) -> tuple[Verdict, dict[str, Any] | None]:
+        """Deterministic checks first; the auditor only for a candidate that passes them all."""
+        if parse_error is not None:
+            checks, output = [CheckResult("generator_unparseable", "parse", False, parse_error)], None
+        else:
+            checks, output = self._checks(base | {"candidate": candidate})
+        attempt["checks"] = [c.to_dict() for c in checks]
+        failed = [c for c in checks if not c.passed]
+        if failed:
+            word = "discard" if any(c.on_fail == "discard" for c in failed) else "regenerate"
+            return Verdict(word, [{"code": c.name, "detail": c.detail} for c in failed]), None
+        context = base | {"candidate": candidate, "output": output, "checks": attempt["checks"]}
+        call = await self.auditor.chat(self._messages("audit", context))
+        attempt["auditor"] = call.evidence
+        return parse_verdict(call.text, self.cfg.verdict), output
+
     async def process(self, row: SourceRow) -> dict[str, Any]:
         record: dict[str, Any] = {
             "row_id": row.row_id, "source_line": row.number, "input_sha256": row.sha256,
@@ -134,39 +159,19 @@ class RowProcessor:
         generations = 0
         from_source = bool(self.cfg.generate.initial_candidate)
         while True:
+            if not from_source and generations >= self.cfg.max_generations:
+                reasons = [{"code": "attempts_exhausted",
+                            "detail": f"{generations} generations without an accepted candidate"}]
+                return record | _decided("discarded", reasons, attempts)
+            generations += not from_source
             attempt: dict[str, Any] = {"attempt": len(attempts), "from_source": from_source,
                                        "generator": None, "auditor": None}
             base = {"row": row.record, "attempt": len(attempts), "feedback": feedback,
                     "previous": previous, "from_source": from_source}
             try:
-                if from_source:
-                    candidate, parse_error = self._source_candidate(row)
-                else:
-                    if generations >= self.cfg.max_generations:
-                        reasons = [{"code": "attempts_exhausted",
-                                    "detail": f"{generations} generations without an accepted candidate"}]
-                        return record | _decided("discarded", reasons, attempts)
-                    generations += 1
-                    call = await self.generator.chat(self._messages("generate", base))
-                    attempt["generator"] = call.evidence
-                    candidate, parse_error = self._parse_candidate(call.text)
+                candidate, parse_error = await self._propose(row, base, attempt)
                 attempt["candidate"] = candidate
-                if parse_error is not None:
-                    checks = [CheckResult("generator_unparseable", "parse", False, parse_error)]
-                    output = None
-                else:
-                    checks, output = self._checks(base | {"candidate": candidate})
-                attempt["checks"] = [c.to_dict() for c in checks]
-                failed = [c for c in checks if not c.passed]
-                if failed:
-                    word = "discard" if any(c.on_fail == "discard" for c in failed) else "regenerate"
-                    verdict = Verdict(word, [{"code": c.name, "detail": c.detail} for c in failed])
-                else:
-                    context = base | {"candidate": candidate, "output": output,
-                                      "checks": [c.to_dict() for c in checks]}
-                    call = await self.auditor.chat(self._messages("audit", context))
-                    attempt["auditor"] = call.evidence
-                    verdict = parse_verdict(call.text, self.cfg.verdict)
+                verdict, output = await self._judge(candidate, parse_error, base, attempt)
             except RequestRejected as exc:
                 attempts.append(attempt | {"error": exc.detail})
                 return record | _decided("error", [{"code": exc.code, "detail": exc.detail}], attempts)
@@ -177,8 +182,7 @@ class RowProcessor:
             attempt["verdict"] = verdict.to_dict()
             attempts.append(attempt)
             if verdict.verdict == "accept":
-                status = "kept" if from_source else "accepted"
-                return record | _decided(status, [], attempts, output)
+                return record | _decided("kept" if from_source else "accepted", [], attempts, output)
             if verdict.verdict == "discard":
                 return record | _decided("discarded", verdict.reasons, attempts)
             feedback, previous, from_source = verdict.reasons, candidate, False
