@@ -210,6 +210,21 @@ def test_unreachable_server_stops_the_run_and_a_rerun_resumes(fresh, tmp_path):
     assert_complete(tmp_path / "out", rows)
 
 
+def test_wrong_model_name_stops_the_run_instead_of_failing_every_row(fresh, tmp_path):
+    from mimir_data_prep.synthetic.client import EndpointMisconfigured
+
+    fresh.fault = lambda body, seen: "404" if body["model"] == "audit-model" else None
+    path = write_pipeline(tmp_path, fresh.base_url, 6)
+    with pytest.raises(EndpointMisconfigured, match="endpoints.auditor"):
+        run(path, tmp_path / "out")
+    # Only rows that never reached the auditor (failed checks) are decided; none as an error.
+    decided = read_jsonl(tmp_path / "out" / "verdicts.jsonl")
+    assert all(v["status"] == "discarded" and v["reasons"] == ["attempts_exhausted"] for v in decided)
+    fresh.fault = None
+    run(path, tmp_path / "out")
+    assert_complete(tmp_path / "out", 6)
+
+
 def test_changed_rows_are_redone_and_changed_prompts_refused(fresh, tmp_path):
     rows = 6
     path = write_pipeline(tmp_path, fresh.base_url, rows)

@@ -5,8 +5,9 @@ gives up after a few seconds, while a server restart (a model loading again) tak
 every retry here is recorded as evidence. 429, 408/409, 5xx, timeouts and connection loss are
 retried with capped exponential backoff and jitter (honouring ``Retry-After``); when one request
 has failed ``max_retries`` times in a row the run stops with :class:`EndpointUnavailable`, and the
-unfinished rows are picked up by the next run. Other errors (400, 401, 404, ...) are the row's:
-it is recorded with status ``error``.
+unfinished rows are picked up by the next run. 401/403/404 (wrong key, URL or model name) stop
+the run too (:class:`EndpointMisconfigured`). Other errors (400, 413, 422, ...) are the row's: it
+is recorded with status ``error``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,16 @@ import openai
 from mimir_megatron.errors import UserError
 
 RETRY_STATUS = (408, 409, 429)
+# Wrong URL, model name or key: every row would fail the same way, so the run stops instead.
+FATAL_STATUS = (401, 403, 404)
 
 
 class EndpointUnavailable(UserError):
     """An endpoint kept failing with retryable errors; rerun to resume."""
+
+
+class EndpointMisconfigured(UserError):
+    """The endpoint refuses every request (401/403/404): fix the YAML, then rerun."""
 
 
 class RequestRejected(Exception):
@@ -121,6 +128,10 @@ class ChatEndpoint:
                     raise
                 if not _retryable(exc):
                     status = getattr(exc, "status_code", None)
+                    if status in FATAL_STATUS:
+                        raise EndpointMisconfigured(
+                            f"endpoint {self.name} ({cfg.base_url}, model {cfg.model!r}) answered "
+                            f"{status}: {exc}; check endpoints.{self.name} in the pipeline") from None
                     raise RequestRejected(f"api_error_{status or 'client'}", str(exc)[:500]) from None
                 failures += 1
                 if failures > self.retry.max_retries:

@@ -27,7 +27,7 @@ from mimir_data_prep.records import RecordError, to_conversation
 
 from .acceptance import finalize
 from .checks import CheckResult, run_checks
-from .client import ChatEndpoint, EndpointUnavailable, RequestRejected
+from .client import ChatEndpoint, EndpointMisconfigured, EndpointUnavailable, RequestRejected
 from .pipeline import Pipeline, resolve
 from .source import SourceRow, iter_source
 from .state import StateFile
@@ -278,15 +278,15 @@ def run_pipeline(pipeline: Pipeline, options: RunOptions) -> dict[str, Any]:
                   disable=not options.progress) as bar:
             try:
                 asyncio.run(_run_rows(pipeline, state, concurrency, options.retry_errors, bar))
-            except EndpointUnavailable as exc:
+            except (EndpointUnavailable, EndpointMisconfigured) as exc:
                 stopped = exc
             except KeyboardInterrupt:  # Ctrl-C: the outputs still show every row decided so far
                 finalize(pipeline, state, out, stopped="interrupted")
                 raise
         report = finalize(pipeline, state, out, stopped=str(stopped) if stopped else None)
     if stopped is not None:
-        raise EndpointUnavailable(f"{stopped}\n{report['decided']} of {report['source_rows']} rows are "
-                                  f"decided and kept in {out}; rerun the same command to resume")
+        raise type(stopped)(f"{stopped}\n{report['decided']} of {report['source_rows']} rows are "
+                            f"decided and kept in {out}; rerun the same command to resume")
     return report
 
 
