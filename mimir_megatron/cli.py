@@ -19,6 +19,7 @@ _REGISTRARS = (
     "mimir_megatron.bench",
     "mimir_megatron.ops.cli",
     "mimir_megatron.inference.cli",
+    "mimir_megatron.inference.serve_cli",
 )
 
 
