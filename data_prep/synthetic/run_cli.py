@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Run a generate-and-audit pipeline.")
     parser.add_argument("-v", "--verbose", action="store_true")
     _add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # KEY=VALUE may also follow the options here
     setup_logging(verbose=args.verbose)
     try:
         return run_command(args)
