@@ -55,15 +55,16 @@ tracking: {{enabled: false}}
     return tmp / "p.yaml"
 
 
-def rows_per_second(server: StandIn, rows: int, concurrency: int) -> float:
+def rows_per_second(server: StandIn, rows: int, concurrency: int) -> tuple[float, float]:
+    """(rows/s wall, CPU seconds per row of this process: runner and stand-in server together)."""
     with tempfile.TemporaryDirectory() as d:
         path = write_pipeline(Path(d), server.base_url, rows)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         report = run_pipeline(load_pipeline(path), RunOptions(Path(d) / "out", concurrency=concurrency,
                                                               progress=False))
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     assert report["status"]["accepted"] == rows, report
-    return rows / elapsed
+    return rows / elapsed, cpu / rows
 
 
 def main() -> int:
@@ -78,15 +79,15 @@ def main() -> int:
     with StandIn(responder, delay_s=args.latency) as server:
         base = None
         for n in args.concurrency:
-            rate = rows_per_second(server, args.rows, n)
+            rate, cpu = rows_per_second(server, args.rows, n)
             base = base or rate
             print(f"latency {args.latency:.3f} s  concurrency {n:3d}: {rate:7.2f} rows/s  "
-                  f"x{rate / base:.2f} vs concurrency {args.concurrency[0]}")
+                  f"x{rate / base:.2f} vs concurrency {args.concurrency[0]}  cpu {1000 * cpu:.1f} ms/row")
         server.delay_s = 0.0
         n = max(args.concurrency)
-        rate = rows_per_second(server, args.rows, n)
-        print(f"latency 0      concurrency {n:3d}: {rate:7.2f} rows/s  ({1000 / rate:.1f} ms per row: "
-              "client, checks, state file, stand-in server together)")
+        rate, cpu = rows_per_second(server, args.rows, n)
+        print(f"latency 0      concurrency {n:3d}: {rate:7.2f} rows/s  cpu {1000 * cpu:.1f} ms/row "
+              "(client, checks, state file and the stand-in server together)")
     return 0
 
 

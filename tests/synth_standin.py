@@ -22,6 +22,7 @@ FaultRule = Callable[[dict[str, Any], int], "str | None"]
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # the default backlog of 5 drops connections from concurrent clients
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # dropped connections and clients that timed out are the point, not news
