@@ -16,6 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, help="train YAML, e.g. configs/train/demo.yaml")
     p.add_argument("--allow-data-change", action="store_true",
                    help="resume even though the data mixture changed")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume even though train/window/optim settings changed (recorded in MLflow)")
     p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides: section.key=value")
     p.set_defaults(handler=cmd_train)
 
@@ -30,6 +32,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.allow_data_change:
         overrides.append("checkpoint.allow_data_change=true")
+    if args.allow_config_change:
+        overrides.append("checkpoint.allow_config_change=true")
     cfg = load_train_config(args.config, overrides)
     try:
         result = train(cfg)
