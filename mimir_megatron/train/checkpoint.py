@@ -270,6 +270,7 @@ class CheckpointWriter:
 
     def save(self, step: int, model, optimizer, ema, trainer_state: dict[str, Any]) -> Path:
         self.wait()
+        _writer_error_log().drain()  # only this write's errors explain its failure
         rank = dist.get_rank()
         final = self.checkpoint_dir / step_dir_name(step)
         tmp = self.checkpoint_dir / (step_dir_name(step) + ".tmp")
@@ -366,10 +367,61 @@ class CheckpointWriter:
 
     def _error(self, step: int, cause: BaseException | None) -> CheckpointWriteError:
         previous = latest_name(self.checkpoint_dir) or "none"
+        reason = _writer_error_log().drain() or _root_cause(cause)
         return CheckpointWriteError(
             f"could not write checkpoint {step_dir_name(step)} to {self.checkpoint_dir}: "
-            f"{_root_cause(cause)}; the previous checkpoint ({previous}) and `latest` are intact"
+            f"{reason}; the previous checkpoint ({previous}) and `latest` are intact"
         )
+
+
+class _WriterErrors(logging.Handler):
+    """The messages of megatron's checkpoint writer errors, also from its forked writer.
+
+    megatron's writer turns a failed write into an exception naming only the error's type
+    (``error: <class 'OSError'>``) and logs the message itself. This handler keeps those
+    messages; a pipe carries them out of the forked writer (a full disk cannot take a file).
+    """
+
+    LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+    PREFIX = "encountered an error: "
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        logging.getLogger(self.LOGGER).addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            os.write(self._write, (record.getMessage().replace("\n", " ")[:2000] + "\n").encode())
+        except OSError:
+            pass  # a full pipe: the first messages are the ones that matter
+
+    def drain(self) -> str | None:
+        """The first error message since the last drain, if any."""
+        data = b""
+        while True:
+            try:
+                chunk = os.read(self._read, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        found = [line.split(self.PREFIX, 1)[1] for line in data.decode(errors="replace").splitlines()
+                 if self.PREFIX in line]
+        return found[0] if found else None
+
+
+_writer_errors: _WriterErrors | None = None
+
+
+def _writer_error_log() -> _WriterErrors:
+    global _writer_errors
+    if _writer_errors is None:
+        _writer_errors = _WriterErrors()
+    return _writer_errors
 
 
 def _root_cause(exc: BaseException | None) -> str:

@@ -22,6 +22,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_train)
 
 
+def overrides_from(args: argparse.Namespace) -> list[str]:
+    """The dotlist overrides, with the flags' settings appended."""
+    overrides = list(args.overrides)
+    if args.allow_data_change:
+        overrides.append("checkpoint.allow_data_change=true")
+    if args.allow_config_change:
+        overrides.append("checkpoint.allow_config_change=true")
+    return overrides
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
@@ -29,12 +39,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from mimir_megatron.train.config import load_train_config
     from mimir_megatron.train.loop import train
 
-    overrides = list(args.overrides)
-    if args.allow_data_change:
-        overrides.append("checkpoint.allow_data_change=true")
-    if args.allow_config_change:
-        overrides.append("checkpoint.allow_config_change=true")
-    cfg = load_train_config(args.config, overrides)
+    cfg = load_train_config(args.config, overrides_from(args))
     try:
         result = train(cfg)
     finally:
