@@ -437,12 +437,6 @@ def _root_cause(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {exc}" if not isinstance(exc, OSError) else str(exc)
 
 
-def save_checkpoint(checkpoint_dir: Path, step: int, model, optimizer, ema,
-                    trainer_state: dict[str, Any], keep: int) -> Path:
-    """Write a complete checkpoint for ``step`` synchronously; collective over all ranks."""
-    return CheckpointWriter(checkpoint_dir, keep).save(step, model, optimizer, ema, trainer_state)
-
-
 def _prune(checkpoint_dir: Path, keep: int) -> None:
     """Keep the ``keep`` most recently written checkpoints and the one ``latest`` names."""
     complete = complete_checkpoints(checkpoint_dir)
@@ -505,6 +499,7 @@ def config_changes(saved: dict[str, Any], cfg: "TrainConfig") -> list[str]:
 def check_resumable(saved: dict[str, Any], cfg: "TrainConfig", path: Path, fingerprint: str) -> list[str]:
     """Refuse a changed data mixture or training configuration unless allowed; returns the
     accepted configuration changes (to be recorded)."""
+    check_compatible(saved, cfg.model, path)
     if saved["data_fingerprint"] != fingerprint and not cfg.checkpoint.allow_data_change:
         raise UserError(
             f"the data mixture changed since {path} was written "
