@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -277,11 +278,13 @@ def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_losses(demo_d
         log_path = tmp_path / f"attempt{attempt}.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while "step " not in log_path.read_text() and proc.poll() is None:
+        # Kill once this attempt has logged step >= target (or later): anywhere in the run.
+        target, deadline = chance.randint(1, 11), time.monotonic() + 300
+        while proc.poll() is None and max(map(int, re.findall(r"step (\d+)/12", log_path.read_text())),
+                                          default=0) < target:
             assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.1)
-        time.sleep(chance.uniform(0.0, 3.0))
+            time.sleep(0.05)
+        time.sleep(chance.uniform(0.0, 1.0))
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     final = run(demo_data, run_dir, *extra)
