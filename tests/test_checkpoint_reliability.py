@@ -216,6 +216,15 @@ def test_async_checkpoints_are_written_while_training_goes_on(demo_data, tmp_pat
         assert_same_state(step_dir(tmp_path, step), step_dir(reference[0], step))
 
 
+def test_a_preemption_waits_for_the_pending_async_write(demo_data, tmp_path, reference, monkeypatch):
+    patch_data_writes("step_0000004.tmp", lambda stream: time.sleep(1.0), monkeypatch)  # a slow disk
+    result = run(demo_data, tmp_path, "checkpoint.async_save=true", stop_at_step=4)
+    assert result.preempted and result.losses == reference[1][:4]
+    # On return (the job exits next) the pre-emption checkpoint is complete and `latest`.
+    assert latest(tmp_path) == "step_0000004" and result.checkpoint == str(step_dir(tmp_path, 4))
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
 def test_a_kill_during_an_async_write_keeps_the_previous_checkpoint(demo_data, tmp_path, reference):
     marker, log_path = tmp_path / "writing", tmp_path / "train.log"
     cmd = [sys.executable, str(WORKERS / "blocking_write_worker.py"), str(marker), "step_0000006.tmp",
