@@ -16,8 +16,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, help="train YAML, e.g. configs/train/demo.yaml")
     p.add_argument("--allow-data-change", action="store_true",
                    help="resume even though the data mixture changed")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume even though train/window/optim settings changed (recorded in MLflow)")
     p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides: section.key=value")
     p.set_defaults(handler=cmd_train)
+
+
+def overrides_from(args: argparse.Namespace) -> list[str]:
+    """The dotlist overrides, with the flags' settings appended."""
+    overrides = list(args.overrides)
+    if args.allow_data_change:
+        overrides.append("checkpoint.allow_data_change=true")
+    if args.allow_config_change:
+        overrides.append("checkpoint.allow_config_change=true")
+    return overrides
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -27,10 +39,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from mimir_megatron.train.config import load_train_config
     from mimir_megatron.train.loop import train
 
-    overrides = list(args.overrides)
-    if args.allow_data_change:
-        overrides.append("checkpoint.allow_data_change=true")
-    cfg = load_train_config(args.config, overrides)
+    cfg = load_train_config(args.config, overrides_from(args))
     try:
         result = train(cfg)
     finally:

@@ -111,14 +111,26 @@ class CheckpointSection:
     keep: int = 3
     """Checkpoints kept; older ones are deleted once a newer one is complete."""
     resume: str = "auto"
-    """auto: continue from `<dir>/latest` if present; never; or a checkpoint directory."""
+    """auto: continue from `<dir>/latest` (none there: start at step 0; `latest` naming a missing
+    checkpoint: an error); never; or a checkpoint directory. Resuming from an older checkpoint
+    (a rollback) moves the newer ones to `<dir>/abandoned/`."""
+    async_save: bool = False
+    """Write checkpoints in a background process while training goes on (megatron-core's
+    asynchronous dist_checkpointing save); `latest` moves once the write finished on every rank.
+    Costs host memory for one copy of each rank's state. (`async` is a Python keyword.)"""
     init_from: str | None = None
     """Start weights (continued training): a checkpoint directory, or project weights from
-    `mimir import`. Optimizer and schedules start fresh unless `keep_optimizer`."""
+    `mimir import`. Optimizer and schedules start fresh unless `keep_optimizer`. A checkpoint is
+    read through torch's checkpoint reader, which unpickles its metadata: it can run code, so
+    only pass your own checkpoints; third-party weights go through `mimir import` (safetensors)."""
     keep_optimizer: bool = False
     """With `init_from` a checkpoint: also take its optimizer state."""
     allow_data_change: bool = False
     """Resume even though the data mixture differs from the checkpoint's."""
+    allow_config_change: bool = False
+    """Resume even though `train`, `window`, `optim` settings or model.h_cycles, l_cycles,
+    window_policy differ from the checkpoint's (micro-batch size, logging and ZeRO sharding may
+    change freely); the accepted changes are logged and tagged in MLflow."""
 
 
 @dataclass

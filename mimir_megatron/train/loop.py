@@ -21,7 +21,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from mimir_megatron import backend, parallel
-from mimir_megatron.errors import NonFiniteTraining, UserError
+from mimir_megatron.errors import NonFiniteTraining
 from mimir_megatron.stop_signals import STOP_SIGNALS, take_early
 from mimir_megatron.train import checkpoint as ckpt
 from mimir_megatron.train.config import TrainConfig, flatten
@@ -135,20 +135,21 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     params = [p for g in optimizer.param_groups for p in g["params"]]
     fingerprint = mixture_fingerprint(cfg.data)
 
-    step, consumed, run_id, parent_run_id = 0, 0, None, None
+    step, consumed, run_id, parent_run_id, config_changes = 0, 0, None, None, []
     resume_from = _resume_path(cfg, ckpt_dir)
     if resume_from is not None:
+        config_changes = ckpt.check_resumable(ckpt.read_trainer_state(resume_from), cfg, resume_from,
+                                              fingerprint)
         state = ckpt.load_checkpoint(resume_from, model, optimizer, ema)
-        if state["data_fingerprint"] != fingerprint and not cfg.checkpoint.allow_data_change:
-            raise UserError(
-                f"the data mixture changed since {resume_from} was written "
-                f"(fingerprint {state['data_fingerprint'][:12]} -> {fingerprint[:12]}); "
-                "pass checkpoint.allow_data_change=true to resume anyway"
-            )
         step, consumed, run_id = state["step"], state["consumed_samples"], state.get("mlflow_run_id")
         log.info("resumed from %s at step %d", resume_from, step)
+        if config_changes:
+            log.warning("resuming with a changed configuration (allowed): %s", "; ".join(config_changes))
     elif cfg.checkpoint.init_from:
         parent_run_id = _init_weights(cfg, model, optimizer, ema)
+    if rank == 0:  # checkpoints after the start step belong to an abandoned timeline
+        ckpt.set_aside_newer(ckpt_dir, step, resume_from)
+    dist.barrier()
 
     # -- data, tracking, signals ---------------------------------------------------------------
     # The packing index is built once, by rank 0, up to the epoch being resumed; the other
@@ -170,6 +171,8 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     tags = host_tags(env.world_size, layout) | {"data_fingerprint": fingerprint, "config": cfg.source}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
+    if config_changes:
+        tags[f"config_changed_at_step_{step}"] = "; ".join(config_changes)[:5000]
     tracker.start(cfg.run.name, flatten(cfg.to_dict()), tags, resume_run_id=run_id)
     system = _start_system_metrics(cfg, tracker, env.local_rank)
 
@@ -181,7 +184,14 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
              cfg.run.name, cfg.train.steps, cfg.train.global_batch_size, cfg.data.seq_len, layout,
              accumulation)
 
-    def save(at_step: int) -> Path:
+    def on_saved(path: Path) -> None:  # once the checkpoint is complete on every rank
+        tracker.set_tags({"checkpoint.latest": str(path.resolve())})
+        result.checkpoint = str(path)
+        log.info("checkpoint saved: %s", path)
+
+    writer = ckpt.CheckpointWriter(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, on_saved)
+
+    def save(at_step: int) -> None:
         trainer_state = {
             "step": at_step,
             "consumed_samples": consumed,
@@ -193,12 +203,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
             "mlflow_run_id": tracker.run_id,
             "config": cfg.to_dict(),
         }
-        path = ckpt.save_checkpoint(ckpt_dir, at_step, model, optimizer, ema, trainer_state,
-                                    cfg.checkpoint.keep)
-        tracker.set_tags({"checkpoint.latest": str(path.resolve())})
-        result.checkpoint = str(path)
-        log.info("checkpoint saved: %s", path)
-        return path
+        writer.save(at_step, model, optimizer, ema, trainer_state)
 
     # -- the loop ------------------------------------------------------------------------------
     first_step = step
@@ -237,6 +242,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
                 if cfg.train.on_nonfinite == "stop" or nonfinite_in_a_row > cfg.train.max_nonfinite_skips:
                     if step > first_step and step % cfg.checkpoint.interval:
                         save(step)  # the weights are still those before the bad step
+                    writer.wait()  # the last good state is on disk before the job ends
                     raise NonFiniteTraining(
                         f"non-finite {what} ({nonfinite_in_a_row} in a row, train.on_nonfinite="
                         f"{cfg.train.on_nonfinite}); training stopped; last good state: step {step}"
@@ -259,6 +265,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
                       tokens_per_step, elapsed, dp_size * cfg.model.tensor_parallel_size,
                       attended.item(), skipped=not finite)
 
+            writer.poll()
             if step % cfg.checkpoint.interval == 0 or step == cfg.train.steps:
                 save(step)
             periodic_eval = cfg.eval.interval and step % cfg.eval.interval == 0
@@ -267,15 +274,18 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
             if stop.agreed(device) or step == stop_at_step:
                 if step % cfg.checkpoint.interval and step != cfg.train.steps:
                     save(step)
+                writer.wait()
                 log.warning("pre-empted: checkpoint saved at step %d", step)
                 result.preempted = True
                 break
+        writer.wait()
         if not result.preempted:
             log.info("training done at step %d", step)
         if not result.preempted and eval_samples:
             result.exact_match = _evaluate(model, eval_samples, cfg, device, dp_rank, dp_size,
                                            dp_group, tracker, step)
     except BaseException:
+        writer.abort()
         if system is not None:
             system.close()
         tracker.close(status="FAILED", wait_seconds=5)
