@@ -65,7 +65,6 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="training checkpoint, transformers hrm_text directory, or `mimir import` weights")
     p.add_argument("--ema", action="store_true", help="with a training checkpoint: the EMA weights")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the one found with the model)")
-    p.add_argument("--device", help="torch device (default: the engine's)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="seeds the choice of documents and windows")
     p.add_argument("--output", required=True, help="directory for tables, figures and JSONL")
@@ -106,7 +105,7 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     index = AuditIndex(args.index)
     generic = read_generic_prompts(args.generic) if args.generic else None
-    model = load_audit_model(args.model, ema=args.ema, tokenizer=args.tokenizer, device=args.device,
+    model = load_audit_model(args.model, ema=args.ema, tokenizer=args.tokenizer,
                              batch_size=args.batch_size)
     settings = PrefixSettings(
         categories=_categories(args.categories) or [], per_category=args.per_category,
@@ -140,7 +139,7 @@ def cmd_continuation(args: argparse.Namespace) -> int:
         sources = [AuditSource(s["name"], Path(s["path"]), s["category"]) for s in AuditIndex(args.index).sources]
     else:
         sources = resolve_sources(args.mixture, args.data)
-    model = load_audit_model(args.model, ema=args.ema, tokenizer=args.tokenizer, device=args.device,
+    model = load_audit_model(args.model, ema=args.ema, tokenizer=args.tokenizer,
                              batch_size=args.batch_size)
     settings = ContinuationSettings(
         categories=_categories(args.categories), samples=args.samples, prefix_tokens=args.prefix_tokens,

@@ -73,7 +73,7 @@ def run_continuation_audit(model: AuditModel, sources: list[AuditSource], settin
 def _exact(model: AuditModel, batch: list[Probe], settings: ContinuationSettings) -> list[bool]:
     if settings.method == "score":
         return model.greedy_reproduces([(p.prompt_ids, p.continuation_ids) for p in batch])
-    outputs = model.greedy([p.prompt_ids for p in batch], settings.continuation_tokens)
+    outputs = model.greedy([p.prompt_ids for p in batch], settings.continuation_tokens, stop=False)
     return [out[:settings.continuation_tokens] == p.continuation_ids for out, p in zip(outputs, batch)]
 
 

@@ -12,9 +12,10 @@ from mimir_megatron.errors import UserError
 class AuditModel(Protocol):
     name: str
 
-    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy continuation of each prompt (the prompt is the bidirectional prefix); a final
-        stop token is not part of the returned ids."""
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int, stop: bool = True) -> list[list[int]]:
+        """Greedy continuation of each prompt (the prompt is the bidirectional prefix). With
+        ``stop``, decoding ends at an end-of-turn token, which is not part of the returned ids;
+        without, exactly ``max_new_tokens`` are produced."""
 
     def greedy_reproduces(self, pairs: list[tuple[list[int], list[int]]]) -> list[bool]:
         """For each (context, continuation): would greedy decoding from context produce it?"""
@@ -34,26 +35,20 @@ class EngineAuditModel:
         self.name = str(getattr(engine, "model_name", "model"))
         self.batch_size = batch_size
 
-    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int, stop: bool = True) -> list[list[int]]:
         from mimir_megatron.inference import GenerationRequest, SamplingParams
 
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-        results = self.engine.generate([GenerationRequest(prompt_ids=list(p), params=params) for p in prompts])
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, use_default_stops=stop)
         outputs = []
-        for r in results:
-            ids = list(r.token_ids)
-            if r.finish_reason == "stop" and ids:
-                ids = ids[:-1] if self._is_stop(ids[-1]) else ids
-            outputs.append(ids)
+        for first in range(0, len(prompts), self.batch_size):
+            requests = [GenerationRequest(prompt_ids=list(p), params=params)
+                        for p in prompts[first:first + self.batch_size]]
+            for r in self.engine.generate(requests):
+                ids = list(r.token_ids)
+                if stop and r.finish_reason == "stop" and ids and ids[-1] in self.engine.default_stop_ids:
+                    ids = ids[:-1]
+                outputs.append(ids)
         return outputs
-
-    def _is_stop(self, token_id: int) -> bool:
-        tok = self.engine.tokenizer
-        stops = {getattr(tok, "eos_token_id", None)} if tok is not None else set()
-        for name in ("<end_of_turn>", "<eos>"):
-            if tok is not None and name in tok.get_vocab():
-                stops.add(tok.convert_tokens_to_ids(name))
-        return token_id in stops
 
     def greedy_reproduces(self, pairs: list[tuple[list[int], list[int]]]) -> list[bool]:
         return [bool(r.is_greedy) for r in self.engine.score([(list(c), list(x)) for c, x in pairs])]
@@ -74,7 +69,7 @@ class EngineAuditModel:
 
 
 def load_audit_model(model: str, *, ema: bool = False, tokenizer: str | None = None,
-                     device: str | None = None, batch_size: int = 32) -> EngineAuditModel:
+                     batch_size: int = 32) -> EngineAuditModel:
     """A training checkpoint (has trainer_state.json), a transformers hrm_text directory (has
     config.json) or `mimir import` weights."""
     from mimir_megatron.inference import load_engine
@@ -85,8 +80,6 @@ def load_audit_model(model: str, *, ema: bool = False, tokenizer: str | None = N
     kwargs: dict = {"max_batch_size": batch_size}
     if tokenizer:
         kwargs["tokenizer"] = tokenizer
-    if device:
-        kwargs["device"] = device
     if (path / "trainer_state.json").is_file():
         engine = load_engine(checkpoint=str(path), ema=ema, **kwargs)
     elif (path / "config.json").is_file():

@@ -68,7 +68,6 @@ def log_to_mlflow(uri: str, experiment: str, run_name: str, params: dict, metric
     """One MLflow run with the audit's parameters, headline metrics and files; its id, or None
     (with a warning) when the tracking store cannot be reached: the files on disk are the record."""
     try:
-        import mlflow
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=uri)
@@ -82,7 +81,6 @@ def log_to_mlflow(uri: str, experiment: str, run_name: str, params: dict, metric
         for path in artifacts:
             client.log_artifact(run.info.run_id, str(path))
         client.set_terminated(run.info.run_id, "FINISHED")
-        del mlflow
         return run.info.run_id
     except Exception as exc:  # tracking must not lose a finished audit
         log.warning("MLflow logging to %s failed (%s); results are in the output directory", uri, exc)
@@ -90,5 +88,6 @@ def log_to_mlflow(uri: str, experiment: str, run_name: str, params: dict, metric
 
 
 def _metric_key(key: str) -> str:
+    key = key.replace(">=", "ge").replace("(%)", "pct").replace("  ", " ").strip()
     allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-./ ")
     return "".join(c if c in allowed else "_" for c in key)
