@@ -158,7 +158,8 @@ def main() -> int:
         "longest_match_cpu_p50_ms": round(percentile_ms(cpu_latencies, 50), 2),
         "longest_match_cpu_p99_ms": round(percentile_ms(cpu_latencies, 99), 2),
         "locate_p50_ms": round(percentile_ms(locate_lat, 50), 2),
-        "median_longest_span": {"fresh": float(np.median(longest[0::2])), "corpus": float(np.median(longest[1::2]))},
+        "median_longest_span": {"fresh": float(np.median(longest[0::2])),
+                                "corpus": float(np.median(longest[1::2]))},
         "paper_corpus_build_hours_at_this_rate": round(PAPER_TOKENS / tokens_per_s / 3600, 1),
         "paper_corpus_index_tb": round(PAPER_TOKENS * index_bytes / n_tokens / 1e12, 2),
     }

@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="symbols per token: auto picks u16 for vocabularies < 65,500")
     p.set_defaults(handler=cmd_index)
 
-    p = asub.add_parser("prefix", help="audit 1: longest verbatim span of greedy outputs (Table 11, Figure 2)")
+    p = asub.add_parser("prefix",
+                        help="audit 1: longest verbatim span of greedy outputs (Table 11, Figure 2)")
     _add_model(p)
     p.add_argument("--index", required=True, help="index directory from `mimir audit index`")
     p.add_argument("--categories", required=True, help="comma-separated audit categories, e.g. A,B,C,D")
@@ -40,7 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where the prefix is cut from the document")
     p.set_defaults(handler=cmd_prefix)
 
-    p = asub.add_parser("continuation", help="audit 2: the greedy 64+64 exact-continuation protocol (Table 12)")
+    p = asub.add_parser("continuation",
+                        help="audit 2: the greedy 64+64 exact-continuation protocol (Table 12)")
     _add_model(p)
     _add_sources(p, allow_index=True)
     p.add_argument("--samples", type=int, default=1000, help="windows per category")
@@ -136,7 +138,8 @@ def cmd_continuation(args: argparse.Namespace) -> int:
     if args.index:
         from .index import AuditIndex
 
-        sources = [AuditSource(s["name"], Path(s["path"]), s["category"]) for s in AuditIndex(args.index).sources]
+        sources = [AuditSource(s["name"], Path(s["path"]), s["category"])
+                   for s in AuditIndex(args.index).sources]
     else:
         sources = resolve_sources(args.mixture, args.data)
     model = load_audit_model(args.model, ema=args.ema, tokenizer=args.tokenizer,

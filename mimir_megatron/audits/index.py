@@ -217,8 +217,8 @@ def _build_suffix_array(data_file: Path, table_file: Path, mem_bytes: int, cpus:
         if any(p.returncode for p in procs):
             raise RuntimeError(f"rust_indexing make-part failed: {''.join(errors)[-2000:]}")
     _run([binary, "merge", "--data-file", str(data_file), "--parts-dir", str(parts_dir), "--merged-dir",
-          str(merged_dir), "--num-threads", str(threads), "--hacksize", str(_HACK_BYTES), "--ratio", str(ratio),
-          "--token-width", "2"])
+          str(merged_dir), "--num-threads", str(threads), "--hacksize", str(_HACK_BYTES),
+          "--ratio", str(ratio), "--token-width", "2"])
     shutil.rmtree(parts_dir)
     _run([binary, "concat", "--data-file", str(data_file), "--merged-dir", str(merged_dir), "--merged-file",
           str(table_file), "--num-threads", str(threads), "--ratio", str(ratio), "--token-width", "2"])
@@ -350,7 +350,8 @@ class AuditIndex:
         self.meta = json.loads(meta_path.read_text())
         if self.meta.get("format") != FORMAT:
             raise UserError(f"{meta_path}: format {self.meta.get('format')!r}, expected {FORMAT!r}")
-        missing = [s["id"] for s in self.meta["shards"] if not (self.path / f"shard.{s['id']}.json").is_file()]
+        shards = self.meta["shards"]
+        missing = [s["id"] for s in shards if not (self.path / f"shard.{s['id']}.json").is_file()]
         if missing:
             raise UserError(f"{self.path}: shards {missing} unfinished; rerun `mimir audit index` to finish")
         self.encoding: str = self.meta["encoding"]
@@ -361,7 +362,7 @@ class AuditIndex:
         self._unit_source = np.array([u[0] for u in units], dtype=np.int64)
         self._unit_first = np.array([u[2] for u in units], dtype=np.int64)
         self._unit_start = np.concatenate([[0], np.cumsum([u[3] for u in units])]).astype(np.int64)
-        self._shard_first_doc = np.concatenate([[0], np.cumsum([s["documents"] for s in self.meta["shards"]])])
+        self._shard_first_doc = np.concatenate([[0], np.cumsum([s["documents"] for s in shards])])
         self._arrays: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
         from infini_gram.engine import InfiniGramEngine
 

@@ -97,7 +97,8 @@ def run_prefix_audit(model: AuditModel, index: AuditIndex, settings: PrefixSetti
             for k, (prompt, output) in enumerate(zip(batch, outputs)):
                 probe = probes[setting][first + k]
                 start, length = index.longest_match(output)
-                hits = index.locate(output[start:start + length], settings.max_hits) if length >= settings.min_match else []
+                span = output[start:start + length]
+                hits = index.locate(span, settings.max_hits) if length >= settings.min_match else []
                 in_setting = [h for h in hits if setting == GENERIC or h.category == setting]
                 matched.update((h.source, h.document) for h in in_setting)
                 if length >= settings.long_match:
@@ -108,7 +109,7 @@ def run_prefix_audit(model: AuditModel, index: AuditIndex, settings: PrefixSetti
                 outcomes.append(PrefixOutcome(
                     setting, probe.source if probe else None, probe.document if probe else None,
                     probe.offset if probe else None, list(prompt), list(output), start, length,
-                    index.count(output[start:start + length]) if length else 0, bool(reproduces)))
+                    index.count(span) if length else 0, bool(reproduces)))
             bar.update(len(batch))
         training = index.num_documents if setting == GENERIC else per_category_docs.get(setting, 0)
         rows.append({
@@ -119,7 +120,8 @@ def run_prefix_audit(model: AuditModel, index: AuditIndex, settings: PrefixSetti
             "match rate (%)": 100.0 * len(matched) / training if training else 0.0,
             f"matches >= {settings.long_match} tokens": len(long),
             f">= {settings.long_match}-token rate (%)": 100.0 * len(long) / training if training else 0.0,
-            f"outputs with a >= {settings.long_match}-token span": int(sum(s >= settings.long_match for s in spans)),
+            f"outputs with a >= {settings.long_match}-token span":
+                int(sum(s >= settings.long_match for s in spans)),
             "average longest span": float(np.mean(spans)) if spans else 0.0,
         })
         lengths[rows[-1]["setting"]] = spans

@@ -42,7 +42,8 @@ class CategoryDocuments:
     @cached_property
     def lengths(self) -> np.ndarray:
         """Tokens per document, over all sources in order."""
-        return np.concatenate([(d.prefix_lengths + d.response_lengths).astype(np.int64) for d in self.datasets])
+        return np.concatenate([(d.prefix_lengths + d.response_lengths).astype(np.int64)
+                               for d in self.datasets])
 
     @cached_property
     def _starts(self) -> np.ndarray:
