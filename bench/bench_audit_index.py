@@ -27,7 +27,8 @@ VOCAB = 262_144
 
 
 def write_corpus(root: Path, tokens: int, seed: int, docs_per_file: int = 50_000) -> Path:
-    """A prepared dataset in `mimir prepare`'s layout, written with megatron's builder."""
+    """A prepared dataset in `mimir prepare`'s layout, written through megatron's builder (its
+    buffers filled a file at a time: per-document calls would dominate the benchmark)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     rng = np.random.default_rng(seed)
@@ -38,26 +39,24 @@ def write_corpus(root: Path, tokens: int, seed: int, docs_per_file: int = 50_000
     while written < tokens:
         prefix = f"shards/{n:05d}"
         builder = IndexedDatasetBuilder(str(out / f"{prefix}.bin"), dtype=np.int32)
-        docs = 0
         lengths = rng.integers(100, 900, docs_per_file)
-        ids = (rng.zipf(1.2, int(lengths.sum())) - 1) % VOCAB
-        pos = 0
-        for length in lengths:
-            if kept and rng.random() < 0.1:
-                doc = kept[int(rng.integers(len(kept)))]
-            else:
-                doc = ids[pos:pos + length]
-                if len(kept) < 1000:
-                    kept.append(doc)
-            pos += length
-            split = max(1, len(doc) // 4)
-            builder.add_document(doc, lengths=[split, len(doc) - split])
-            written += len(doc)
-            docs += 1
-            if written >= tokens:
-                break
+        ids = ((rng.zipf(1.2, int(lengths.sum())) - 1) % VOCAB).astype(np.int32)
+        docs = np.split(ids, np.cumsum(lengths)[:-1])
+        for i in range(len(docs)):
+            if kept and rng.random() < 0.1:  # a verbatim repeat of an earlier document
+                docs[i] = kept[int(rng.integers(len(kept)))]
+            elif len(kept) < 1000:
+                kept.append(docs[i])
+        lens = np.array([len(d) for d in docs])
+        keep = int(np.searchsorted(np.cumsum(lens), tokens - written, side="left")) + 1
+        docs, lens = docs[:keep], lens[:keep]
+        builder.data_file.write(np.concatenate(docs).tobytes())
+        split = np.maximum(1, lens // 4)
+        builder.sequence_lengths.extend(np.stack([split, lens - split], axis=1).reshape(-1).tolist())
+        builder.document_indices.extend(range(2, 2 * len(docs) + 1, 2))
         builder.finalize(str(out / f"{prefix}.idx"))
-        shards.append({"prefix": prefix, "documents": docs})
+        written += int(lens.sum())
+        shards.append({"prefix": prefix, "documents": len(docs)})
         n += 1
     manifest = {"format": "mimir-prepared-v1", "documents": sum(s["documents"] for s in shards),
                 "tokens": {"total": written}, "tokenizer": {"sha256": "synthetic"}, "shards": shards,

@@ -407,6 +407,16 @@ class AuditIndex:
         start = int(np.argmax(lengths))
         return start, int(lengths[start])
 
+    def longest_matches(self, outputs: list[list[int]], workers: int | None = None) -> list[tuple[int, int]]:
+        """:meth:`longest_match` of many outputs on a thread pool (the engine releases the GIL)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        workers = workers or max(1, len(os.sched_getaffinity(0)))
+        if workers == 1 or len(outputs) < 2:
+            return [self.longest_match(o) for o in outputs]
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(self.longest_match, outputs))
+
     def count(self, ids) -> int:
         """How many times ``ids`` occurs in the indexed documents."""
         ids = list(ids)

@@ -94,9 +94,10 @@ def run_prefix_audit(model: AuditModel, index: AuditIndex, settings: PrefixSetti
         for first in range(0, len(setting_prompts), settings.batch_size):
             batch = setting_prompts[first:first + settings.batch_size]
             outputs = model.greedy(batch, settings.max_new_tokens)
+            longest = index.longest_matches(outputs)
             for k, (prompt, output) in enumerate(zip(batch, outputs)):
                 probe = probes[setting][first + k]
-                start, length = index.longest_match(output)
+                start, length = longest[k]
                 span = output[start:start + length]
                 hits = index.locate(span, settings.max_hits) if length >= settings.min_match else []
                 in_setting = [h for h in hits if setting == GENERIC or h.category == setting]
