@@ -36,7 +36,9 @@ def trained(demo_data, tmp_path_factory):
     rng = np.random.default_rng(0)
     write_prepared(root / "canary", random_documents(rng, N_CANARIES))
     write_prepared(root / "control", random_documents(rng, N_CANARIES))
-    demo_lines = (demo_data / "mixture.yaml").read_text().splitlines()[2:]
+    # a third of the demo data per epoch: the canaries get most of a short run's steps
+    demo_lines = [line.replace("repeat: 1}", "repeat: 0.3}")
+                  for line in (demo_data / "mixture.yaml").read_text().splitlines()[2:]]
     trained_on = ["name: canary-train", "datasets:", *demo_lines,
                   f"  - {{name: canary, path: {root / 'canary'}, category: x, language: en, repeat: 40}}"]
     (root / "train.yaml").write_text("\n".join(trained_on) + "\n")
@@ -79,7 +81,9 @@ def test_prefix_audit_finds_the_canaries_and_not_the_controls(trained):
     assert by["Prefix control"]["outputs with a >= 50-token span"] == 0
 
 
-def test_continuation_protocol_score_and_generate_agree(trained):
+def test_continuation_protocol_finds_the_canaries_and_score_agrees_with_generate(trained):
+    """Windows of 50 + 64 tokens: those at offset 0 are the trained (prompt, response) and must
+    match exactly; controls never; and scoring must give the same verdict as decoding."""
     from mimir_megatron.audits.continuation import ContinuationSettings, run_continuation_audit
     from mimir_megatron.audits.sources import AuditSource
 
@@ -87,11 +91,12 @@ def test_continuation_protocol_score_and_generate_agree(trained):
     sources = [AuditSource(s["name"], Path(s["path"]), s["category"]) for s in index.sources]
     found = {}
     for method in ("score", "generate"):
-        settings = ContinuationSettings(categories=["canary", "control"], samples=8, prefix_tokens=32,
-                                        continuation_tokens=32, method=method, seed=0)
+        settings = ContinuationSettings(categories=["canary", "control"], samples=1000, prefix_tokens=PROMPT,
+                                        continuation_tokens=64, method=method, seed=0)
         rows, matches = run_continuation_audit(model, sources, settings, progress=False)
         found[method] = {(m.source, m.document, m.offset) for m in matches}
         by = {r["category"]: r for r in rows}
+        assert by["canary"]["evaluations"] == by["control"]["evaluations"] == N_CANARIES * 17  # every window
         assert by["control"]["exact matches"] == 0
-        assert by["canary"]["exact matches"] >= 1
+        assert {("canary", d, 0) for d in range(N_CANARIES)} <= found[method]
     assert found["score"] == found["generate"]

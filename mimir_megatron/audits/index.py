@@ -388,16 +388,26 @@ class AuditIndex:
         return encode_tokens(np.asarray(ids, dtype=np.int64), self.encoding).tolist()
 
     def match_lengths(self, ids) -> np.ndarray:
-        """For each position i: the longest L such that ids[i:i+L] occurs inside one document."""
-        ids = list(ids)
-        if not ids:
-            return np.zeros(0, dtype=np.int64)
-        rs = self._engine.creativity(self._symbols(ids))
-        if "error" in rs:
-            raise RuntimeError(f"index query failed: {rs['error']}")
-        ends = np.asarray(rs["rs"], dtype=np.int64)[:: self._width]
-        starts = np.arange(0, len(ids) * self._width, self._width)
-        return (ends - starts) // self._width
+        """For each position i: the longest L such that ids[i:i+L] occurs inside one document.
+
+        Matching statistics with at most 2 len(ids) exact-match lookups: if ids[i:r] occurs, so
+        does ids[i+1:r], so the end r never moves back. (infini-gram's own ``creativity`` query
+        computes the same thing but under-reports inside runs of a repeated token; the
+        brute-force property test caught it.)
+        """
+        symbols = self._symbols(ids)
+        n, w = len(symbols) // self._width, self._width
+        out = np.zeros(n, dtype=np.int64)
+        end = 0
+        for i in range(n):
+            end = max(end, i)
+            while end < n and self._occurs(symbols[i * w:(end + 1) * w]):
+                end += 1
+            out[i] = end - i
+        return out
+
+    def _occurs(self, symbols: list[int]) -> bool:
+        return self._engine.find(symbols)["cnt"] > 0
 
     def longest_match(self, ids) -> tuple[int, int]:
         """(start, length) of the longest span of ``ids`` found in any document (first on ties)."""
