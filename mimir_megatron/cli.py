@@ -20,6 +20,7 @@ _REGISTRARS = (
     "mimir_megatron.ops.cli",
     "mimir_megatron.inference.cli",
     "mimir_megatron.inference.serve_cli",
+    "mimir_megatron.audits.cli",
 )
 
 

@@ -9,6 +9,8 @@ datasets:
     repeat: 4                      # copies per epoch; 0.5 = a seeded half of the documents
     tokens: 123456                 # optional: declared size, used by the report when the
                                    # dataset is not prepared (planning a mixture)
+    audit_category: B              # optional: the memorisation-audit group (`mimir audit`),
+                                   # e.g. the paper's A-D by licence status; default: category
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from mimir_megatron.errors import UserError
 
 from .prepared import read_manifest
 
-_KEYS = {"name", "path", "category", "language", "repeat", "tokens"}
+_KEYS = {"name", "path", "category", "language", "repeat", "tokens", "audit_category"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,12 @@ class MixtureEntry:
     language: str
     repeat: float = 1.0
     tokens: int | None = None
+    audit_category: str | None = None
+    """The memorisation-audit group; None means the same as ``category``."""
+
+    @property
+    def audit_group(self) -> str:
+        return self.audit_category if self.audit_category is not None else self.category
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,7 @@ def load_mixture(path: str | Path) -> Mixture:
                 language=str(item.get("language", "unknown")),
                 repeat=float(repeat),
                 tokens=tokens,
+                audit_category=None if item.get("audit_category") is None else str(item["audit_category"]),
             )
         )
     return Mixture(str(data.get("name") or source.stem), source, tuple(entries))

@@ -67,6 +67,15 @@ class PreparedDataset:
         self._opened: dict[int, object] = {}
 
     @property
+    def shard_prefixes(self) -> list[str]:
+        """Path prefixes (without ``.bin``/``.idx``) of the non-empty shards, in document order."""
+        return list(self._shard_prefixes)
+
+    def shard(self, index: int):
+        """The megatron-core ``IndexedDataset`` of shard ``index`` (opened once, memory-mapped)."""
+        return self._shard(index)
+
+    @property
     def num_documents(self) -> int:
         return int(self._doc_starts[-1])
 

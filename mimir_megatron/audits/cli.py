@@ -1,0 +1,159 @@
+"""`mimir audit index | prefix | continuation`: the memorisation audits."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+log = logging.getLogger("mimir.audit")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    audit = sub.add_parser("audit", help="memorisation audits against the training data")
+    asub = audit.add_subparsers(dest="audit_command", required=True, metavar="AUDIT")
+
+    p = asub.add_parser("index", help="build the exact-match index (suffix arrays) of the training data")
+    _add_sources(p)
+    p.add_argument("--output", required=True, help="index directory to write (a rerun resumes)")
+    p.add_argument("--shard-tokens", type=float, default=float(1 << 30),
+                   help="tokens per index shard (default 2^30)")
+    p.add_argument("--mem-gib", type=float, default=8.0, help="memory for suffix-array sorting (GiB)")
+    p.add_argument("--cpus", type=int, help="parallel sorting jobs (default: all cores)")
+    p.add_argument("--encoding", default="auto", choices=["auto", "u16", "u16x2"],
+                   help="symbols per token: auto picks u16 for vocabularies < 65,500")
+    p.set_defaults(handler=cmd_index)
+
+    p = asub.add_parser("prefix",
+                        help="audit 1: longest verbatim span of greedy outputs (Table 11, Figure 2)")
+    _add_model(p)
+    p.add_argument("--index", required=True, help="index directory from `mimir audit index`")
+    p.add_argument("--categories", required=True, help="comma-separated audit categories, e.g. A,B,C,D")
+    p.add_argument("--per-category", type=int, default=500)
+    p.add_argument("--generic", help="JSONL of generic prompts (prompt_ids, messages or prompt)")
+    p.add_argument("--prefix-tokens", type=int, default=50)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--min-match", type=int, default=10,
+                   help="shortest span that counts a document as matched (tokens)")
+    p.add_argument("--long-match", type=int, default=50, help="the long-match threshold (tokens)")
+    p.add_argument("--max-hits", type=int, default=10_000, help="documents listed per span, at most")
+    p.add_argument("--position", choices=["start", "random"], default="start",
+                   help="where the prefix is cut from the document")
+    p.set_defaults(handler=cmd_prefix)
+
+    p = asub.add_parser("continuation",
+                        help="audit 2: the greedy 64+64 exact-continuation protocol (Table 12)")
+    _add_model(p)
+    _add_sources(p, allow_index=True)
+    p.add_argument("--samples", type=int, default=1000, help="windows per category")
+    p.add_argument("--categories", help="comma-separated audit categories (default: all)")
+    p.add_argument("--prefix-tokens", type=int, default=64)
+    p.add_argument("--continuation-tokens", type=int, default=64)
+    p.add_argument("--method", choices=["score", "generate"], default="score",
+                   help="score: one forward pass per window (same verdict); generate: decode and compare")
+    p.set_defaults(handler=cmd_continuation)
+
+
+def _add_sources(p: argparse.ArgumentParser, allow_index: bool = False) -> None:
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--mixture", help="mixture YAML (audit group: audit_category, else category)")
+    g.add_argument("--data", nargs="+", metavar="[CATEGORY=]DIR", help="prepared dataset directories")
+    if allow_index:
+        g.add_argument("--index", help="the datasets of an audit index")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="training checkpoint, transformers hrm_text directory, or `mimir import` weights")
+    p.add_argument("--ema", action="store_true", help="with a training checkpoint: the EMA weights")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the one found with the model)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0, help="seeds the choice of documents and windows")
+    p.add_argument("--output", required=True, help="directory for tables, figures and JSONL")
+    p.add_argument("--tracking-uri", help="MLflow store (default: sqlite:///OUTPUT/mlflow.db)")
+    p.add_argument("--experiment", default="mimir-audit", help="MLflow experiment")
+
+
+def _categories(text: str | None) -> list[str] | None:
+    if not text:
+        return None
+    return [c.strip() for c in text.split(",") if c.strip()]
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from .index import AuditIndex, build_index
+    from .sources import resolve_sources
+
+    sources = resolve_sources(args.mixture, args.data)
+    out = build_index(sources, args.output, shard_tokens=int(args.shard_tokens),
+                      mem_bytes=int(args.mem_gib * 2**30), cpus=args.cpus, encoding=args.encoding)
+    index = AuditIndex(out)
+    log.info("%s: %d documents, %d tokens, %d shard(s), encoding %s", out, index.num_documents,
+             index.num_tokens, len(index.meta["shards"]), index.encoding)
+    return 0
+
+
+def _tracking(args: argparse.Namespace, out: Path) -> str:
+    return args.tracking_uri or f"sqlite:///{out.resolve()}/mlflow.db"
+
+
+def cmd_prefix(args: argparse.Namespace) -> int:
+    from .index import AuditIndex
+    from .model import load_audit_model
+    from .prefix import PrefixSettings, read_generic_prompts, run_prefix_audit, write_outcomes
+    from .report import log_to_mlflow, match_length_figure, write_table
+
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    index = AuditIndex(args.index)
+    generic = read_generic_prompts(args.generic) if args.generic else None
+    model = load_audit_model(args.model, ema=args.ema, tokenizer=args.tokenizer,
+                             batch_size=args.batch_size)
+    settings = PrefixSettings(
+        categories=_categories(args.categories) or [], per_category=args.per_category,
+        prefix_tokens=args.prefix_tokens, max_new_tokens=args.max_new_tokens, min_match=args.min_match,
+        long_match=args.long_match, max_hits=args.max_hits, position=args.position, seed=args.seed,
+        batch_size=args.batch_size)
+    rows, outcomes, lengths = run_prefix_audit(model, index, settings, generic)
+    files = write_table(rows, out, "table11", "Prefix audit (Table 11 layout)")
+    files.append(write_outcomes(outcomes, out / "prefix_outputs.jsonl", model.decode))
+    files.append(match_length_figure(lengths, out / "match_lengths.png", settings.long_match))
+    print((out / "table11.md").read_text())
+    metrics = {f"{r['setting']}/{k}": v for r in rows for k, v in r.items()
+               if isinstance(v, (int, float)) and k != "setting"}
+    log_to_mlflow(_tracking(args, out), args.experiment, "prefix-audit",
+                  {**{k: v for k, v in vars(args).items() if k != "handler"}, "model_name": model.name},
+                  metrics, files)
+    return 0
+
+
+def cmd_continuation(args: argparse.Namespace) -> int:
+    from .continuation import ContinuationSettings, run_continuation_audit, write_matches
+    from .model import load_audit_model
+    from .report import log_to_mlflow, write_table
+    from .sources import AuditSource, resolve_sources
+
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.index:
+        from .index import AuditIndex
+
+        sources = [AuditSource(s["name"], Path(s["path"]), s["category"])
+                   for s in AuditIndex(args.index).sources]
+    else:
+        sources = resolve_sources(args.mixture, args.data)
+    model = load_audit_model(args.model, ema=args.ema, tokenizer=args.tokenizer,
+                             batch_size=args.batch_size)
+    settings = ContinuationSettings(
+        categories=_categories(args.categories), samples=args.samples, prefix_tokens=args.prefix_tokens,
+        continuation_tokens=args.continuation_tokens, method=args.method, seed=args.seed,
+        batch_size=args.batch_size)
+    rows, matches = run_continuation_audit(model, sources, settings)
+    files = write_table(rows, out, "table12", "64+64 exact-continuation audit (Table 12 layout)")
+    files.append(write_matches(matches, out / "exact_matches.jsonl", model.decode))
+    print((out / "table12.md").read_text())
+    metrics = {f"{r['category']}/{k}": v for r in rows for k, v in r.items() if isinstance(v, (int, float))}
+    log_to_mlflow(_tracking(args, out), args.experiment, "continuation-audit",
+                  {**{k: v for k, v in vars(args).items() if k != "handler"}, "model_name": model.name},
+                  metrics, files)
+    return 0

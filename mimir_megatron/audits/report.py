@@ -1,0 +1,93 @@
+"""Audit outputs: tables (Markdown, CSV, JSON), the match-length figure, and MLflow logging."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("mimir.audit")
+
+
+def write_table(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
+    """``stem``.md / .csv / .json with the same rows; returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    columns = list(rows[0]) if rows else []
+    md = [f"# {title}", "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for row in rows:
+        md.append("| " + " | ".join(_fmt(row[c]) for c in columns) + " |")
+    paths = [out_dir / f"{stem}.md", out_dir / f"{stem}.csv", out_dir / f"{stem}.json"]
+    paths[0].write_text("\n".join(md) + "\n")
+    with paths[1].open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    paths[2].write_text(json.dumps(rows, indent=1))
+    return paths
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 1 else f"{value:.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def match_length_figure(lengths_by_setting: dict[str, list[int]], path: Path, threshold: int) -> Path:
+    """Figure 2 layout: distribution of the longest verbatim span per output, one line per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    top = max([threshold + 1, *(max(v) for v in lengths_by_setting.values() if v)])
+    bins = np.arange(0, top + 2)
+    for setting, lengths in lengths_by_setting.items():
+        if not lengths:
+            continue
+        counts, _ = np.histogram(lengths, bins=bins)
+        ax.step(bins[:-1], counts / len(lengths), where="post", label=f"{setting} (n={len(lengths)})")
+    ax.axvline(threshold, color="grey", linestyle="--", linewidth=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("longest verbatim span in any training document (tokens)")
+    ax.set_ylabel("fraction of outputs")
+    ax.set_title("Match-length distribution of greedy outputs")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def log_to_mlflow(uri: str, experiment: str, run_name: str, params: dict, metrics: dict[str, float],
+                  artifacts: list[Path]) -> str | None:
+    """One MLflow run with the audit's parameters, headline metrics and files; its id, or None
+    (with a warning) when the tracking store cannot be reached: the files on disk are the record."""
+    try:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+        run = client.create_run(exp_id, run_name=run_name, tags={"mimir.kind": "audit"})
+        for key, value in params.items():
+            client.log_param(run.info.run_id, key, str(value)[:500])
+        for key, value in metrics.items():
+            client.log_metric(run.info.run_id, _metric_key(key), float(value))
+        for path in artifacts:
+            client.log_artifact(run.info.run_id, str(path))
+        client.set_terminated(run.info.run_id, "FINISHED")
+        return run.info.run_id
+    except Exception as exc:  # tracking must not lose a finished audit
+        log.warning("MLflow logging to %s failed (%s); results are in the output directory", uri, exc)
+        return None
+
+
+def _metric_key(key: str) -> str:
+    key = key.replace(">=", "ge").replace("(%)", "pct").replace("  ", " ").strip()
+    allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-./ ")
+    return "".join(c if c in allowed else "_" for c in key)

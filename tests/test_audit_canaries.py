@@ -1,0 +1,102 @@
+"""Proof that the audits find what is there: a tiny model trained on the demo data plus planted
+canaries (random token sequences, repeated many times) must reproduce the canaries verbatim
+(>= 50 tokens) in the prefix audit, and must not be reported for the controls: documents of the
+same kind that are in the index but were never trained on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from audit_support import write_prepared
+from conftest import REPO, train_overrides
+
+pytestmark = pytest.mark.slow
+
+N_CANARIES = 4
+PROMPT, CONTINUATION = 50, 80
+CANARY_IDS = (800, 832)  # a small id range of the 1,024-id demo vocabulary: quick to memorise
+
+
+def random_documents(rng, n):
+    return [(rng.integers(*CANARY_IDS, PROMPT).tolist(), rng.integers(*CANARY_IDS, CONTINUATION).tolist())
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def trained(demo_data, tmp_path_factory):
+    from mimir_megatron.audits import AuditIndex, build_index, resolve_sources
+    from mimir_megatron.audits.model import EngineAuditModel
+    from mimir_megatron.inference import load_engine
+    from mimir_megatron.train.config import load_train_config
+    from mimir_megatron.train.loop import train
+
+    root = tmp_path_factory.mktemp("canaries")
+    rng = np.random.default_rng(0)
+    write_prepared(root / "canary", random_documents(rng, N_CANARIES))
+    write_prepared(root / "control", random_documents(rng, N_CANARIES))
+    # a third of the demo data per epoch: the canaries get most of a short run's steps
+    demo_lines = [line.replace("repeat: 1}", "repeat: 0.3}")
+                  for line in (demo_data / "mixture.yaml").read_text().splitlines()[2:]]
+    trained_on = ["name: canary-train", "datasets:", *demo_lines,
+                  f"  - {{name: canary, path: {root / 'canary'}, category: x, language: en, repeat: 40}}"]
+    (root / "train.yaml").write_text("\n".join(trained_on) + "\n")
+    # the index covers the controls too: a broken audit that matched prompts would report them
+    indexed = [*trained_on[:-1], trained_on[-1].replace("category: x", "category: x, audit_category: canary"),
+               f"  - {{name: control, path: {root / 'control'}, category: x, audit_category: control}}"]
+    indexed = [line.replace("category: demo,", "category: demo, audit_category: demo,") for line in indexed]
+    (root / "index.yaml").write_text("\n".join(indexed) + "\n")
+
+    cfg = load_train_config(REPO / "configs" / "train" / "demo.yaml", train_overrides(
+        demo_data, root / "run", f"data.mixture={root / 'train.yaml'}", "train.steps=150", "optim.lr=3e-3",
+        "data.seq_len=256", "train.global_batch_size=8", "train.micro_batch_size=8", "optim.warmup_steps=10",
+        "optim.ema_decay=0.0", "optim.weight_decay=0.0", "checkpoint.interval=150", "window.ramp_fraction=0.2"))
+    result = train(cfg)
+    index = AuditIndex(build_index(resolve_sources(mixture=str(root / "index.yaml")), root / "idx", progress=False))
+    model = EngineAuditModel(load_engine(checkpoint=result.checkpoint))
+    return model, index, root
+
+
+def test_prefix_audit_finds_the_canaries_and_not_the_controls(trained):
+    from mimir_megatron.audits.prefix import PrefixSettings, run_prefix_audit
+
+    model, index, _ = trained
+    settings = PrefixSettings(categories=["canary", "control"], per_category=N_CANARIES, prefix_tokens=PROMPT,
+                              max_new_tokens=CONTINUATION, seed=0)
+    rows, outcomes, _ = run_prefix_audit(model, index, settings, progress=False)
+    by = {r["setting"]: r for r in rows}
+    canaries = [o for o in outcomes if o.setting == "canary"]
+    controls = [o for o in outcomes if o.setting == "control"]
+    assert len(canaries) == len(controls) == N_CANARIES
+    for o in canaries:  # the continuation, verbatim, found in the canary's own document
+        assert o.span_length >= 50 and o.reproduces_source, o
+        assert any(h.source == "canary" and h.document == o.document and h.offset >= PROMPT
+                   for h in index.locate(o.output_ids[o.span_start:o.span_start + o.span_length]))
+    assert by["Prefix canary"]["matches >= 50 tokens"] == N_CANARIES
+    assert by["Prefix canary"]["outputs with a >= 50-token span"] == N_CANARIES
+    for o in controls:
+        assert o.span_length < 50 and not o.reproduces_source, o
+    assert by["Prefix control"]["matches >= 50 tokens"] == 0
+    assert by["Prefix control"]["outputs with a >= 50-token span"] == 0
+
+
+def test_continuation_protocol_finds_the_canaries_and_score_agrees_with_generate(trained):
+    """Windows of 50 + 64 tokens: those at offset 0 are the trained (prompt, response) and must
+    match exactly; controls never; and scoring must give the same verdict as decoding."""
+    from mimir_megatron.audits.continuation import ContinuationSettings, run_continuation_audit
+    from mimir_megatron.audits.sources import AuditSource
+
+    model, index, _ = trained
+    sources = [AuditSource(s["name"], Path(s["path"]), s["category"]) for s in index.sources]
+    found = {}
+    for method in ("score", "generate"):
+        settings = ContinuationSettings(categories=["canary", "control"], samples=1000, prefix_tokens=PROMPT,
+                                        continuation_tokens=64, method=method, seed=0)
+        rows, matches = run_continuation_audit(model, sources, settings, progress=False)
+        found[method] = {(m.source, m.document, m.offset) for m in matches}
+        by = {r["category"]: r for r in rows}
+        assert by["canary"]["evaluations"] == by["control"]["evaluations"] == N_CANARIES * 17  # every window
+        assert by["control"]["exact matches"] == 0
+        assert {("canary", d, 0) for d in range(N_CANARIES)} <= found[method]
+    assert found["score"] == found["generate"]
