@@ -34,6 +34,8 @@ class TaskResult:
     error: str | None = None
     chance: float = 0.0
     """Expected score of random answers (1 / options for multiple choice, else 0)."""
+    skipped: bool = False
+    """Left out on purpose (HumanEval without --allow-code-execution), not a failure."""
 
     @property
     def score(self) -> float | None:
@@ -89,14 +91,16 @@ def server_model_name(base_url: str) -> str:
 
 
 def prepare_items(suite: SuiteSpec, data_dir: Path, limit: int | None, allow_code_execution: bool,
-                  ) -> tuple[dict[str, list[Item]], dict[str, str]]:
-    """(items per runnable task, error message per task that cannot run)."""
+                  ) -> tuple[dict[str, list[Item]], dict[str, str], set[str]]:
+    """(items per runnable task, message per task that cannot run, tasks skipped on purpose)."""
     items: dict[str, list[Item]] = {}
     errors: dict[str, str] = {}
+    skipped: set[str] = set()
     for spec in suite.tasks:
         if spec.format == "humaneval" and not allow_code_execution:
             errors[spec.name] = (f"task {spec.name}: skipped, it executes generated code "
                                  "(pass --allow-code-execution to run it)")
+            skipped.add(spec.name)
             continue
         try:
             items[spec.name] = build_items(spec, data_dir, suite.seed, limit)
@@ -109,9 +113,9 @@ def prepare_items(suite: SuiteSpec, data_dir: Path, limit: int | None, allow_cod
             if missing:
                 errors[spec.name] = f"task {spec.name}: unsupported IFEval instructions {', '.join(missing)}"
                 del items[spec.name]
-    for message in errors.values():
-        log.error("%s", message)
-    return items, errors
+    for name, message in errors.items():
+        (log.warning if name in skipped else log.error)("%s", message)
+    return items, errors, skipped
 
 
 def run_suite(suite: SuiteSpec, base_url: str, *, data_dir: str | Path | None = None,
@@ -135,8 +139,9 @@ def run_suite(suite: SuiteSpec, base_url: str, *, data_dir: str | Path | None = 
     schedule = {k: v for k, v in (("h_cycles", h_cycles), ("l_cycles", l_cycles)) if v is not None}
     if score_client is None:
         score_client = ScoreClient(base_url, model_name)
-    items, errors = prepare_items(suite, data_dir, limit, allow_code_execution)
-    results = {s.name: TaskResult(s, error=errors.get(s.name), chance=_chance(s, items.get(s.name)))
+    items, errors, skipped = prepare_items(suite, data_dir, limit, allow_code_execution)
+    results = {s.name: TaskResult(s, error=errors.get(s.name), chance=_chance(s, items.get(s.name)),
+                                  skipped=s.name in skipped)
                for s in suite.tasks}
     tasks = [build_task(s, items[s.name], scoring=mc_scoring or suite.scoring_of(s),
                         schedule=schedule or None, score_client=score_client,
