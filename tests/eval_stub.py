@@ -2,7 +2,8 @@
 
 Replies to ``/v1/chat/completions`` come from ``replies`` (last user message -> text; unknown
 prompts get ``default``); ``/v1/score`` returns ``logprobs[(context, continuation)]`` (else -10).
-Every request body is recorded in ``requests``.
+Requests with an ``h_cycles`` in ``collapsed_h_cycles`` get ``default``. Every request body is
+recorded in ``requests``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class Script:
     replies: dict[str, str] = field(default_factory=dict)
     default: str = "?"
     logprobs: dict[tuple[str, str], float] = field(default_factory=dict)
+    collapsed_h_cycles: set[int] = field(default_factory=set)
+    """Requests with these h_cycles get ``default`` (a schedule the model cannot run)."""
     requests: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -41,6 +44,8 @@ def make_app(script: Script, model: str = "stub-model") -> FastAPI:
         body = await request.json()
         script.requests.append(body)
         text = script.replies.get(body["messages"][-1]["content"], script.default)
+        if body.get("h_cycles") in script.collapsed_h_cycles:
+            text = script.default
         return {"id": "stub", "object": "chat.completion", "created": 0, "model": body["model"],
                 "choices": [{"index": 0, "finish_reason": "stop",
                              "message": {"role": "assistant", "content": text}}],
