@@ -4,7 +4,13 @@ Installed as the package ``mimir_kernels`` (not ``kernels``, which would shadow 
 ``kernels`` library). Imports only torch.
 """
 
-from mimir_kernels.attention import ATTENTION_BACKENDS, PrefixLMLayout, build_layout, prefix_lm_attention
+from mimir_kernels.attention import (
+    ATTENTION_BACKENDS,
+    PrefixLMLayout,
+    build_layout,
+    cached_prefix_lm_attention,
+    prefix_lm_attention,
+)
 from mimir_kernels.prefix_lm import dense_prefix_lm_attention, prefix_lm_mask
 from mimir_kernels.vocab_loss import chunked_vocab_parallel_cross_entropy
 
@@ -12,6 +18,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "PrefixLMLayout",
     "build_layout",
+    "cached_prefix_lm_attention",
     "chunked_vocab_parallel_cross_entropy",
     "dense_prefix_lm_attention",
     "prefix_lm_attention",

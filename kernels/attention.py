@@ -9,6 +9,12 @@ return ``[seq, batch, heads * head_dim]``, with the semantics of the dense refer
 * ``varlen``: two variable-length passes, prefix then response
   (:mod:`mimir_kernels.varlen_prefix_lm`).
 
+Decoding with a KV cache: a layout may carry ``kv_cache``, the cache of one module application
+(:mod:`mimir_megatron.inference.kv_cache`). The core-attention slot stores the new tokens' keys and
+values there; when earlier tokens are cached, the new queries attend to all cached keys with the
+layout's dense ``[batch, 1, new, cached]`` mask (:func:`cached_prefix_lm_attention`); otherwise
+(prefill) the layout's backend runs on the new tokens alone.
+
 What a backend needs about the batch is derived from ``segment_ids`` and ``prefix_mask`` once per
 forward pass by :func:`build_layout` and shared by every layer: a :class:`PrefixLMLayout`.
 """
@@ -37,6 +43,7 @@ class PrefixLMLayout:
     dense_mask: torch.Tensor | None = None  # [b,1,s,s] bool, True = masked out (dense backend)
     block_mask: Any = None  # torch FlexAttention BlockMask (flex backend)
     varlen: Any = None  # index tensors of the two-pass path (varlen backend): a VarlenIndex
+    kv_cache: Any = None  # decoding: the cache of one module application (see module docstring)
 
 
 def _check_backend(backend: str) -> None:
@@ -68,3 +75,23 @@ def prefix_lm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if layout.backend == "flex":
         return flex_prefix_lm_attention(query, key, value, layout.block_mask, softmax_scale)
     return varlen_prefix_lm_attention(query, key, value, layout.varlen, softmax_scale)
+
+
+def cached_prefix_lm_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                               masked_out: torch.Tensor, softmax_scale: float | None = None) -> torch.Tensor:
+    """New queries against cached keys and values (decoding).
+
+    Args:
+        query: ``[new, batch, heads, head_dim]`` (megatron's layout).
+        keys, values: ``[batch, heads, cached, head_dim]``, the new tokens included (SDPA's layout,
+            so that a growing cache is read without a copy).
+        masked_out: ``[batch, 1, new, cached]`` bool, True = masked out.
+
+    Returns:
+        ``[new, batch, heads * head_dim]``.
+    """
+    new, batch, heads, head_dim = query.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.permute(1, 2, 0, 3), keys, values, attn_mask=~masked_out, scale=softmax_scale
+    )
+    return out.permute(2, 0, 1, 3).reshape(new, batch, heads * head_dim)

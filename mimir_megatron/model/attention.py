@@ -6,19 +6,24 @@ The kernel comes from ``kernels/`` (``mimir_kernels``). What it needs about the 
 FlexAttention block mask or variable-length indices) is a :class:`mimir_kernels.PrefixLMLayout`
 built once per forward pass; it travels through megatron's ``packed_seq_params`` argument, which
 megatron hands to this slot unchanged and keeps out of its activation checkpoints' saved inputs.
+
+When decoding, the layout carries the KV cache of the current module application: this slot
+stores its layer's new keys and values there and, once earlier tokens are cached, attends over
+all of them (``mimir_kernels.cached_prefix_lm_attention``).
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core.transformer.module import MegatronModule
-from mimir_kernels import PrefixLMLayout, prefix_lm_attention
+from mimir_kernels import PrefixLMLayout, cached_prefix_lm_attention, prefix_lm_attention
 
 
 class PrefixLMCoreAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type=None,
                  cp_comm_type=None, softmax_scale: float | None = None, pg_collection=None):
         super().__init__(config=config)
+        self.layer_number = layer_number
         self.softmax_scale = softmax_scale
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -27,4 +32,9 @@ class PrefixLMCoreAttention(MegatronModule):
         if not isinstance(packed_seq_params, PrefixLMLayout):
             raise ValueError("PrefixLM attention needs the layout built from the batch "
                              "(mimir_kernels.build_layout), passed as packed_seq_params")
-        return prefix_lm_attention(query, key, value, packed_seq_params, self.softmax_scale)
+        layout = packed_seq_params
+        if layout.kv_cache is not None:
+            cached = layout.kv_cache.append(self.layer_number, key, value)
+            if cached is not None:
+                return cached_prefix_lm_attention(query, *cached, layout.dense_mask, self.softmax_scale)
+        return prefix_lm_attention(query, key, value, layout, self.softmax_scale)

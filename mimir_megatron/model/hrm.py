@@ -7,7 +7,7 @@ when sequence parallel is on); ``[batch, seq, ...]`` at the interface (the Batch
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
-from mimir_kernels import build_layout, chunked_vocab_parallel_cross_entropy
+from mimir_kernels import PrefixLMLayout, build_layout, chunked_vocab_parallel_cross_entropy
 
 from mimir_megatron import backend
 from mimir_megatron.batch import IGNORE_INDEX, Batch, BatchError
@@ -159,20 +159,9 @@ class HRMTextModel(MegatronModule):
             batch.validate(cfg.vocab_size)
             self._check_sequence_split(batch.shape[1])
         plan = self.window_plan(window, h_cycles, l_cycles)
-
         # Built once, shared by every layer of every application.
         layout = build_layout(self.attention_backend, batch.segment_ids, batch.prefix_mask)
-        angles = rotary_angles(batch.position_ids, cfg.head_dim, cfg.rope_theta)
-        stack_args = dict(attention_mask=None, rotary_pos_emb=angles, packed_seq_params=layout)
-
-        z_H = self._embed(batch.input_ids)
-        z_L = self.z_L_init.to(z_H.dtype).expand_as(z_H)
-        for module, grad in zip(plan.schedule, plan.grad):
-            with nullcontext() if grad else torch.no_grad():
-                if module == "L":
-                    z_L = self.L(z_L + z_H, **stack_args)
-                else:
-                    z_H = self.H(z_H + z_L, **stack_args)
+        z_H = self.recurrence(batch.input_ids, batch.position_ids, layout, plan)
 
         if batch.labels is not None and not return_logits and cfg.loss_chunk_tokens:
             loss, count = self._chunked_loss(z_H, batch.labels, num_supervised)
@@ -190,6 +179,48 @@ class HRMTextModel(MegatronModule):
                 loss_input = loss_input.clone()
             loss, count = self._loss(loss_input, batch.labels, num_supervised)
         return ModelOutput(logits=logits, loss=loss, num_supervised=count, window=plan)
+
+    def recurrence(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        layout: PrefixLMLayout,
+        plan: WindowPlan,
+        kv_cache=None,
+    ) -> torch.Tensor:
+        """The final high-level state ``z_H`` ``[seq, batch, hidden]`` for ``[batch, seq]`` inputs.
+
+        ``kv_cache`` (decoding, :class:`mimir_megatron.inference.kv_cache.KVCache`) gives every
+        module application its own cache slots: the same layer applied at two points of the
+        schedule sees different inputs, so it has different keys and values.
+        """
+        angles = rotary_angles(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        z_H = self._embed(input_ids)
+        z_L = self.z_L_init.to(z_H.dtype).expand_as(z_H)
+        for application, (module, grad) in enumerate(zip(plan.schedule, plan.grad)):
+            if kv_cache is not None:
+                layout = replace(layout, kv_cache=kv_cache.application(application))
+            stack_args = dict(attention_mask=None, rotary_pos_emb=angles, packed_seq_params=layout)
+            with nullcontext() if grad else torch.no_grad():
+                if module == "L":
+                    z_L = self.L(z_L + z_H, **stack_args)
+                else:
+                    z_H = self.H(z_H + z_L, **stack_args)
+        return z_H
+
+    def full_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A ``[seq, batch, hidden]`` state with every position on this rank (gathers a
+        sequence-parallel state; inference only, no gradient)."""
+        if not self.cfg.uses_sequence_parallel:
+            return hidden
+        return tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[batch, seq, vocab_size]`` (gathered across TP) of a
+        ``[seq, batch, hidden]`` state that holds every position it names (see
+        :meth:`full_sequence`): pass only the positions you need (inference, no gradient)."""
+        logits_parallel = torch.matmul(hidden, self.head.weight.t())  # the head without its SP gather
+        return self._gather_logits(self._mask_vocab_padding(logits_parallel))
 
     def window_plan(
         self, window: int | None = None, h_cycles: int | None = None, l_cycles: int | None = None

@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from mimir_megatron import backend
 from mimir_megatron.config import EXECUTION_FIELDS, ModelConfig
 from mimir_megatron.errors import UserError
+from mimir_megatron.model.sharded import ema_sharded_state, model_sharded_state
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +84,7 @@ def _sharded_state(model, optimizer, ema) -> dict[str, Any]:
     """
     from mimir_megatron.train.optim import local_optimizer, owned_parameters
 
-    # Transformer Engine's `_extra_state` (FP8 scaling history) is left out: it is rebuilt within
-    # a few steps, and without it a checkpoint loads under either layer backend.
-    model_sd = {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
+    model_sd = model_sharded_state(model)
     by_param = {id(t.data): t for t in model_sd.values() if hasattr(t, "data")}
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
@@ -104,10 +103,7 @@ def _sharded_state(model, optimizer, ema) -> dict[str, Any]:
             moments[names[id(param)]] = entries
         state["optimizer"] = moments
     if ema is not None:
-        state["ema"] = {
-            name: make_sharded_optimizer_tensor(by_param[id(param)], ema.shadow[name], prefix="ema")
-            for name, param in model.named_parameters()
-        }
+        state["ema"] = ema_sharded_state(model, model_sd, ema.shadow)
     return state
 
 

@@ -1,0 +1,25 @@
+"""Inference on trained models: the recurrence-aware KV cache, batched decoding, scoring, serving.
+
+Imports the model, never the trainer (the trainer imports this package for its evaluation).
+
+- :mod:`~mimir_megatron.inference.kv_cache`: one cache slot per (module application, layer).
+- :mod:`~mimir_megatron.inference.engine`: prefill + cached decoding in step-level batches, scoring.
+- :mod:`~mimir_megatron.inference.loading`: engines from checkpoints, weights or HF directories.
+- :mod:`~mimir_megatron.inference.server`: the OpenAI-compatible ``mimir serve``.
+"""
+
+from mimir_megatron.inference.engine import DecodeSession, InferenceEngine, RequestError
+from mimir_megatron.inference.kv_cache import KVCache
+from mimir_megatron.inference.loading import load_engine
+from mimir_megatron.inference.types import (
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    ScoreResult,
+    TokenEvent,
+)
+
+__all__ = [
+    "DecodeSession", "GenerationRequest", "GenerationResult", "InferenceEngine", "KVCache", "RequestError",
+    "SamplingParams", "ScoreResult", "TokenEvent", "load_engine",
+]

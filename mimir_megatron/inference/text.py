@@ -1,0 +1,65 @@
+"""Text around the engine: chat prompts, default stop tokens, streaming detokenisation.
+
+The tokenizer is a Hugging Face fast tokenizer with a chat template, loaded as ``mimir prepare``
+loads it (``mimir_data_prep.render.load_tokenizer``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# End-of-turn markers of common chat templates; the ones in the vocabulary stop generation.
+_END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>", "</s>", "<eos>")
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` with no special tokens added (special tokens come from the text)."""
+    return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+    """The prompt ids of a conversation: the chat template up to and including the generation
+    prompt, tokenised separately from what follows, as ``mimir prepare`` renders a prefix."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    return encode(tokenizer, text)
+
+
+def default_stop_ids(tokenizer) -> tuple[int, ...]:
+    """The tokenizer's eos token and the end-of-turn tokens its vocabulary has."""
+    vocab = tokenizer.get_vocab()
+    ids = {vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+class StreamingText:
+    """Decoded text of one request's tokens as they arrive, cut at the first stop string.
+
+    Text is released only when it is final: not while the last bytes are an incomplete UTF-8
+    character, and not the tail that could still become the start of a stop string.
+    """
+
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = stop_strings
+        self._hold = max((len(s) for s in stop_strings), default=1) - 1
+        self.released = 0
+        self.text = ""
+        self.stopped = False
+
+    def update(self, token_ids: list[int], final: bool = False) -> str:
+        """Feed all ids so far; returns the newly released text. Sets ``stopped`` on a stop string."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+        if cut >= 0:
+            text, final, self.stopped = text[:cut], True, True
+        self.text = text
+        end = len(text)
+        if not final:
+            while end and text[end - 1] == "\ufffd":  # an incomplete multi-byte character
+                end -= 1
+            end = max(self.released, end - self._hold)
+        delta = text[self.released:end]
+        self.released = end
+        return delta

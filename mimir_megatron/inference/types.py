@@ -1,0 +1,86 @@
+"""What callers hand the inference engine and what it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    """0 decodes greedily (argmax); otherwise logits are divided by it before sampling."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only; 0 = off."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of most likely tokens whose probability reaches top_p."""
+    seed: int | None = None
+    """Makes sampling reproducible for this request (independent of the rest of the batch)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Added to the engine's default stop ids (the tokenizer's end-of-turn / eos tokens)."""
+    stop_strings: tuple[str, ...] = ()
+    """Generation stops when the text contains one; the text is cut before it."""
+    use_default_stops: bool = True
+    """Whether the engine's default stop ids apply."""
+
+    def errors(self) -> list[str]:
+        """One message per invalid field (empty when valid)."""
+        out = []
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            out.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            out.append(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            out.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            out.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if any(not s for s in self.stop_strings):
+            out.append("stop strings must not be empty")
+        return out
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    h_cycles: int | None = None
+    """Schedule for this request; default: the one the weights were trained with."""
+    l_cycles: int | None = None
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    """Generated ids; the stop token is included when one ended generation."""
+    text: str | None
+    """Decoded generated text (special tokens and a matched stop string removed); None without a
+    tokenizer."""
+    logprobs: list[float]
+    """Log-probability of each generated token under the model (temperature 1, no filtering)."""
+    finish_reason: str
+    """``stop`` (a stop token or string) or ``length`` (max_new_tokens or the context limit)."""
+
+
+@dataclass
+class ScoreResult:
+    logprob: float
+    """Sum of the continuation tokens' log-probabilities given the context."""
+    token_logprobs: list[float]
+    is_greedy: bool
+    """Whether greedy decoding from the context produces the continuation."""
+
+
+@dataclass
+class TokenEvent:
+    """One generated token of one request, as a decoding step produces it (for streaming)."""
+
+    handle: int
+    token_id: int
+    logprob: float
+    text: str | None
+    """Text this token adds ("" while it completes no character or may start a stop string)."""
+    finished: bool
+    finish_reason: str | None
+    result: GenerationResult | None
+    """The whole result, on the request's last event."""
