@@ -44,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_source(p, base_url=True)
     p.add_argument("--h-cycles", type=int, help="evaluate under this H (default: trained schedule)")
     p.add_argument("--l-cycles", type=int, help="evaluate under this L (default: trained schedule)")
-    p.add_argument("--model-name", help="with --base-url: the model id to request (default: the first listed)")
+    p.add_argument("--model-name",
+                   help="with --base-url: the model id to request (default: the first listed)")
     p.set_defaults(handler=cmd_eval)
 
     p = sub.add_parser("sweep", help="evaluate one checkpoint under several (H, L) schedules (Table 5)")

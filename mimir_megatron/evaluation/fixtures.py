@@ -91,7 +91,8 @@ def _humaneval(r: random.Random, i: int) -> Row:
     return {"task_id": f"Fixture/{i}",
             "prompt": f"def {name}(x: int) -> int:\n    \"\"\"Return x plus {k}.\"\"\"\n",
             "canonical_solution": f"    return x + {k}\n",
-            "test": f"def check(candidate):\n    assert candidate(1) == {1 + k}\n    assert candidate(-{k}) == 0\n",
+            "test": (f"def check(candidate):\n    assert candidate(1) == {1 + k}\n"
+                     f"    assert candidate(-{k}) == 0\n"),
             "entry_point": name}
 
 

@@ -76,7 +76,8 @@ CHECKS: dict[str, Callable[..., bool]] = {
     "keywords:letter_frequency": _letter_frequency,
     "startend:end_checker":
         lambda text, end_phrase, **_: text.strip().lower().endswith(end_phrase.strip().lower()),
-    "startend:quotation": lambda text, **_: len(text.strip()) > 1 and text.strip()[0] == text.strip()[-1] == '"',
+    "startend:quotation":
+        lambda text, **_: len(text.strip()) > 1 and text.strip()[0] == text.strip()[-1] == '"',
     "detectable_content:postscript":
         lambda text, postscript_marker, **_: bool(
             re.search(rf"\s*{re.escape(postscript_marker.lower())}", text.lower(), re.MULTILINE)),

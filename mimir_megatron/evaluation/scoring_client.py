@@ -29,7 +29,10 @@ def chat_renderer(tokenizer) -> Renderer:  # noqa: ANN001 (a transformers tokeni
     return render
 
 
-def load_renderer(tokenizer_dir: str | Path | None) -> tuple[Renderer | None, Callable[[str], list[int]] | None]:
+Encoder = Callable[[str], list[int]]
+
+
+def load_renderer(tokenizer_dir: str | Path | None) -> tuple[Renderer | None, Encoder | None]:
     """(chat renderer, plain encoder) of a tokenizer directory, or (None, None) without one."""
     if not tokenizer_dir or not (Path(tokenizer_dir) / "tokenizer.json").is_file():
         return None, None

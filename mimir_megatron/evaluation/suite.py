@@ -127,7 +127,8 @@ class TaskSpec:
             if ("choices" in self.columns) == bool(self.choice_values):
                 errs.append(f"{where}: give either columns.choices or choice_values")
             if self.answer_kind not in ANSWER_KINDS:
-                errs.append(f"{where}: answer_kind {self.answer_kind!r} is not one of {', '.join(ANSWER_KINDS)}")
+                errs.append(f"{where}: answer_kind {self.answer_kind!r} is not one of "
+                            f"{', '.join(ANSWER_KINDS)}")
             if self.answer_kind == "label" and "labels" not in self.columns:
                 errs.append(f"{where}: answer_kind label needs columns.labels")
         if self.mc_scoring and self.mc_scoring not in MC_SCORING:

@@ -103,7 +103,8 @@ def markdown(sweep: SweepResult) -> str:
         cells = []
         for t in tasks:
             score = row.get(t.name)
-            cells.append("n/a" if score is None else f"{score:.2f}" + (DAGGER if row[f"{t.name}_collapsed"] else ""))
+            mark = DAGGER if row[f"{t.name}_collapsed"] else ""
+            cells.append("n/a" if score is None else f"{score:.2f}{mark}")
         name = row["schedule"] + (" (trained)" if row["trained"] else "")
         lines.append(f"| {row['D']} | {row['H']} | {row['L']} | {name} | " + " | ".join(cells) + " |")
     lines += ["", f"{DAGGER} collapsed: below chance (multiple choice) or under 2 points (generation)."]
