@@ -6,6 +6,7 @@ costs seconds)."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,8 @@ def stubbed(tmp_path_factory):
     suite = load_suite(suite_path)
     script, items = _script(suite, data_dir)
     uri = f"sqlite:///{root / 'mlflow.db'}"
+    logger = logging.getLogger()
+    logging_before = (logger.level, list(logger.handlers))
     with serve_stub(script) as url:
         rc = main(["eval", "--base-url", url, "--suite", str(suite_path), "--data-dir", str(data_dir),
                    "--limit", str(LIMIT), "--h-cycles", "2", "--l-cycles", "3", "--output",
@@ -85,6 +88,7 @@ def stubbed(tmp_path_factory):
                          "--trained-schedule", "2x3", "--output", str(root / "sweep"),
                          "--tracking-uri", uri])
     return {"root": root, "rc": rc, "sweep_rc": sweep_rc, "requests": eval_requests,
+            "logging": (logging_before, (logger.level, list(logger.handlers))),
             "sweep_requests": script.requests, "items": items, "uri": uri}
 
 
@@ -134,6 +138,11 @@ def test_per_item_outcomes_and_inspect_logs(stubbed):
     assert all(r["correct"] is None for r in by_task["wmt"])
     logs = list((stubbed["root"] / "eval" / "logs").glob("*.eval"))
     assert len(logs) == 5
+
+
+def test_host_logging_is_left_alone(stubbed):
+    before, after = stubbed["logging"]
+    assert before == after  # InspectAI would lower the root level and add its own handler
 
 
 def test_sweep_table_and_mcnemar(stubbed):

@@ -80,7 +80,8 @@ def item_scorer(spec: TaskSpec, allow_code_execution: bool = False):
                 passes, prediction, state.metadata["test"], state.metadata["entry_point"])
             value = float(correct)
         return Score(value=value, answer=prediction,
-                     metadata={"correct": correct, "references": refs})
+                     metadata={"correct": correct, "references": refs,
+                               "choice_logprobs": state.metadata.get("choice_logprobs")})
 
     return score
 

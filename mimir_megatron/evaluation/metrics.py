@@ -25,6 +25,8 @@ class ItemOutcome:
     value: float
     correct: bool | None = None
     """Right/wrong for binary metrics (McNemar); None for graded ones (ROUGE, chrF, F1)."""
+    choice_logprobs: tuple[float, ...] | None = None
+    """Each option letter's log-prob, when multiple choice was scored by log-likelihood."""
 
 
 # -- answer extraction ---------------------------------------------------------------------------

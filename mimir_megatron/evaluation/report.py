@@ -78,5 +78,6 @@ def write_tables(result: SuiteResult, output: str | Path, model: str = "") -> li
             for o in t.outcomes:
                 f.write(json.dumps({"task": t.spec.name, "id": o.id, "prediction": o.prediction,
                                     "references": list(o.references), "value": o.value,
-                                    "correct": o.correct}, ensure_ascii=False) + "\n")
+                                    "correct": o.correct, "choice_logprobs": o.choice_logprobs},
+                                   ensure_ascii=False) + "\n")
     return list(paths.values())

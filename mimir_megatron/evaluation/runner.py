@@ -7,6 +7,7 @@ other tasks still run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -80,6 +81,19 @@ def offline_environment() -> None:
     os.environ.setdefault("INSPECT_EVAL_LOG_FORMAT", "eval")
 
 
+@contextlib.contextmanager
+def _host_logging_kept():
+    """InspectAI sets the root logger's level and adds its handler to it on first use; the host
+    process (the trainer, the CLI) keeps its own logging configuration."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        root.handlers[:] = handlers
+
+
 def server_model_name(base_url: str) -> str:
     """The first model id the server lists under ``GET /models``."""
     try:
@@ -151,8 +165,9 @@ def run_suite(suite: SuiteSpec, base_url: str, *, data_dir: str | Path | None = 
         model = get_model(f"openai-api/mimir/{model_name}", base_url=base_url, api_key=API_KEY,
                           config=GenerateConfig(max_connections=max_connections, temperature=0.0,
                                                 max_retries=2, timeout=600))
-        logs = inspect_eval(tasks, model=model, log_dir=str(log_dir), display="none",
-                            max_tasks=len(tasks), score_display=False)
+        with _host_logging_kept():
+            logs = inspect_eval(tasks, model=model, log_dir=str(log_dir), display="none",
+                                max_tasks=len(tasks), score_display=False)
         for eval_log in logs:
             result = results[eval_log.eval.task]
             if eval_log.status != "success":
@@ -167,7 +182,8 @@ def run_suite(suite: SuiteSpec, base_url: str, *, data_dir: str | Path | None = 
                 meta = score.metadata or {}
                 result.outcomes.append(ItemOutcome(
                     str(sample.id), str(score.answer or ""), tuple(meta.get("references", ())),
-                    float(score.value), meta.get("correct")))
+                    float(score.value), meta.get("correct"),
+                    tuple(meta["choice_logprobs"]) if meta.get("choice_logprobs") else None))
     return SuiteResult(suite, list(results.values()),
                        (h_cycles, l_cycles) if h_cycles is not None or l_cycles is not None else None,
                        Path(log_dir))
