@@ -18,6 +18,7 @@ _REGISTRARS = (
     "mimir_megatron.train.cli",
     "mimir_megatron.bench",
     "mimir_megatron.ops.cli",
+    "mimir_megatron.inference.cli",
     "mimir_megatron.evaluation.cli",
 )
 

@@ -20,6 +20,14 @@ from mimir_megatron.inference.types import (
 )
 
 __all__ = [
-    "DecodeSession", "GenerationRequest", "GenerationResult", "InferenceEngine", "KVCache", "RequestError",
-    "SamplingParams", "ScoreResult", "TokenEvent", "load_engine",
+    "DecodeSession",
+    "GenerationRequest",
+    "GenerationResult",
+    "InferenceEngine",
+    "KVCache",
+    "RequestError",
+    "SamplingParams",
+    "ScoreResult",
+    "TokenEvent",
+    "load_engine",
 ]

@@ -50,15 +50,25 @@ class EngineStats:
         def rate(n: int, s: float) -> str:
             return f"{n / s:,.0f} tokens/s" if s > 0 else "n/a"
 
-        return (f"prefill {self.prefill_tokens:,} tokens ({rate(self.prefill_tokens, self.prefill_seconds)}), "
-                f"decode {self.decode_tokens:,} tokens ({rate(self.decode_tokens, self.decode_seconds)})")
+        return (
+            f"prefill {self.prefill_tokens:,} tokens ({rate(self.prefill_tokens, self.prefill_seconds)}), "
+            f"decode {self.decode_tokens:,} tokens ({rate(self.decode_tokens, self.decode_seconds)})"
+        )
 
 
 class InferenceEngine:
     """Decoding and scoring for one model (any TP size; sequence parallelism is padded around)."""
 
-    def __init__(self, model, tokenizer=None, *, max_batch_size: int = 32, max_context: int | None = None,
-                 model_name: str = "mimir", seed: int = 0) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        max_batch_size: int = 32,
+        max_context: int | None = None,
+        model_name: str = "mimir",
+        seed: int = 0,
+    ) -> None:
         self.model = model.eval()
         self.cfg = model.cfg
         self.tokenizer = tokenizer
@@ -93,7 +103,8 @@ class InferenceEngine:
     # -- checks ----------------------------------------------------------------------------------
 
     def schedule(self, h_cycles: int | None, l_cycles: int | None) -> tuple[int, int]:
-        h, low = h_cycles or self.cfg.h_cycles, l_cycles or self.cfg.l_cycles
+        h = self.cfg.h_cycles if h_cycles is None else h_cycles
+        low = self.cfg.l_cycles if l_cycles is None else l_cycles
         for name, value in (("h_cycles", h), ("l_cycles", low)):
             if not isinstance(value, int) or value < 1:
                 raise RequestError(f"{name} must be an integer >= 1, got {value!r}")
@@ -106,14 +117,18 @@ class InferenceEngine:
             raise RequestError(errors[0])
         self.check_ids(request.prompt_ids, "prompt")
         if len(request.prompt_ids) >= self.max_context:
-            raise RequestError(f"prompt has {len(request.prompt_ids)} tokens; the context holds "
-                               f"{self.max_context} (prompt + generated)")
+            raise RequestError(
+                f"prompt has {len(request.prompt_ids)} tokens; the context holds "
+                f"{self.max_context} (prompt + generated)"
+            )
         self.schedule(request.h_cycles, request.l_cycles)
 
     def check_ids(self, ids: list[int], name: str) -> None:
         if not isinstance(ids, (list, tuple)) or not ids:
             raise RequestError(f"{name} must be a non-empty list of token ids")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        bad = [
+            t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+        ]
         if bad:
             raise RequestError(f"{name} holds {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})")
 
@@ -138,7 +153,10 @@ class InferenceEngine:
         for (h, low), members in groups.items():
             session = DecodeSession(self, h, low)
             # Similar lengths are prefilled together: less padding.
-            handles = {session.add(requests[i]): i for i in sorted(members, key=lambda i: len(requests[i].prompt_ids))}
+            handles = {
+                session.add(requests[i]): i
+                for i in sorted(members, key=lambda i: len(requests[i].prompt_ids))
+            }
             while session.active:
                 for event in session.step():
                     if event.finished:
@@ -152,8 +170,12 @@ class InferenceEngine:
     # -- scoring ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def score(self, pairs: list[tuple[list[int], list[int]]], h_cycles: int | None = None,
-              l_cycles: int | None = None) -> list[ScoreResult]:
+    def score(
+        self,
+        pairs: list[tuple[list[int], list[int]]],
+        h_cycles: int | None = None,
+        l_cycles: int | None = None,
+    ) -> list[ScoreResult]:
         """Log-probability of each continuation given its context: the context is the
         bidirectional prefix and the continuation is causal, exactly the training mask."""
         plan = self._plan(*self.schedule(h_cycles, l_cycles))
@@ -161,12 +183,14 @@ class InferenceEngine:
             self.check_ids(context, "context")
             self.check_ids(continuation, "continuation")
             if len(context) + len(continuation) - 1 > self.max_context:
-                raise RequestError(f"context + continuation have {len(context) + len(continuation)} "
-                                   f"tokens; the context holds {self.max_context}")
+                raise RequestError(
+                    f"context + continuation have {len(context) + len(continuation)} "
+                    f"tokens; the context holds {self.max_context}"
+                )
         order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
         results: list[ScoreResult | None] = [None] * len(pairs)
         for start in range(0, len(order), self.max_batch_size):
-            chunk = order[start:start + self.max_batch_size]
+            chunk = order[start : start + self.max_batch_size]
             for i, res in zip(chunk, self._score_batch([pairs[i] for i in chunk], plan)):
                 results[i] = res
         return results  # type: ignore[return-value]
@@ -174,19 +198,29 @@ class InferenceEngine:
     def _score_batch(self, pairs, plan) -> list[ScoreResult]:
         width = max(len(c) + len(x) - 1 for c, x in pairs)
         width += -width % self._seq_multiple
-        batch = single_sample_batch([c for c, _ in pairs], [x for _, x in pairs], seq_len=width).to(self.device)
+        batch = single_sample_batch([c for c, _ in pairs], [x for _, x in pairs], seq_len=width).to(
+            self.device
+        )
         layout = build_layout(self.model.attention_backend, batch.segment_ids, batch.prefix_mask)
-        hidden = self.model.full_sequence(self.model.recurrence(batch.input_ids, batch.position_ids, layout,
-                                                                plan))  # [s, b, h]
+        hidden = self.model.full_sequence(
+            self.model.recurrence(batch.input_ids, batch.position_ids, layout, plan)
+        )  # [s, b, h]
         out = []
         for row, (context, continuation) in enumerate(pairs):
             # Position len(context) - 1 + j predicts continuation[j].
-            positions = torch.arange(len(context) - 1, len(context) - 1 + len(continuation), device=self.device)
+            positions = torch.arange(
+                len(context) - 1, len(context) - 1 + len(continuation), device=self.device
+            )
             logits = self.model.head_logits(hidden[positions, row][:, None])[0].float()  # [n, vocab]
             target = torch.tensor(continuation, device=self.device)
             token_lp = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])[:, 0]
-            out.append(ScoreResult(logprob=float(token_lp.sum()), token_logprobs=token_lp.tolist(),
-                                   is_greedy=bool((logits.argmax(-1) == target).all())))
+            out.append(
+                ScoreResult(
+                    logprob=float(token_lp.sum()),
+                    token_logprobs=token_lp.tolist(),
+                    is_greedy=bool((logits.argmax(-1) == target).all()),
+                )
+            )
         return out
 
     # -- forward passes used by sessions ---------------------------------------------------------
@@ -207,9 +241,9 @@ class InferenceEngine:
         real = torch.zeros(rows, width, dtype=torch.bool)
         for r, prompt in enumerate(prompts):
             n = len(prompt)
-            ids[r, width - n:] = torch.tensor(prompt)
-            positions[r, width - n:] = torch.arange(n)
-            real[r, width - n:] = True
+            ids[r, width - n :] = torch.tensor(prompt)
+            positions[r, width - n :] = torch.arange(n)
+            real[r, width - n :] = True
         ids, positions, real = ids.to(self.device), positions.to(self.device), real.to(self.device)
         layout = build_layout(self.model.attention_backend, real.long(), real)
         cache = KVCache(rows, self.device)
@@ -222,7 +256,9 @@ class InferenceEngine:
         return cache, logits
 
     @torch.no_grad()
-    def decode_step(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, plan) -> torch.Tensor:
+    def decode_step(
+        self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, plan
+    ) -> torch.Tensor:
         """One new token per row through the cache; ``[rows, vocab]`` fp32 logits of the next."""
         rows, width = len(tokens), self._pad_width(1)
         ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
@@ -282,10 +318,14 @@ class DecodeSession:
         if engine.schedule(request.h_cycles, request.l_cycles) != self.schedule:
             raise RequestError("request schedule differs from this session's")
         p = request.params
-        stops = frozenset(p.stop_token_ids) | (frozenset(engine.default_stop_ids) if p.use_default_stops else frozenset())
+        stops = frozenset(p.stop_token_ids) | (
+            frozenset(engine.default_stop_ids) if p.use_default_stops else frozenset()
+        )
         generator = None
         if p.temperature > 0:
-            generator = torch.Generator().manual_seed(p.seed if p.seed is not None else engine._seeds.getrandbits(63))
+            generator = torch.Generator().manual_seed(
+                p.seed if p.seed is not None else engine._seeds.getrandbits(63)
+            )
         text = StreamingText(engine.tokenizer, p.stop_strings) if engine.tokenizer is not None else None
         row = _Row(self._next_handle, request, stops, generator, text)
         self._next_handle += 1
@@ -304,7 +344,7 @@ class DecodeSession:
             events += self._emit(decoding, logits)
         joining = self._pending[: max(0, self.engine.max_batch_size - len(self._rows))]
         if joining:
-            self._pending = self._pending[len(joining):]
+            self._pending = self._pending[len(joining) :]
             cache, logits = self.engine.prefill([r.request.prompt_ids for r in joining], self._plan)
             if self._cache is None:
                 self._cache = cache
@@ -316,8 +356,7 @@ class DecodeSession:
         return events
 
     def _emit(self, rows: list[_Row], logits: torch.Tensor) -> list[TokenEvent]:
-        chosen, logprobs = next_tokens(logits, [r.request.params for r in rows],
-                                       [r.generator for r in rows])
+        chosen, logprobs = next_tokens(logits, [r.request.params for r in rows], [r.generator for r in rows])
         events = []
         for row, token, lp in zip(rows, chosen.tolist(), logprobs.tolist()):
             row.tokens.append(token)
@@ -331,9 +370,13 @@ class DecodeSession:
                     reason = "stop"
             result = None
             if reason is not None:
-                result = GenerationResult(list(row.request.prompt_ids), list(row.tokens),
-                                          row.text.text if row.text is not None else None,
-                                          list(row.logprobs), reason)
+                result = GenerationResult(
+                    list(row.request.prompt_ids),
+                    list(row.tokens),
+                    row.text.text if row.text is not None else None,
+                    list(row.logprobs),
+                    reason,
+                )
             events.append(TokenEvent(row.handle, token, lp, delta, reason is not None, reason, result))
         return events
 

@@ -64,8 +64,8 @@ class KVCache:
             stored = self._grow(stored, key, end)
             self._slots[slot] = stored
         keys, values = stored
-        keys[:, :, self.length:end] = key
-        values[:, :, self.length:end] = value
+        keys[:, :, self.length : end] = key
+        values[:, :, self.length : end] = value
         if self.length == 0:
             return None  # prefill: the layout's own kernel attends within the new tokens
         return keys[:, :, :end], values[:, :, :end]
@@ -92,7 +92,7 @@ class KVCache:
             [self.valid[:, None, :].expand(-1, new, -1), causal[None] & new_valid[:, None, :]], dim=2
         )
         # A padding query still needs one key (itself), or its softmax row would be NaN.
-        allowed[:, :, self.length:] |= torch.eye(new, dtype=torch.bool, device=self.device)[None]
+        allowed[:, :, self.length :] |= torch.eye(new, dtype=torch.bool, device=self.device)[None]
         return ~allowed[:, None]
 
     def advance(self, new_valid: torch.Tensor) -> None:
@@ -155,7 +155,7 @@ class KVCache:
         if start == 0:
             return
         self._slots = {
-            slot: tuple(t[:, :, start: self.length].contiguous() for t in stored)
+            slot: tuple(t[:, :, start : self.length].contiguous() for t in stored)
             for slot, stored in self._slots.items()
         }
         self.valid = self.valid[:, start:]

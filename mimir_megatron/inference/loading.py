@@ -29,8 +29,11 @@ def _inference_overrides(tensor_parallel_size: int) -> dict:
     from mimir_megatron.config import EXECUTION_FIELDS, ModelConfig
 
     defaults = ModelConfig().to_dict()
-    return {**{name: defaults[name] for name in EXECUTION_FIELDS},
-            "tensor_parallel_size": tensor_parallel_size, "sequence_parallel": False}
+    return {
+        **{name: defaults[name] for name in EXECUTION_FIELDS},
+        "tensor_parallel_size": tensor_parallel_size,
+        "sequence_parallel": False,
+    }
 
 
 def load_checkpoint_model(path: str | Path, ema: bool = False, tensor_parallel_size: int = 1):
@@ -84,10 +87,17 @@ def _tokenizer(directory: str | Path | None):
     return load_tokenizer(directory)
 
 
-def load_engine(*, checkpoint: str | Path | None = None, ema: bool = False, weights: str | Path | None = None,
-                hf: str | Path | None = None, tokenizer: str | Path | None = None,
-                tensor_parallel_size: int = 1, max_batch_size: int = 32,
-                max_context: int | None = None) -> InferenceEngine:
+def load_engine(
+    *,
+    checkpoint: str | Path | None = None,
+    ema: bool = False,
+    weights: str | Path | None = None,
+    hf: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    tensor_parallel_size: int = 1,
+    max_batch_size: int = 32,
+    max_context: int | None = None,
+) -> InferenceEngine:
     """An engine over exactly one of: a training ``checkpoint`` (optionally its ``ema`` weights),
     project ``weights`` (``mimir import`` output) or a transformers ``hf`` directory.
 
@@ -119,4 +129,6 @@ def load_engine(*, checkpoint: str | Path | None = None, ema: bool = False, weig
     if tok is None:
         log.warning("no tokenizer found for %s: the engine takes and returns token ids only", source)
     name = source.name if source.name not in ("latest", "") else source.parent.name
-    return InferenceEngine(model, tok, max_batch_size=max_batch_size, max_context=max_context, model_name=name)
+    return InferenceEngine(
+        model, tok, max_batch_size=max_batch_size, max_context=max_context, model_name=name
+    )

@@ -23,8 +23,9 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return scaled
 
 
-def next_tokens(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+def next_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token and its model log-probability for each row of ``[rows, vocab]`` fp32 logits.
 
     Greedy rows are decided together; sampled rows draw from their own CPU generator, so a

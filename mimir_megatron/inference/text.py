@@ -60,6 +60,6 @@ class StreamingText:
             while end and text[end - 1] == "\ufffd":  # an incomplete multi-byte character
                 end -= 1
             end = max(self.released, end - self._hold)
-        delta = text[self.released:end]
+        delta = text[self.released : end]
         self.released = end
         return delta
