@@ -148,3 +148,23 @@ def test_schedules_parse():
     assert schedule_string((2, 3)) == "LLLHLLLH"
     with pytest.raises(UserError, match="not HxL"):
         parse_schedules("2-3")
+
+
+def test_training_checkpoint_evaluations_go_under_the_training_run(tmp_path):
+    import json
+
+    from mimir_megatron.evaluation.sweep import trained_schedule
+    from mimir_megatron.evaluation.tracking import tracking_target
+
+    ckpts = tmp_path / "runs" / "demo" / "checkpoints"
+    (ckpts / "step_0000400").mkdir(parents=True)
+    (ckpts / "latest").write_text("step_0000400\n")
+    state = {"step": 400, "mlflow_run_id": "abc123", "model": {"h_cycles": 2, "l_cycles": 3},
+             "config": {"run": {"name": "demo", "dir": ""}, "tracking": {"uri": None, "experiment": "mimir-demo"}}}
+    (ckpts / "step_0000400" / "trainer_state.json").write_text(json.dumps(state))
+    target = tracking_target(tmp_path / "out", checkpoint=ckpts)
+    assert target.uri == f"sqlite:///{(tmp_path / 'runs' / 'demo' / 'mlflow.db').resolve()}"
+    assert (target.experiment, target.parent_run_id, target.checkpoint_step) == ("mimir-demo", "abc123", 400)
+    assert trained_schedule(checkpoint=str(ckpts)) == (2, 3)
+    other = tracking_target(tmp_path / "out", uri="sqlite:///x.db", checkpoint=ckpts)
+    assert other.parent_run_id is None and other.experiment == "mimir-eval"
