@@ -14,6 +14,10 @@ contiguous, so a packed row is close to block-diagonal and most tiles are skippe
 On CUDA the kernel is a ``torch.compile``d ``flex_attention`` (compiled once per process, on
 first use). On CPU it runs eagerly: forward only (this torch raises on CPU backward), which is
 what the tests need.
+
+``value`` is made contiguous before the kernel: megatron's fused-QKV split hands it over as a
+strided view (each head's slice of the ``[q, gate, k, v]`` row), and compiled FlexAttention was
+seen to give wrong outputs for such a ``v`` (query and key arrive as RoPE's fresh tensors).
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ def flex_prefix_lm_attention(query: torch.Tensor, key: torch.Tensor, value: torc
                              block_mask: BlockMask, softmax_scale: float | None = None) -> torch.Tensor:
     """``[seq, batch, heads, head_dim]`` x3 -> ``[seq, batch, heads * head_dim]``."""
     seq, batch, heads, head_dim = query.shape
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+    q, k = (t.permute(1, 2, 0, 3) for t in (query, key))  # [b, h, s, d] views
+    v = value.permute(1, 2, 0, 3).contiguous()  # a copy: see the module docstring
     if query.is_cuda:
         out = _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=softmax_scale)
     else:
