@@ -90,6 +90,7 @@ def template_fields(template: str) -> list[str]:
 
 
 def matches_filter(row: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """True when every ``wanted`` column equals its value (always, for an empty filter)."""
     try:
         return all(lookup(row, k) == v for k, v in wanted.items())
     except KeyError:
