@@ -99,7 +99,8 @@ def _shuffled(rows: list[dict[str, Any]], seed: int) -> list[tuple[int, dict[str
 
 def build_items(spec: TaskSpec, data_dir: Path, seed: int, limit: int | None = None) -> list[Item]:
     """The task's items in evaluation order (shuffled with ``seed``, first ``limit``)."""
-    rows = [r for r in load_rows(data_dir / spec.data, spec.name, spec.split) if matches_filter(r, spec.filter)]
+    rows = load_rows(data_dir / spec.data, spec.name, spec.split)
+    rows = [r for r in rows if matches_filter(r, spec.filter)]
     if not rows:
         raise RowError(f"task {spec.name}: no rows in {data_dir / spec.data}"
                        + (f" matching {dict(spec.filter)}" if spec.filter else ""))
