@@ -1,12 +1,17 @@
-"""Subcommands `mimir prepare` and `mimir data {report,demo,demo-tokenizer,pack}`."""
+"""Subcommands `mimir prepare`, `mimir data {report,demo,demo-tokenizer,pack}` and `mimir synth`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+# `mimir synth ACTION`: each module listed here exposes ``register_synth(subparsers)`` and adds its
+# actions to the group (heavy imports inside the handlers). A new action adds its module here.
+SYNTH_REGISTRARS = ("mimir_data_prep.tool_use.cli",)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,9 +21,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Render conversations with a tokenizer's chat template and write a prepared "
         "dataset directory (shards/*.bin|.idx, manifest.json, rejects.jsonl).",
     )
-    p.add_argument("--input", "-i", nargs="+", required=True, help="JSONL or Parquet files")
-    p.add_argument("--tokenizer", "-t", required=True, help="Hugging Face tokenizer directory")
-    p.add_argument("--output", "-o", required=True, help="output directory")
+    p.add_argument("--input", "-i", nargs="+", help="JSONL or Parquet files")
+    p.add_argument("--tokenizer", "-t", help="Hugging Face tokenizer directory")
+    p.add_argument("--output", "-o", help="output directory")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="YAML listing several datasets (input, output, input_format, columns each); "
+        "replaces -i/-t/-o (see data_prep/prepare_config.py)",
+    )
     p.add_argument("--seq-len", type=int, default=4096, help="context length (default 4096)")
     p.add_argument(
         "--too-long",
@@ -27,6 +38,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="what to do with samples longer than the context (default drop)",
     )
     p.add_argument("--min-response-tokens", type=int, default=2)
+    p.add_argument(
+        "--input-format",
+        choices=("auto", "messages", "sharegpt", "alpaca", "columns"),
+        default="auto",
+        help="input layout; auto decides per file from its first lines (default auto)",
+    )
+    p.add_argument(
+        "--columns",
+        default=None,
+        metavar="TARGET=COLUMN,...",
+        help="column mapping for the columns layout, e.g. prompt=problem,completion=generated_solution "
+        "(targets: prompt, completion, system, messages, tools)",
+    )
+    p.add_argument(
+        "--control-chars",
+        choices=("reject", "strip"),
+        default="reject",
+        help="lines with NUL or other control characters: reject them (default) or strip the characters",
+    )
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: cores)")
     p.add_argument("--shard-mb", type=float, default=64.0, help="JSONL shard size in MiB")
@@ -42,9 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(handler=_report)
 
     d = dsub.add_parser("demo", help="generate and prepare the bilingual demo data set")
-    d.add_argument(
-        "--output", "-o", default="data/demo", help="output directory (default data/demo)"
-    )
+    d.add_argument("--output", "-o", default="data/demo", help="output directory (default data/demo)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--train-per-group", type=int, default=3000)
     d.add_argument("--eval-per-group", type=int, default=100)
@@ -68,8 +96,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--epochs", type=int, default=1, help="epochs to index (default 1)")
     k.set_defaults(handler=_pack)
 
+    register_synth_group(sub)
+
+
+def register_synth_group(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """The `mimir synth` group, filled by every module in SYNTH_REGISTRARS; returns its subparsers."""
+    synth = sub.add_parser("synth", help="build training data: convert tool-use traces, generate and audit")
+    ssub = synth.add_subparsers(dest="synth_command", required=True, metavar="ACTION")
+    for module_name in SYNTH_REGISTRARS:
+        importlib.import_module(module_name).register_synth(ssub)
+    return ssub
+
 
 def _prepare(args: argparse.Namespace) -> int:
+    from mimir_megatron.errors import UserError
+
+    if args.config:
+        if args.input or args.output or args.tokenizer:
+            raise UserError("--config names inputs, outputs and the tokenizer; drop -i/-o/-t")
+        from .prepare_config import run_prepare_config
+
+        run_prepare_config(args.config, progress=not args.no_progress, workers=args.workers)
+        return 0
+    missing = [
+        flag for flag, value in (("-i", args.input), ("-t", args.tokenizer), ("-o", args.output)) if not value
+    ]
+    if missing:
+        raise UserError(f"mimir prepare needs {', '.join(missing)} (or --config FILE.yaml)")
     from .prepare import prepare
 
     prepare(
@@ -80,6 +133,9 @@ def _prepare(args: argparse.Namespace) -> int:
         too_long=args.too_long,
         min_response_tokens=args.min_response_tokens,
         strict=args.strict,
+        input_format=args.input_format,
+        columns=args.columns,
+        control_chars=args.control_chars,
         workers=args.workers,
         shard_bytes=max(1, int(args.shard_mb * 1024 * 1024)),
         progress=not args.no_progress,

@@ -23,15 +23,26 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
 # plus <end_of_turn>, and the generation prompt is a prefix of the full rendering. Newlines are
 # written as {{ '\n' }} because transformers renders with trim_blocks, which eats a literal
 # newline that follows a block tag.
+# Tools render as one JSON declaration per line (the "function" part of {"type": "function",
+# "function": {...}}); each call as <tool_call>{"name", "arguments"}</tool_call> (call ids are
+# bookkeeping the model should not learn to invent; arguments given as a JSON string are
+# written as they are); tool results as a "tool" turn.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{%- if tools %}<start_of_turn>tools\n{{ tools | tojson }}<end_of_turn>{{ '\\n' }}{%- endif %}"
+    "{%- if tools %}<start_of_turn>tools{{ '\\n' }}"
+    "{%- for tool in tools %}{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}"
+    "{{ '\\n' }}{% endfor %}<end_of_turn>{{ '\\n' }}{%- endif %}"
     "{%- for message in messages %}"
     "{%- if not loop.first %}{{ '\\n' }}{% endif %}"
     "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
     "{{ message['content'] or '' }}"
-    "{%- if message.get('tool_calls') %}<tool_call>{{ message['tool_calls'] | tojson }}</tool_call>"
-    "{%- endif %}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    '<tool_call>{"name": {{ fn["name"] | tojson }}, "arguments": '
+    "{%- if fn['arguments'] is string %} {{ fn['arguments'] }}"
+    "{% else %} {{ fn['arguments'] | tojson }}{% endif %}"
+    "}</tool_call>"
+    "{%- endfor %}"
     "<end_of_turn>"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '\\n' }}<start_of_turn>model\n{% endif %}"

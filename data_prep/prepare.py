@@ -15,7 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,9 +30,25 @@ from mimir_megatron.data.prepared import (
 )
 from mimir_megatron.errors import UserError
 
-from .records import REJECT_REASONS, RecordError, decode_json_line, to_conversation
+from .layouts import DETECT_LINES, INPUT_FORMATS, detect_layout, normalise, parse_columns
+from .records import (
+    CONTROL_CHAR_POLICIES,
+    REJECT_REASONS,
+    RecordError,
+    clean_control_chars,
+    decode_json_line,
+    to_conversation,
+)
 from .render import ChatRenderer, tokenizer_hash
-from .shards import DEFAULT_SHARD_BYTES, ShardTask, iter_jsonl, iter_parquet, plan_shards
+from .shards import (
+    DEFAULT_SHARD_BYTES,
+    CorruptRowGroup,
+    ShardTask,
+    iter_jsonl,
+    iter_parquet,
+    plan_shards,
+    sample_records,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +70,9 @@ class PrepareSettings:
     too_long: str = "drop"
     min_response_tokens: int = 2
     strict: bool = False
+    input_format: str = "auto"
+    columns: tuple[tuple[str, str], ...] = ()  # (target, column) pairs of the columns layout
+    control_chars: str = "reject"
 
 
 @dataclass
@@ -67,6 +86,7 @@ class ShardStats:
     prefix_tokens: int = 0
     response_tokens: int = 0
     truncated: int = 0
+    control_chars_stripped: int = 0  # lines that had control characters removed (strip policy)
     rejects: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REJECT_REASONS})
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     sizes: dict[str, int] = field(default_factory=dict)
@@ -120,18 +140,29 @@ def _init_worker(tokenizer_dir: str, progress_queue) -> None:
     _progress = (lambda d, t, r: progress_queue.put((d, t, r))) if progress_queue else None
 
 
-def _records(task: ShardTask):
-    """(line, conversation or RecordError) for each line of the shard."""
+def _records(task: ShardTask, settings: PrepareSettings):
+    """(line, conversation | RecordError | CorruptRowGroup, raw bytes | None) for each line."""
+    columns = dict(settings.columns)
+
+    def convert(obj):
+        try:
+            return to_conversation(normalise(obj, task.layout, columns))
+        except RecursionError:
+            raise RecordError("bad_schema", "nested too deeply") from None
+
     if task.kind == "jsonl":
         for line, raw in iter_jsonl(task):
             try:
-                yield line, to_conversation(decode_json_line(raw)), raw
+                yield line, convert(decode_json_line(raw, settings.control_chars)), raw
             except RecordError as exc:
                 yield line, exc, raw
     else:
         for row, record in iter_parquet(task):
+            if isinstance(record, CorruptRowGroup):
+                yield row, record, None
+                continue
             try:
-                yield row, to_conversation(record), None
+                yield row, convert(record), None
             except RecordError as exc:
                 yield row, exc, None
 
@@ -177,11 +208,17 @@ def _fill_shard(
     """Tokenize every record of the shard into ``builder``; rejects go to ``rejects_path``."""
     pending = [0, 0, 0]
     with rejects_path.open("w") as rejects:
-        for line, conv, raw in _records(task):
+        for line, conv, raw in _records(task, settings):
+            if isinstance(conv, CorruptRowGroup):
+                _reject_row_group(task, settings, stats, line, conv, rejects)
+                pending[2] += conv.rows
+                continue
             stats.lines += 1
             try:
                 if isinstance(conv, RecordError):
                     raise conv
+                conv, stripped = clean_control_chars(conv, settings.control_chars)
+                stats.control_chars_stripped += stripped > 0
                 prefix, response = renderer.tokenize(conv)
                 if len(response) < settings.min_response_tokens:
                     raise RecordError(
@@ -221,6 +258,26 @@ def _fill_shard(
         _progress(*pending)
 
 
+def _reject_row_group(
+    task: ShardTask, settings: PrepareSettings, stats: ShardStats, row: int, bad: CorruptRowGroup, rejects
+) -> None:
+    """Every unread row of a corrupt row group is a line read and rejected; one rejects entry."""
+    stats.lines += bad.rows
+    stats.rejects["corrupt_row_group"] += bad.rows
+    detail = f"row group {bad.row_group}: {bad.rows} row(s) from row {row} unreadable: {bad.detail}"
+    if settings.strict:
+        raise StrictModeError(f"{task.path}:{row}: corrupt_row_group: {detail}")
+    entry = {
+        "file": task.path,
+        "line": row,
+        "reason": "corrupt_row_group",
+        "detail": detail,
+        "row_group": bad.row_group,
+        "rows": bad.rows,
+    }
+    rejects.write(json.dumps(entry, ensure_ascii=False) + "\n")
+
+
 # --- driver side -------------------------------------------------------------------------------
 
 
@@ -257,6 +314,9 @@ def prepare(
     too_long: str = "drop",
     min_response_tokens: int = 2,
     strict: bool = False,
+    input_format: str = "auto",
+    columns: str | dict[str, str] | None = None,
+    control_chars: str = "reject",
     workers: int | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool = True,
@@ -268,6 +328,13 @@ def prepare(
         raise UserError(f"--seq-len must be >= 2, got {seq_len}")
     if not inputs:
         raise UserError("no input files given")
+    if input_format not in INPUT_FORMATS:
+        raise UserError(f"--input-format must be one of {INPUT_FORMATS}, got {input_format!r}")
+    if control_chars not in CONTROL_CHAR_POLICIES:
+        raise UserError(f"--control-chars must be one of {CONTROL_CHAR_POLICIES}, got {control_chars!r}")
+    column_map = parse_columns(columns)
+    if input_format == "columns" and not column_map:
+        raise UserError("--input-format columns needs --columns TARGET=COLUMN,...")
     paths = [Path(p) for p in inputs]
     out = Path(output_dir)
     (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
@@ -279,9 +346,14 @@ def prepare(
         too_long=too_long,
         min_response_tokens=min_response_tokens,
         strict=strict,
+        input_format=input_format,
+        columns=tuple(sorted(column_map.items())),
+        control_chars=control_chars,
     )
     renderer = ChatRenderer(tokenizer_dir)  # fail early, in the driver, on a bad tokenizer
     tasks = plan_shards(paths, shard_bytes)
+    formats = _decide_layouts(tasks, input_format, column_map)
+    tasks = [replace(t, layout=formats[t.path]["format"]) for t in tasks]
     done = {t.shard_id: s for t in tasks if (s := _finished(t, settings, out)) is not None}
     todo = [t for t in tasks if t.shard_id not in done]
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
@@ -295,7 +367,7 @@ def prepare(
     )
     started = time.perf_counter()
     done.update(_run(todo, settings, out, workers, progress))
-    manifest = _write_manifest(tasks, done, settings, renderer, paths, out)
+    manifest = _write_manifest(tasks, done, settings, renderer, paths, out, formats)
     elapsed = time.perf_counter() - started
     log.info(
         "%s: %d documents, %d tokens, %d rejected of %d lines (%.1f s)",
@@ -307,6 +379,25 @@ def prepare(
         elapsed,
     )
     return manifest
+
+
+def _decide_layouts(tasks: list[ShardTask], input_format: str, columns: dict[str, str]) -> dict[str, dict]:
+    """Per input file: its layout and, for ``auto``, the votes of its first lines."""
+    if input_format == "auto" and columns:
+        input_format = "columns"  # a column mapping names the layout
+    decided: dict[str, dict] = {}
+    for task in tasks:
+        if task.path in decided:
+            continue
+        if input_format != "auto":
+            decided[task.path] = {"requested": input_format, "format": input_format}
+            continue
+        sample = sample_records(Path(task.path), task.kind, DETECT_LINES)
+        record = detect_layout(sample, task.path, columns)
+        decided[task.path] = {"requested": "auto", **record}
+        log.info("%s: input layout %s (first %d lines: %s)", task.path, record["format"],
+                 record["sampled"], record["matches"])
+    return decided
 
 
 def _run(
@@ -371,9 +462,10 @@ def _write_manifest(
     renderer: ChatRenderer,
     paths: list[Path],
     out: Path,
+    formats: dict[str, dict],
 ) -> dict:
     rejects = {r: 0 for r in REJECT_REASONS}
-    totals = {"lines": 0, "documents": 0, "prefix": 0, "response": 0, "truncated": 0}
+    totals = {"lines": 0, "documents": 0, "prefix": 0, "response": 0, "truncated": 0, "stripped": 0}
     outputs: dict[str, str] = {}
     shards = []
     rejects_tmp = out / (REJECTS_NAME + f".tmp{os.getpid()}")
@@ -385,6 +477,7 @@ def _write_manifest(
             totals["prefix"] += s.prefix_tokens
             totals["response"] += s.response_tokens
             totals["truncated"] += s.truncated
+            totals["stripped"] += s.control_chars_stripped
             for reason, n in s.rejects.items():
                 rejects[reason] += n
             outputs.update({k: v for k, v in s.files.items() if not k.endswith(".rejects.jsonl")})
@@ -416,18 +509,26 @@ def _write_manifest(
             "vocab_size": renderer.vocab_size,
             "pad_token_id": renderer.tokenizer.pad_token_id,
             "eos_token_id": renderer.tokenizer.eos_token_id,
+            # What generation stops on; every response ends with one of them when the template
+            # writes one (render.end_of_turn_ids).
+            "end_of_turn_ids": renderer.end_of_turn_ids,
         },
         "dtype": np.dtype(DType.optimal_dtype(renderer.vocab_size)).name,
         "settings": {
             "seq_len": settings.seq_len,
             "too_long": settings.too_long,
             "min_response_tokens": settings.min_response_tokens,
+            "input_format": settings.input_format,
+            "columns": dict(settings.columns),
+            "control_chars": settings.control_chars,
         },
+        "input_formats": {path: formats[path] for path in dict.fromkeys(t.path for t in tasks)},
         "lines_read": totals["lines"],
         "accepted": totals["documents"],
         "rejected": rejected,
         "rejects": rejects,
         "truncated": totals["truncated"],
+        "control_chars_stripped": totals["stripped"],
         "documents": totals["documents"],
         "tokens": {
             "prefix": totals["prefix"],

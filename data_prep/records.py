@@ -7,13 +7,15 @@ so that the caller can count every line it read as either accepted or rejected.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 # Every reason a line can be rejected for; the manifest counts each of them (zeros included).
 REJECT_REASONS = (
     "empty_line",
     "invalid_utf8",
+    "control_characters",
     "malformed_json",
     "bad_schema",
     "missing_role",
@@ -22,7 +24,12 @@ REJECT_REASONS = (
     "template_error",
     "response_too_short",
     "too_long",
+    "corrupt_row_group",
 )
+
+CONTROL_CHAR_POLICIES = ("reject", "strip")
+# C0 controls except tab, newline and carriage return; DEL; C1 controls. NUL is the common one.
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -45,18 +52,29 @@ class Conversation:
     tools: list[Any] | None = None
 
 
-def decode_json_line(raw: bytes) -> Any:
-    """Bytes of one JSONL line (newline stripped) to a Python object."""
+def decode_json_line(raw: bytes, control_chars: str = "reject") -> Any:
+    """Bytes of one JSONL line (newline stripped) to a Python object.
+
+    Raw control bytes (invalid inside JSON strings) are rejected as ``control_characters``; under
+    ``control_chars="strip"`` they are let through the parser, and :func:`clean_control_chars`
+    removes and counts them together with escaped ones (``\\u0000``).
+    """
     if not raw.strip():
         raise RecordError("empty_line", "blank line")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RecordError("invalid_utf8", f"byte {exc.start}: {exc.reason}") from None
+    match = _CONTROL.search(text)
+    if match and control_chars != "strip":
+        where = f"raw U+{ord(match.group()):04X} at column {match.start() + 1}"
+        raise RecordError("control_characters", where)
     try:
-        return json.loads(text)
+        return json.loads(text, strict=match is None)
     except json.JSONDecodeError as exc:
         raise RecordError("malformed_json", f"column {exc.colno}: {exc.msg}") from None
+    except RecursionError:  # json recurses once per nesting level
+        raise RecordError("malformed_json", "nested too deeply") from None
 
 
 def to_conversation(obj: Any) -> Conversation:
@@ -116,3 +134,52 @@ def _check_message(index: int, message: Any) -> dict[str, Any]:
         raise RecordError("bad_schema", f"message {index} content must be a string")
     # Parquet fills absent struct fields with None; drop them so templates see plain dicts.
     return {k: v for k, v in message.items() if v is not None or k == "content"}
+
+
+def clean_control_chars(conv: Conversation, policy: str = "reject") -> tuple[Conversation, int]:
+    """Find control characters in every string of the conversation (contents, tool calls, tools).
+
+    ``reject`` raises RecordError('control_characters'); ``strip`` removes them. Returns the
+    conversation and the number of characters removed.
+    """
+    try:
+        found = _count_control(conv.messages) + _count_control(conv.tools)
+    except RecursionError:
+        raise RecordError("bad_schema", "nested too deeply") from None
+    if not found:
+        return conv, 0
+    if policy != "strip":
+        where = _first_control(conv.messages, "messages") or _first_control(conv.tools, "tools")
+        raise RecordError("control_characters", f"{found} control character(s), first in {where}")
+    return replace(conv, messages=_strip(conv.messages), tools=_strip(conv.tools)), found
+
+
+def _count_control(value: Any) -> int:
+    if isinstance(value, str):
+        return len(_CONTROL.findall(value))
+    if isinstance(value, dict):
+        return sum(_count_control(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_count_control(v) for v in value)
+    return 0
+
+
+def _first_control(value: Any, path: str) -> str | None:
+    if isinstance(value, str):
+        match = _CONTROL.search(value)
+        return f"{path} (U+{ord(match.group()):04X})" if match else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if found := _first_control(item, f"{path}[{key!r}]"):
+            return found
+    return None
+
+
+def _strip(value: Any) -> Any:
+    if isinstance(value, str):
+        return _CONTROL.sub("", value)
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strip(v) for v in value]
+    return value

@@ -2,14 +2,17 @@
 
 The prefix is the template rendered for all but the final assistant turn with the generation
 prompt appended; the response is what the full rendering adds after it (the final assistant turn
-and its end-of-turn token). Prefix and response are tokenized separately so that no BPE merge
-crosses the boundary the loss mask depends on.
+and its end-of-turn token), cut right after the end-of-turn token: templates that write a newline
+after it (Gemma's ``<end_of_turn>\n``) would otherwise train the model to emit that newline and
+leave generation nothing to stop on. Prefix and response are tokenized separately so that no BPE
+merge crosses the boundary the loss mask depends on.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 from mimir_megatron.errors import UserError
 
@@ -43,12 +46,43 @@ def load_tokenizer(tokenizer_dir: str | Path):
     return tokenizer
 
 
+_PROBE = "\u2063mimir-end-of-turn-probe\u2063"  # text no template rewrites or contains
+
+
+def end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """Token ids that end an assistant turn under the tokenizer's chat template.
+
+    Found by rendering a probe conversation: the special tokens the template writes after the
+    assistant's content (Gemma ``<end_of_turn>``, ChatML ``<|im_end|>``, Llama 3 ``<|eot_id|>``).
+    Falls back to ``[eos_token_id]`` when the template writes none (or cannot render the probe);
+    ``[]`` when there is no eos either. Generation should stop on any of these ids.
+    """
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items() if t.special}
+    found: list[int] = []
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "ping"}, {"role": "assistant", "content": _PROBE}],
+            tokenize=False,
+        )
+    except Exception:  # a template that needs more than user/assistant: fall back to eos
+        text = ""
+    if _PROBE in text:
+        tail = text[text.rindex(_PROBE) + len(_PROBE) :]
+        ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+        found = list(dict.fromkeys(i for i in ids if i in special))
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return found or ([eos] if eos is not None else [])
+
+
 class ChatRenderer:
     """Renders and tokenizes conversations with one tokenizer's chat template."""
 
     def __init__(self, tokenizer_dir: str | Path) -> None:
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self._backend = self.tokenizer.backend_tokenizer  # the Rust tokenizer: no HF overhead
+        self.end_of_turn_ids = end_of_turn_ids(self.tokenizer)
+        self._end_tokens = [self.tokenizer.convert_ids_to_tokens(i) for i in self.end_of_turn_ids]
 
     @property
     def vocab_size(self) -> int:
@@ -71,7 +105,12 @@ class ChatRenderer:
                 "the rendered conversation does not start with the rendered prefix and "
                 "generation prompt",
             )
-        return prefix, full[len(prefix) :]
+        return prefix, self._cut_after_end_of_turn(full[len(prefix) :])
+
+    def _cut_after_end_of_turn(self, response: str) -> str:
+        """The response up to and including its last end-of-turn token (unchanged if none)."""
+        ends = [response.rfind(t) + len(t) for t in self._end_tokens if t and t in response]
+        return response[: max(ends)] if ends else response
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens come from the template text, none are added."""

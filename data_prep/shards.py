@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Union
 
 from mimir_megatron.errors import UserError
 
@@ -28,6 +28,7 @@ class ShardTask:
     start: int  # byte offset (jsonl) or row group index (parquet)
     stop: int  # byte offset, exclusive (jsonl) or row group index + 1 (parquet)
     first_line: int  # 1-based line (jsonl) or row (parquet) number of the first record
+    layout: str = "messages"  # input layout of the file (see layouts.py), decided per file
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -104,15 +105,63 @@ def iter_jsonl(task: ShardTask) -> Iterator[tuple[int, bytes]]:
             line += 1
 
 
-def iter_parquet(task: ShardTask, batch_size: int = 1024) -> Iterator[tuple[int, dict]]:
-    """(row number, row as a dict) of every row in the shard's row groups."""
+@dataclass(frozen=True)
+class CorruptRowGroup:
+    """Rows of a Parquet row group that could not be read; counted as rejects, not a crash."""
+
+    row_group: int
+    rows: int  # rows of the group not read (all of them unless it broke part-way)
+    detail: str
+
+
+def iter_parquet(
+    task: ShardTask, batch_size: int = 1024
+) -> Iterator[tuple[int, Union[dict, CorruptRowGroup]]]:
+    """(row number, row as a dict) of every row in the shard's row groups; a row group that
+    fails to decode yields one (first unread row, CorruptRowGroup) and reading goes on."""
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(task.path)
     row = task.first_line
-    for batch in pf.iter_batches(
-        batch_size=batch_size, row_groups=list(range(task.start, task.stop))
-    ):
-        for record in batch.to_pylist():
-            yield row, record
-            row += 1
+    for group in range(task.start, task.stop):
+        expected = pf.metadata.row_group(group).num_rows
+        read = 0
+        try:
+            for batch in pf.iter_batches(batch_size=batch_size, row_groups=[group]):
+                for record in batch.to_pylist():
+                    yield row, record
+                    row += 1
+                    read += 1
+        except Exception as exc:  # pyarrow raises OSError, ArrowInvalid, ... on corrupt pages
+            yield row, CorruptRowGroup(group, expected - read, f"{type(exc).__name__}: {exc}")
+            row += expected - read
+
+
+def sample_records(path: Path, kind: str, limit: int) -> list:
+    """The first ``limit`` decodable records of a file (for layout detection)."""
+    import json
+
+    out: list = []
+    if kind == "jsonl":
+        with path.open("rb") as f:
+            for raw in f:
+                if len(out) >= limit:
+                    break
+                try:
+                    out.append(json.loads(raw))
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    continue  # blank or broken lines are rejected later, they do not vote
+        return out
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    for group in range(pf.metadata.num_row_groups):
+        try:
+            for batch in pf.iter_batches(batch_size=limit, row_groups=[group]):
+                out += batch.to_pylist()[: limit - len(out)]
+                break
+        except Exception:  # a corrupt group does not vote; it is counted when prepared
+            continue
+        if len(out) >= limit:
+            break
+    return out

@@ -12,13 +12,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from mimir_megatron.batch import Batch
-from mimir_megatron.config import ModelConfig, load_config
-
 __all__ = ["Batch", "ModelConfig", "build_model", "export_hf", "import_hf", "load_config"]
 
 
 def __getattr__(name: str) -> Any:
+    # Even Batch is lazy: it imports torch, and the CLI must install its signal handlers first.
+    if name == "Batch":
+        from mimir_megatron.batch import Batch
+
+        return Batch
+    if name in ("ModelConfig", "load_config"):
+        from mimir_megatron import config
+
+        return getattr(config, name)
     if name == "build_model":
         from mimir_megatron.model import build_model
 

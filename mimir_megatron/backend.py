@@ -28,6 +28,8 @@ import warnings
 
 import torch
 
+from mimir_megatron.logging_setup import quiet_known_noise
+
 log = logging.getLogger(__name__)
 
 _ACTIVE = False
@@ -42,8 +44,9 @@ for _message in (
     ".*is deprecated. Please use `torch.distributed.*_single` instead.*",
 ):
     warnings.filterwarnings("ignore", message=_message)
-# torch's C++-extension helper logs "No CUDA runtime is found" when megatron imports it.
-logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+# torch's C++-extension helper logs "No CUDA runtime is found" when megatron imports it: that
+# message only (the logger's other warnings stay).
+quiet_known_noise()
 
 
 def has_gpu() -> bool:

@@ -19,6 +19,7 @@ _REGISTRARS = (
     "mimir_megatron.bench",
     "mimir_megatron.ops.cli",
     "mimir_megatron.inference.cli",
+    "mimir_megatron.inference.serve_cli",
     "mimir_megatron.evaluation.cli",
 )
 
@@ -34,11 +35,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(argv: list[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # First, before anything imports torch: a pre-emption signal during start-up must not kill
+    # a training rank (the loop honours it), and two known start-up warnings are dropped.
+    from mimir_megatron import stop_signals
+    from mimir_megatron.logging_setup import quiet_known_noise, setup_logging
+
+    previous = stop_signals.catch_early() if _command(argv) == "train" else {}
+    quiet_known_noise()
     parser = build_parser()
     args = parser.parse_args(argv)
-    from mimir_megatron.logging_setup import setup_logging
-
     setup_logging(verbose=args.verbose)
     try:
         return int(args.handler(args) or 0)
@@ -51,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("mimir").error("%s", exc)
             return 2
         raise
+    finally:
+        stop_signals.restore(previous)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,8 @@ class ModelConfig:
     sequence_parallel: bool = True
     """Shard activations along the sequence between TP regions (only used when TP > 1)."""
     params_dtype: str = "float32"
-    """Storage dtype of the weights: float32 (CPU, master weights) or bfloat16."""
+    """Storage dtype of the weights: float32 (CPU, master weights) or bfloat16 (inference and
+    export only: `mimir train` refuses it, the trainer keeps fp32 weights)."""
     attention_backend: str = "auto"
     """PrefixLM attention from `kernels/`: `dense` (boolean mask + SDPA, the CPU reference),
     `flex` (FlexAttention block mask, compiled on GPU), `varlen` (two-pass variable-length

@@ -7,3 +7,7 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """One or more invalid configuration values; the message lists every mistake."""
+
+
+class NonFiniteTraining(UserError):
+    """A step's loss or gradient norm was not finite and `train.on_nonfinite` says stop."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 
 def process_rank() -> int:
@@ -29,3 +30,22 @@ def setup_logging(verbose: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING if not verbose else logging.DEBUG)
     # megatron 0.19 warns on every checkpoint that its (unused here) async save is deprecated.
     logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").setLevel(logging.ERROR)
+
+
+# Known start-up noise, dropped by exact message: megatron's warning on every import without
+# Transformer Engine and Apex (CPU machines, bare PyTorch images), and torch's log line on a
+# machine that has a CUDA toolkit but no GPU. Every other warning is kept.
+_MEGATRON_NO_TE_APEX = "Transformer Engine and Apex are not installed"
+_TORCH_NO_CUDA_RUNTIME = "No CUDA runtime is found"
+
+
+def _not_no_cuda_runtime(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_TORCH_NO_CUDA_RUNTIME)
+
+
+def quiet_known_noise() -> None:
+    """Filter exactly those two messages (before torch and megatron are imported)."""
+    warnings.filterwarnings("ignore", message=_MEGATRON_NO_TE_APEX, category=UserWarning)
+    cpp_extension = logging.getLogger("torch.utils.cpp_extension")
+    if _not_no_cuda_runtime not in cpp_extension.filters:
+        cpp_extension.addFilter(_not_no_cuda_runtime)

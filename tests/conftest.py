@@ -5,10 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import skip_policy
+
+pytest_plugins = ["pytester"]  # tests/test_skip_policy.py runs pytest on small generated suites
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "model" / "tiny.yaml"
 MIMIR = REPO / "configs" / "model" / "mimir.yaml"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    skip_policy.install(config)  # unexpected skips fail under CI=true
 
 
 @pytest.fixture(scope="session")
@@ -48,5 +55,6 @@ def train_overrides(demo_data: Path, run_dir: Path, *extra: str) -> list[str]:
         "train.micro_batch_size=2", "optim.warmup_steps=2", "optim.lr=3e-3", "optim.cooldown=none",
         "optim.ema_decay=0.99",
         "checkpoint.interval=3", "eval.max_samples=0", "window.ramp_fraction=0.5",
+        "tracking.system_metrics=false",  # on in tests/test_system_metrics.py
         *extra,
     ]

@@ -3,7 +3,8 @@
 #
 # As root with apt-get available, installs the system packages the tests use (Slurm and munge
 # for the real single-node Slurm tests, shellcheck for the launcher lint); without them those
-# tests skip with a reason. Then creates .venv with the test extras and runs pytest.
+# tests skip with a reason (and fail under CI=true, see tests/expected_skips.txt). Then creates
+# .venv with the test extras and runs pytest.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -23,4 +24,6 @@ fi
 
 bash "$repo/launchers/setup_env.sh" test
 cd "$repo"
-exec "${VENV:-$repo/.venv}/bin/python" -m pytest -q -p no:cacheprovider "$@" tests
+# -rs lists every skip with its reason; under CI=true a skip not in tests/expected_skips.txt
+# fails the run (tests/skip_policy.py).
+exec "${VENV:-$repo/.venv}/bin/python" -m pytest -q -rs -p no:cacheprovider "$@" tests

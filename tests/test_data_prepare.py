@@ -62,7 +62,7 @@ def test_round_trip_through_megatron_indexed_dataset(tmp_path, tokenizer):
     assert text(1) == "Answer: 5<end_of_turn>"
     assert text(2).endswith("Copy exactly: stone<end_of_turn>\n<start_of_turn>model\n")
     assert text(3) == "stone<end_of_turn>"
-    assert text(4).startswith('<bos><start_of_turn>tools\n[{"type": "function"')
+    assert text(4).startswith('<bos><start_of_turn>tools\n{"name": "add"}\n<end_of_turn>\n<start_of_turn>user')
     assert ds[1][-1] == tokenizer.convert_tokens_to_ids("<end_of_turn>")
 
     lengths = ds.sequence_lengths.reshape(-1, 2)

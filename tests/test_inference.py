@@ -284,3 +284,44 @@ def test_generate_command_writes_one_line_per_input(text_model_dir, tmp_path):
     assert engine.decode(ids).endswith("model\n")
     again = engine.generate([GenerationRequest(ids, SamplingParams(max_new_tokens=5))])[0]
     assert again.token_ids == got[1]["completion_ids"]
+
+
+def test_engine_loads_a_training_checkpoint_and_its_ema(demo_data, tmp_path):
+    """The engine reads a checkpoint without the trainer; the trainer's own loader is the reference."""
+    from conftest import REPO, train_overrides
+
+    from mimir_megatron.model.state import gather_full_state
+    from mimir_megatron.train.checkpoint import load_model_from_checkpoint
+    from mimir_megatron.train.config import load_train_config
+    from mimir_megatron.train.loop import train
+    from mimir_megatron.inference import load_engine
+
+    cfg = load_train_config(REPO / "configs/train/demo.yaml",
+                            train_overrides(demo_data, tmp_path, "train.steps=3", "optim.ema_decay=0.5"))
+    train(cfg)
+    checkpoints = tmp_path / "checkpoints"
+    for ema in (False, True):
+        engine = load_engine(checkpoint=checkpoints, ema=ema)  # follows `latest`
+        ours = gather_full_state(engine.model)
+        ref = gather_full_state(load_model_from_checkpoint(checkpoints / "step_0000003", ema=ema))
+        assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ours)
+        assert engine.tokenizer is not None and engine.model_name == "checkpoints"
+    raw, averaged = (gather_full_state(load_engine(checkpoint=checkpoints, ema=e).model) for e in (False, True))
+    assert not torch.equal(raw["head.weight"], averaged["head.weight"])
+    text = load_engine(checkpoint=checkpoints).generate(
+        [GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=3))])[0]
+    assert len(text.token_ids) <= 3 and isinstance(text.text, str)
+
+
+def test_evaluation_stops_on_the_templates_end_of_turn(demo_data, repo):
+    """Held-out evaluation stops on the end-of-turn ids its dataset's manifest records, and the
+    engine's default stops are the same ids (not a guessed token list)."""
+    from mimir_data_prep.render import load_tokenizer
+
+    from mimir_megatron.train.evaluate import eval_stop_ids
+
+    tokenizer = load_tokenizer(repo / "data_prep" / "demo" / "tokenizer")
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert eval_stop_ids(demo_data / "eval") == (end_of_turn,)
+    engine = InferenceEngine(build_model(tiny_config("vocab_size=1024")), tokenizer)
+    assert engine.default_stop_ids == (end_of_turn,)

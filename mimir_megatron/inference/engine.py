@@ -332,6 +332,16 @@ class DecodeSession:
         self._pending.append(row)
         return row.handle
 
+    def cancel(self, handle: int) -> bool:
+        """Drop a request that is waiting or decoding (its client has gone); False if unknown."""
+        if any(r.handle == handle for r in self._pending):
+            self._pending = [r for r in self._pending if r.handle != handle]
+            return True
+        if any(r.handle == handle for r in self._rows):
+            self._drop_finished({handle})
+            return True
+        return False
+
     def step(self) -> list[TokenEvent]:
         """Prefill the waiting requests (their first token), then one decoding step for the rows
         that were already decoding. Finished rows leave the batch."""

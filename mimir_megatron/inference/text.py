@@ -8,10 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-# End-of-turn markers of common chat templates; the ones in the vocabulary stop generation.
-_END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>", "</s>", "<eos>")
-
-
 def encode(tokenizer, text: str) -> list[int]:
     """Token ids of ``text`` with no special tokens added (special tokens come from the text)."""
     return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
@@ -25,9 +21,11 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[Any] | No
 
 
 def default_stop_ids(tokenizer) -> tuple[int, ...]:
-    """The tokenizer's eos token and the end-of-turn tokens its vocabulary has."""
-    vocab = tokenizer.get_vocab()
-    ids = {vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab}
+    """The ids that end an assistant turn under the tokenizer's chat template (found as
+    ``mimir prepare`` finds them: ``mimir_data_prep.render.end_of_turn_ids``), and its eos."""
+    from mimir_data_prep.render import end_of_turn_ids
+
+    ids = set(end_of_turn_ids(tokenizer))
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))

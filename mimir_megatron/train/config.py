@@ -24,6 +24,7 @@ from mimir_megatron.errors import ConfigError
 WINDOW_SCHEDULES = ("constant", "linear")
 OPTIMIZERS = ("adamw", "adam_atan2")
 COOLDOWNS = ("none", "linear", "cosine")
+ON_NONFINITE = ("skip", "stop")
 
 
 @dataclass
@@ -50,6 +51,13 @@ class TrainSection:
     """auto (bf16 compute with fp32 master weights on GPU, fp32 on CPU), fp32 or bf16."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device, for MFU (H100/H200 bf16: 989; 0: MFU not reported)."""
+    on_nonfinite: str = "skip"
+    """What a step whose loss or gradient norm is not finite does. skip: no optimizer step, no
+    EMA update (its batch is consumed, the step counts), MLflow metric `nonfinite_skip` = 1; more
+    than `max_nonfinite_skips` in a row stop as `stop` does. stop: save the last good state (the
+    weights before that step) and exit non-zero naming the step."""
+    max_nonfinite_skips: int = 5
+    """Consecutive non-finite steps `skip` tolerates before stopping."""
 
 
 @dataclass
@@ -124,6 +132,12 @@ class TrackingSection:
     """While the server is unreachable, metrics are buffered and delivery is retried this often."""
     final_flush_seconds: float = 120.0
     """At the end of a run, how long to keep trying to deliver buffered metrics."""
+    system_metrics: bool = True
+    """CPU, memory, disk, network and, on a GPU, GPU utilisation and memory, logged by MLflow's
+    system-metrics monitor from local rank 0 of every node into the run (`system/...`; with
+    several nodes `system/<host>/...`)."""
+    system_metrics_interval: float = 10.0
+    """Seconds between system-metric samples."""
 
 
 @dataclass
@@ -175,6 +189,16 @@ class TrainConfig(RunSections):
                 errs.append(f"train.{name} must be >= 1, got {getattr(t, name)}")
         if t.precision not in ("auto", "fp32", "bf16"):
             errs.append(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
+        if t.on_nonfinite not in ON_NONFINITE:
+            errs.append(f"train.on_nonfinite must be skip or stop, got {t.on_nonfinite!r}")
+        if t.max_nonfinite_skips < 0:
+            errs.append(f"train.max_nonfinite_skips must be >= 0, got {t.max_nonfinite_skips}")
+        if self.model.params_dtype != "float32":
+            # The optimizer updates the weights in place from fp32 DDP gradients: bf16 storage
+            # would need separate fp32 master weights, which this trainer does not keep.
+            errs.append(f"model.params_dtype={self.model.params_dtype} cannot be trained: the trainer "
+                        "keeps fp32 weights (the master weights) and computes in bf16 under autocast "
+                        "on GPU (train.precision); use model.params_dtype=float32")
         if world_size is not None and t.micro_batch_size >= 1:
             dp = world_size // self.model.tensor_parallel_size
             if world_size % self.model.tensor_parallel_size:
@@ -212,6 +236,9 @@ class TrainConfig(RunSections):
             errs.append(f"optim.ema_decay must be in [0, 1), got {o.ema_decay}")
         if o.weight_decay < 0 or o.clip_grad < 0:
             errs.append("optim.weight_decay and optim.clip_grad must be >= 0")
+        if self.tracking.system_metrics_interval <= 0:
+            errs.append("tracking.system_metrics_interval must be > 0, got "
+                        f"{self.tracking.system_metrics_interval}")
         c = self.checkpoint
         if c.interval < 1:
             errs.append(f"checkpoint.interval must be >= 1, got {c.interval}")

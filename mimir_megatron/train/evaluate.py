@@ -6,6 +6,9 @@ the model being trained. All TP ranks decode the same rows; data-parallel ranks 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -39,3 +42,13 @@ def exact_match(model, samples, *, max_new_tokens: int, device: torch.device | N
     if dist.is_initialized() and dp_size > 1:
         dist.all_reduce(totals, group=dp_group)
     return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[1].item())
+
+
+def eval_stop_ids(prepared_dir: str | Path) -> tuple[int, ...] | None:
+    """The template's end-of-turn ids recorded in a prepared dataset's manifest (``mimir prepare``
+    writes them); None for datasets prepared before they were recorded."""
+    manifest = Path(prepared_dir) / "manifest.json"
+    if not manifest.is_file():
+        return None
+    ids = json.loads(manifest.read_text()).get("tokenizer", {}).get("end_of_turn_ids")
+    return tuple(ids) if ids else None

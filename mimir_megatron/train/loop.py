@@ -7,6 +7,8 @@ reduction), dist_checkpointing; the schedules, optimizer groups and tracking are
 from __future__ import annotations
 
 import logging
+import math
+import os
 import signal
 import time
 from contextlib import nullcontext
@@ -19,17 +21,20 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from mimir_megatron import backend, parallel
-from mimir_megatron.errors import UserError
+from mimir_megatron.errors import NonFiniteTraining, UserError
+from mimir_megatron.stop_signals import STOP_SIGNALS, take_early
 from mimir_megatron.train import checkpoint as ckpt
 from mimir_megatron.train.config import TrainConfig, flatten
 from mimir_megatron.train.flops import attended_keys_per_token, flops_per_token
 from mimir_megatron.train.optim import EMA, build_optimizer, clip_, grad_norm, optimizer_step
 from mimir_megatron.train.schedules import plan_step
-from mimir_megatron.train.tracking import Tracker, host_tags
+from mimir_megatron.train.tracking import SystemMetrics, Tracker, host_tags
 
 log = logging.getLogger("mimir.train")
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+FAULT_ENV = "MIMIR_TEST_FAULTS"
+"""Test-only fault injection: ``"3:grad,5:loss"`` makes step 3's gradient norm and step 5's loss
+(1-based steps) non-finite on every rank, to test ``train.on_nonfinite``."""
 
 
 @dataclass
@@ -53,6 +58,8 @@ class _StopFlag:
     def install(self) -> None:
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        for signum in take_early():  # arrived while the CLI was still importing
+            self._handle(signum, None)
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
@@ -164,6 +171,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     tracker.start(cfg.run.name, flatten(cfg.to_dict()), tags, resume_run_id=run_id)
+    system = _start_system_metrics(cfg, tracker, env.local_rank)
 
     result = TrainResult(final_step=step, run_id=tracker.run_id)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
@@ -194,6 +202,8 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
 
     # -- the loop ------------------------------------------------------------------------------
     first_step = step
+    faults = _injected_faults()
+    nonfinite_in_a_row = 0
     try:
         while step < cfg.train.steps:
             started = time.perf_counter()
@@ -216,12 +226,28 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
                 loss_sum += out.loss.detach().float()
             ddp.finish_grad_sync()
             dist.all_reduce(loss_sum, group=dp_group)
+            _inject_fault(faults.get(step + 1), loss_sum, params)
 
             norm = grad_norm(params)
-            clip_(params, norm, cfg.optim.clip_grad)
-            optimizer_step(optimizer, plan)
-            if ema is not None:
-                ema.update(model)
+            # Loss and norm are the same on every rank (all-reduced), so all ranks decide alike.
+            finite = math.isfinite(loss_sum.item()) and math.isfinite(norm.item())
+            nonfinite_in_a_row = 0 if finite else nonfinite_in_a_row + 1
+            if not finite:
+                what = f"step {step + 1}: loss {loss_sum.item()}, gradient norm {norm.item()}"
+                if cfg.train.on_nonfinite == "stop" or nonfinite_in_a_row > cfg.train.max_nonfinite_skips:
+                    if step > first_step and step % cfg.checkpoint.interval:
+                        save(step)  # the weights are still those before the bad step
+                    raise NonFiniteTraining(
+                        f"non-finite {what} ({nonfinite_in_a_row} in a row, train.on_nonfinite="
+                        f"{cfg.train.on_nonfinite}); training stopped; last good state: step {step}"
+                        + (f" ({ckpt_dir})" if step > first_step else ""))
+                log.warning("non-finite %s: step skipped (no update), %d in a row", what,
+                            nonfinite_in_a_row)
+            else:
+                clip_(params, norm, cfg.optim.clip_grad)
+                optimizer_step(optimizer, plan)
+                if ema is not None:
+                    ema.update(model)
             step += 1
             consumed += cfg.train.global_batch_size
             elapsed = time.perf_counter() - started
@@ -231,7 +257,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
             result.final_step = step
             _log_step(tracker, cfg, step, plan, loss, norm.item(), supervised.item(),
                       tokens_per_step, elapsed, dp_size * cfg.model.tensor_parallel_size,
-                      attended.item())
+                      attended.item(), skipped=not finite)
 
             if step % cfg.checkpoint.interval == 0 or step == cfg.train.steps:
                 save(step)
@@ -250,15 +276,37 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
             result.exact_match = _evaluate(model, eval_samples, cfg, device, dp_rank, dp_size,
                                            dp_group, tracker, step)
     except BaseException:
+        if system is not None:
+            system.close()
         tracker.close(status="FAILED", wait_seconds=5)
         raise
     finally:
         if isinstance(loader, DevicePrefetcher):
             loader.close()
+    if system is not None:
+        system.close()
     tracker.close(status="KILLED" if result.preempted else "FINISHED",
                   wait_seconds=cfg.tracking.final_flush_seconds)
     result.run_id = tracker.run_id
     return result
+
+
+def _start_system_metrics(cfg: TrainConfig, tracker: Tracker, local_rank: int) -> SystemMetrics | None:
+    """MLflow system metrics from local rank 0 of each node, into rank 0's run; collective."""
+    if not (cfg.tracking.enabled and cfg.tracking.system_metrics):
+        return None
+    shared = [tracker.run_id, tracker.uri]
+    dist.broadcast_object_list(shared, src=0)  # the run exists on rank 0 only
+    run_id, uri = shared
+    first_on_node = torch.tensor([float(local_rank == 0)], device=backend.device())
+    dist.all_reduce(first_on_node)
+    nodes = int(first_on_node.item())
+    if local_rank != 0 or run_id is None:  # None: MLflow was unreachable at the start
+        return None
+    import socket
+
+    return SystemMetrics(uri, run_id, cfg.tracking.system_metrics_interval,
+                         node_id=socket.gethostname() if nodes > 1 else None)
 
 
 def _resume_path(cfg: TrainConfig, ckpt_dir: Path) -> Path | None:
@@ -291,7 +339,7 @@ def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> str | None:
 
 def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan, loss: float, norm: float,
               supervised: float, tokens: int, seconds: float, devices: int,
-              attended_keys: float) -> None:
+              attended_keys: float, skipped: bool = False) -> None:
     flops = flops_per_token(cfg.model, plan.window.k_L, plan.window.k_H, cfg.data.seq_len,
                             attended_keys=attended_keys) * tokens
     tflops_per_device = flops / seconds / devices / 1e12
@@ -306,6 +354,7 @@ def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan, loss: float, 
         "tflops_per_device": tflops_per_device,
         "step_time_s": seconds,
         "peak_memory_gb": backend.peak_memory_gb(),
+        "nonfinite_skip": float(skipped),  # its sum over a run is the number of skipped steps
         **{f"lr/{g}": lr for g, lr in plan.group_lr.items()},
     }
     if cfg.train.peak_tflops:
@@ -315,6 +364,24 @@ def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan, loss: float, 
         log.info("step %d/%d loss %.4f k=%d (L%d H%d) lr %.2e gnorm %.3f %.0f tok/s %.3f TFLOP/s/dev",
                  step, cfg.train.steps, loss, plan.window.k, plan.window.k_L, plan.window.k_H,
                  plan.lr, norm, tokens / seconds, tflops_per_device)
+
+
+def _injected_faults() -> dict[int, str]:
+    """``{step: "loss" | "grad"}`` from :data:`FAULT_ENV` (tests only; empty otherwise)."""
+    faults = {}
+    for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        at, kind = item.split(":")
+        if kind not in ("loss", "grad"):
+            raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r} (loss or grad)")
+        faults[int(at)] = kind
+    return faults
+
+
+def _inject_fault(kind: str | None, loss_sum: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+    if kind == "loss":
+        loss_sum.fill_(float("nan"))
+    elif kind == "grad":
+        params[0].main_grad.view(-1)[0] = float("inf")
 
 
 def _eval_subset(samples: list, limit: int) -> list:
@@ -327,10 +394,11 @@ def _eval_subset(samples: list, limit: int) -> list:
 
 def _evaluate(model, samples, cfg: TrainConfig, device, dp_rank, dp_size, dp_group,
               tracker: Tracker, step: int) -> float:
-    from mimir_megatron.train.evaluate import exact_match
+    from mimir_megatron.train.evaluate import eval_stop_ids, exact_match
 
     score, count = exact_match(model, samples, max_new_tokens=cfg.eval.max_new_tokens,
-                               device=device, dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group)
+                               device=device, dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group,
+                               stop_token_ids=eval_stop_ids(cfg.data.eval_path))
     tracker.log_metrics(step, {"eval/exact_match": score})
     log.info("step %d: exact match %.3f on %d held-out samples", step, score, count)
     return score

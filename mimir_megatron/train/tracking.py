@@ -158,6 +158,33 @@ class Tracker:
         self._pending_start = None
 
 
+class SystemMetrics:
+    """MLflow's own system-metrics monitor (a thread) for one node, into an existing run.
+
+    CPU, memory, disk and network through psutil; GPU utilisation and memory through NVML
+    (nvidia-ml-py) where there is a GPU. ``node_id`` prefixes the names (``system/<node>/...``)
+    when several nodes log into the same run. Failures are the monitor's own warnings: they never
+    stop training (it stops sampling if the store is unreachable).
+    """
+
+    def __init__(self, uri: str, run_id: str, interval: float, node_id: str | None = None):
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self._monitor = None
+        try:
+            self._monitor = SystemMetricsMonitor(run_id, sampling_interval=interval, resume_logging=True,
+                                                 node_id=node_id, tracking_uri=uri)
+            self._monitor.start()
+        except Exception as exc:  # noqa: BLE001 - tracking must never break training
+            log.warning("MLflow system metrics not started: %s", exc)
+            self._monitor = None
+
+    def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
+
+
 def host_tags(world_size: int, layout: str) -> dict[str, str]:
     return {"git_commit": git_commit(), "host": socket.gethostname(), "world_size": str(world_size),
             "parallel_layout": layout}

@@ -1,0 +1,146 @@
+"""`mimir prepare --config FILE.yaml`: several datasets in one file, each with its own input layout.
+
+tokenizer: ../../data_prep/demo/tokenizer   # paths are relative to this file
+seq_len: 4096
+datasets:
+  - name: openmath
+    input: [raw/openmath.jsonl]
+    output: prepared/openmath
+    input_format: columns                   # auto | messages | sharegpt | alpaca | columns
+    columns: {prompt: problem, completion: generated_solution}
+  - name: hermes-chat
+    input: [raw/hermes.parquet]
+    output: prepared/hermes-chat            # input_format defaults to auto
+
+Every mistake in the file is listed, one line each, before anything is prepared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from mimir_megatron.errors import ConfigError
+
+from .layouts import INPUT_FORMATS, parse_columns
+from .records import CONTROL_CHAR_POLICIES
+
+TOO_LONG_POLICIES = ("drop", "truncate-prefix")
+
+
+@dataclass
+class DatasetJob:
+    """One prepared dataset: its input files and how to read them."""
+
+    name: str = ""
+    input: list[str] = field(default_factory=list)  # JSONL/Parquet files
+    output: str = ""  # prepared dataset directory
+    input_format: str = "auto"
+    columns: dict[str, str] = field(default_factory=dict)  # target -> column, for `columns`
+    control_chars: str | None = None  # default: the file-level setting
+
+
+@dataclass
+class PrepareJob:
+    """Settings shared by every dataset of the file, and the datasets."""
+
+    tokenizer: str = ""
+    seq_len: int = 4096
+    too_long: str = "drop"
+    min_response_tokens: int = 2
+    control_chars: str = "reject"
+    workers: int | None = None
+    datasets: list[DatasetJob] = field(default_factory=list)
+
+
+def load_prepare_config(path: str | Path) -> PrepareJob:
+    """The typed job with paths resolved against the file's directory; ConfigError listing every
+    mistake otherwise."""
+    source = Path(path)
+    if not source.is_file():
+        raise ConfigError(f"prepare config not found: {source}")
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(source), resolve=True)
+        job: PrepareJob = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrepareJob), raw))
+    except Exception as exc:  # YAML syntax, unknown keys, wrong types: OmegaConf says which
+        raise ConfigError(f"{source}: {str(exc).splitlines()[0]}") from None
+    errors = _errors(job)
+    if errors:
+        raise ConfigError(f"invalid prepare config {source}:\n  - " + "\n  - ".join(errors))
+    base = source.parent
+    job.tokenizer = str(_resolve(base, job.tokenizer))
+    for d in job.datasets:
+        d.input = [str(_resolve(base, p)) for p in d.input]
+        d.output = str(_resolve(base, d.output))
+    return job
+
+
+def _resolve(base: Path, path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+def _errors(job: PrepareJob) -> list[str]:
+    errs = []
+    if not job.tokenizer:
+        errs.append("tokenizer: required (a Hugging Face tokenizer directory)")
+    if job.seq_len < 2:
+        errs.append(f"seq_len: must be >= 2, got {job.seq_len}")
+    if job.too_long not in TOO_LONG_POLICIES:
+        errs.append(f"too_long: one of {TOO_LONG_POLICIES}, got {job.too_long!r}")
+    if job.control_chars not in CONTROL_CHAR_POLICIES:
+        errs.append(f"control_chars: one of {CONTROL_CHAR_POLICIES}, got {job.control_chars!r}")
+    if not job.datasets:
+        errs.append("datasets: at least one dataset is required")
+    outputs: dict[str, int] = {}
+    for i, d in enumerate(job.datasets):
+        where = f"datasets[{i}]" + (f" ({d.name})" if d.name else "")
+        if not d.input:
+            errs.append(f"{where}.input: at least one input file")
+        if not d.output:
+            errs.append(f"{where}.output: required")
+        elif d.output in outputs:
+            errs.append(f"{where}.output: {d.output} is also datasets[{outputs[d.output]}]'s output")
+        outputs.setdefault(d.output, i)
+        if d.input_format not in INPUT_FORMATS:
+            errs.append(f"{where}.input_format: one of {INPUT_FORMATS}, got {d.input_format!r}")
+        if d.control_chars is not None and d.control_chars not in CONTROL_CHAR_POLICIES:
+            errs.append(f"{where}.control_chars: one of {CONTROL_CHAR_POLICIES}, got {d.control_chars!r}")
+        if d.columns or d.input_format == "columns":
+            try:
+                parse_columns(d.columns or None)
+                if not d.columns:
+                    raise ValueError("input_format columns needs a 'columns' mapping")
+            except Exception as exc:  # UserError from parse_columns, or the check above
+                errs.append(f"{where}.columns: {exc}")
+    return errs
+
+
+def run_prepare_config(
+    path: str | Path, *, progress: bool = True, workers: int | None = None
+) -> list[dict[str, Any]]:
+    """Prepare every dataset of the file in order; returns their manifests."""
+    from .prepare import prepare
+
+    job = load_prepare_config(path)
+    manifests = []
+    for d in job.datasets:
+        manifests.append(
+            prepare(
+                d.input,
+                job.tokenizer,
+                d.output,
+                seq_len=job.seq_len,
+                too_long=job.too_long,
+                min_response_tokens=job.min_response_tokens,
+                input_format=d.input_format,
+                columns=dict(d.columns) or None,
+                control_chars=d.control_chars or job.control_chars,
+                workers=workers or job.workers,
+                progress=progress,
+            )
+        )
+    return manifests

@@ -1,0 +1,53 @@
+"""``mimir serve``: the OpenAI-compatible server over a checkpoint, project weights or an HF directory."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API (127.0.0.1:8000 by default)",
+        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/score, "
+                    "/v1/models, /v1/stats, /health. Extra body fields h_cycles / l_cycles choose the "
+                    "recurrence schedule per request.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="training checkpoint (step_N, or a run's checkpoints/)")
+    source.add_argument("--weights", help="project weights directory (`mimir import` output)")
+    source.add_argument("--hf", help="transformers hrm_text directory")
+    p.add_argument("--ema", action="store_true", help="serve the checkpoint's EMA weights")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the one found with the model)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; anything else exposes the model on the network)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together in one step")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait for a batch; beyond this the server answers 503")
+    p.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="largest max_tokens a request may ask (default: min(4096, the context))")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="prompt + generated tokens per request (default: the model's position limit)")
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from mimir_megatron.errors import UserError
+    from mimir_megatron.inference.loading import load_engine
+    from mimir_megatron.inference.server import serve
+
+    for name in ("max_batch_size", "max_queue", "max_tokens_limit", "max_context"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger(__name__).warning(
+            "binding %s: the model is reachable from the network, and the server has no authentication",
+            args.host)
+    engine = load_engine(checkpoint=args.checkpoint, ema=args.ema, weights=args.weights, hf=args.hf,
+                         tokenizer=args.tokenizer, max_batch_size=args.max_batch_size,
+                         max_context=args.max_context)
+    serve(engine, host=args.host, port=args.port, max_tokens_limit=args.max_tokens_limit,
+          max_queue=args.max_queue)
+    return 0

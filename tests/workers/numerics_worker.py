@@ -1,0 +1,55 @@
+"""Worker: one rank of a short training run that records what the optimizer holds on this rank.
+
+Usage: numerics_worker.py DEMO_DATA RUN_DIR [overrides...]. Each rank writes
+``shard_rank<r>.json``: every parameter (``group/index`` -> elements), the ones whose Adam state
+this rank owns, and the elements of that state; rank 0 also writes ``losses.json``. Gradient
+norms are in the run's MLflow store.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from conftest import REPO, train_overrides  # noqa: E402
+
+from mimir_megatron.model import build_model  # noqa: E402,F401  (CPU backend first)
+from mimir_megatron.train import loop  # noqa: E402
+from mimir_megatron.train.config import load_train_config  # noqa: E402
+from mimir_megatron.train.optim import local_optimizer, owned_parameters  # noqa: E402
+
+
+def describe(optimizer) -> dict:
+    keys = {id(p): f"{g['name']}/{i}" for g in optimizer.param_groups for i, p in enumerate(g["params"])}
+    local = local_optimizer(optimizer)
+    return {
+        "all": {keys[id(p)]: p.numel() for g in optimizer.param_groups for p in g["params"]},
+        "owned": sorted(keys[id(p)] for p in owned_parameters(optimizer)),
+        "state_elements": sum(s["exp_avg"].numel() for s in local.state.values()),
+    }
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    demo, run_dir, *extra = sys.argv[1:]
+    run_dir = Path(run_dir)
+    real_step, seen = loop.optimizer_step, {}
+
+    def spy(optimizer, plan):
+        seen.setdefault("shard", describe(optimizer))
+        real_step(optimizer, plan)
+
+    loop.optimizer_step = spy
+    cfg = load_train_config(REPO / "configs/train/demo.yaml", train_overrides(Path(demo), run_dir, *extra))
+    result = loop.train(cfg)
+    rank = dist.get_rank()
+    (run_dir / f"shard_rank{rank}.json").write_text(json.dumps(seen["shard"]))
+    if rank == 0:
+        (run_dir / "losses.json").write_text(json.dumps(result.losses))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
