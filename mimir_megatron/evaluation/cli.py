@@ -64,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _suite(args: argparse.Namespace):
     from .suite import load_suite
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     suite = load_suite(args.suite)
     if args.tasks:
         suite = suite.select([t.strip() for t in args.tasks.split(",") if t.strip()])
