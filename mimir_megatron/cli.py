@@ -21,6 +21,7 @@ _REGISTRARS = (
     "mimir_megatron.inference.cli",
     "mimir_megatron.inference.serve_cli",
     "mimir_megatron.audits.cli",
+    "mimir_megatron.evaluation.cli",
 )
 
 

@@ -1,0 +1,221 @@
+"""`mimir eval`, `mimir sweep` and `mimir eval-fixtures`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger("mimir")
+
+
+def _add_source(p: argparse.ArgumentParser, base_url: bool) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="training checkpoint (step_N, or a run's checkpoint directory)")
+    src.add_argument("--hf", help="transformers hrm_text directory")
+    src.add_argument("--weights", help="project weights directory (`mimir import` output)")
+    if base_url:
+        src.add_argument("--base-url", help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--ema", action="store_true", help="with --checkpoint: evaluate the EMA weights")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the model's own)")
+    p.add_argument("--suite", required=True, help="suite YAML, e.g. configs/eval/mimir_en.yaml")
+    p.add_argument("--data-dir", help="directory the tasks' files are under (default: the suite's data_dir)")
+    p.add_argument("--limit", type=int, help="first N rows of each task after the seeded shuffle")
+    p.add_argument("--tasks", help="comma-separated subset of the suite's tasks")
+    p.add_argument("--output", help="directory for tables and logs (default: evals/<suite>/<model>)")
+    p.add_argument("--mc-scoring", choices=("generate", "loglik"),
+                   help="multiple choice by greedy letter (generate) or letter log-prob via /v1/score")
+    p.add_argument("--allow-code-execution", action="store_true",
+                   help="run HumanEval's generated code (limited subprocess, no network); off by default")
+    p.add_argument("--tracking-uri", help="MLflow store (default: the training run's, else OUTPUT/mlflow.db)")
+    p.add_argument("--experiment", help="MLflow experiment (default: the training run's, else mimir-eval)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for mimir serve")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate a model on a benchmark suite (InspectAI, tables, MLflow)",
+                       description="Starts `mimir serve` on a free 127.0.0.1 port for a checkpoint or "
+                       "model directory (or uses --base-url), runs the suite with InspectAI (greedy, "
+                       "seed from the suite), stops the server, writes results.md/.csv/.json, the "
+                       "per-item outcomes and InspectAI's logs, and logs everything to MLflow.")
+    _add_source(p, base_url=True)
+    p.add_argument("--h-cycles", type=int, help="evaluate under this H (default: trained schedule)")
+    p.add_argument("--l-cycles", type=int, help="evaluate under this L (default: trained schedule)")
+    p.add_argument("--model-name",
+                   help="with --base-url: the model id to request (default: the first listed)")
+    p.set_defaults(handler=cmd_eval)
+
+    p = sub.add_parser("sweep", help="evaluate one checkpoint under several (H, L) schedules (Table 5)")
+    _add_source(p, base_url=True)
+    p.add_argument("--schedules", default="1x3,2x1,2x2,2x3,2x4,2x5,3x3", help="comma-separated HxL")
+    p.add_argument("--trained-schedule", help="HxL the weights were trained with (default: read from them)")
+    p.add_argument("--model-name", help="with --base-url: the model id to request")
+    p.set_defaults(handler=cmd_sweep)
+
+    p = sub.add_parser("eval-fixtures", help="write small made-up files in every benchmark's layout")
+    p.add_argument("--output", required=True, help="directory (use it as --data-dir)")
+    p.add_argument("--rows", type=int, default=8, help="rows per split")
+    p.set_defaults(handler=cmd_fixtures)
+
+
+def _suite(args: argparse.Namespace):
+    from .suite import load_suite
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    suite = load_suite(args.suite)
+    if args.tasks:
+        suite = suite.select([t.strip() for t in args.tasks.split(",") if t.strip()])
+    return suite
+
+
+def _source_name(args: argparse.Namespace) -> str:
+    if args.base_url:
+        return args.model_name or "server"
+    path = Path(args.checkpoint or args.hf or args.weights).resolve()
+    name = path.parent.parent.name + "-" + path.name if path.parent.name == "checkpoints" else path.name
+    return name + ("-ema" if args.ema else "")
+
+
+def _tokenizer_dir(args: argparse.Namespace) -> str | None:
+    """The tokenizer the log-likelihood client renders chat contexts with."""
+    if args.tokenizer:
+        return args.tokenizer
+    for directory in (args.hf, args.weights):
+        if directory and (Path(directory) / "tokenizer.json").is_file():
+            return directory
+    if args.checkpoint:
+        from .tracking import _checkpoint_state
+
+        found = _checkpoint_state(Path(args.checkpoint))
+        if found:
+            return found[1].get("model", {}).get("tokenizer") or None
+    return None
+
+
+@contextlib.contextmanager
+def _server(args: argparse.Namespace, output: Path):
+    if args.base_url:
+        yield args.base_url.rstrip("/")
+        return
+    from .serve import launched_server
+
+    with launched_server(checkpoint=args.checkpoint, ema=args.ema, hf=args.hf, weights=args.weights,
+                         tokenizer=args.tokenizer, log_file=output / "serve.log",
+                         startup_timeout_s=args.startup_timeout) as url:
+        yield url
+
+
+def _score_client(args: argparse.Namespace, base_url: str, model_name: str):
+    from .scoring_client import ScoreClient, load_renderer
+
+    render, encode = load_renderer(_tokenizer_dir(args))
+    return ScoreClient(base_url, model_name, render, encode)
+
+
+def _params(args: argparse.Namespace, suite, model_name: str) -> dict:
+    return {"suite": suite.name, "suite_file": suite.source, "model": model_name,
+            "source": args.checkpoint or args.hf or args.weights or args.base_url,
+            "ema": args.ema, "limit": args.limit, "seed": suite.seed,
+            "mc_scoring": args.mc_scoring or suite.mc_scoring, "data_dir": args.data_dir or suite.data_dir}
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .report import markdown, write_tables
+    from .runner import run_suite, server_model_name
+    from .tracking import EvalRun, tracking_target
+
+    suite = _suite(args)
+    schedule = "" if args.h_cycles is None and args.l_cycles is None else f"-h{args.h_cycles}l{args.l_cycles}"
+    output = Path(args.output or Path("evals") / suite.name / (_source_name(args) + schedule))
+    started = time.perf_counter()
+    with _server(args, output) as base_url:
+        model_name = args.model_name if args.base_url and args.model_name else server_model_name(base_url)
+        result = run_suite(suite, base_url, data_dir=args.data_dir, limit=args.limit,
+                           h_cycles=args.h_cycles, l_cycles=args.l_cycles, log_dir=output / "logs",
+                           model_name=model_name, score_client=_score_client(args, base_url, model_name),
+                           allow_code_execution=args.allow_code_execution, mc_scoring=args.mc_scoring)
+    seconds = time.perf_counter() - started
+    tables = write_tables(result, output, model_name)
+    print(markdown(result, f"{suite.name} — {model_name}"))
+    target = tracking_target(output, args.tracking_uri, args.checkpoint, args.experiment)
+    run = EvalRun(target, f"eval {suite.name}" + (f" step {target.checkpoint_step}"
+                                                  if target.checkpoint_step is not None else ""),
+                  {**_params(args, suite, model_name), "h_cycles": args.h_cycles, "l_cycles": args.l_cycles})
+    run.log_metrics({**result.metrics(), "eval/seconds": seconds}, step=target.checkpoint_step or 0)
+    for path in tables:
+        run.log_artifact(path, "tables")
+    if (output / "logs").is_dir():
+        run.log_artifacts(output / "logs", "inspect_logs")
+    run.end()
+    print(f"tables and logs: {output}   MLflow: {target.uri} (experiment {target.experiment}"
+          + (f", run {run.run_id}" if run.run_id else "") + f")   {seconds:.0f} s")
+    failed = [t for t in result.tasks if t.error and not t.skipped]
+    return 1 if failed else 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from mimir_megatron.errors import UserError
+
+    from .runner import run_suite, server_model_name
+    from .sweep import SweepResult, markdown, parse_schedules, schedule_name, trained_schedule, write_sweep
+    from .tracking import EvalRun, tracking_target
+
+    suite = _suite(args)
+    schedules = parse_schedules(args.schedules)
+    trained = (tuple(parse_schedules(args.trained_schedule)[0]) if args.trained_schedule
+               else trained_schedule(args.checkpoint, args.hf))
+    output = Path(args.output or Path("evals") / f"sweep-{suite.name}" / _source_name(args))
+    target = tracking_target(output, args.tracking_uri, args.checkpoint, args.experiment)
+    results = {}
+    started = time.perf_counter()
+    with _server(args, output) as base_url:
+        model_name = args.model_name if args.base_url and args.model_name else server_model_name(base_url)
+        client = _score_client(args, base_url, model_name)
+        parent = EvalRun(target, f"sweep {suite.name}", {**_params(args, suite, model_name),
+                                                          "schedules": args.schedules,
+                                                          "trained_schedule": trained})
+        for schedule in schedules:
+            name = schedule_name(schedule)
+            log.info("schedule %s (H=%d, L=%d)", name, *schedule)
+            result = run_suite(suite, base_url, data_dir=args.data_dir, limit=args.limit,
+                               h_cycles=schedule[0], l_cycles=schedule[1], log_dir=output / "logs" / name,
+                               model_name=model_name, score_client=client,
+                               allow_code_execution=args.allow_code_execution, mc_scoring=args.mc_scoring)
+            results[schedule] = result
+            child = EvalRun(target, f"sweep {suite.name} {name}",
+                            {"h_cycles": schedule[0], "l_cycles": schedule[1], "suite": suite.name},
+                            parent_run_id=parent.run_id)
+            child.log_metrics(result.metrics())
+            child.end()
+            parent.log_metrics({f"{name}/{k}": v for k, v in result.metrics("").items()})
+    if not any(r.scores() for r in results.values()):
+        raise UserError("no task produced a score under any schedule (see the messages above)")
+    sweep = SweepResult(suite, results, trained)
+    paths = write_sweep(sweep, output)
+    (output / "items.jsonl").write_text("".join(
+        json.dumps({"schedule": schedule_name(s), "task": t.spec.name, "id": o.id, "correct": o.correct,
+                    "value": o.value, "prediction": o.prediction}, ensure_ascii=False) + "\n"
+        for s, r in results.items() for t in r.tasks for o in t.outcomes))
+    seconds = time.perf_counter() - started
+    print(markdown(sweep))
+    for test in sweep.mcnemar():
+        prefix = f"mcnemar/{test['task']}/{test['a']}_vs_{test['b']}"
+        parent.log_metrics({f"{prefix}/p_value": test["p_value"], f"{prefix}/only_a": test["only_a"],
+                            f"{prefix}/only_b": test["only_b"]})
+    parent.log_metrics({"sweep/seconds": seconds})
+    for path in [*paths, output / "items.jsonl"]:
+        parent.log_artifact(path, "sweep")
+    parent.log_artifacts(output / "logs", "inspect_logs")
+    parent.end()
+    print(f"sweep tables, heatmap and logs: {output}   MLflow: {target.uri}   {seconds:.0f} s")
+    return 0
+
+
+def cmd_fixtures(args: argparse.Namespace) -> int:
+    from .fixtures import write_fixtures
+
+    print(write_fixtures(args.output, rows_per_split=args.rows))
+    return 0

@@ -1,0 +1,111 @@
+"""MLflow for evaluations: one run per evaluation (metrics per task, tables and InspectAI logs as
+artifacts), nested under the training run when a training checkpoint is evaluated.
+
+A training checkpoint's ``trainer_state.json`` names its MLflow run and config; the evaluation
+then goes to the same store and experiment as a child run. Otherwise the store is
+``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else a sqlite file in the output directory.
+Tables are written to disk before MLflow is touched, so an unreachable server loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EXPERIMENT = "mimir-eval"
+
+
+@dataclass
+class TrackingTarget:
+    uri: str
+    experiment: str
+    artifact_root: str
+    parent_run_id: str | None = None
+    checkpoint_step: int | None = None
+
+
+def _checkpoint_state(checkpoint: Path) -> tuple[Path, dict[str, Any]] | None:
+    """(checkpoint directory, its trainer state), following a run's ``latest``; None otherwise."""
+    path = checkpoint
+    if not (path / "trainer_state.json").is_file() and (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    state_file = path / "trainer_state.json"
+    return (path, json.loads(state_file.read_text())) if state_file.is_file() else None
+
+
+def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path | None = None,
+                    experiment: str | None = None) -> TrackingTarget:
+    """Where an evaluation's MLflow run goes (see the module docstring)."""
+    found = _checkpoint_state(Path(checkpoint)) if checkpoint else None
+    if found is not None and not uri:
+        path, state = found
+        config = state.get("config", {})
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else \
+            Path(config.get("run", {}).get("dir") or Path("runs") / config.get("run", {}).get("name", ""))
+        tracking = config.get("tracking", {})
+        return TrackingTarget(
+            uri=tracking.get("uri") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}",
+            experiment=experiment or tracking.get("experiment", DEFAULT_EXPERIMENT),
+            artifact_root=(run_dir / "mlartifacts").resolve().as_uri(),
+            parent_run_id=state.get("mlflow_run_id"), checkpoint_step=state.get("step"))
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(output / 'mlflow.db').resolve()}"
+    return TrackingTarget(uri, experiment or DEFAULT_EXPERIMENT, (output / "mlartifacts").resolve().as_uri(),
+                          checkpoint_step=found[1].get("step") if found else None)
+
+
+class EvalRun:
+    """One MLflow run; every call warns instead of raising when the store fails."""
+
+    def __init__(self, target: TrackingTarget, run_name: str, params: dict[str, Any],
+                 parent_run_id: str | None = None, tags: dict[str, str] | None = None):
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        self.run_id: str | None = None
+        self.target = target
+        try:
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=target.uri)
+            exp = self.client.get_experiment_by_name(target.experiment)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(
+                target.experiment, artifact_location=target.artifact_root)
+            all_tags = dict(tags or {})
+            parent = parent_run_id or target.parent_run_id
+            if parent:
+                all_tags["mlflow.parentRunId"] = parent
+            self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id
+            for key, value in params.items():
+                self.client.log_param(self.run_id, key, str(value)[:6000])
+        except Exception as exc:  # noqa: BLE001 (tracking never costs the results)
+            log.warning("MLflow at %s unavailable, results are on disk only: %s", target.uri, exc)
+
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        self._call(lambda: [self.client.log_metric(self.run_id, k, float(v), step=step)
+                            for k, v in metrics.items()])
+
+    def log_artifacts(self, directory: Path, artifact_path: str | None = None) -> None:
+        self._call(lambda: self.client.log_artifacts(self.run_id, str(directory), artifact_path))
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self._call(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
+
+    def set_tag(self, key: str, value: str) -> None:
+        self._call(lambda: self.client.set_tag(self.run_id, key, value))
+
+    def end(self, status: str = "FINISHED") -> None:
+        self._call(lambda: self.client.set_terminated(self.run_id, status))
+
+    def _call(self, fn) -> None:  # noqa: ANN001
+        if self.run_id is None:
+            return
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("MLflow call failed (results are on disk): %s", exc)
