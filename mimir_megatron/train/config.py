@@ -160,6 +160,14 @@ class EvalSection:
     """Held-out samples per evaluation."""
     max_new_tokens: int = 48
     """Greedy decoding budget per sample."""
+    suite: str = ""
+    """Benchmark suite YAML (``configs/eval/*.yaml``) run with InspectAI on rank 0's inference
+    engine at every evaluation, next to the exact match; its scores go to MLflow as
+    ``eval/<task>`` and ``eval/avg/<category>``. Empty: none."""
+    limit: int = 20
+    """Items per task of ``suite`` (a small, fixed subset: evaluation must not stall training)."""
+    data_dir: str = ""
+    """Where the suite's benchmark files are (default: the suite's own ``data_dir``)."""
 
 
 @dataclass
@@ -205,6 +213,14 @@ class TrainConfig(RunSections):
             errs.append(f"train.on_nonfinite must be skip or stop, got {t.on_nonfinite!r}")
         if t.max_nonfinite_skips < 0:
             errs.append(f"train.max_nonfinite_skips must be >= 0, got {t.max_nonfinite_skips}")
+        if self.eval.suite and not Path(self.eval.suite).is_file():
+            errs.append(f"eval.suite: {self.eval.suite} is not a file (a suite YAML, e.g. "
+                        "configs/eval/demo.yaml)")
+        if self.eval.suite and self.model.tensor_parallel_size > 1:
+            errs.append("eval.suite runs on rank 0's engine alone, which needs the whole model: "
+                        "use tensor_parallel_size=1, or evaluate checkpoints with `mimir eval`")
+        if self.eval.limit < 1:
+            errs.append(f"eval.limit must be >= 1, got {self.eval.limit}")
         if self.model.params_dtype != "float32":
             # The optimizer updates the weights in place from fp32 DDP gradients: bf16 storage
             # would need separate fp32 master weights, which this trainer does not keep.

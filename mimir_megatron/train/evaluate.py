@@ -52,3 +52,22 @@ def eval_stop_ids(prepared_dir: str | Path) -> tuple[int, ...] | None:
         return None
     ids = json.loads(manifest.read_text()).get("tokenizer", {}).get("end_of_turn_ids")
     return tuple(ids) if ids else None
+
+
+def suite_scores(model, cfg, log_dir: Path) -> dict[str, float]:
+    """``cfg.eval.suite`` on an engine over the model being trained (rank 0, TP=1): InspectAI
+    through an in-process ``mimir serve`` thread, exactly as ``mimir eval`` runs it."""
+    from mimir_megatron.evaluation import run_suite_on_engine
+
+    tokenizer = None
+    if cfg.model.tokenizer:
+        from mimir_data_prep.render import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model.tokenizer)
+    was_training = model.training
+    try:
+        engine = InferenceEngine(model, tokenizer, model_name=Path(cfg.run.dir).name or "training")
+        return run_suite_on_engine(engine, cfg.eval.suite, limit=cfg.eval.limit,
+                                   data_dir=cfg.eval.data_dir or None, log_dir=log_dir)
+    finally:
+        model.train(was_training)

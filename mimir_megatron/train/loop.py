@@ -269,7 +269,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
             if step % cfg.checkpoint.interval == 0 or step == cfg.train.steps:
                 save(step)
             periodic_eval = cfg.eval.interval and step % cfg.eval.interval == 0
-            if eval_samples and periodic_eval and step < cfg.train.steps:
+            if (eval_samples or cfg.eval.suite) and periodic_eval and step < cfg.train.steps:
                 _evaluate(model, eval_samples, cfg, device, dp_rank, dp_size, dp_group, tracker, step)
             if stop.agreed(device) or step == stop_at_step:
                 if step % cfg.checkpoint.interval and step != cfg.train.steps:
@@ -281,7 +281,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
         writer.wait()
         if not result.preempted:
             log.info("training done at step %d", step)
-        if not result.preempted and eval_samples:
+        if not result.preempted and (eval_samples or cfg.eval.suite):
             result.exact_match = _evaluate(model, eval_samples, cfg, device, dp_rank, dp_size,
                                            dp_group, tracker, step)
     except BaseException:
@@ -403,12 +403,21 @@ def _eval_subset(samples: list, limit: int) -> list:
 
 
 def _evaluate(model, samples, cfg: TrainConfig, device, dp_rank, dp_size, dp_group,
-              tracker: Tracker, step: int) -> float:
-    from mimir_megatron.train.evaluate import eval_stop_ids, exact_match
+              tracker: Tracker, step: int) -> float | None:
+    """Held-out exact match (every rank shares the samples) and the benchmark suite (rank 0)."""
+    from mimir_megatron.train.evaluate import eval_stop_ids, exact_match, suite_scores
 
-    score, count = exact_match(model, samples, max_new_tokens=cfg.eval.max_new_tokens,
-                               device=device, dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group,
-                               stop_token_ids=eval_stop_ids(cfg.data.eval_path))
-    tracker.log_metrics(step, {"eval/exact_match": score})
-    log.info("step %d: exact match %.3f on %d held-out samples", step, score, count)
+    score = None
+    if samples:
+        score, count = exact_match(model, samples, max_new_tokens=cfg.eval.max_new_tokens,
+                                   device=device, dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group,
+                                   stop_token_ids=eval_stop_ids(cfg.data.eval_path))
+        tracker.log_metrics(step, {"eval/exact_match": score})
+        log.info("step %d: exact match %.3f on %d held-out samples", step, score, count)
+    if cfg.eval.suite:
+        if dist.get_rank() == 0:
+            metrics = suite_scores(model, cfg, Path(cfg.run.dir) / "eval_logs" / f"step_{step:07d}")
+            tracker.log_metrics(step, metrics)
+            log.info("step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())))
+        dist.barrier()  # the other ranks wait for rank 0's suite
     return score
