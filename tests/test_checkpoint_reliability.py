@@ -271,32 +271,69 @@ def test_a_failed_write_keeps_the_previous_checkpoint_and_ends_the_job(demo_data
 # -- kill -9 at random moments ---------------------------------------------------------------------
 
 
+def _steps_written(run_dir: Path) -> list[int]:
+    """Steps with a checkpoint, complete or not (a kill mid-save leaves ``step_N.tmp``)."""
+    return [int(p.name[5:].removesuffix(".tmp")) for p in (run_dir / "checkpoints").glob("step_*")]
+
+
+def _kill_on(proc: subprocess.Popen, log_path: Path, run_dir: Path, event: tuple[str, int]) -> None:
+    """SIGKILL the run's process group as soon as it reaches ``event``: ``("step", k)`` once step k
+    is logged (the kill lands in step k+1 or in step k's save), ``("save", k)`` once step k's
+    checkpoint starts to appear (the kill lands mid-save or just after it)."""
+    kind, at = event
+    name = f"step_{at:07d}"
+    logged = re.compile(rf"step {at}/\d+ loss")
+
+    def reached() -> bool:
+        if kind == "save":
+            return (run_dir / "checkpoints" / f"{name}.tmp").exists() or (run_dir / "checkpoints" / name).exists()
+        return bool(logged.search(log_path.read_text()))
+
+    deadline = time.monotonic() + 300
+    while not reached():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (exit {proc.returncode}) before its kill at {kind} {at}; "
+                        f"the run is too short for the kills:\n{log_path.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {kind} {at} after 300 s:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.01)
+    if proc.poll() is not None:
+        pytest.fail(f"the run ended (exit {proc.returncode}) right after {kind} {at}, before its kill:"
+                    f"\n{log_path.read_text()[-3000:]}")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 @pytest.mark.slow
 def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_losses(demo_data, tmp_path):
     """`kill -9` at random moments (mid-step, mid-save), resumed each time: the same losses as an
-    uninterrupted run, every step in MLflow. MIMIR_TEST_KILLS sets the number of kills (3)."""
+    uninterrupted run, every step in MLflow. MIMIR_TEST_KILLS sets the number of kills (3).
+
+    Each kill waits for an event the attempt reaches (a step logged, a checkpoint appearing), drawn
+    from its own slice of the run, and the last slice ends 4 steps before the end, so every attempt
+    is killed while it is still running."""
     from mlflow.tracking import MlflowClient
 
-    extra = ("train.steps=12", "checkpoint.interval=2", "train.log_interval=1")
+    kills = int(os.environ.get("MIMIR_TEST_KILLS", "3"))
+    steps, interval = 4 * kills + 4, 2
+    extra = (f"train.steps={steps}", f"checkpoint.interval={interval}", "train.log_interval=1")
     expected = run(demo_data, tmp_path / "uninterrupted", *extra).losses
-    run_dir, kills = tmp_path / "killed", int(os.environ.get("MIMIR_TEST_KILLS", "3"))
-    chance = random.Random(kills)
+    run_dir, chance = tmp_path / "killed", random.Random(kills)
     cmd = [sys.executable, "-m", "mimir_megatron.cli", "train", "--config", str(DEMO),
            *train_overrides(demo_data, run_dir, *extra)]
     for attempt in range(kills):
+        # Later than any checkpoint written so far (so this attempt, which resumes from one of
+        # them, reaches the event); within this attempt's slice of steps 1 .. steps - 4.
+        resumes_at = max(_steps_written(run_dir), default=0)
+        low = max(resumes_at + 1, 1 + 4 * attempt)
+        at = chance.randint(low, max(low, 4 * attempt + 4))
+        saves = [s for s in (at, at + 1) if s % interval == 0]
+        event = ("save", saves[0]) if saves and chance.random() < 0.5 else ("step", at)
         log_path = tmp_path / f"attempt{attempt}.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        # Kill once this attempt has logged step >= target (or later): anywhere in the run.
-        target, deadline = chance.randint(1, 11), time.monotonic() + 300
-        while proc.poll() is None and max(map(int, re.findall(r"step (\d+)/12", log_path.read_text())),
-                                          default=0) < target:
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.05)
-        time.sleep(chance.uniform(0.0, 1.0))
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _kill_on(proc, log_path, run_dir, event)
     final = run(demo_data, run_dir, *extra)
     history = MlflowClient(f"sqlite:///{run_dir}/mlflow.db").get_metric_history(final.run_id, "loss")
-    assert {m.step for m in history} == set(range(1, 13))  # no step missing
+    assert {m.step for m in history} == set(range(1, steps + 1))  # no step missing
     assert all(m.value == expected[m.step - 1] for m in history)  # re-run steps: the same losses

@@ -102,21 +102,28 @@ def test_concurrent_requests_batch_and_match_sequential(served, client):
     assert after["requests_finished"] - before["requests_finished"] == len(PROMPTS)
 
 
-def test_requests_arriving_during_decoding_join_the_running_batch(served, client):
+def test_requests_arriving_during_decoding_join_the_running_batch(served, client, monkeypatch):
+    """A request queued while another decodes joins its session: the scheduler is held after the
+    first request's first step until the second is queued (events, not timing)."""
     _, server = served
     scheduler = server.scheduler
     before = scheduler.stats.as_dict()
-    started = threading.Event()
+    first_stepped, second_queued = threading.Event(), threading.Event()
+    step = scheduler._step
 
-    def long_one():
-        started.set()
-        return client.completions.create(model="tiny", prompt="Long", max_tokens=12, temperature=0)
+    def step_then_hold() -> None:
+        step()
+        if not first_stepped.is_set():
+            first_stepped.set()
+            assert second_queued.wait(120), "the second request was never queued"
 
+    monkeypatch.setattr(scheduler, "_step", step_then_hold)
     with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(long_one)
-        started.wait()
-        _wait_for(lambda: scheduler.stats.steps > before["steps"])  # the first is decoding
+        first = pool.submit(client.completions.create, model="tiny", prompt="Long", max_tokens=12, temperature=0)
+        assert first_stepped.wait(120), "the first request never started decoding"
         second = pool.submit(_complete, client, "Short", max_tokens=2)
+        _wait_for(lambda: scheduler.queue_depth == 1)
+        second_queued.set()
         assert first.result().choices[0].finish_reason == "length"
         second.result()
     after = scheduler.stats.as_dict()
