@@ -19,7 +19,7 @@ from mimir_megatron.evaluation.prompts import build_items
 from mimir_megatron.evaluation.suite import load_suite
 
 REPO = Path(__file__).resolve().parent.parent
-TOKENIZER = REPO / "data_prep" / "demo" / "tokenizer"
+TOKENIZER = REPO / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer"
 LIMIT = 3
 SUITE = f"""
 name: engine

@@ -32,7 +32,7 @@ def engine():
 
     torch.manual_seed(0)
     model = build_model(tiny_config("vocab_size=1024"))
-    return InferenceEngine(model, load_tokenizer("data_prep/demo/tokenizer"), model_name="tiny")
+    return InferenceEngine(model, load_tokenizer("data_prep/mimir_data_prep/demo/tokenizer"), model_name="tiny")
 
 
 @pytest.fixture(scope="module")
@@ -357,7 +357,7 @@ def test_mimir_serve_command_end_to_end(tmp_path, repo):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "mimir_megatron.cli", "serve", "--hf", str(tmp_path / "hf"),
-                             "--tokenizer", str(repo / "data_prep/demo/tokenizer"), "--port", str(port)],
+                             "--tokenizer", str(repo / "data_prep/mimir_data_prep/demo/tokenizer"), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def up() -> bool:

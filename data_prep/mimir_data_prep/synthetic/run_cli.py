@@ -38,7 +38,7 @@ def register_synth_run(synth_subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_command)
 
 
-# The `mimir synth` group (data_prep/cli.py) calls ``register_synth`` of each module it lists.
+# The `mimir synth` group (data_prep/mimir_data_prep/cli.py) calls ``register_synth`` of each module it lists.
 register_synth = register_synth_run
 
 
