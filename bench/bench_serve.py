@@ -30,9 +30,9 @@ def main() -> None:
 
     import torch
     from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
-    from mimir_data_prep.render import load_tokenizer
     from openai import OpenAI
 
+    from mimir_megatron.chat import load_tokenizer
     from mimir_megatron.config import load_config
     from mimir_megatron.inference import InferenceEngine
     from mimir_megatron.inference.server import app_server, build_app, serve_app_in_thread

@@ -32,7 +32,7 @@ tasks:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from conftest import tiny_config
-    from mimir_data_prep.render import load_tokenizer
+    from mimir_megatron.chat import load_tokenizer
     from mimir_megatron.inference import InferenceEngine
     from mimir_megatron.model import build_model
 

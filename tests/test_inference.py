@@ -316,7 +316,7 @@ def test_engine_loads_a_training_checkpoint_and_its_ema(demo_data, tmp_path):
 def test_evaluation_stops_on_the_templates_end_of_turn(demo_data, repo):
     """Held-out evaluation stops on the end-of-turn ids its dataset's manifest records, and the
     engine's default stops are the same ids (not a guessed token list)."""
-    from mimir_data_prep.render import load_tokenizer
+    from mimir_megatron.chat import load_tokenizer
 
     from mimir_megatron.train.evaluate import eval_stop_ids
 

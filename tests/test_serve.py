@@ -25,7 +25,7 @@ PROMPTS = [f"{word} number {i}" for i, word in enumerate(["Hello", "The cat", "O
 
 @pytest.fixture(scope="module")
 def engine():
-    from mimir_data_prep.render import load_tokenizer
+    from mimir_megatron.chat import load_tokenizer
 
     from mimir_megatron.inference import InferenceEngine
     from mimir_megatron.model import build_model

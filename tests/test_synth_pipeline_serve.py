@@ -30,7 +30,7 @@ def engine():
     from conftest import TINY
 
     from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
-    from mimir_data_prep.render import load_tokenizer
+    from mimir_megatron.chat import load_tokenizer
     from mimir_megatron.config import load_config
     from mimir_megatron.inference import InferenceEngine
     from mimir_megatron.model import build_model
