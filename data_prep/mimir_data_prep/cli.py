@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 
 # `mimir synth ACTION`: each module listed here exposes ``register_synth(subparsers)`` and adds its
 # actions to the group (heavy imports inside the handlers). A new action adds its module here.
-SYNTH_REGISTRARS = ("mimir_data_prep.tool_use.cli", "mimir_data_prep.synthetic.run_cli")
+SYNTH_REGISTRARS = ("mimir_data_prep.tool_use.cli", "mimir_data_prep.synth_pipeline.cli")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
