@@ -29,9 +29,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from mimir_data_prep.render import load_tokenizer
+    from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
     from openai import OpenAI
 
+    from mimir_megatron.chat import load_tokenizer
     from mimir_megatron.config import load_config
     from mimir_megatron.inference import InferenceEngine
     from mimir_megatron.inference.server import app_server, build_app, serve_app_in_thread
@@ -39,7 +40,7 @@ def main() -> None:
 
     cfg = load_config(REPO / "configs" / "model" / f"{args.shape}.yaml", ["vocab_size=1024"])
     model = build_model(cfg).to(args.device)
-    engine = InferenceEngine(model, load_tokenizer(REPO / "data_prep" / "demo" / "tokenizer"),
+    engine = InferenceEngine(model, load_tokenizer(DEMO_TOKENIZER_DIR),
                              max_batch_size=max(32, args.requests))
     engine.default_stop_ids = ()  # every request runs to max_tokens: equal work in both modes
     prompts = [f"Request number {i}: tell me something about topic {i * 7}." for i in range(args.requests)]

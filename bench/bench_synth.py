@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from synth_standin import StandIn  # noqa: E402
 
-from mimir_data_prep.synthetic.pipeline import load_pipeline  # noqa: E402
-from mimir_data_prep.synthetic.runner import RunOptions, run_pipeline  # noqa: E402
+from mimir_data_prep.synth_pipeline.pipeline import load_pipeline  # noqa: E402
+from mimir_data_prep.synth_pipeline.runner import RunOptions, run_pipeline  # noqa: E402
 
 
 def responder(body: dict) -> str:

@@ -76,8 +76,8 @@ status_word() {
 site=$(mktemp -d /tmp/mimir-gpu-check.XXXXXX)
 trap 'rm -rf "$site"' EXIT
 ln -s "$repo/mimir_megatron" "$site/mimir_megatron"
-ln -s "$repo/kernels" "$site/mimir_kernels"
-ln -s "$repo/data_prep" "$site/mimir_data_prep"
+ln -s "$repo/kernels/mimir_kernels" "$site/mimir_kernels"
+ln -s "$repo/data_prep/mimir_data_prep" "$site/mimir_data_prep"
 if [[ -n "${WHEELS:-}" ]]; then
     "$python" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
         --target "$site/deps" "$WHEELS"/*.whl || { echo "cannot install wheels from $WHEELS" >&2; exit 1; }

@@ -1,7 +1,9 @@
 """`mimir` command line: one entry point, subcommands registered by the modules that own them.
 
 Each owning module exposes ``register(subparsers)``; heavy imports happen inside the handlers so
-that ``mimir --help`` stays fast.
+that ``mimir --help`` stays fast. Packages built on this one (data preparation: ``prepare``,
+``data``, ``synth``) add their commands through the entry-point group ``mimir.commands``
+(pyproject.toml), so this package imports none of them.
 """
 
 from __future__ import annotations
@@ -10,11 +12,11 @@ import argparse
 import importlib
 import logging
 import sys
+from importlib.metadata import entry_points
 
-# (module, attribute): each adds its own subcommands.
+# Modules of this package that add their own subcommands.
 _REGISTRARS = (
     "mimir_megatron.commands",
-    "mimir_data_prep.cli",
     "mimir_megatron.train.cli",
     "mimir_megatron.bench",
     "mimir_megatron.ops.cli",
@@ -23,6 +25,9 @@ _REGISTRARS = (
     "mimir_megatron.audits.cli",
     "mimir_megatron.evaluation.cli",
 )
+
+# Entry points ``NAME = "module:register"`` of installed packages that add subcommands.
+COMMAND_GROUP = "mimir.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in _REGISTRARS:
         importlib.import_module(module_name).register(sub)
+    for entry_point in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        entry_point.load()(sub)
     return parser
 
 

@@ -12,8 +12,8 @@ from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
 from mimir_data_prep.layouts import normalise, parse_columns
 from mimir_data_prep.prepare import prepare
 from mimir_data_prep.records import RecordError, to_conversation
-from mimir_data_prep.render import ChatRenderer, end_of_turn_ids
 
+from mimir_megatron.chat import ChatRenderer, end_of_turn_ids
 from mimir_megatron.data import PreparedDataset, load_eval_samples
 from mimir_megatron.errors import UserError
 
@@ -257,6 +257,25 @@ def test_gemma_style_template_response_ends_at_end_of_turn(tmp_path):
     assert newline[0] in sample.completion_ids[:-1] and newline[0] not in renderer.end_of_turn_ids
     prompt = renderer.tokenizer.decode(sample.prompt_ids, skip_special_tokens=False)
     assert prompt == "<bos><start_of_turn>user\nWrite two lines<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_a_conversation_the_template_cannot_render_is_a_template_error_reject(tmp_path):
+    # The template refuses one content; a prefix that the full rendering does not start with is
+    # the other failure (a template that writes the generation prompt differently from a turn).
+    refusing = GEMMA_TEMPLATE.replace(
+        "{% for message in messages %}",
+        "{% for message in messages %}{% if message['content'] == 'boom' %}"
+        "{{ raise_exception('no boom here') }}{% endif %}",
+    )
+    src = _write(tmp_path / "in.jsonl", [{"prompt": "boom", "completion": "a b c"},
+                                         {"prompt": "fine", "completion": "a b c"}])
+    manifest = _run(tmp_path, "out", [src], tokenizer=_tokenizer_with_template(tmp_path / "r", refusing))
+    assert (manifest["accepted"], manifest["rejects"]["template_error"]) == (1, 1)
+    (reject,) = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert (reject["line"], reject["reason"]) == (1, "template_error") and "no boom here" in reject["detail"]
+    mismatched = GEMMA_TEMPLATE.replace("'<start_of_turn>model\n'", "'<start_of_turn>assistant\n'")
+    manifest = _run(tmp_path, "out2", [src], tokenizer=_tokenizer_with_template(tmp_path / "m", mismatched))
+    assert (manifest["accepted"], manifest["rejects"]["template_error"]) == (0, 2)
 
 
 def test_yaml_config_sets_the_layout_per_dataset(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from mimir_data_prep.synthetic import LANGUAGES, TASK_FAMILIES, make_sample, split_units
+from mimir_data_prep.text_tasks import LANGUAGES, TASK_FAMILIES, make_sample, split_units
 
 WORD = st.text(alphabet="abcdefghijklmnopqrstuvwxyzæøåABC,'-", min_size=1, max_size=9)
 SENTENCE = st.lists(WORD, min_size=2, max_size=10).map(lambda ws: " ".join(ws) + ".")

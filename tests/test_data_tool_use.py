@@ -582,7 +582,7 @@ def test_file_counts_every_line_and_writes_rejects_with_line_numbers(converted):
 
 
 def test_converted_file_prepares_with_loss_on_the_final_turn(converted, tmp_path):
-    from mimir_data_prep.render import ChatRenderer
+    from mimir_megatron.chat import ChatRenderer
 
     from mimir_megatron.data import PreparedDataset
 

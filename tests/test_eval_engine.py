@@ -19,7 +19,7 @@ from mimir_megatron.evaluation.prompts import build_items
 from mimir_megatron.evaluation.suite import load_suite
 
 REPO = Path(__file__).resolve().parent.parent
-TOKENIZER = REPO / "data_prep" / "demo" / "tokenizer"
+TOKENIZER = REPO / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer"
 LIMIT = 3
 SUITE = f"""
 name: engine
@@ -32,7 +32,7 @@ tasks:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from conftest import tiny_config
-    from mimir_data_prep.render import load_tokenizer
+    from mimir_megatron.chat import load_tokenizer
     from mimir_megatron.inference import InferenceEngine
     from mimir_megatron.model import build_model
 

@@ -250,7 +250,7 @@ def text_model_dir(tmp_path_factory, repo):
     """Project weights of a tiny random model with the demo tokenizer."""
     from mimir_megatron.interop import save_weights
 
-    tokenizer = repo / "data_prep" / "demo" / "tokenizer"
+    tokenizer = repo / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer"
     model = build_model(tiny_config("vocab_size=1024", f"tokenizer={tokenizer}", "seed=3"))
     return save_weights(model, tmp_path_factory.mktemp("weights") / "tiny")
 
@@ -316,11 +316,11 @@ def test_engine_loads_a_training_checkpoint_and_its_ema(demo_data, tmp_path):
 def test_evaluation_stops_on_the_templates_end_of_turn(demo_data, repo):
     """Held-out evaluation stops on the end-of-turn ids its dataset's manifest records, and the
     engine's default stops are the same ids (not a guessed token list)."""
-    from mimir_data_prep.render import load_tokenizer
+    from mimir_megatron.chat import load_tokenizer
 
     from mimir_megatron.train.evaluate import eval_stop_ids
 
-    tokenizer = load_tokenizer(repo / "data_prep" / "demo" / "tokenizer")
+    tokenizer = load_tokenizer(repo / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer")
     end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     assert eval_stop_ids(demo_data / "eval") == (end_of_turn,)
     engine = InferenceEngine(build_model(tiny_config("vocab_size=1024")), tokenizer)

@@ -25,14 +25,14 @@ PROMPTS = [f"{word} number {i}" for i, word in enumerate(["Hello", "The cat", "O
 
 @pytest.fixture(scope="module")
 def engine():
-    from mimir_data_prep.render import load_tokenizer
+    from mimir_megatron.chat import load_tokenizer
 
     from mimir_megatron.inference import InferenceEngine
     from mimir_megatron.model import build_model
 
     torch.manual_seed(0)
     model = build_model(tiny_config("vocab_size=1024"))
-    return InferenceEngine(model, load_tokenizer("data_prep/demo/tokenizer"), model_name="tiny")
+    return InferenceEngine(model, load_tokenizer("data_prep/mimir_data_prep/demo/tokenizer"), model_name="tiny")
 
 
 @pytest.fixture(scope="module")
@@ -364,7 +364,7 @@ def test_mimir_serve_command_end_to_end(tmp_path, repo):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "mimir_megatron.cli", "serve", "--hf", str(tmp_path / "hf"),
-                             "--tokenizer", str(repo / "data_prep/demo/tokenizer"), "--port", str(port)],
+                             "--tokenizer", str(repo / "data_prep/mimir_data_prep/demo/tokenizer"), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def up() -> bool:

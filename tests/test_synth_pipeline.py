@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from mimir_data_prep.synthetic.checks import run_checks, structure_differences
-from mimir_data_prep.synthetic.pipeline import CheckConfig, VerdictConfig, load_pipeline
-from mimir_data_prep.synthetic.state import StateFile
-from mimir_data_prep.synthetic.verdict import UNPARSEABLE, first_json_object, parse_verdict
+from mimir_data_prep.synth_pipeline.checks import run_checks, structure_differences
+from mimir_data_prep.synth_pipeline.pipeline import CheckConfig, VerdictConfig, load_pipeline
+from mimir_data_prep.synth_pipeline.state import StateFile
+from mimir_data_prep.synth_pipeline.verdict import UNPARSEABLE, first_json_object, parse_verdict
 from mimir_megatron.errors import ConfigError, UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -234,7 +234,7 @@ def test_pipeline_change_is_refused_unless_allowed(tmp_path):
 
 
 def test_cli_check_flag(capsys):
-    from mimir_data_prep.synthetic.run_cli import main
+    from mimir_data_prep.synth_pipeline.cli import main
 
     assert main([str(SHIPPED[0]), "--check"]) == 0
     assert "valid" in capsys.readouterr().out
@@ -244,7 +244,7 @@ def test_cli_check_flag(capsys):
 def test_registers_into_a_synth_group():
     import argparse
 
-    from mimir_data_prep.synthetic.run_cli import register_synth, run_command
+    from mimir_data_prep.synth_pipeline.cli import register_synth, run_command
 
     parser = argparse.ArgumentParser()
     register_synth(parser.add_subparsers(dest="synth_command"))

@@ -18,9 +18,9 @@ import pytest
 from synth_standin import StandIn
 
 from mimir_data_prep.records import to_conversation
-from mimir_data_prep.synthetic.client import EndpointUnavailable
-from mimir_data_prep.synthetic.pipeline import load_pipeline
-from mimir_data_prep.synthetic.runner import RunOptions, run_pipeline
+from mimir_data_prep.synth_pipeline.client import EndpointUnavailable
+from mimir_data_prep.synth_pipeline.pipeline import load_pipeline
+from mimir_data_prep.synth_pipeline.runner import RunOptions, run_pipeline
 from mimir_megatron.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -211,7 +211,7 @@ def test_unreachable_server_stops_the_run_and_a_rerun_resumes(fresh, tmp_path):
 
 
 def test_wrong_model_name_stops_the_run_instead_of_failing_every_row(fresh, tmp_path):
-    from mimir_data_prep.synthetic.client import EndpointMisconfigured
+    from mimir_data_prep.synth_pipeline.client import EndpointMisconfigured
 
     fresh.fault = lambda body, seen: "404" if body["model"] == "audit-model" else None
     path = write_pipeline(tmp_path, fresh.base_url, 6)
@@ -265,7 +265,7 @@ def test_acceptance_report_in_mlflow(fresh, tmp_path):
 
 
 def _runner_cmd(path: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "mimir_data_prep.synthetic.runner", str(path), "--output", str(out),
+    return [sys.executable, "-m", "mimir_data_prep.synth_pipeline", str(path), "--output", str(out),
             "--no-progress"]
 
 
@@ -288,7 +288,7 @@ def test_kill_and_rerun_neither_loses_nor_duplicates(fresh, tmp_path, caplog):
     assert 10 <= done_at_kill < rows, done_at_kill
     assert not (out / "verdicts.jsonl").exists()  # killed before it could write any output
     fresh.delay_s = 0.0
-    with caplog.at_level("INFO", logger="mimir_data_prep.synthetic.runner"):
+    with caplog.at_level("INFO", logger="mimir_data_prep.synth_pipeline.runner"):
         run(path, out)  # the rerun (in this process: one interpreter start less)
     assert f"{rows - done_at_kill} to do ({done_at_kill} decided before)" in caplog.text
     assert_complete(out, rows)
@@ -333,7 +333,7 @@ def _between(text: str, start: str = "<<<\n", end: str = "\n>>>") -> str:
 
 
 def _json_block(text: str, after: str) -> list:
-    from mimir_data_prep.synthetic.verdict import json_objects
+    from mimir_data_prep.synth_pipeline.verdict import json_objects
 
     return json_objects(text.split(after, 1)[1])[0]
 

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("mimir_megatron.inference.server")
 
-from mimir_data_prep.synthetic.pipeline import load_pipeline  # noqa: E402
-from mimir_data_prep.synthetic.runner import RunOptions, run_pipeline  # noqa: E402
+from mimir_data_prep.synth_pipeline.pipeline import load_pipeline  # noqa: E402
+from mimir_data_prep.synth_pipeline.runner import RunOptions, run_pipeline  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = 6
@@ -30,7 +30,7 @@ def engine():
     from conftest import TINY
 
     from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
-    from mimir_data_prep.render import load_tokenizer
+    from mimir_megatron.chat import load_tokenizer
     from mimir_megatron.config import load_config
     from mimir_megatron.inference import InferenceEngine
     from mimir_megatron.model import build_model
@@ -117,7 +117,7 @@ def test_counts_add_up_against_mimir_serve(uninterrupted):
 def test_kill_and_rerun_against_mimir_serve(served, uninterrupted, tmp_path):
     path = write_pipeline(tmp_path, served)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "mimir_data_prep.synthetic.runner", str(path), "--output", str(out),
+    cmd = [sys.executable, "-m", "mimir_data_prep.synth_pipeline", str(path), "--output", str(out),
            "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     state = out / "evidence.jsonl"

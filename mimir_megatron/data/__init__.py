@@ -1,6 +1,7 @@
 """Runtime data: prepared datasets, mixtures, packing, and the loader that yields ``Batch``es.
 
-Offline preparation lives in ``mimir_data_prep`` (``mimir prepare``, ``mimir data ...``).
+Offline preparation (``mimir prepare``, ``mimir data ...``) lives in ``data_prep/``, which builds on
+this package; nothing here imports it.
 """
 
 from .config import DataConfig

@@ -36,7 +36,7 @@ def load_renderer(tokenizer_dir: str | Path | None) -> tuple[Renderer | None, En
     """(chat renderer, plain encoder) of a tokenizer directory, or (None, None) without one."""
     if not tokenizer_dir or not (Path(tokenizer_dir) / "tokenizer.json").is_file():
         return None, None
-    from mimir_data_prep.render import load_tokenizer
+    from mimir_megatron.chat import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir)
     return chat_renderer(tok), (lambda text: tok.encode(text, add_special_tokens=False))

@@ -22,9 +22,10 @@ import torch
 from mimir_kernels import PrefixLMLayout, build_layout
 
 from mimir_megatron.batch import single_sample_batch
+from mimir_megatron.chat import encode, render_chat
 from mimir_megatron.inference.kv_cache import KVCache
 from mimir_megatron.inference.sampling import next_tokens
-from mimir_megatron.inference.text import StreamingText, default_stop_ids, encode, render_chat
+from mimir_megatron.inference.text import StreamingText, default_stop_ids
 from mimir_megatron.inference.types import (
     GenerationRequest,
     GenerationResult,

@@ -82,7 +82,7 @@ def resolve_checkpoint(path: Path) -> Path:
 def _tokenizer(directory: str | Path | None):
     if not directory or not (Path(directory) / "tokenizer.json").is_file():
         return None
-    from mimir_data_prep.render import load_tokenizer
+    from mimir_megatron.chat import load_tokenizer
 
     return load_tokenizer(directory)
 

@@ -1,30 +1,17 @@
 """Text around the engine: chat prompts, default stop tokens, streaming detokenisation.
 
-The tokenizer is a Hugging Face fast tokenizer with a chat template, loaded as ``mimir prepare``
-loads it (``mimir_data_prep.render.load_tokenizer``).
+Prompts are rendered and tokenized by :mod:`mimir_megatron.chat`, exactly as ``mimir prepare``
+renders the prefix of a training sample.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` with no special tokens added (special tokens come from the text)."""
-    return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
-
-
-def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
-    """The prompt ids of a conversation: the chat template up to and including the generation
-    prompt, tokenised separately from what follows, as ``mimir prepare`` renders a prefix."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-    return encode(tokenizer, text)
+from mimir_megatron.chat import end_of_turn_ids
 
 
 def default_stop_ids(tokenizer) -> tuple[int, ...]:
     """The ids that end an assistant turn under the tokenizer's chat template (found as
-    ``mimir prepare`` finds them: ``mimir_data_prep.render.end_of_turn_ids``), and its eos."""
-    from mimir_data_prep.render import end_of_turn_ids
-
+    ``mimir prepare`` finds them: :func:`mimir_megatron.chat.end_of_turn_ids`), and its eos."""
     ids = set(end_of_turn_ids(tokenizer))
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

@@ -273,7 +273,7 @@ class HRMTextModel(MegatronModule):
     def _chunked_loss(
         self, z_H: torch.Tensor, labels: torch.Tensor, num_supervised: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head and loss chunk by chunk (``kernels/vocab_loss.py``): no full logits."""
+        """The head and loss chunk by chunk (``kernels/mimir_kernels/vocab_loss.py``): no full logits."""
         cfg = self.cfg
         if cfg.uses_sequence_parallel:  # the head needs every position; grads reduce-scatter back
             hidden = tensor_parallel.gather_from_sequence_parallel_region(

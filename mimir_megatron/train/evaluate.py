@@ -61,7 +61,7 @@ def suite_scores(model, cfg, log_dir: Path) -> dict[str, float]:
 
     tokenizer = None
     if cfg.model.tokenizer:
-        from mimir_data_prep.render import load_tokenizer
+        from mimir_megatron.chat import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.tokenizer)
     was_training = model.training

@@ -1,32 +1,28 @@
-"""Chat-template rendering and tokenization: a conversation to (prefix ids, response ids).
+"""The chat template: the one place that turns conversations into token ids.
 
-The prefix is the template rendered for all but the final assistant turn with the generation
-prompt appended; the response is what the full rendering adds after it (the final assistant turn
-and its end-of-turn token), cut right after the end-of-turn token: templates that write a newline
-after it (Gemma's ``<end_of_turn>\n``) would otherwise train the model to emit that newline and
-leave generation nothing to stop on. Prefix and response are tokenized separately so that no BPE
-merge crosses the boundary the loss mask depends on.
+Training data (``mimir prepare``), inference (prompts, stop ids) and evaluation all render through
+here, so a model is prompted exactly as it was trained. The tokenizer is a Hugging Face fast
+tokenizer that has a chat template.
+
+A training sample is (prefix ids, response ids). The prefix is the template rendered for all but
+the final assistant turn with the generation prompt appended (the same text a prompt at inference
+is); the response is what the full rendering adds after it (the final assistant turn and its
+end-of-turn token), cut right after the end-of-turn token: templates that write a newline after it
+(Gemma's ``<end_of_turn>\\n``) would otherwise train the model to emit that newline and leave
+generation nothing to stop on. Prefix and response are tokenized separately so that no BPE merge
+crosses the boundary the loss mask depends on.
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 from mimir_megatron.errors import UserError
 
-from .records import Conversation, RecordError
 
-
-def tokenizer_hash(tokenizer_dir: str | Path) -> str:
-    """sha256 over the names and bytes of every file in the tokenizer directory."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in Path(tokenizer_dir).iterdir() if p.is_file()):
-        digest.update(path.name.encode() + b"\0")
-        digest.update(path.read_bytes())
-        digest.update(b"\0")
-    return digest.hexdigest()
+class ChatTemplateError(ValueError):
+    """The template cannot render a conversation, or its renderings do not line up."""
 
 
 def load_tokenizer(tokenizer_dir: str | Path):
@@ -75,12 +71,28 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
     return found or ([eos] if eos is not None else [])
 
 
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` with no special tokens added (special tokens come from the text);
+    the Rust tokenizer directly, without Hugging Face's per-call overhead."""
+    return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def prompt_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+    """The template rendered for ``messages`` with the generation prompt appended."""
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+    """The prompt ids of a conversation: the template up to and including the generation prompt,
+    tokenized on its own, as the prefix of a training sample is."""
+    return encode(tokenizer, prompt_text(tokenizer, messages, tools))
+
+
 class ChatRenderer:
-    """Renders and tokenizes conversations with one tokenizer's chat template."""
+    """Renders and tokenizes training conversations with one tokenizer's chat template."""
 
     def __init__(self, tokenizer_dir: str | Path) -> None:
         self.tokenizer = load_tokenizer(tokenizer_dir)
-        self._backend = self.tokenizer.backend_tokenizer  # the Rust tokenizer: no HF overhead
         self.end_of_turn_ids = end_of_turn_ids(self.tokenizer)
         self._end_tokens = [self.tokenizer.convert_ids_to_tokens(i) for i in self.end_of_turn_ids]
 
@@ -88,22 +100,19 @@ class ChatRenderer:
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
-    def render(self, conv: Conversation) -> tuple[str, str]:
-        """(prefix text, response text); RecordError('template_error') if they do not line up."""
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> tuple[str, str]:
+        """(prefix text, response text) of a conversation that ends with the assistant turn
+        trained on; ChatTemplateError when the template fails or the two do not line up."""
         try:
             full = self.tokenizer.apply_chat_template(
-                conv.messages, tools=conv.tools, tokenize=False, add_generation_prompt=False
+                messages, tools=tools, tokenize=False, add_generation_prompt=False
             )
-            prefix = self.tokenizer.apply_chat_template(
-                conv.messages[:-1], tools=conv.tools, tokenize=False, add_generation_prompt=True
-            )
+            prefix = prompt_text(self.tokenizer, messages[:-1], tools)
         except Exception as exc:  # jinja raises whatever the template author chose
-            raise RecordError("template_error", f"{type(exc).__name__}: {exc}") from None
+            raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from None
         if not full.startswith(prefix):
-            raise RecordError(
-                "template_error",
-                "the rendered conversation does not start with the rendered prefix and "
-                "generation prompt",
+            raise ChatTemplateError(
+                "the rendered conversation does not start with the rendered prefix and generation prompt"
             )
         return prefix, self._cut_after_end_of_turn(full[len(prefix) :])
 
@@ -114,8 +123,11 @@ class ChatRenderer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens come from the template text, none are added."""
-        return self._backend.encode(text, add_special_tokens=False).ids
+        return encode(self.tokenizer, text)
 
-    def tokenize(self, conv: Conversation) -> tuple[list[int], list[int]]:
-        prefix, response = self.render(conv)
+    def tokenize(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """(prefix ids, response ids), each tokenized on its own."""
+        prefix, response = self.render(messages, tools)
         return self.encode(prefix), self.encode(response)

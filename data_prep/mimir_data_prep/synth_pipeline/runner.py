@@ -7,7 +7,7 @@ one), ``discard`` ends it, ``regenerate`` asks the generator again with the reas
 to ``max_generations`` calls (then ``discarded`` as ``attempts_exhausted``). Every decided row is
 appended to the state file with its full evidence; the outputs are derived from that file.
 
-Module entry point for use without the `mimir` CLI: ``python -m mimir_data_prep.synthetic.runner``.
+Without the `mimir` CLI: ``python -m mimir_data_prep.synth_pipeline`` (``__main__.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -288,9 +287,3 @@ def run_pipeline(pipeline: Pipeline, options: RunOptions) -> dict[str, Any]:
         raise type(stopped)(f"{stopped}\n{report['decided']} of {report['source_rows']} rows are "
                             f"decided and kept in {out}; rerun the same command to resume")
     return report
-
-
-if __name__ == "__main__":
-    from .run_cli import main
-
-    sys.exit(main())

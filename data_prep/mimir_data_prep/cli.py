@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 
 # `mimir synth ACTION`: each module listed here exposes ``register_synth(subparsers)`` and adds its
 # actions to the group (heavy imports inside the handlers). A new action adds its module here.
-SYNTH_REGISTRARS = ("mimir_data_prep.tool_use.cli", "mimir_data_prep.synthetic.run_cli")
+SYNTH_REGISTRARS = ("mimir_data_prep.tool_use.cli", "mimir_data_prep.synth_pipeline.cli")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--config",
         default=None,
         help="YAML listing several datasets (input, output, input_format, columns each); "
-        "replaces -i/-t/-o (see data_prep/prepare_config.py)",
+        "replaces -i/-t/-o (see data_prep/mimir_data_prep/prepare_config.py)",
     )
     p.add_argument("--seq-len", type=int, default=4096, help="context length (default 4096)")
     p.add_argument(
@@ -83,7 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(handler=_demo)
 
     t = dsub.add_parser("demo-tokenizer", help="retrain the demo tokenizer (deterministic)")
-    t.add_argument("--output", "-o", default=None, help="default: data_prep/demo/tokenizer")
+    t.add_argument("--output", "-o", default=None, help="default: data_prep/mimir_data_prep/demo/tokenizer")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(handler=_demo_tokenizer)
 

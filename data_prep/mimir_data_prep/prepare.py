@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from mimir_megatron.chat import ChatRenderer, ChatTemplateError
 from mimir_megatron.data.prepared import (
     FORMAT,
     MANIFEST_NAME,
@@ -39,7 +40,6 @@ from .records import (
     decode_json_line,
     to_conversation,
 )
-from .render import ChatRenderer, tokenizer_hash
 from .shards import (
     DEFAULT_SHARD_BYTES,
     CorruptRowGroup,
@@ -97,6 +97,16 @@ def sha256_file(path: Path) -> str:
     with path.open("rb") as f:
         while block := f.read(1 << 22):
             digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_hash(tokenizer_dir: str | Path) -> str:
+    """sha256 over the names and bytes of every file in the tokenizer directory."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(tokenizer_dir).iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
     return digest.hexdigest()
 
 
@@ -219,7 +229,10 @@ def _fill_shard(
                     raise conv
                 conv, stripped = clean_control_chars(conv, settings.control_chars)
                 stats.control_chars_stripped += stripped > 0
-                prefix, response = renderer.tokenize(conv)
+                try:
+                    prefix, response = renderer.tokenize(conv.messages, conv.tools)
+                except ChatTemplateError as exc:
+                    raise RecordError("template_error", str(exc)) from None
                 if len(response) < settings.min_response_tokens:
                     raise RecordError(
                         "response_too_short",
@@ -510,7 +523,7 @@ def _write_manifest(
             "pad_token_id": renderer.tokenizer.pad_token_id,
             "eos_token_id": renderer.tokenizer.eos_token_id,
             # What generation stops on; every response ends with one of them when the template
-            # writes one (render.end_of_turn_ids).
+            # writes one (mimir_megatron.chat.end_of_turn_ids).
             "end_of_turn_ids": renderer.end_of_turn_ids,
         },
         "dtype": np.dtype(DType.optimal_dtype(renderer.vocab_size)).name,

@@ -1,13 +1,12 @@
 """`mimir synth run`: the parser (light imports) and its handler.
 
 ``register_synth_run(synth_subparsers)`` adds ``run`` to the ``mimir synth`` group; ``main()``
-is the same command standalone (``python -m mimir_data_prep.synthetic.runner``).
+is the same command standalone (``python -m mimir_data_prep.synth_pipeline``).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 
@@ -38,7 +37,7 @@ def register_synth_run(synth_subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_command)
 
 
-# The `mimir synth` group (data_prep/cli.py) calls ``register_synth`` of each module it lists.
+# The `mimir synth` group (data_prep/mimir_data_prep/cli.py) calls ``register_synth`` of each module it lists.
 register_synth = register_synth_run
 
 
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from mimir_megatron.errors import UserError
     from mimir_megatron.logging_setup import setup_logging
 
-    parser = argparse.ArgumentParser(prog="python -m mimir_data_prep.synthetic.runner",
+    parser = argparse.ArgumentParser(prog="python -m mimir_data_prep.synth_pipeline",
                                      description="Run a generate-and-audit pipeline.")
     parser.add_argument("-v", "--verbose", action="store_true")
     _add_arguments(parser)
@@ -94,7 +93,3 @@ def main(argv: list[str] | None = None) -> int:
             raise
         logging.getLogger("mimir").error("%s", exc)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

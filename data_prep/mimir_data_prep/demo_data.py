@@ -15,7 +15,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .synthetic import TASK_FAMILIES, make_sample, split_units
+from .text_tasks import TASK_FAMILIES, make_sample, split_units
 
 DEMO_DIR = Path(__file__).parent / "demo"
 TEXT_FILES = {"en": DEMO_DIR / "text_en.txt", "da": DEMO_DIR / "text_da.txt"}

@@ -1,6 +1,6 @@
 """`mimir prepare --config FILE.yaml`: several datasets in one file, each with its own input layout.
 
-tokenizer: ../../data_prep/demo/tokenizer   # paths are relative to this file
+tokenizer: ../../data_prep/mimir_data_prep/demo/tokenizer   # paths are relative to this file
 seq_len: 4096
 datasets:
   - name: openmath
