@@ -436,6 +436,34 @@ def test_arguments_that_are_not_literal_objects_are_rejected(value):
     assert not Path("/tmp/mimir_pwned").exists()
 
 
+def _typed(value):
+    """``value`` with every scalar paired with its type: -1 == -1.0, but not once typed."""
+    if isinstance(value, dict):
+        return {k: _typed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_typed(v) for v in value]
+    return type(value).__name__, value
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{'n': -1, 'x': -2.5, 'p': +3, 'l': [-1, (-2,)], 'b': True}",  # Python literal
+        '{"n": -1, "x": -2.5, "p": 3, "l": [-1, [-2]], "b": true}',  # JSON
+    ],
+)
+def test_negative_integers_stay_integers(text):
+    """A negative integer argument is an int (written -1 into the training JSON, not -1.0)."""
+    want = {"n": -1, "x": -2.5, "p": 3, "l": [-1, [-2]], "b": True}
+    arguments, _ = parse_arguments(text)
+    assert _typed(arguments) == _typed(want)
+    assert json.dumps(arguments) == '{"n": -1, "x": -2.5, "p": 3, "l": [-1, [-2]], "b": true}'
+    value, _ = parse_literal(text)
+    assert _typed(value) == _typed(want)
+    (call,) = parse_call_list("[f(n=-1, x=-2.5, p=+3, l=[-1, (-2,)], b=True)]")
+    assert _typed(call.arguments) == _typed(want)
+
+
 def test_literals_and_call_lists():
     assert parse_literal('{"a": 1}') == ({"a": 1}, "json")
     assert parse_literal("[-1, +2.5, 'x' 'y']") == ([-1, 2.5, "xy"], "python")

@@ -60,6 +60,22 @@ def test_ema_is_fp32_and_follows_the_weights():
     torch.testing.assert_close(ema.shadow["weight"], 0.5 * start + 0.5 * model.weight.float())
 
 
+def test_ema_keeps_decay_of_the_average_and_takes_one_minus_decay_of_the_weights():
+    """At decay 0.9 (not 0.5, where swapping decay and 1 - decay changes nothing): two updates by
+    hand, 0.9 * 1 + 0.1 * 3 = 1.2 then 0.9 * 1.2 + 0.1 * 5 = 1.58."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ema = EMA(model, decay=0.9)
+    for value in (3.0, 5.0):
+        with torch.no_grad():
+            model.weight.fill_(value)
+        ema.update(model)
+    torch.testing.assert_close(ema.shadow["weight"], torch.tensor([[1.58]]))
+    ema.copy_to(model)
+    assert model.weight.item() == pytest.approx(1.58)
+
+
 def test_groups_by_name():
     assert [group_of(n) for n in ("embedding.weight", "head.weight", "L.layers.0.mlp.linear_fc1.weight",
                                   "H.layers.3.self_attention.linear_qkv.weight")] == ["embedding", "head", "L", "H"]
