@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
-import skip_policy
+
+# Shared helpers (tests/helpers/*.py) are imported by module name from every tier and worker.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+import skip_policy  # noqa: E402
 
 pytest_plugins = ["pytester"]  # tests/test_skip_policy.py runs pytest on small generated suites
 
@@ -44,6 +48,18 @@ def demo_data(tmp_path_factory) -> Path:
     lines += [f"  - {{name: {n}, path: {out / n}, category: demo, language: en, repeat: 1}}" for n in names]
     (out / "mixture.yaml").write_text("\n".join(lines) + "\n")
     return out
+
+
+@pytest.fixture(scope="session")
+def reference_run(demo_data, tmp_path_factory):
+    """The uninterrupted 6-step run of :func:`train_overrides` (checkpoints at steps 3 and 6),
+    trained once per session: ``(run_dir, TrainResult)``. Read it, never write into it (copy it)."""
+    from mimir_megatron.train.config import load_train_config
+    from mimir_megatron.train.loop import train
+
+    run_dir = tmp_path_factory.mktemp("reference")
+    cfg = load_train_config(REPO / "configs" / "train" / "demo.yaml", train_overrides(demo_data, run_dir))
+    return run_dir, train(cfg)
 
 
 def train_overrides(demo_data: Path, run_dir: Path, *extra: str) -> list[str]:

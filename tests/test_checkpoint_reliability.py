@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from checkpoint_faults import patch_data_writes
+from checkpoint_states import assert_same_state
 from conftest import REPO, train_overrides
-from safetensors.torch import load_file
 
 from mimir_megatron.errors import UserError
 from mimir_megatron.train.checkpoint import (
@@ -36,8 +35,6 @@ from mimir_megatron.train.tracking import Tracker
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
 WORKERS = Path(__file__).resolve().parent / "workers"
-# Trainer-state entries that name the run rather than describe the training state.
-_RUN_BOUND = ("mlflow_run_id", "written_at", "config")
 
 
 def run(demo_data, run_dir, *extra, stop_at_step=None):
@@ -52,36 +49,9 @@ def latest(run_dir: Path) -> str:
     return (run_dir / "checkpoints" / "latest").read_text().strip()
 
 
-def checkpoint_state(path: Path) -> dict:
-    """Everything ``path`` holds, read with megatron's plain reader (none of our loading code):
-    weights, Adam moments, EMA, RNG, and the trainer state (steps, samples, Adam step counts)."""
-    from megatron.core import dist_checkpointing
-
-    tensors = dist_checkpointing.load_plain_tensors(str(path))
-    state = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-    state |= {f"rng.{k}": v for k, v in load_file(path / "rng_rank0.safetensors").items()}
-    trainer_state = json.loads((path / "trainer_state.json").read_text())
-    state["trainer_state"] = {k: v for k, v in trainer_state.items() if k not in _RUN_BOUND}
-    return state
-
-
-def assert_same_state(path: Path, expected: Path, ignore: tuple[str, ...] = ()) -> None:
-    got, want = checkpoint_state(path), checkpoint_state(expected)
-    for name in ignore:
-        got.pop(name), want.pop(name)
-    assert got.keys() == want.keys()
-    assert got.pop("trainer_state") == want.pop("trainer_state")
-    for kind in ("ema.", "optimizer.exp_avg.", "optimizer.exp_avg_sq.", "rng.torch"):
-        assert any(name.startswith(kind) for name in got), kind
-    differ = [name for name in got if not torch.equal(got[name], want[name])]
-    assert differ == [], f"{path} differs from {expected} in {differ}"
-
-
 @pytest.fixture(scope="module")
-def reference(demo_data, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("reference")
-    result = run(demo_data, run_dir)
-    return run_dir, result.losses
+def reference(reference_run):
+    return reference_run[0], reference_run[1].losses
 
 
 def copy_of(reference, tmp_path: Path) -> Path:
@@ -217,7 +187,14 @@ def test_async_checkpoints_are_written_while_training_goes_on(demo_data, tmp_pat
 
 
 def test_a_preemption_waits_for_the_pending_async_write(demo_data, tmp_path, reference, monkeypatch):
-    patch_data_writes("step_0000004.tmp", lambda stream: time.sleep(1.0), monkeypatch)  # a slow disk
+    slowed: list[str] = []
+
+    def slow_disk(stream) -> None:  # the first write of step 4 takes a second (in the forked writer)
+        if not slowed:
+            slowed.append(stream.name)
+            time.sleep(1.0)
+
+    patch_data_writes("step_0000004.tmp", slow_disk, monkeypatch)
     result = run(demo_data, tmp_path, "checkpoint.async_save=true", stop_at_step=4)
     assert result.preempted and result.losses == reference[1][:4]
     # On return (the job exits next) the pre-emption checkpoint is complete and `latest`.
@@ -305,6 +282,7 @@ def _kill_on(proc: subprocess.Popen, log_path: Path, run_dir: Path, event: tuple
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # about a minute on a quiet machine; 11 min seen at load 50 on 2 cores
 def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_losses(demo_data, tmp_path):
     """`kill -9` at random moments (mid-step, mid-save), resumed each time: the same losses as an
     uninterrupted run, every step in MLflow. MIMIR_TEST_KILLS sets the number of kills (3).

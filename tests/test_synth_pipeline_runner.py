@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+from polling import wait_for
 from synth_standin import StandIn
 
 from mimir_data_prep.records import to_conversation
-from mimir_data_prep.synthetic.client import EndpointUnavailable
+from mimir_data_prep.synthetic.client import ChatEndpoint, EndpointUnavailable
 from mimir_data_prep.synthetic.pipeline import load_pipeline
 from mimir_data_prep.synthetic.runner import RunOptions, run_pipeline
 from mimir_megatron.errors import UserError
@@ -298,8 +299,12 @@ def test_kill_and_rerun_neither_loses_nor_duplicates(fresh, tmp_path, caplog):
         assert (out / name).read_text() == (tmp_path / "uninterrupted" / name).read_text()
 
 
-def test_server_stopped_and_restarted_mid_run(tmp_path):
+def test_server_stopped_and_restarted_mid_run(tmp_path, monkeypatch):
     rows = 30
+    failed_calls: list[int] = []  # one entry per call that failed and will be retried
+    backoff = ChatEndpoint.backoff
+    monkeypatch.setattr(ChatEndpoint, "backoff",
+                        lambda self, failures, exc: failed_calls.append(failures) or backoff(self, failures, exc))
     server = StandIn(responder, delay_s=0.02).start()
     port = server.port
     path = write_pipeline(tmp_path, server.base_url, rows)
@@ -309,14 +314,15 @@ def test_server_stopped_and_restarted_mid_run(tmp_path):
     thread = threading.Thread(target=lambda: result.setdefault("report", run(path, out)))
     thread.start()
     state = out / "evidence.jsonl"
-    deadline = time.time() + 60
-    while time.time() < deadline and (not state.exists() or len(state.read_bytes().splitlines()) < 6):
-        time.sleep(0.02)
+    decided = lambda: len(state.read_bytes().splitlines()) if state.exists() else 0  # noqa: E731
+    wait_for(lambda: decided() >= 6, "6 rows decided", timeout=60)
     server.stop()
-    time.sleep(0.3)  # replies already being written when the server stopped still arrive
-    decided_while_down = len(state.read_bytes().splitlines())
-    time.sleep(1.5)
-    assert len(state.read_bytes().splitlines()) == decided_while_down < rows  # nothing answered
+    # Replies already being written when the server stopped still arrive: count once every one
+    # of the 4 concurrent callers has failed, then check that nothing is decided while failures go on.
+    wait_for(lambda: len(failed_calls) >= 4, "4 failed calls")
+    decided_while_down = decided()
+    wait_for(lambda: len(failed_calls) >= 12, "12 failed calls")
+    assert decided() == decided_while_down < rows  # nothing answered
     server = StandIn(responder, port=port).start()
     thread.join(timeout=120)
     server.stop()

@@ -18,6 +18,9 @@ import pytest
 
 pytest.importorskip("mimir_megatron.inference.server")
 
+from polling import wait_for  # noqa: E402
+
+from mimir_data_prep.synthetic.client import ChatEndpoint  # noqa: E402
 from mimir_data_prep.synthetic.pipeline import load_pipeline  # noqa: E402
 from mimir_data_prep.synthetic.runner import RunOptions, run_pipeline  # noqa: E402
 
@@ -134,9 +137,13 @@ def test_kill_and_rerun_against_mimir_serve(served, uninterrupted, tmp_path):
     assert_same_as_uninterrupted(out, uninterrupted[0])
 
 
-def test_mimir_serve_stopped_and_restarted_mid_run(engine, uninterrupted, tmp_path):
+def test_mimir_serve_stopped_and_restarted_mid_run(engine, uninterrupted, tmp_path, monkeypatch):
     from mimir_megatron.inference.server import serve_in_thread
 
+    failed_calls: list[int] = []  # one entry per call that failed and will be retried
+    backoff = ChatEndpoint.backoff
+    monkeypatch.setattr(ChatEndpoint, "backoff",
+                        lambda self, failures, exc: failed_calls.append(failures) or backoff(self, failures, exc))
     server = serve_in_thread(engine, port=0)
     base_url = server.__enter__()
     port = int(base_url.rsplit(":", 1)[1].split("/")[0])
@@ -147,12 +154,10 @@ def test_mimir_serve_stopped_and_restarted_mid_run(engine, uninterrupted, tmp_pa
         "report", run_pipeline(load_pipeline(path), RunOptions(out, progress=False))))
     thread.start()
     state = out / "evidence.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not state.exists() or len(state.read_bytes().splitlines()) < 2):
-        time.sleep(0.02)
+    wait_for(lambda: state.exists() and len(state.read_bytes().splitlines()) >= 2, "2 rows decided")
     server.__exit__(None, None, None)
     assert len(state.read_bytes().splitlines()) < ROWS
-    time.sleep(1.0)
+    wait_for(lambda: failed_calls, "a call failing while the server is down")  # it noticed
     with serve_in_thread(engine, port=port):
         thread.join(timeout=240)
     assert not thread.is_alive()

@@ -20,8 +20,8 @@ def run(demo_data, run_dir, *extra, stop_at_step=None):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(demo_data, tmp_path_factory):
-    return run(demo_data, tmp_path_factory.mktemp("full"))
+def uninterrupted(reference_run):
+    return reference_run[1]
 
 
 def test_losses_are_finite_and_fall(uninterrupted):
