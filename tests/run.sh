@@ -25,5 +25,5 @@ fi
 bash "$repo/launchers/setup_env.sh" test
 cd "$repo"
 # -rs lists every skip with its reason; under CI=true a skip not in tests/expected_skips.txt
-# fails the run (tests/skip_policy.py); --durations=30 lists the slowest tests of every run.
+# fails the run (tests/helpers/skip_policy.py); --durations=30 lists the slowest tests of every run.
 exec "${VENV:-$repo/.venv}/bin/python" -m pytest -q -rs --durations=30 -p no:cacheprovider "$@" tests

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batches import random_packed, rows_of
 from mimir_kernels import (
     ATTENTION_BACKENDS,
     PrefixLMLayout,
@@ -27,48 +28,6 @@ from mimir_kernels.varlen_prefix_lm import (
 from torch.nn.attention.flex_attention import create_mask
 
 # --- batches ---------------------------------------------------------------------------------
-
-
-def rows_of(pieces: list[list[tuple[int, int] | int]], seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows from pieces: ``(prefix_len, response_len)`` is a sample, an int is that much padding.
-    Whatever is left of a row is padding."""
-    segments = torch.zeros(len(pieces), seq, dtype=torch.long)
-    prefix = torch.zeros(len(pieces), seq, dtype=torch.bool)
-    for row, row_pieces in enumerate(pieces):
-        pos, sample = 0, 1
-        for piece in row_pieces:
-            if isinstance(piece, int):
-                pos += piece
-                continue
-            p, r = piece
-            segments[row, pos:pos + p + r] = sample
-            prefix[row, pos:pos + p] = True
-            pos, sample = pos + p + r, sample + 1
-        assert pos <= seq, "pieces overflow the row"
-    return segments, prefix
-
-
-def random_packed(rows: int, seq: int, seed: int, max_len: int = 6,
-                  end_padding: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of packed samples with random prefix and response lengths (each uniform in
-    1 .. max_len), the last sample cut at the row's end; with probability ``end_padding`` a row
-    stops early and ends with padding."""
-    g = torch.Generator().manual_seed(seed)
-
-    def draw(high: int) -> int:
-        return int(torch.randint(1, high + 1, (), generator=g))
-
-    pieces = []
-    for _ in range(rows):
-        row, pos = [], 0
-        stop = seq - draw(seq // 4) if torch.rand((), generator=g) < end_padding else seq
-        while pos < stop:
-            p = min(draw(max_len), stop - pos)
-            r = min(draw(max_len), stop - pos - p)
-            row.append((p, r))
-            pos += p + r
-        pieces.append(row)
-    return rows_of(pieces, seq)
 
 
 CASES = {

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, train_overrides
-from test_data_loader import make_mixture
+from mixtures import make_mixture
 
 from mimir_megatron.data import DataConfig, PackedMixture, build_train_loader
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from audit_support import write_prepared
+from mixtures import make_mixture
 
 from mimir_megatron.batch import IGNORE_INDEX
 from mimir_megatron.data import (
@@ -21,46 +21,6 @@ from mimir_megatron.data import (
     pack,
 )
 from mimir_megatron.errors import ConfigError
-
-
-def write_prepared(path: Path, docs: list[tuple[list[int], list[int]]]) -> Path:
-    """A prepared dataset written the way `mimir prepare` lays it out, from explicit token ids."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    (path / "shards").mkdir(parents=True)
-    builder = IndexedDatasetBuilder(str(path / "shards" / "00000.bin"), dtype=np.uint16)
-    for prefix, response in docs:
-        builder.add_document(np.array(prefix + response), lengths=[len(prefix), len(response)])
-    builder.finalize(str(path / "shards" / "00000.idx"))
-    manifest = {
-        "format": "mimir-prepared-v1",
-        "documents": len(docs),
-        "tokens": {"total": sum(len(p) + len(r) for p, r in docs)},
-        "tokenizer": {"sha256": "test"},
-        "shards": [{"prefix": "shards/00000", "documents": len(docs)}],
-        "outputs": {"shards/00000.bin": str(hash(tuple(map(tuple, sum(docs, ())))))},
-    }
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    return path
-
-
-def make_mixture(tmp_path: Path, n_docs: int = 60, repeat_b: float = 2) -> Path:
-    rng = np.random.default_rng(0)
-    datasets = {}
-    for name, base in (("a", 100), ("b", 500)):
-        docs = []
-        for i in range(n_docs):
-            p, r = int(rng.integers(1, 12)), int(rng.integers(2, 10))
-            # Token ids encode (dataset, document) so tests can tell samples apart.
-            docs.append(([base + i] * p, [base + i] * r))
-        datasets[name] = write_prepared(tmp_path / name, docs)
-    mixture = tmp_path / "mix.yaml"
-    mixture.write_text(
-        "name: t\ndatasets:\n"
-        "  - {path: a, category: A, language: en, repeat: 1}\n"
-        f"  - {{path: b, category: B, language: da, repeat: {repeat_b}}}\n"
-    )
-    return mixture
 
 
 def test_collate_matches_the_batch_contract_by_hand():

@@ -12,35 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from batches import packed_batch
 from conftest import tiny_config
 
 from mimir_megatron import backend
-from mimir_megatron.batch import Batch
 from mimir_megatron.errors import ConfigError
 from mimir_megatron.model import build_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU choices")
-
-
-def packed_batch(rows: int = 2, seq: int = 24, seed: int = 0) -> Batch:
-    """Rows of several packed samples (1-token prefixes and responses included), some padding."""
-    g = torch.Generator().manual_seed(seed)
-    layouts = [[(1, 5), (4, 1), (3, 4), (2, 2)], [(6, 7), (1, 1), (3, 3)]]
-    ids = torch.randint(0, 250, (rows, seq), generator=g)
-    labels = torch.full((rows, seq), -100)
-    segment = torch.zeros(rows, seq, dtype=torch.long)
-    position = torch.zeros(rows, seq, dtype=torch.long)
-    prefix = torch.zeros(rows, seq, dtype=torch.bool)
-    for r in range(rows):
-        pos = 0
-        for n, (p, resp) in enumerate(layouts[r % len(layouts)], start=1):
-            length = p + resp
-            segment[r, pos:pos + length] = n
-            position[r, pos:pos + length] = torch.arange(length)
-            prefix[r, pos:pos + p] = True
-            labels[r, pos + p - 1:pos + length] = torch.randint(0, 250, (resp + 1,), generator=g)
-            pos += length
-    return Batch(ids, position, segment, prefix, labels)
 
 
 # -- configuration and backend choice --------------------------------------------------------
@@ -158,7 +137,7 @@ def test_flex_takes_a_strided_value_as_megatrons_qkv_split_gives_it(monkeypatch)
 def test_gpu_tests_second_model_holds_the_reference_weights():
     """tests/test_gpu.py builds a second model instead of deep-copying the reference (which
     raises for megatron modules): same weights and buffers, but its own tensors."""
-    from test_gpu import SHAPE, like
+    from models import SHAPE, like
 
     reference = build_model(tiny_config(*SHAPE, "attention_backend=dense"))
     second = like(reference, "attention_backend=dense", "seed=7")  # a seed the load must undo

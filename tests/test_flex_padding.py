@@ -9,7 +9,7 @@ import pytest
 import torch
 from mimir_kernels import prefix_lm_mask
 from mimir_kernels.flex_prefix_lm import BLOCK_SIZE, prefix_lm_mask_mod
-from test_attention_backends import random_packed
+from batches import random_packed
 from torch.nn.attention.flex_attention import create_mask
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_config
-from test_fast_path import packed_batch
+from batches import packed_batch
+from models import SHAPE, like
 
 from mimir_megatron import backend
 from mimir_megatron.model import build_model
@@ -30,9 +31,6 @@ needs_te = pytest.mark.skipif(
 )
 
 # A shape where bf16 kernels take their fast paths (head_dim 64, multiples of 16).
-SHAPE = ("hidden_size=256", "num_attention_heads=4", "ffn_hidden_size=512", "vocab_size=1024")
-
-
 def cuda_batch(seq: int = 256, rows: int = 2):
     """Long rows of many packed samples (the test batch tiled), padding at the end."""
     base = packed_batch(rows=rows, seq=24)
@@ -67,15 +65,6 @@ def assert_grads_close(got, ref, rel: float):
     for name, g in ref.items():
         err = (got[name] - g).norm() / g.norm().clamp_min(1e-12)
         assert err < rel, f"{name}: relative gradient error {err:.3g} >= {rel}"
-
-
-def like(ref_model, *overrides: str, strict: bool = True):
-    """A model of SHAPE with ``overrides``, holding the reference model's weights: a second
-    model, not a copy (``copy.deepcopy`` of a megatron model raises: its modules hold process
-    groups, which cannot be pickled). Checked on CPU in tests/test_fast_path.py."""
-    model = build_model(tiny_config(*SHAPE, *overrides))
-    model.load_state_dict(ref_model.state_dict(), strict=strict)
-    return model
 
 
 def assert_matches(got, ref, loss_rtol: float, grad_rel: float) -> None:

@@ -9,18 +9,11 @@ import pytest
 import torch
 from conftest import tiny_config
 from distributed import run_ranks
+from inference_workloads import VOCAB, random_prompts, tp_workload
 
 from mimir_megatron.batch import Batch, single_sample_batch
 from mimir_megatron.inference import GenerationRequest, InferenceEngine, KVCache, RequestError, SamplingParams
 from mimir_megatron.model import build_model
-
-VOCAB = 250
-
-
-def random_prompts(lengths, seed=1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
 
 @pytest.fixture(scope="module")
 def model():
@@ -194,17 +187,6 @@ def test_bad_requests_name_the_field(engine):
         engine.generate([GenerationRequest([1], h_cycles=0)])
     with pytest.raises(RequestError, match="non-empty"):
         engine.score([([], [1])])
-
-
-def tp_workload(engine) -> dict:
-    """What the TP=2 worker (tests/workers/tp_generate.py) and the one-rank test both run."""
-    prompts = random_prompts([2, 7, 15], seed=21)
-    greedy = engine.generate([GenerationRequest(p, SamplingParams(max_new_tokens=6), 2, 2) for p in prompts])
-    sampled = engine.generate([GenerationRequest(p, SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9,
-                                                                   seed=i)) for i, p in enumerate(prompts)])
-    scores = engine.score([(prompts[0], prompts[1]), (prompts[2], prompts[0])])
-    return {"greedy": [r.token_ids for r in greedy], "sampled": [r.token_ids for r in sampled],
-            "greedy_logprobs": [r.logprobs for r in greedy], "scores": [s.token_logprobs for s in scores]}
 
 
 @pytest.mark.multiprocess

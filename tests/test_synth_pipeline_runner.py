@@ -1,4 +1,4 @@
-"""`mimir synth run` end to end against a stand-in OpenAI-compatible server (tests/synth_standin.py)
+"""`mimir synth run` end to end against a stand-in OpenAI-compatible server (tests/helpers/synth_standin.py)
 reached through the real `openai` client: verdicts and counts, each retryable fault, a kill -9 and
 rerun, a server stopped and restarted mid-run, MLflow, and the four shipped pipelines."""
 

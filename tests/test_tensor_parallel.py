@@ -2,21 +2,10 @@
 
 import pytest
 import torch
+from batches import OVERRIDES, make_batch
 from conftest import tiny_config
 from distributed import run_ranks
 from safetensors.torch import load_file
-
-from mimir_megatron.batch import single_sample_batch
-
-# vocab 100 pads to 128 at TP=1 and 256 at TP=2: the padding must not matter.
-OVERRIDES = ("vocab_size=100", "seed=5")
-
-
-def make_batch():
-    g = torch.Generator().manual_seed(3)
-    prefix = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (2, 6)]
-    response = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (8, 3)]
-    return single_sample_batch(prefix, response, seq_len=12)
 
 
 @pytest.fixture(scope="module")

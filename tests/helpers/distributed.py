@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-WORKERS = Path(__file__).resolve().parent / "workers"
+WORKERS = Path(__file__).resolve().parent.parent / "workers"
 
 
 def free_port() -> int:

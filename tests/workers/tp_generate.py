@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conftest import tiny_config  # noqa: E402
-from test_inference import tp_workload  # noqa: E402
+from inference_workloads import tp_workload  # noqa: E402
 
 from mimir_megatron.inference import InferenceEngine  # noqa: E402
 from mimir_megatron.model import build_model  # noqa: E402
