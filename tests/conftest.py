@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 import skip_policy  # noqa: E402
 
-pytest_plugins = ["pytester"]  # tests/test_skip_policy.py runs pytest on small generated suites
+pytest_plugins = ["pytester"]  # tests/unit/test_skip_policy.py runs pytest on small generated suites
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "model" / "tiny.yaml"
@@ -71,6 +71,6 @@ def train_overrides(demo_data: Path, run_dir: Path, *extra: str) -> list[str]:
         "train.micro_batch_size=2", "optim.warmup_steps=2", "optim.lr=3e-3", "optim.cooldown=none",
         "optim.ema_decay=0.99",
         "checkpoint.interval=3", "eval.max_samples=0", "window.ramp_fraction=0.5",
-        "tracking.system_metrics=false",  # on in tests/test_system_metrics.py
+        "tracking.system_metrics=false",  # on in tests/integration/test_system_metrics.py
         *extra,
     ]

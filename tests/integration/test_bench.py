@@ -13,7 +13,7 @@ import pytest
 from mimir_megatron.bench import PEER, Variant, parse_windows, peer_l_bp_cycles, run_order
 from mimir_megatron.model.window import plan_window
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.mark.parametrize("k,expected", [(5, [0, 3]), (6, [1, 3]), (7, [2, 3]), (8, [3, 3])])

@@ -34,7 +34,7 @@ from mimir_megatron.train.loop import train
 from mimir_megatron.train.tracking import Tracker
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
-WORKERS = Path(__file__).resolve().parent / "workers"
+WORKERS = Path(__file__).resolve().parents[1] / "workers"
 
 
 def run(demo_data, run_dir, *extra, stop_at_step=None):

@@ -18,7 +18,7 @@ from mimir_megatron.evaluation.metrics import LETTERS
 from mimir_megatron.evaluation.prompts import build_items
 from mimir_megatron.evaluation.suite import load_suite
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "data_prep" / "demo" / "tokenizer"
 LIMIT = 3
 SUITE = f"""

@@ -2,7 +2,7 @@
 backends inside the model, torch.compile, checkpoint portability and batch prefetching.
 
 The CUDA-only halves (compiled FlexAttention gradients, Transformer Engine, bf16) are in
-tests/test_gpu.py and run under ``bench/gpu_check.sh``.
+tests/unit/test_gpu.py and run under ``bench/gpu_check.sh``.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def test_flex_takes_a_strided_value_as_megatrons_qkv_split_gives_it(monkeypatch)
 
 
 def test_gpu_tests_second_model_holds_the_reference_weights():
-    """tests/test_gpu.py builds a second model instead of deep-copying the reference (which
+    """tests/unit/test_gpu.py builds a second model instead of deep-copying the reference (which
     raises for megatron modules): same weights and buffers, but its own tensors."""
     from models import SHAPE, like
 

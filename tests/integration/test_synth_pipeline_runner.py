@@ -24,7 +24,7 @@ from mimir_data_prep.synthetic.pipeline import load_pipeline
 from mimir_data_prep.synthetic.runner import RunOptions, run_pipeline
 from mimir_megatron.errors import UserError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 KINDS = ("accept", "discard", "regen", "garbage", "badgen", "notverbatim")
 # What each kind of row must end as, worked out from the responder below by hand:
 # (status, reasons, generator calls, auditor calls).

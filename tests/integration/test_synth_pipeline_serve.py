@@ -24,7 +24,7 @@ from mimir_data_prep.synthetic.client import ChatEndpoint  # noqa: E402
 from mimir_data_prep.synthetic.pipeline import load_pipeline  # noqa: E402
 from mimir_data_prep.synthetic.runner import RunOptions, run_pipeline  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ROWS = 6
 
 

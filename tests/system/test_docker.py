@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 REQUIREMENTS = REPO / "docker" / "requirements.txt"
 FROM_CONTAINER = {"torch", "numpy"}  # held at the container's versions, never pip-installed

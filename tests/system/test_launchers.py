@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from slurm_cluster import write_fake_trainer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAUNCHERS = REPO / "launchers"
 
 

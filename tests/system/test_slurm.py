@@ -21,7 +21,7 @@ import pytest
 from conftest import train_overrides
 from slurm_cluster import SlurmCluster, missing, write_fake_trainer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 V1 = REPO / "launchers" / "v1.sh"
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))

@@ -306,7 +306,7 @@ def test_yaml_config_sets_the_layout_per_dataset(tmp_path):
 def test_shipped_prepare_example_validates():
     from mimir_data_prep.prepare_config import load_prepare_config
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     job = load_prepare_config(root / "configs" / "prepare" / "example.yaml")
     assert Path(job.tokenizer).resolve() == DEMO_TOKENIZER_DIR.resolve()
     assert [(d.name, d.input_format) for d in job.datasets] == [

@@ -88,7 +88,7 @@ def test_unprepared_dataset_without_declared_size_is_a_user_error(tmp_path):
 
 
 def test_shipped_mixtures_load():
-    root = Path(__file__).resolve().parents[1] / "configs" / "data"
+    root = Path(__file__).resolve().parents[2] / "configs" / "data"
     names = sorted(p.name for p in root.glob("*.yaml"))
     assert names == ["demo.yaml", "mimir_v1_example.yaml"]
     example = load_mixture(root / "mimir_v1_example.yaml")

@@ -13,7 +13,7 @@ from mimir_megatron.evaluation.records import MissingData, load_rows
 from mimir_megatron.evaluation.suite import TaskSpec, load_suite
 from mimir_megatron.evaluation.sweep import SweepResult, markdown, parse_schedules, schedule_string
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SUITES = ("mimir_en", "mimir_math_code", "mimir_da", "table5", "demo")
 
 

@@ -13,7 +13,7 @@ from mimir_data_prep.synthetic.state import StateFile
 from mimir_data_prep.synthetic.verdict import UNPARSEABLE, first_json_object, parse_verdict
 from mimir_megatron.errors import ConfigError, UserError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs" / "synth").glob("*.yaml"))
 
 

@@ -1,5 +1,5 @@
 """Worker: the inference engine at TP=2 (with and without sequence parallelism) runs the test's
-workload; rank 0 writes the tokens and log-probs. Run by tests/test_inference.py as two gloo ranks."""
+workload; rank 0 writes the tokens and log-probs. Run by tests/integration/test_inference.py as two gloo ranks."""
 
 import json
 import sys

@@ -1,6 +1,6 @@
 """Worker: build the model at TP=2, run forward/backward, save full weights, grads and logits.
 
-Run by tests/test_tensor_parallel.py as two gloo ranks; rank 0 writes the results.
+Run by tests/integration/test_tensor_parallel.py as two gloo ranks; rank 0 writes the results.
 """
 
 import sys
