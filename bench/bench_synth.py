@@ -1,4 +1,4 @@
-"""`mimir synth run` throughput against the stand-in server of the tests (tests/synth_standin.py):
+"""`mimir synth run` throughput against the stand-in server of the tests (tests/helpers/synth_standin.py):
 rows/s at several concurrencies with a fixed server latency per request (a stand-in for model
 time), and the framework's own cost per row with no latency at all.
 
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "helpers"))
 
 from synth_standin import StandIn  # noqa: E402
 

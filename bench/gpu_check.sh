@@ -151,7 +151,7 @@ write_summary() {
 #    packages (mlflow, Slurm) that a bare GPU image lacks.
 seconds=$(part_limit 30 150)
 limited "$seconds" "$python" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfEs --durations=0 \
-    "${per_test[@]}" "$repo/tests/test_attention_backends.py" "$repo/tests/test_gpu.py" >"$out/tests.log" 2>&1
+    "${per_test[@]}" "$repo/tests/unit/test_attention_backends.py" "$repo/tests/unit/test_gpu.py" >"$out/tests.log" 2>&1
 code=$?
 parts+=("GPU tests: $(status_word "$code") (limit ${seconds} s, ${test_timeout} s per test), at $((SECONDS - started)) s")
 echo "${parts[-1]}"

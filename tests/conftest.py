@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
-import skip_policy
 
-pytest_plugins = ["pytester"]  # tests/test_skip_policy.py runs pytest on small generated suites
+# Shared helpers (tests/helpers/*.py) are imported by module name from every tier and worker.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+import skip_policy  # noqa: E402
+
+pytest_plugins = ["pytester"]  # tests/unit/test_skip_policy.py runs pytest on small generated suites
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "model" / "tiny.yaml"
@@ -46,6 +50,18 @@ def demo_data(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def reference_run(demo_data, tmp_path_factory):
+    """The uninterrupted 6-step run of :func:`train_overrides` (checkpoints at steps 3 and 6),
+    trained once per session: ``(run_dir, TrainResult)``. Read it, never write into it (copy it)."""
+    from mimir_megatron.train.config import load_train_config
+    from mimir_megatron.train.loop import train
+
+    run_dir = tmp_path_factory.mktemp("reference")
+    cfg = load_train_config(REPO / "configs" / "train" / "demo.yaml", train_overrides(demo_data, run_dir))
+    return run_dir, train(cfg)
+
+
 def train_overrides(demo_data: Path, run_dir: Path, *extra: str) -> list[str]:
     """A few-second training run: the test-sized model on the small demo data."""
     return [
@@ -55,6 +71,6 @@ def train_overrides(demo_data: Path, run_dir: Path, *extra: str) -> list[str]:
         "train.micro_batch_size=2", "optim.warmup_steps=2", "optim.lr=3e-3", "optim.cooldown=none",
         "optim.ema_decay=0.99",
         "checkpoint.interval=3", "eval.max_samples=0", "window.ramp_fraction=0.5",
-        "tracking.system_metrics=false",  # on in tests/test_system_metrics.py
+        "tracking.system_metrics=false",  # on in tests/integration/test_system_metrics.py
         *extra,
     ]

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Set up everything and run the whole test suite: bash tests/run.sh [pytest args]
+# Set up everything and run the test suite: bash tests/run.sh [unit|integration|system] [pytest args]
+#
+# Without a tier, every tier runs (what CI does). Tiers (tests/TIERS.md): unit is in-process and
+# quick, integration spawns processes and servers, system needs Slurm, the demo or docker tools.
 #
 # As root with apt-get available, installs the system packages the tests use (Slurm and munge
 # for the real single-node Slurm tests, shellcheck for the launcher lint); without them those
@@ -8,8 +11,13 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
+targets=(tests)
+case "${1:-}" in
+    unit | integration | system) targets=("tests/$1"); shift ;;
+esac
+
 packages=(slurmctld slurmd slurm-client munge shellcheck procps)
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+if [ "${targets[0]}" != tests/unit ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     missing=()
     for pkg in "${packages[@]}"; do
         dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
@@ -25,5 +33,5 @@ fi
 bash "$repo/launchers/setup_env.sh" test
 cd "$repo"
 # -rs lists every skip with its reason; under CI=true a skip not in tests/expected_skips.txt
-# fails the run (tests/skip_policy.py).
-exec "${VENV:-$repo/.venv}/bin/python" -m pytest -q -rs -p no:cacheprovider "$@" tests
+# fails the run (tests/helpers/skip_policy.py); --durations=30 lists the slowest tests of every run.
+exec "${VENV:-$repo/.venv}/bin/python" -m pytest -q -rs --durations=30 -p no:cacheprovider "$@" "${targets[@]}"

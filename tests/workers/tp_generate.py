@@ -1,5 +1,5 @@
 """Worker: the inference engine at TP=2 (with and without sequence parallelism) runs the test's
-workload; rank 0 writes the tokens and log-probs. Run by tests/test_inference.py as two gloo ranks."""
+workload; rank 0 writes the tokens and log-probs. Run by tests/integration/test_inference.py as two gloo ranks."""
 
 import json
 import sys
@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conftest import tiny_config  # noqa: E402
-from test_inference import tp_workload  # noqa: E402
+from inference_workloads import tp_workload  # noqa: E402
 
 from mimir_megatron.inference import InferenceEngine  # noqa: E402
 from mimir_megatron.model import build_model  # noqa: E402

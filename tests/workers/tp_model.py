@@ -1,6 +1,6 @@
 """Worker: build the model at TP=2, run forward/backward, save full weights, grads and logits.
 
-Run by tests/test_tensor_parallel.py as two gloo ranks; rank 0 writes the results.
+Run by tests/integration/test_tensor_parallel.py as two gloo ranks; rank 0 writes the results.
 """
 
 import sys
@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conftest import tiny_config  # noqa: E402
-from test_tensor_parallel import OVERRIDES, make_batch  # noqa: E402
+from batches import OVERRIDES, make_batch  # noqa: E402
 
 from mimir_megatron.interop import export_hf  # noqa: E402
 from mimir_megatron.model import build_model  # noqa: E402

@@ -1,0 +1,114 @@
+"""`mimir bench` runs on CPU and reports both implementations; the peer's window is ours.
+Also bench/gpu_check.sh's own guarantees (its limits clamp, a stuck process is killed)."""
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from mimir_megatron.bench import PEER, Variant, parse_windows, peer_l_bp_cycles, run_order
+from mimir_megatron.model.window import plan_window
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.parametrize("k,expected", [(5, [0, 3]), (6, [1, 3]), (7, [2, 3]), (8, [3, 3])])
+def test_peer_window_matches_last_k(k, expected):
+    assert peer_l_bp_cycles(2, 3, k) == expected
+    plan = plan_window(2, 3, k, "last_k")
+    assert (sum(expected), 2) == (plan.k_L, plan.k_H)
+
+
+def test_run_order_puts_the_peer_second_and_compiled_variants_last():
+    dense = Variant("dense", ["attention_backend=dense"])
+    compiled = Variant("flex+compile", ["attention_backend=flex", "compile=true"])
+    varlen = Variant("varlen", ["attention_backend=varlen", "compile=false"])
+    flex = Variant("flex", ["attention_backend=flex"])
+    assert run_order([compiled, dense, varlen, flex], peer=True) == [dense, PEER, varlen, flex, compiled]
+    assert run_order([compiled, dense], peer=False) == [dense, compiled]
+    assert run_order([dense], peer=True) == [dense, PEER]
+    # A shared compile=true compiles every variant but one that turns it off: that one goes first.
+    assert run_order([flex, varlen], peer=True, shared=["compile=true"]) == [varlen, PEER, flex]
+
+
+def test_windows_parse():
+    import argparse
+
+    assert parse_windows("5") == [5] and parse_windows("5,8") == [5, 8]
+    for bad in ("", "5,x", "0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_windows(bad)
+
+
+def test_bench_tiny_on_cpu(tmp_path, capsys):
+    """Two windows on the same models, the peer with gradient checkpointing right after ours."""
+    from mimir_megatron.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--shape", "tiny", "--steps", "1", "--warmup", "0", "--seq-len", "32",
+                 "--micro-batch", "2", "--window", "5,8", "--peer-checkpointing", "--json", str(out),
+                 "hidden_size=64", "ffn_hidden_size=128"]) == 0
+    report = json.loads(out.read_text())
+    assert report["windows"] == [5, 8]
+    rows = [(r["name"], r["k"]) for r in report["results"]]
+    assert rows == [("mimir-megatron", 5), ("mimir-megatron", 8),
+                    ("transformers hrm_text", 5), ("transformers hrm_text", 8)]
+    for r in report["results"]:
+        assert r["tokens_per_s"] > 0 and r["tflops_per_s"] > 0 and r["step_median_s"] > 0
+    by_row = {(r["name"], r["k"]): r for r in report["results"]}
+    assert by_row["mimir-megatron", 5]["window"] == "lllHLLLH"
+    assert by_row["mimir-megatron", 8]["window"] == "LLLHLLLH"
+    assert by_row["transformers hrm_text", 8]["window"].startswith("L_bp=[3, 3]")
+    assert by_row["transformers hrm_text", 5]["settings"]["gradient_checkpointing"] is True
+    assert set(report["ratio_vs_transformers"]) == {"k=5", "k=8"}
+    assert "ratio mimir-megatron / transformers at k=8" in capsys.readouterr().out
+
+
+def test_bench_scripts_are_shellcheck_clean():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    scripts = sorted(BENCH.glob("*.sh"))
+    assert {p.name for p in scripts} >= {"gpu_check.sh", "fetch_wheels.sh"}
+    proc = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+STUCK_PYTHON = """#!/usr/bin/env bash
+# Stands in for python: `python -` (the environment report) answers; the tests and the bench
+# hang and ignore the interrupt, as a process stuck in a CUDA teardown does.
+if [[ ${1:-} == - ]]; then cat >/dev/null; echo "torch 0 cuda none gpu False"; exit 0; fi
+echo "$*" >>"$STUCK_LOG"
+trap '' INT
+sleep 60
+"""
+
+
+def test_gpu_check_limits_clamp_and_kill_a_stuck_process(tmp_path):
+    """24 s of budget, 2 s of kill delay, a 3 s minimum part: the tests get 30 % of the 17 s left
+    (the budget less kill delay and summary), ~5 s, and are killed after ignoring the interrupt,
+    the first bench (60 % of the rest) too; the second has under 3 s left and is skipped, not
+    started without a limit (`timeout 0` is none); the summary is written, within the budget."""
+    stub = tmp_path / "python"
+    stub.write_text(STUCK_PYTHON)
+    stub.chmod(0o755)
+    results = tmp_path / "results"
+    env = {**os.environ, "PYTHON": str(stub), "STUCK_LOG": str(tmp_path / "calls.log"), "BUDGET_S": "24",
+           "KILL_AFTER_S": "2", "MIN_PART_S": "3", "SHAPE": "tiny"}
+    start = time.monotonic()
+    proc = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), str(results)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert elapsed < 24, f"{elapsed:.1f} s: the budget was not kept"
+    summary = (results / "summary.md").read_text()
+    assert "GPU tests: killed 2 s after the interrupt" in summary
+    assert "bench bench_k5_k8: killed 2 s after the interrupt" in summary
+    assert "bench bench_k5_packed: skipped (budget)" in summary
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert [c.split()[1] for c in calls] == ["pytest", "mimir_megatron.cli"]
+    assert "--durations=0" in calls[0] and "--window 5,8" in calls[1] and "--warmup 1" in calls[1]
+    assert {p.name for p in results.iterdir()} == {"env.txt", "tests.log", "bench.log", "summary.md"}

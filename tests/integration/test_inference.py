@@ -1,0 +1,309 @@
+"""The inference engine: cached decoding against full recomputation, transformers, TP=2, sampling,
+scoring against the model's own forward with the prefix mask, rows joining a running batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config
+from distributed import run_ranks
+from inference_workloads import VOCAB, random_prompts, tp_workload
+
+from mimir_megatron.batch import Batch, single_sample_batch
+from mimir_megatron.inference import GenerationRequest, InferenceEngine, KVCache, RequestError, SamplingParams
+from mimir_megatron.model import build_model
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(tiny_config("seed=5")).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return InferenceEngine(model, None, max_batch_size=64)
+
+
+@torch.no_grad()
+def uncached_last_logits(model, rows: list[list[int]], prompt_lengths: list[int], h: int, low: int) -> torch.Tensor:
+    """Logits after each row from one full forward (no cache): the prompt is the prefix, the rest
+    is causal, right padding, as the training batch lays it out."""
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    seg, pos = torch.zeros_like(ids), torch.zeros_like(ids)
+    prefix = torch.zeros_like(ids, dtype=torch.bool)
+    for r, (row, n_prompt) in enumerate(zip(rows, prompt_lengths)):
+        ids[r, : len(row)] = torch.tensor(row)
+        seg[r, : len(row)] = 1
+        pos[r, : len(row)] = torch.arange(len(row))
+        prefix[r, :n_prompt] = True
+    logits = model(Batch(ids, pos, seg, prefix), h_cycles=h, l_cycles=low, validate=False).logits
+    return logits[torch.arange(len(rows)), torch.tensor([len(r) - 1 for r in rows])]
+
+
+@pytest.mark.parametrize("h,low", [(1, 3), (2, 1), (3, 3)])
+def test_cached_greedy_equals_full_recomputation(model, engine, h, low):
+    prompts = random_prompts(range(1, 41))
+    plan = engine._plan(h, low)
+    cache, logits = engine.prefill(prompts, plan)
+    generated = [[] for _ in prompts]
+    for step in range(6):
+        reference = uncached_last_logits(model, [p + g for p, g in zip(prompts, generated)],
+                                         [len(p) for p in prompts], h, low)
+        assert (logits - reference).abs().max().item() < 1e-5, f"step {step}"
+        tokens = logits.argmax(-1)
+        for g, t in zip(generated, tokens.tolist()):
+            g.append(t)
+        positions = torch.tensor([len(p) + len(g) - 1 for p, g in zip(prompts, generated)])
+        logits = engine.decode_step(cache, tokens, positions, plan)
+    # generate() (sessions, stop handling, sorting by length) gives the same tokens
+    results = engine.generate([GenerationRequest(p, SamplingParams(max_new_tokens=6), h, low) for p in prompts])
+    assert [r.token_ids for r in results] == generated
+    assert all(r.finish_reason == "length" and len(r.logprobs) == 6 for r in results)
+
+
+def test_rows_joining_a_running_batch_decode_as_if_alone(engine):
+    """Step-level batching: a request added mid-decode (its cache merged, left-padded) and rows
+    leaving the batch change nobody's tokens."""
+    prompts = random_prompts([3, 17, 9, 30, 1], seed=3)
+    params = [SamplingParams(max_new_tokens=n) for n in (7, 3, 9, 5, 4)]
+    alone = [engine.generate([GenerationRequest(p, q)])[0].token_ids for p, q in zip(prompts, params)]
+    session = engine.open_session()
+    handles = {session.add(GenerationRequest(prompts[0], params[0])): 0,
+               session.add(GenerationRequest(prompts[1], params[1])): 1}
+    out, step = {}, 0
+    while session.active:
+        if step == 2:
+            handles[session.add(GenerationRequest(prompts[2], params[2]))] = 2
+            handles[session.add(GenerationRequest(prompts[3], params[3]))] = 3
+        if step == 4:
+            handles[session.add(GenerationRequest(prompts[4], params[4]))] = 4
+        rows_before = session.active
+        for event in session.step():
+            if event.finished:
+                out[handles[event.handle]] = event.result.token_ids
+        assert session.active <= rows_before
+        step += 1
+    assert [out[i] for i in range(5)] == alone
+
+
+def test_kv_cache_merge_left_pads_and_select_compacts():
+    a, b = KVCache(1, "cpu"), KVCache(2, "cpu")
+    for cache, n in ((a, 2), (b, 4)):
+        app = cache.application(0)
+        key = torch.arange(n * cache.batch * 3, dtype=torch.float32).reshape(n, cache.batch, 1, 3)
+        assert app.append(1, key, key) is None  # prefill: nothing cached before
+        cache.advance(torch.ones(cache.batch, n, dtype=torch.bool))
+    a.merge(b)
+    assert a.batch == 3 and a.length == 4
+    assert a.valid.tolist() == [[False, False, True, True]] + [[True] * 4] * 2
+    a.select_rows(torch.tensor([0]))
+    assert a.length == 2 and a.valid.tolist() == [[True, True]]  # unused leading slots dropped
+    keys, _ = a.application(0).append(1, torch.zeros(1, 1, 1, 3), torch.zeros(1, 1, 1, 3))
+    assert keys.shape == (1, 1, 3, 3)
+    assert keys[0, 0, :2, 0].tolist() == [0.0, 3.0]  # row 0's prompt keys, in order
+
+
+def test_matches_transformers_generate(model, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from mimir_megatron.interop import export_hf
+
+    export_hf(model, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    engine = InferenceEngine(model, None)
+    prompts = random_prompts([1, 5, 12, 23], seed=9)
+    ours = engine.generate([GenerationRequest(p, SamplingParams(max_new_tokens=10)) for p in prompts])
+    for prompt, result in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.ones_like(ids),
+                          max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == result.token_ids
+
+
+def test_sampling_is_reproducible_per_seed_and_respects_top_k(engine):
+    prompt = random_prompts([6], seed=4)[0]
+
+    def sample(seed, **kw):
+        p = SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed, **kw)
+        return engine.generate([GenerationRequest(prompt, p)])[0].token_ids
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+    # the same seeded request inside a batch of others gives the same tokens
+    others = [GenerationRequest(q, SamplingParams(max_new_tokens=12, temperature=1.0))
+              for q in random_prompts([3, 9], seed=8)]
+    mixed = engine.generate([others[0], GenerationRequest(prompt, SamplingParams(
+        max_new_tokens=12, temperature=1.0, seed=1)), others[1]])
+    assert mixed[1].token_ids == sample(1)
+    # top_k=1 is greedy
+    greedy = engine.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=12))])[0].token_ids
+    assert sample(3, top_k=1) == greedy
+    assert sample(3, top_p=1e-6) == greedy
+
+
+def test_stop_tokens_end_generation(engine):
+    prompt = random_prompts([5], seed=2)[0]
+    free = engine.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=8))])[0]
+    stop = free.token_ids[3]
+    first = free.token_ids.index(stop)
+    res = engine.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=8, stop_token_ids=(stop,)))])[0]
+    assert res.token_ids == free.token_ids[: first + 1] and res.finish_reason == "stop"
+
+
+@torch.no_grad()
+def test_score_equals_the_model_forward_with_the_prefix_mask(model, engine):
+    contexts = random_prompts([1, 4, 11], seed=12)
+    continuations = random_prompts([3, 1, 6], seed=13)
+    scores = engine.score(list(zip(contexts, continuations)), h_cycles=2, l_cycles=2)
+    batch = single_sample_batch(contexts, continuations)
+    logprobs = torch.log_softmax(model(batch, h_cycles=2, l_cycles=2, validate=False).logits, dim=-1)
+    for row, (ctx, cont, score) in enumerate(zip(contexts, continuations, scores)):
+        ref = [logprobs[row, len(ctx) - 1 + j, t].item() for j, t in enumerate(cont)]
+        assert score.token_logprobs == pytest.approx(ref, abs=1e-5)
+        assert score.logprob == pytest.approx(sum(ref), abs=1e-4)
+    # the greedy continuation is recognised as such, a perturbed one is not
+    greedy = engine.generate([GenerationRequest(contexts[1], SamplingParams(max_new_tokens=4), 2, 2)])[0].token_ids
+    wrong = greedy[:-1] + [(greedy[-1] + 1) % VOCAB]
+    got = engine.score([(contexts[1], greedy), (contexts[1], wrong)], h_cycles=2, l_cycles=2)
+    assert [s.is_greedy for s in got] == [True, False]
+    # scoring the whole string causally (what generic harness backends do) gives another answer
+    causal = single_sample_batch([contexts[2][:1]], [contexts[2][1:] + continuations[2]])
+    lp = torch.log_softmax(model(causal, h_cycles=2, l_cycles=2, validate=False).logits, dim=-1)
+    causal_sum = sum(lp[0, len(contexts[2]) - 1 + j, t].item() for j, t in enumerate(continuations[2]))
+    assert abs(causal_sum - scores[2].logprob) > 1e-3
+
+
+def test_bad_requests_name_the_field(engine):
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        engine.generate([GenerationRequest([1, VOCAB])])
+    with pytest.raises(RequestError, match="max_new_tokens"):
+        engine.generate([GenerationRequest([1], SamplingParams(max_new_tokens=0))])
+    with pytest.raises(RequestError, match="top_p"):
+        engine.generate([GenerationRequest([1], SamplingParams(top_p=0.0))])
+    with pytest.raises(RequestError, match="context holds"):
+        engine.generate([GenerationRequest([1] * engine.max_context)])
+    with pytest.raises(RequestError, match="h_cycles"):
+        engine.generate([GenerationRequest([1], h_cycles=0)])
+    with pytest.raises(RequestError, match="non-empty"):
+        engine.score([([], [1])])
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_generation_equals_one_rank(engine, tmp_path):
+    run_ranks("tp_generate.py", 2, str(tmp_path))
+    one_rank = tp_workload(engine)
+    for variant in ("sp1", "sp0"):
+        tp = json.loads((tmp_path / f"tp_generate_{variant}.json").read_text())
+        assert tp["greedy"] == one_rank["greedy"], variant
+        assert tp["sampled"] == one_rank["sampled"], variant
+        for key in ("greedy_logprobs", "scores"):
+            for a, b in zip(tp[key], one_rank[key]):
+                assert a == pytest.approx(b, abs=1e-4), (variant, key)
+
+
+def test_exact_match_counts_only_identical_completions(model):
+    """The trainer's evaluation on a fixture: references are the greedy continuations computed
+    by full recomputation (no engine), then one token of every other reference is changed."""
+    from mimir_megatron.data.eval import EvalSample
+    from mimir_megatron.train.evaluate import exact_match
+
+    prompts = random_prompts([4, 9, 2, 13], seed=31)
+    completions = [[] for _ in prompts]
+    for _ in range(5):
+        logits = uncached_last_logits(model, [p + c for p, c in zip(prompts, completions)],
+                                      [len(p) for p in prompts], model.cfg.h_cycles, model.cfg.l_cycles)
+        for c, t in zip(completions, logits.argmax(-1).tolist()):
+            c.append(t)
+    samples = [EvalSample(p, c) for p, c in zip(prompts, completions)]
+    unused = (min(set(range(VOCAB)) - {t for c in completions for t in c}),)  # no early stop
+    assert exact_match(model, samples, max_new_tokens=5, stop_token_ids=unused) == (1.0, 4)
+    broken = [EvalSample(s.prompt_ids, s.completion_ids[:2] + [(s.completion_ids[2] + 1) % VOCAB]
+                         + s.completion_ids[3:]) if i % 2 else s for i, s in enumerate(samples)]
+    assert exact_match(model, broken, max_new_tokens=5, stop_token_ids=unused) == (0.5, 4)
+    model.train()
+    exact_match(model, samples[:1], max_new_tokens=1)
+    assert model.training  # the trainer's mode is restored
+    model.eval()
+
+
+@pytest.fixture(scope="module")
+def text_model_dir(tmp_path_factory, repo):
+    """Project weights of a tiny random model with the demo tokenizer."""
+    from mimir_megatron.interop import save_weights
+
+    tokenizer = repo / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer"
+    model = build_model(tiny_config("vocab_size=1024", f"tokenizer={tokenizer}", "seed=3"))
+    return save_weights(model, tmp_path_factory.mktemp("weights") / "tiny")
+
+
+def test_generate_command_writes_one_line_per_input(text_model_dir, tmp_path):
+    from mimir_megatron.cli import main
+
+    lines = [
+        json.dumps({"prompt": "Hello there", "id": "a"}),
+        json.dumps({"messages": [{"role": "user", "content": "Reverse: abc"}]}),
+        "{not json",
+        json.dumps({"prompt_ids": [1, 2, 99999]}),
+        json.dumps({"prompt_ids": [5, 6, 7]}),
+    ]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    rc = main(["generate", "--weights", str(text_model_dir), "--input", str(tmp_path / "in.jsonl"),
+               "--output", str(out), "--max-new-tokens", "5", "--logprobs"])
+    assert rc == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(got) == 5 and got[0]["id"] == "a"
+    assert "line 3" in got[2]["error"] and "line 4" in got[3]["error"] and "vocabulary" in got[3]["error"]
+    for row in (got[0], got[1], got[4]):
+        assert row["finish_reason"] in ("stop", "length") and 1 <= len(row["completion_ids"]) <= 5
+        assert isinstance(row["completion"], str) and len(row["logprobs"]) == len(row["completion_ids"])
+    # the chat line is rendered with the template up to the generation prompt
+    from mimir_megatron.inference import load_engine
+
+    engine = load_engine(weights=text_model_dir)
+    ids = engine.render_chat([{"role": "user", "content": "Reverse: abc"}])
+    assert engine.decode(ids).endswith("model\n")
+    again = engine.generate([GenerationRequest(ids, SamplingParams(max_new_tokens=5))])[0]
+    assert again.token_ids == got[1]["completion_ids"]
+
+
+def test_engine_loads_a_training_checkpoint_and_its_ema(demo_data, tmp_path):
+    """The engine reads a checkpoint without the trainer; the trainer's own loader is the reference."""
+    from conftest import REPO, train_overrides
+
+    from mimir_megatron.model.state import gather_full_state
+    from mimir_megatron.train.checkpoint import load_model_from_checkpoint
+    from mimir_megatron.train.config import load_train_config
+    from mimir_megatron.train.loop import train
+    from mimir_megatron.inference import load_engine
+
+    cfg = load_train_config(REPO / "configs/train/demo.yaml",
+                            train_overrides(demo_data, tmp_path, "train.steps=3", "optim.ema_decay=0.5"))
+    train(cfg)
+    checkpoints = tmp_path / "checkpoints"
+    for ema in (False, True):
+        engine = load_engine(checkpoint=checkpoints, ema=ema)  # follows `latest`
+        ours = gather_full_state(engine.model)
+        ref = gather_full_state(load_model_from_checkpoint(checkpoints / "step_0000003", ema=ema))
+        assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ours)
+        assert engine.tokenizer is not None and engine.model_name == "checkpoints"
+    raw, averaged = (gather_full_state(load_engine(checkpoint=checkpoints, ema=e).model) for e in (False, True))
+    assert not torch.equal(raw["head.weight"], averaged["head.weight"])
+    text = load_engine(checkpoint=checkpoints).generate(
+        [GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=3))])[0]
+    assert len(text.token_ids) <= 3 and isinstance(text.text, str)
+
+
+def test_evaluation_stops_on_the_templates_end_of_turn(demo_data, repo):
+    """Held-out evaluation stops on the end-of-turn ids its dataset's manifest records, and the
+    engine's default stops are the same ids (not a guessed token list)."""
+    from mimir_megatron.chat import load_tokenizer
+
+    from mimir_megatron.train.evaluate import eval_stop_ids
+
+    tokenizer = load_tokenizer(repo / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer")
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert eval_stop_ids(demo_data / "eval") == (end_of_turn,)
+    engine = InferenceEngine(build_model(tiny_config("vocab_size=1024")), tokenizer)
+    assert engine.default_stop_ids == (end_of_turn,)

@@ -1,0 +1,171 @@
+"""launchers/*.sh: shellcheck-clean, the commands they build, and torchrun.sh's stop/resume.
+
+Slurm itself is exercised in test_slurm.py; here v1.sh/v1_5.sh run with DRY_RUN=1 and a fake
+job environment, which shows the srun command line (pyxis included) without a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import write_fake_trainer
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHERS = REPO / "launchers"
+
+
+def run(script: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    return subprocess.run(["bash", str(LAUNCHERS / script)], env={**clean, **env}, cwd="/",
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def fake_job(**extra: str) -> dict[str, str]:
+    """What sbatch puts in a job's environment, for a 2-node x 8-GPU job (DRY_RUN)."""
+    return {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "16", "SLURM_SUBMIT_DIR": str(REPO),
+            "MASTER_ADDR": "gpu01", "DRY_RUN": "1", **extra}
+
+
+def srun_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stderr
+    return next(line for line in proc.stderr.splitlines() if line.startswith("v1.sh: srun "))
+
+
+def test_shellcheck_clean():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    scripts = sorted(LAUNCHERS.glob("*.sh"))
+    assert {p.name for p in scripts} >= {"v1.sh", "v1_5.sh", "torchrun.sh"}
+    proc = subprocess.run(["shellcheck", "--external-sources", *map(str, scripts)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_v1_refuses_to_run_outside_slurm():
+    proc = run("v1.sh", {})
+    assert proc.returncode == 2
+    assert "not inside a Slurm job; submit it: sbatch launchers/v1.sh" in proc.stderr
+
+
+def test_v1_srun_command_bare():
+    line = srun_line(run("v1.sh", fake_job(PYTHON="/opt/venv/bin/python",
+                                           EXTRA_ARGS="train.steps=5 checkpoint.interval=2")))
+    assert line == (
+        "v1.sh: srun --nodes=2 --ntasks-per-node=8 --ntasks=16 --kill-on-bad-exit=1 "
+        "/opt/venv/bin/python -m mimir_megatron.cli train --config configs/train/mimir_v1.yaml "
+        f"run.dir={REPO}/runs/mimir_v1 train.steps=5 checkpoint.interval=2"
+    )
+
+
+def test_v1_srun_command_in_a_pyxis_container():
+    proc = run("v1.sh", fake_job(CONTAINER_IMAGE="registry#mimir/megatron:0.1.0",
+                                 CONTAINER_MOUNTS="/data:/data,/scratch:/scratch",
+                                 RUN_DIR="/scratch/runs/v1"))
+    assert srun_line(proc) == (
+        "v1.sh: srun --nodes=2 --ntasks-per-node=8 --ntasks=16 --kill-on-bad-exit=1 "
+        "--container-image=registry#mimir/megatron:0.1.0 "
+        "--container-mounts=/data:/data,/scratch:/scratch "
+        f"--container-workdir={REPO} mimir train --config configs/train/mimir_v1.yaml "
+        "run.dir=/scratch/runs/v1"
+    )
+    assert "master gpu01:24242" in proc.stderr  # 20000 + job id % 20000
+
+
+def test_v1_5_starts_from_the_newest_v1_checkpoint_then_resumes_its_own(tmp_path):
+    v1_run, v15_run = tmp_path / "v1", tmp_path / "v15"
+    (v1_run / "checkpoints" / "step_0000100").mkdir(parents=True)
+    (v1_run / "checkpoints" / "latest").write_text("step_0000100\n")
+    env = fake_job(PYTHON="python3", V1_RUN_DIR=str(v1_run), RUN_DIR=str(v15_run))
+
+    line = srun_line(run("v1_5.sh", env))
+    assert line.endswith(
+        f"--config configs/train/mimir_v1_5.yaml run.dir={v15_run} "
+        f"checkpoint.init_from={v1_run}/checkpoints/step_0000100"
+    )
+
+    (v15_run / "checkpoints").mkdir(parents=True)
+    (v15_run / "checkpoints" / "latest").write_text("step_0000010\n")
+    proc = run("v1_5.sh", env)
+    assert srun_line(proc).endswith(f"--config configs/train/mimir_v1_5.yaml run.dir={v15_run}")
+    assert "has checkpoints: resuming, INIT_FROM not used" in proc.stderr
+
+
+def test_v1_5_needs_a_v1_checkpoint(tmp_path):
+    proc = run("v1_5.sh", fake_job(V1_RUN_DIR=str(tmp_path / "none"), RUN_DIR=str(tmp_path / "r")))
+    assert proc.returncode == 2
+    assert "set INIT_FROM to a v1 checkpoint directory" in proc.stderr
+    proc = run("v1_5.sh", fake_job(INIT_FROM=str(tmp_path / "missing"), RUN_DIR=str(tmp_path)))
+    assert proc.returncode == 2
+    assert f"INIT_FROM={tmp_path}/missing is not a directory" in proc.stderr
+
+
+def test_torchrun_command():
+    proc = run("torchrun.sh", {"DRY_RUN": "1", "PYTHON": "python3", "NPROC_PER_NODE": "8",
+                               "CONFIG": "configs/train/demo.yaml", "EXTRA_ARGS": "train.steps=3"})
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(
+        r"torchrun\.sh: pid \d+: python3 -m torch\.distributed\.run --standalone --nnodes=1 "
+        r"--nproc-per-node=8 -m mimir_megatron\.cli train --config configs/train/demo\.yaml "
+        r"run\.dir=runs/demo train\.steps=3$", proc.stderr.strip()), proc.stderr
+
+
+def test_torchrun_stops_with_a_checkpoint_on_sigusr1_and_resumes(tmp_path):
+    """Real torchrun, 2 workers of the stand-in trainer: the launcher forwards SIGUSR1 to the
+    workers, exits 0 after their checkpoint, and a second run resumes and finishes."""
+    python = write_fake_trainer(tmp_path / "fake", sys.executable)
+    run_dir = tmp_path / "run"
+    log_path = tmp_path / "first.log"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))},
+           "PYTHON": str(python), "NPROC_PER_NODE": "2", "RUN_DIR": str(run_dir),
+           "CONFIG": "configs/train/demo.yaml", "EXTRA_ARGS": "train.steps=200",
+           "FAKE_STEP_SECONDS": "0.1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(["bash", str(LAUNCHERS / "torchrun.sh")], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while "step 2/200" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    saved = int(re.search(r"pre-empted: checkpoint saved at step (\d+)", text).group(1))
+    assert 2 <= saved < 200
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{saved:07d}"
+
+    env["EXTRA_ARGS"] = f"train.steps={saved + 3}"
+    second = subprocess.run(["bash", str(LAUNCHERS / "torchrun.sh")], env=env, timeout=90,
+                            capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    assert f"resumed from {run_dir}/checkpoints/step_{saved:07d} at step {saved}" in second.stderr
+    assert f"training done at step {saved + 3}" in second.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_trains_the_demo_on_two_processes(demo_data, tmp_path):
+    from conftest import train_overrides
+
+    run_dir = tmp_path / "run"
+    overrides = [o for o in train_overrides(demo_data, run_dir) if not o.startswith("run.dir=")]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))},
+           "PYTHON": sys.executable, "NPROC_PER_NODE": "2", "RUN_DIR": str(run_dir),
+           "CONFIG": "configs/train/demo.yaml", "EXTRA_ARGS": " ".join(overrides)}
+    proc = subprocess.run(["bash", str(LAUNCHERS / "torchrun.sh")], env=env, timeout=600,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "TP=1 DP=2" in proc.stderr
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000006"

@@ -1,0 +1,133 @@
+"""Packing, the Batch layout, data-parallel sharding and resumption of the training loader."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+import torch
+from audit_support import write_prepared
+from mixtures import make_mixture
+
+from mimir_megatron.batch import IGNORE_INDEX
+from mimir_megatron.data import (
+    DataConfig,
+    PackedMixture,
+    build_train_loader,
+    collate,
+    epoch_plan,
+    load_eval_samples,
+    mixture_fingerprint,
+    pack,
+)
+from mimir_megatron.errors import ConfigError
+
+
+def test_collate_matches_the_batch_contract_by_hand():
+    rows = [
+        [(np.array([11, 12]), np.array([13, 14, 15])), (np.array([21]), np.array([22, 23]))],
+        [(np.array([31, 32, 33]), np.array([34, 35]))],
+    ]
+    b = collate(rows, seq_len=8, pad_token_id=0)
+    b.validate(vocab_size=64)
+    X = IGNORE_INDEX
+    assert b.input_ids.tolist() == [[11, 12, 13, 14, 21, 22, 0, 0], [31, 32, 33, 34, 0, 0, 0, 0]]
+    assert b.labels.tolist() == [[X, 13, 14, 15, 22, 23, X, X], [X, X, 34, 35, X, X, X, X]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 0, 0], [0, 1, 2, 3, 0, 0, 0, 0]]
+    assert b.segment_ids.tolist() == [[1, 1, 1, 1, 2, 2, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]]
+    assert b.prefix_mask.tolist() == [
+        [True, True, False, False, True, False, False, False],
+        [True, True, True, False, False, False, False, False],
+    ]
+    assert b.input_ids.dtype == torch.long and b.prefix_mask.dtype == torch.bool
+
+
+def test_packing_never_splits_and_is_deterministic():
+    lengths = np.random.default_rng(1).integers(1, 65, size=3000)
+    a = pack(lengths, seq_len=64, window=512, seed=3, epoch=0)
+    b = pack(lengths, seq_len=64, window=512, seed=3, epoch=0)
+    assert np.array_equal(a.docs, b.docs) and np.array_equal(a.offsets, b.offsets)
+    assert sorted(a.docs.tolist()) == list(range(3000))  # every sample exactly once, whole
+    per_ctx = np.add.reduceat(lengths[a.docs], a.offsets[:-1])
+    assert per_ctx.max() <= 64
+    assert 1 - lengths.sum() / (a.num_contexts * 64) < 0.02  # best fit pads little
+    c = pack(lengths, seq_len=64, window=512, seed=4, epoch=0)
+    assert not np.array_equal(a.docs, c.docs)
+
+
+def test_epoch_plan_repeats_and_fractions():
+    plan = epoch_plan([4, 10], [2, 0.5], seed=0, epoch=0)
+    counts = np.bincount(plan, minlength=14)
+    assert counts[:4].tolist() == [2, 2, 2, 2]
+    assert counts[4:].sum() == 5 and set(counts[4:].tolist()) <= {0, 1}
+    assert np.array_equal(plan, epoch_plan([4, 10], [2, 0.5], seed=0, epoch=0))
+    assert not np.array_equal(plan, epoch_plan([4, 10], [2, 0.5], seed=0, epoch=1))
+
+
+def test_loader_yields_every_planned_sample_once_per_epoch(tmp_path):
+    cfg = DataConfig(mixture=str(make_mixture(tmp_path)), seq_len=32, seed=5, pack_window=64)
+    stream = PackedMixture(cfg)
+    n = stream.epoch(0).num_contexts
+    seen = []
+    for g in range(n):
+        for prefix, response in stream.context(g):
+            assert len(set(prefix.tolist() + response.tolist())) == 1
+            seen.append(int(prefix[0]))
+    assert sorted(seen) == sorted(list(range(100, 160)) + 2 * list(range(500, 560)))
+    batch = next(build_train_loader(cfg, micro_batch_size=3, dp_rank=0, dp_size=1))
+    assert batch.shape == (3, 32)
+    batch.validate(vocab_size=1024)
+    # Labels are the token that follows in the same sample: ids are constant within a sample.
+    keep = batch.labels != IGNORE_INDEX
+    assert torch.equal(batch.labels[keep], batch.input_ids[keep])
+    assert (stream.index_dir / f"t-{stream.fingerprint[:16]}-e0000.docs.npy").is_file()
+
+
+def _take(it, k):
+    return [next(it) for _ in range(k)]
+
+
+def test_dp_ranks_split_the_same_global_batches(tmp_path):
+    cfg = DataConfig(mixture=str(make_mixture(tmp_path)), seq_len=32, seed=5, pack_window=64)
+    single = _take(build_train_loader(cfg, micro_batch_size=4, dp_rank=0, dp_size=1), 30)
+    r0 = _take(build_train_loader(cfg, micro_batch_size=2, dp_rank=0, dp_size=2), 30)
+    r1 = _take(build_train_loader(cfg, micro_batch_size=2, dp_rank=1, dp_size=2), 30)
+    assert PackedMixture(cfg).epoch(0).num_contexts < 30 * 4  # so the batches cross epochs
+    for k in range(30):
+        union = torch.cat([r0[k].input_ids, r1[k].input_ids])
+        assert torch.equal(union, single[k].input_ids)
+        assert torch.equal(torch.cat([r0[k].labels, r1[k].labels]), single[k].labels)
+
+
+def test_resume_from_consumed_samples_continues_exactly(tmp_path):
+    cfg = DataConfig(mixture=str(make_mixture(tmp_path)), seq_len=32, seed=5, pack_window=64)
+    full = _take(build_train_loader(cfg, micro_batch_size=2, dp_rank=1, dp_size=2), 12)
+    resumed = _take(
+        build_train_loader(cfg, micro_batch_size=2, dp_rank=1, dp_size=2, consumed_samples=28), 5
+    )
+    for a, b in zip(full[7:], resumed):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.segment_ids, b.segment_ids)
+    with pytest.raises(ValueError, match="multiple of"):
+        build_train_loader(cfg, micro_batch_size=2, dp_rank=0, dp_size=2, consumed_samples=6)
+
+
+def test_fingerprint_changes_with_data_and_settings(tmp_path):
+    mix = make_mixture(tmp_path)
+    cfg = DataConfig(mixture=str(mix), seq_len=32, seed=5)
+    base = mixture_fingerprint(cfg)
+    assert base == mixture_fingerprint(DataConfig(mixture=str(mix), seq_len=32, seed=5))
+    assert base != mixture_fingerprint(DataConfig(mixture=str(mix), seq_len=32, seed=6))
+    mix.write_text(mix.read_text().replace("repeat: 2", "repeat: 3"))
+    assert base != mixture_fingerprint(cfg)
+
+
+def test_data_config_validation_lists_every_mistake():
+    with pytest.raises(ConfigError, match="seq_len.*seed"):
+        DataConfig(mixture="x.yaml", seq_len=1, seed=-1)
+
+
+def test_eval_samples_are_prefix_and_response(tmp_path):
+    write_prepared(tmp_path / "ev", [([1, 2, 3], [7, 4]), ([1, 5], [8, 9, 4])])
+    samples = load_eval_samples(tmp_path / "ev")
+    assert samples == [([1, 2, 3], [7, 4]), ([1, 5], [8, 9, 4])]
+    assert samples[1].completion_ids == [8, 9, 4]

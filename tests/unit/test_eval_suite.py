@@ -1,0 +1,170 @@
+"""Evaluation suites, local benchmark files and the rows-to-items step (no server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mimir_megatron.errors import ConfigError, UserError
+from mimir_megatron.evaluation.fixtures import write_fixtures
+from mimir_megatron.evaluation.prompts import build_items
+from mimir_megatron.evaluation.records import MissingData, load_rows
+from mimir_megatron.evaluation.suite import TaskSpec, load_suite
+from mimir_megatron.evaluation.sweep import SweepResult, markdown, parse_schedules, schedule_string
+
+REPO = Path(__file__).resolve().parents[2]
+SUITES = ("mimir_en", "mimir_math_code", "mimir_da", "table5", "demo")
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory) -> Path:
+    return write_fixtures(tmp_path_factory.mktemp("eval-data"), rows_per_split=6)
+
+
+@pytest.mark.parametrize("name", SUITES)
+def test_shipped_suites_validate(name):
+    suite = load_suite(REPO / "configs" / "eval" / f"{name}.yaml")
+    assert suite.seed == 4242 and suite.tasks
+
+
+def test_paper_suites_cover_the_twenty_benchmarks():
+    names = [t.name for n in ("mimir_en", "mimir_math_code", "mimir_da")
+             for t in load_suite(REPO / "configs" / "eval" / f"{n}.yaml").tasks]
+    assert len(names) == 20
+    danish = load_suite(REPO / "configs" / "eval" / "mimir_da.yaml")
+    assert all(t.shots == 0 for t in danish.tasks)
+    table5 = load_suite(REPO / "configs" / "eval" / "table5.yaml")
+    assert [t.header for t in table5.tasks] == ["ARC-C", "MMLU", "GSM8K", "HellaSwag", "GEC-DaLA"]
+
+
+def test_every_fixture_task_builds_items(fixtures):
+    for name in ("mimir_en", "mimir_math_code", "mimir_da"):
+        for task in load_suite(REPO / "configs" / "eval" / f"{name}.yaml").tasks:
+            items = build_items(task, fixtures, 4242, limit=3)
+            assert len(items) == 3, task.name
+            assert items[0].messages[-1]["role"] == "user"
+            assert len(items[0].messages) == 1 + 2 * min(task.shots, 6)
+
+
+def test_bad_suite_lists_every_mistake(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("tasks:\n  - {name: a, format: multiple_choice, data: x.jsonl, metric: chrf}\n"
+                    "  - {name: b, format: nope, data: y.jsonl}\n  - {name: a, format: generate, shots: 2}\n")
+    with pytest.raises(ConfigError) as err:
+        load_suite(path)
+    text = str(err.value)
+    for fragment in ("metric 'chrf' does not fit", "columns.answer is required", "format 'nope'",
+                     "appears twice", "`data`", "need `fewshot_data`", "columns.target is required"):
+        assert fragment in text
+
+
+def test_missing_data_names_task_and_path(tmp_path):
+    with pytest.raises(MissingData, match=r"task boolq: data not found at .*boolq/validation.jsonl"):
+        load_rows(tmp_path / "boolq" / "validation.jsonl", "boolq")
+
+
+def test_three_file_formats_read_the_same_layout(fixtures):
+    parquet = load_rows(fixtures / "mmlu" / "test.parquet", "mmlu")
+    assert set(parquet[0]) == {"question", "subject", "choices", "answer"} and len(parquet) == 6
+    saved = load_rows(fixtures / "arc_challenge" / "dataset", "arc", split="test")
+    assert set(saved[0]["choices"]) == {"text", "label"}
+    with pytest.raises(UserError, match="set the task's `split`"):
+        load_rows(fixtures / "arc_challenge" / "dataset", "arc")
+
+
+def _mc(**kw) -> TaskSpec:
+    base = dict(name="t", format="multiple_choice", data="rows.jsonl", prompt="{q}")
+    return TaskSpec(**{**base, **kw})
+
+
+@pytest.mark.parametrize("spec,row,letter", [
+    (_mc(columns={"choices": "opts", "answer": "a"}, answer_kind="index"), {"q": "?", "opts": ["x", "y"], "a": 1}, "B"),
+    (_mc(columns={"choices": ["o1", "o2"], "answer": "a"}, answer_kind="index1"),
+     {"q": "?", "o1": "x", "o2": "y", "a": "1"}, "A"),
+    (_mc(columns={"choices": "c.text", "labels": "c.label", "answer": "k"}, answer_kind="label"),
+     {"q": "?", "c": {"text": ["x", "y", "z"], "label": ["1", "2", "3"]}, "k": "3"}, "C"),
+    (_mc(choice_values=["yes", "no"], columns={"answer": "a"}, answer_kind="bool"), {"q": "?", "a": False}, "B"),
+    (_mc(choice_values=["pos", "neg"], columns={"answer": "a"}, answer_kind="value"), {"q": "?", "a": "pos"}, "A"),
+])
+def test_multiple_choice_answer_kinds(tmp_path, spec, row, letter):
+    import json
+
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    [item] = build_items(spec, tmp_path, 4242)
+    assert item.references == [letter]
+    assert "\nA. " in item.messages[-1]["content"]
+
+
+def test_seeded_shuffle_limit_and_shots(fixtures):
+    task = load_suite(REPO / "configs" / "eval" / "mimir_math_code.yaml").tasks[0]  # gsm8k, 8 shots
+    first = build_items(task, fixtures, 4242, limit=4)
+    again = build_items(task, fixtures, 4242, limit=6)
+    other = build_items(task, fixtures, 7, limit=6)
+    assert [i.id for i in first] == [i.id for i in again[:4]]
+    assert [i.id for i in again] != [i.id for i in other]
+    assert sorted(int(i.id) for i in again) == list(range(6))
+    assert first[0].messages[1]["role"] == "assistant" and "####" in first[0].messages[1]["content"]
+    assert first[0].references[0].isdigit()
+
+
+def test_row_missing_a_column_is_named(tmp_path):
+    (tmp_path / "rows.jsonl").write_text('{"q": "?", "a": 1}\n')
+    with pytest.raises(UserError, match="row 0 has no column 'opts'"):
+        build_items(_mc(columns={"choices": "opts", "answer": "a"}), tmp_path, 4242)
+
+
+def test_sweep_table_marks_trained_and_collapsed():
+    from mimir_megatron.evaluation.metrics import ItemOutcome
+    from mimir_megatron.evaluation.runner import SuiteResult, TaskResult
+    from mimir_megatron.evaluation.suite import SuiteSpec
+
+    mc = _mc(name="arc", title="ARC-C", columns={"choices": "o", "answer": "a"})
+    gen = TaskSpec(name="gec", format="generate", data="x", columns={"target": "t"}, metric="exact_match")
+    suite = SuiteSpec(name="s", tasks=[mc, gen], mcnemar=[["2x3", "1x3"]])
+
+    def result(mc_right: list[int], gen_right: list[int]) -> SuiteResult:
+        return SuiteResult(suite, [
+            TaskResult(mc, [ItemOutcome(str(i), "", ("A",), float(v), bool(v)) for i, v in enumerate(mc_right)],
+                       chance=0.25),
+            TaskResult(gen, [ItemOutcome(str(i), "", ("x",), float(v), bool(v)) for i, v in enumerate(gen_right)])])
+
+    sweep = SweepResult(suite, {(1, 3): result([0, 0, 0, 0, 0, 0, 0, 1], [0] * 8),
+                                (2, 3): result([1, 1, 1, 1, 0, 0, 0, 1], [1, 1, 1, 0, 0, 0, 0, 0])}, trained=(2, 3))
+    rows = sweep.rows()
+    assert [(r["D"], r["schedule"], r["trained"]) for r in rows] == [(4, "LLLH", False), (8, "LLLHLLLH", True)]
+    assert rows[0]["arc"] == 12.5 and rows[0]["arc_collapsed"] and rows[0]["gec_collapsed"]
+    assert rows[1]["arc"] == 62.5 and not rows[1]["arc_collapsed"] and not rows[1]["gec_collapsed"]
+    tests = {t["task"]: t for t in sweep.mcnemar()}
+    assert (tests["arc"]["only_a"], tests["arc"]["only_b"]) == (4, 0)
+    assert tests["arc"]["p_value"] == pytest.approx(2 / 16)
+    assert (tests["gec"]["only_a"], tests["gec"]["p_value"]) == (3, pytest.approx(0.25))
+    text = markdown(sweep)
+    assert "| 8 | 2 | 3 | LLLHLLLH (trained) | 62.50 | 37.50 |" in text and "12.50†" in text
+
+
+def test_schedules_parse():
+    assert parse_schedules("1x3, 2x1,3X3") == [(1, 3), (2, 1), (3, 3)]
+    assert schedule_string((2, 3)) == "LLLHLLLH"
+    with pytest.raises(UserError, match="not HxL"):
+        parse_schedules("2-3")
+
+
+def test_training_checkpoint_evaluations_go_under_the_training_run(tmp_path):
+    import json
+
+    from mimir_megatron.evaluation.sweep import trained_schedule
+    from mimir_megatron.evaluation.tracking import tracking_target
+
+    ckpts = tmp_path / "runs" / "demo" / "checkpoints"
+    (ckpts / "step_0000400").mkdir(parents=True)
+    (ckpts / "latest").write_text("step_0000400\n")
+    state = {"step": 400, "mlflow_run_id": "abc123", "model": {"h_cycles": 2, "l_cycles": 3},
+             "config": {"run": {"name": "demo", "dir": ""}, "tracking": {"uri": None, "experiment": "mimir-demo"}}}
+    (ckpts / "step_0000400" / "trainer_state.json").write_text(json.dumps(state))
+    target = tracking_target(tmp_path / "out", checkpoint=ckpts)
+    assert target.uri == f"sqlite:///{(tmp_path / 'runs' / 'demo' / 'mlflow.db').resolve()}"
+    assert (target.experiment, target.parent_run_id, target.checkpoint_step) == ("mimir-demo", "abc123", 400)
+    assert trained_schedule(checkpoint=str(ckpts)) == (2, 3)
+    other = tracking_target(tmp_path / "out", uri="sqlite:///x.db", checkpoint=ckpts)
+    assert other.parent_run_id is None and other.experiment == "mimir-eval"
