@@ -1,7 +1,8 @@
 """PrefixLM core attention in megatron's ``core_attention`` slot.
 
-Megatron's attention module computes q, k, v, the sigmoid output gate and RoPE; this slot
-receives ``[seq, batch, heads, head_dim]`` tensors and returns ``[seq, batch, heads * head_dim]``.
+Megatron's attention module computes q, k, v and the sigmoid output gate; this slot receives
+``[seq, batch, heads, head_dim]`` tensors, applies RoPE to q and k (the forward pass's table,
+:class:`RotaryLayout`) and returns ``[seq, batch, heads * head_dim]``.
 The kernel comes from ``kernels/`` (``mimir_kernels``). What it needs about the batch (dense mask,
 FlexAttention block mask or variable-length indices) is a :class:`mimir_kernels.PrefixLMLayout`
 built once per forward pass; it travels through megatron's ``packed_seq_params`` argument, which
@@ -14,9 +15,26 @@ all of them (``mimir_kernels.cached_prefix_lm_attention``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 from megatron.core.transformer.module import MegatronModule
 from mimir_kernels import PrefixLMLayout, cached_prefix_lm_attention, prefix_lm_attention
+
+from mimir_megatron.model.rope import RotaryTable
+
+
+@dataclass
+class RotaryLayout(PrefixLMLayout):
+    """The batch's layout plus its RoPE table: the recurrence hands megatron no ``rotary_pos_emb``
+    and this slot applies RoPE to q and k instead (before caching keys, as megatron would), with
+    cos and sin computed once per forward pass rather than once per layer and application."""
+
+    rotary: RotaryTable | None = None
+
+    @classmethod
+    def of(cls, layout: PrefixLMLayout, rotary: RotaryTable) -> "RotaryLayout":
+        return cls(**{f.name: getattr(layout, f.name) for f in fields(PrefixLMLayout)}, rotary=rotary)
 
 
 class PrefixLMCoreAttention(MegatronModule):
@@ -33,6 +51,9 @@ class PrefixLMCoreAttention(MegatronModule):
             raise ValueError("PrefixLM attention needs the layout built from the batch "
                              "(mimir_kernels.build_layout), passed as packed_seq_params")
         layout = packed_seq_params
+        rotary = getattr(layout, "rotary", None)
+        if rotary is not None:  # RoPE from the forward pass's table (see RotaryLayout)
+            query, key = rotary.apply(query), rotary.apply(key)
         if layout.kv_cache is not None:
             cached = layout.kv_cache.append(self.layer_number, key, value)
             if cached is not None:

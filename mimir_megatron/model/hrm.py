@@ -21,7 +21,8 @@ from mimir_megatron import backend
 from mimir_megatron.batch import IGNORE_INDEX, Batch, BatchError
 from mimir_megatron.config import ModelConfig
 from mimir_megatron.model.init import lecun_normal_, vocab_rows_init, z_l_init_
-from mimir_megatron.model.rope import rotary_angles
+from mimir_megatron.model.attention import RotaryLayout
+from mimir_megatron.model.rope import RotaryTable, rotary_angles
 from mimir_megatron.model.spec import block_spec
 from mimir_megatron.model.window import WindowPlan, plan_window
 
@@ -194,13 +195,14 @@ class HRMTextModel(MegatronModule):
         module application its own cache slots: the same layer applied at two points of the
         schedule sees different inputs, so it has different keys and values.
         """
-        angles = rotary_angles(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        rotary = RotaryTable(rotary_angles(position_ids, self.cfg.head_dim, self.cfg.rope_theta))
+        layout = RotaryLayout.of(layout, rotary)  # RoPE is applied in our attention slot
         z_H = self._embed(input_ids)
         z_L = self.z_L_init.to(z_H.dtype).expand_as(z_H)
         for application, (module, grad) in enumerate(zip(plan.schedule, plan.grad)):
             if kv_cache is not None:
                 layout = replace(layout, kv_cache=kv_cache.application(application))
-            stack_args = dict(attention_mask=None, rotary_pos_emb=angles, packed_seq_params=layout)
+            stack_args = dict(attention_mask=None, rotary_pos_emb=None, packed_seq_params=layout)
             with nullcontext() if grad else torch.no_grad():
                 if module == "L":
                     z_L = self.L(z_L + z_H, **stack_args)

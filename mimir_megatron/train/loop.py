@@ -7,11 +7,8 @@ reduction), dist_checkpointing; the schedules, optimizer groups and tracking are
 from __future__ import annotations
 
 import logging
-import math
-import os
 import signal
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,16 +22,12 @@ from mimir_megatron.errors import NonFiniteTraining
 from mimir_megatron.stop_signals import STOP_SIGNALS, take_early
 from mimir_megatron.train import checkpoint as ckpt
 from mimir_megatron.train.config import TrainConfig, flatten
-from mimir_megatron.train.flops import attended_keys_per_token, flops_per_token
-from mimir_megatron.train.optim import EMA, build_optimizer, clip_, grad_norm, optimizer_step
-from mimir_megatron.train.schedules import plan_step
+from mimir_megatron.train.flops import flops_per_token
+from mimir_megatron.train.schedules import StepPlan, plan_step
+from mimir_megatron.train.step import StepHooks, StepOutcome, Trainer, build_trainer, train_step
 from mimir_megatron.train.tracking import SystemMetrics, Tracker, host_tags
 
 log = logging.getLogger("mimir.train")
-
-FAULT_ENV = "MIMIR_TEST_FAULTS"
-"""Test-only fault injection: ``"3:grad,5:loss"`` makes step 3's gradient norm and step 5's loss
-(1-based steps) non-finite on every rank, to test ``train.on_nonfinite``."""
 
 
 @dataclass
@@ -49,7 +42,8 @@ class TrainResult:
 
 
 class _StopFlag:
-    """Set by SIGTERM/SIGUSR1; checked (and agreed on by all ranks) after each step."""
+    """Set by SIGTERM/SIGUSR1; agreed on by all ranks in the next step's reduction, which then
+    ends the run with a checkpoint."""
 
     def __init__(self) -> None:
         self.raised = False
@@ -69,30 +63,72 @@ class _StopFlag:
         self.raised = True
         log.warning("received %s: stopping after this step with a checkpoint", signal.Signals(signum).name)
 
-    def agreed(self, device: torch.device) -> bool:
-        flag = torch.tensor([1.0 if self.raised else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
-def train(cfg: TrainConfig, stop_at_step: int | None = None) -> TrainResult:
+def train(cfg: TrainConfig, stop_at_step: int | None = None, hooks: StepHooks | None = None
+          ) -> TrainResult:
     """Run (or resume) a training run described by ``cfg``; collective over all ranks.
 
     ``stop_at_step`` ends this invocation early, with a checkpoint, as a pre-emption would
-    (the schedules still span ``cfg.train.steps``): how resume is tested.
+    (the schedules still span ``cfg.train.steps``): how resume is tested. ``hooks`` reach into
+    each step (tests inject faults there).
     """
     # Handlers first: a pre-emption signal during start-up must not kill a rank.
     stop = _StopFlag()
     stop.install()
     try:
-        return _train(cfg, stop, stop_at_step)
+        run = _set_up(cfg)
+        return _loop(run, stop, stop_at_step, hooks)
     finally:
         stop.uninstall()
 
 
-def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> TrainResult:
+@dataclass
+class _Run:
+    """Everything the loop works with, built by :func:`_set_up`."""
+
+    cfg: TrainConfig
+    trainer: Trainer
+    loader: Any
+    eval_samples: list
+    tracker: Tracker
+    system: SystemMetrics | None
+    writer: ckpt.CheckpointWriter
+    result: TrainResult
+    fingerprint: str
+    dp_rank: int
+    dp_size: int
+    accumulation: int
+    step: int
+    """Optimizer steps done (0 at the start of a run, the checkpoint's step on resume)."""
+    consumed: int
+    """Samples consumed by the steps done."""
+
+    def save(self, at_step: int) -> None:
+        """Checkpoint the current state as that after ``at_step`` steps."""
+        cfg, t = self.cfg, self.trainer
+        trainer_state = {
+            "step": at_step,
+            "consumed_samples": self.consumed,
+            "window_k": plan_step(at_step - 1, cfg).window.k if at_step else None,
+            "optimizer_group_steps": ckpt.optimizer_group_steps(t.optimizer, t.dp_group),
+            "data_fingerprint": self.fingerprint,
+            "model": asdict(cfg.model),
+            "padded_vocab_size": cfg.model.padded_vocab_size,
+            "mlflow_run_id": self.tracker.run_id,
+            "config": cfg.to_dict(),
+        }
+        self.writer.save(at_step, t.model, t.optimizer, t.ema, trainer_state)
+
+    def evaluate(self) -> float | None:
+        t = self.trainer
+        return _evaluate(t.model, self.eval_samples, self.cfg, t.device, self.dp_rank, self.dp_size,
+                         t.dp_group, self.tracker, self.step)
+
+
+def _set_up(cfg: TrainConfig) -> _Run:
+    """Process group, model, optimizer, resumed state, data, tracking, checkpoint writer."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from mimir_megatron.data import (
         PackedMixture,
@@ -110,7 +146,6 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     dp_group = parallel_state.get_data_parallel_group()
-    accumulation = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
     run_dir, ckpt_dir = cfg.run_dir, cfg.checkpoint_dir
 
     if rank == 0:
@@ -120,19 +155,9 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     dist.barrier()
 
     # -- model, optimizer, state ---------------------------------------------------------------
-    model = build_model(cfg.model)
-    ddp = DistributedDataParallel(
-        model.config,
-        # No overlap: L and H run several times per step, so a parameter's gradient is complete
-        # only after the whole backward pass.
-        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                      use_distributed_optimizer=False),
-        model,
-    )
-    optimizer = build_optimizer(model, cfg.optim, dp_group=dp_group,
-                                shard=cfg.optim.shard_state and dp_size > 1)
-    ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay > 0 else None
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    trainer = build_trainer(build_model(cfg.model), cfg.optim, device=device, dp_group=dp_group,
+                            dp_size=dp_size, precision=cfg.train.precision)
+    model, optimizer, ema = trainer.model, trainer.optimizer, trainer.ema
     fingerprint = mixture_fingerprint(cfg.data)
 
     step, consumed, run_id, parent_run_id, config_changes = 0, 0, None, None, []
@@ -151,7 +176,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
         ckpt.set_aside_newer(ckpt_dir, step, resume_from)
     dist.barrier()
 
-    # -- data, tracking, signals ---------------------------------------------------------------
+    # -- data, tracking ------------------------------------------------------------------------
     # The packing index is built once, by rank 0, up to the epoch being resumed; the other
     # ranks then read it from its cache instead of each building it (minutes at 100B tokens).
     if rank == 0:
@@ -177,9 +202,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     system = _start_system_metrics(cfg, tracker, env.local_rank)
 
     result = TrainResult(final_step=step, run_id=tracker.run_id)
-    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
-                if backend.has_gpu() and cfg.train.precision in ("auto", "bf16") else nullcontext())
+    accumulation = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
     log.info("training %s: %d steps, global batch %d x %d tokens, %s, accumulation %d",
              cfg.run.name, cfg.train.steps, cfg.train.global_batch_size, cfg.data.seq_len, layout,
              accumulation)
@@ -190,115 +213,93 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
         log.info("checkpoint saved: %s", path)
 
     writer = ckpt.CheckpointWriter(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, on_saved)
+    return _Run(cfg=cfg, trainer=trainer, loader=loader, eval_samples=eval_samples, tracker=tracker,
+                system=system, writer=writer, result=result, fingerprint=fingerprint, dp_rank=dp_rank,
+                dp_size=dp_size, accumulation=accumulation, step=step, consumed=consumed)
 
-    def save(at_step: int) -> None:
-        trainer_state = {
-            "step": at_step,
-            "consumed_samples": consumed,
-            "window_k": plan.window.k if at_step else None,
-            "optimizer_group_steps": ckpt.optimizer_group_steps(optimizer, dp_group),
-            "data_fingerprint": fingerprint,
-            "model": asdict(cfg.model),
-            "padded_vocab_size": cfg.model.padded_vocab_size,
-            "mlflow_run_id": tracker.run_id,
-            "config": cfg.to_dict(),
-        }
-        writer.save(at_step, model, optimizer, ema, trainer_state)
 
-    # -- the loop ------------------------------------------------------------------------------
-    first_step = step
-    faults = _injected_faults()
-    nonfinite_in_a_row = 0
+def _loop(run: _Run, stop: _StopFlag, stop_at_step: int | None, hooks: StepHooks | None) -> TrainResult:
+    """Steps until the end, a pre-emption or a non-finite stop; then the final evaluation."""
+    from mimir_megatron.data.prefetch import DevicePrefetcher
+
+    cfg, result, device = run.cfg, run.result, run.trainer.device
+    first_step, nonfinite_in_a_row = run.step, 0
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+    devices = run.dp_size * cfg.model.tensor_parallel_size
+    evaluates = bool(run.eval_samples or cfg.eval.suite)
     try:
-        while step < cfg.train.steps:
+        while run.step < cfg.train.steps:
             started = time.perf_counter()
-            plan = plan_step(step, cfg)
-            micro_batches = [next(loader).to(device) for _ in range(accumulation)]
-            supervised = torch.stack([mb.num_supervised() for mb in micro_batches]).sum().to(device)
-            attended = torch.stack([attended_keys_per_token(mb.segment_ids, mb.prefix_mask)
-                                    for mb in micro_batches]).mean()  # for TFLOP/s
-            dist.all_reduce(supervised, group=dp_group)
-
-            ddp.zero_grad_buffer()
-            loss_sum = torch.zeros((), device=device)
-            for mb in micro_batches:
-                with autocast:
-                    # The loader's batches are checked on this process's first step only: the
-                    # checks (token ranges) cost host syncs that a GPU step should not pay.
-                    out = ddp(mb, window=plan.window.k, num_supervised=supervised,
-                              return_logits=False, validate=step == first_step)
-                out.loss.backward()
-                loss_sum += out.loss.detach().float()
-            ddp.finish_grad_sync()
-            dist.all_reduce(loss_sum, group=dp_group)
-            _inject_fault(faults.get(step + 1), loss_sum, params)
-
-            norm = grad_norm(params)
-            # Loss and norm are the same on every rank (all-reduced), so all ranks decide alike.
-            finite = math.isfinite(loss_sum.item()) and math.isfinite(norm.item())
-            nonfinite_in_a_row = 0 if finite else nonfinite_in_a_row + 1
-            if not finite:
-                what = f"step {step + 1}: loss {loss_sum.item()}, gradient norm {norm.item()}"
-                if cfg.train.on_nonfinite == "stop" or nonfinite_in_a_row > cfg.train.max_nonfinite_skips:
-                    if step > first_step and step % cfg.checkpoint.interval:
-                        save(step)  # the weights are still those before the bad step
-                    writer.wait()  # the last good state is on disk before the job ends
-                    raise NonFiniteTraining(
-                        f"non-finite {what} ({nonfinite_in_a_row} in a row, train.on_nonfinite="
-                        f"{cfg.train.on_nonfinite}); training stopped; last good state: step {step}"
-                        + (f" ({ckpt_dir})" if step > first_step else ""))
-                log.warning("non-finite %s: step skipped (no update), %d in a row", what,
-                            nonfinite_in_a_row)
+            plan = plan_step(run.step, cfg)
+            micro_batches = [next(run.loader).to(device) for _ in range(run.accumulation)]
+            # The loader's batches are checked on this process's first step only: the checks
+            # (token ranges) cost host syncs that a GPU step should not pay.
+            outcome = train_step(run.trainer, micro_batches, plan, step=run.step,
+                                 validate=run.step == first_step, stop_requested=lambda: stop.raised,
+                                 hooks=hooks)
+            if outcome.finite:
+                nonfinite_in_a_row = 0
             else:
-                clip_(params, norm, cfg.optim.clip_grad)
-                optimizer_step(optimizer, plan)
-                if ema is not None:
-                    ema.update(model)
-            step += 1
-            consumed += cfg.train.global_batch_size
+                nonfinite_in_a_row += 1
+                _on_nonfinite(run, outcome, nonfinite_in_a_row, first_step)
+            run.step += 1
+            run.consumed += cfg.train.global_batch_size
             elapsed = time.perf_counter() - started
 
-            loss = loss_sum.item()
-            result.losses.append(loss)
-            result.final_step = step
-            _log_step(tracker, cfg, step, plan, loss, norm.item(), supervised.item(),
-                      tokens_per_step, elapsed, dp_size * cfg.model.tensor_parallel_size,
-                      attended.item(), skipped=not finite)
+            result.losses.append(outcome.loss)
+            result.final_step = run.step
+            _log_step(run.tracker, cfg, run.step, plan, outcome, tokens_per_step, elapsed, devices)
 
-            writer.poll()
-            if step % cfg.checkpoint.interval == 0 or step == cfg.train.steps:
-                save(step)
-            periodic_eval = cfg.eval.interval and step % cfg.eval.interval == 0
-            if (eval_samples or cfg.eval.suite) and periodic_eval and step < cfg.train.steps:
-                _evaluate(model, eval_samples, cfg, device, dp_rank, dp_size, dp_group, tracker, step)
-            if stop.agreed(device) or step == stop_at_step:
-                if step % cfg.checkpoint.interval and step != cfg.train.steps:
-                    save(step)
-                writer.wait()
-                log.warning("pre-empted: checkpoint saved at step %d", step)
+            # -- what follows a step: checkpoint, evaluation, pre-emption -----------------------
+            run.writer.poll()
+            last = run.step == cfg.train.steps
+            if run.step % cfg.checkpoint.interval == 0 or last:
+                run.save(run.step)
+            if evaluates and cfg.eval.interval and run.step % cfg.eval.interval == 0 and not last:
+                run.evaluate()
+            if outcome.stop_requested or run.step == stop_at_step:
+                if run.step % cfg.checkpoint.interval and not last:
+                    run.save(run.step)
+                run.writer.wait()
+                log.warning("pre-empted: checkpoint saved at step %d", run.step)
                 result.preempted = True
                 break
-        writer.wait()
+        run.writer.wait()
         if not result.preempted:
-            log.info("training done at step %d", step)
-        if not result.preempted and (eval_samples or cfg.eval.suite):
-            result.exact_match = _evaluate(model, eval_samples, cfg, device, dp_rank, dp_size,
-                                           dp_group, tracker, step)
+            log.info("training done at step %d", run.step)
+            if evaluates:
+                result.exact_match = run.evaluate()
     except BaseException:
-        writer.abort()
-        if system is not None:
-            system.close()
-        tracker.close(status="FAILED", wait_seconds=5)
+        run.writer.abort()
+        if run.system is not None:
+            run.system.close()
+        run.tracker.close(status="FAILED", wait_seconds=5)
         raise
     finally:
-        if isinstance(loader, DevicePrefetcher):
-            loader.close()
-    if system is not None:
-        system.close()
-    tracker.close(status="KILLED" if result.preempted else "FINISHED",
-                  wait_seconds=cfg.tracking.final_flush_seconds)
-    result.run_id = tracker.run_id
+        if isinstance(run.loader, DevicePrefetcher):
+            run.loader.close()
+    if run.system is not None:
+        run.system.close()
+    run.tracker.close(status="KILLED" if result.preempted else "FINISHED",
+                      wait_seconds=cfg.tracking.final_flush_seconds)
+    result.run_id = run.tracker.run_id
     return result
+
+
+def _on_nonfinite(run: _Run, outcome: StepOutcome, in_a_row: int, first_step: int) -> None:
+    """``train.on_nonfinite``: warn and go on (the step changed nothing), or save the last good
+    state and raise."""
+    cfg, step = run.cfg, run.step
+    what = f"step {step + 1}: loss {outcome.loss}, gradient norm {outcome.grad_norm}"
+    if cfg.train.on_nonfinite == "stop" or in_a_row > cfg.train.max_nonfinite_skips:
+        if step > first_step and step % cfg.checkpoint.interval:
+            run.save(step)  # the weights are still those before the bad step
+        run.writer.wait()  # the last good state is on disk before the job ends
+        raise NonFiniteTraining(
+            f"non-finite {what} ({in_a_row} in a row, train.on_nonfinite={cfg.train.on_nonfinite}); "
+            f"training stopped; last good state: step {step}"
+            + (f" ({cfg.checkpoint_dir})" if step > first_step else ""))
+    log.warning("non-finite %s: step skipped (no update), %d in a row", what, in_a_row)
 
 
 def _start_system_metrics(cfg: TrainConfig, tracker: Tracker, local_rank: int) -> SystemMetrics | None:
@@ -347,24 +348,24 @@ def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> str | None:
     return parent
 
 
-def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan, loss: float, norm: float,
-              supervised: float, tokens: int, seconds: float, devices: int,
-              attended_keys: float, skipped: bool = False) -> None:
+def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan: StepPlan, outcome: StepOutcome,
+              tokens: int, seconds: float, devices: int) -> None:
+    """Metrics of every step to MLflow (host values the step already read: no synchronisation)."""
     flops = flops_per_token(cfg.model, plan.window.k_L, plan.window.k_H, cfg.data.seq_len,
-                            attended_keys=attended_keys) * tokens
+                            attended_keys=outcome.attended_keys) * tokens
     tflops_per_device = flops / seconds / devices / 1e12
     metrics = {
-        "loss": loss,
-        "grad_norm": norm,
+        "loss": outcome.loss,
+        "grad_norm": outcome.grad_norm,
         "window_k": plan.window.k,
         "k_L": plan.window.k_L,
         "k_H": plan.window.k_H,
-        "supervised_tokens": supervised,
+        "supervised_tokens": outcome.supervised,
         "tokens_per_s": tokens / seconds,
         "tflops_per_device": tflops_per_device,
         "step_time_s": seconds,
         "peak_memory_gb": backend.peak_memory_gb(),
-        "nonfinite_skip": float(skipped),  # its sum over a run is the number of skipped steps
+        "nonfinite_skip": float(not outcome.finite),  # its sum over a run: the skipped steps
         **{f"lr/{g}": lr for g, lr in plan.group_lr.items()},
     }
     if cfg.train.peak_tflops:
@@ -372,26 +373,8 @@ def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan, loss: float, 
     tracker.log_metrics(step, metrics)
     if step % cfg.train.log_interval == 0 or step == 1:
         log.info("step %d/%d loss %.4f k=%d (L%d H%d) lr %.2e gnorm %.3f %.0f tok/s %.3f TFLOP/s/dev",
-                 step, cfg.train.steps, loss, plan.window.k, plan.window.k_L, plan.window.k_H,
-                 plan.lr, norm, tokens / seconds, tflops_per_device)
-
-
-def _injected_faults() -> dict[int, str]:
-    """``{step: "loss" | "grad"}`` from :data:`FAULT_ENV` (tests only; empty otherwise)."""
-    faults = {}
-    for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
-        at, kind = item.split(":")
-        if kind not in ("loss", "grad"):
-            raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r} (loss or grad)")
-        faults[int(at)] = kind
-    return faults
-
-
-def _inject_fault(kind: str | None, loss_sum: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
-    if kind == "loss":
-        loss_sum.fill_(float("nan"))
-    elif kind == "grad":
-        params[0].main_grad.view(-1)[0] = float("inf")
+                 step, cfg.train.steps, outcome.loss, plan.window.k, plan.window.k_L, plan.window.k_H,
+                 plan.lr, outcome.grad_norm, tokens / seconds, tflops_per_device)
 
 
 def _eval_subset(samples: list, limit: int) -> list:

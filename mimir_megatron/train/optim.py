@@ -155,9 +155,11 @@ def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     return local.sqrt()
 
 
-def clip_(params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
-    if max_norm > 0 and math.isfinite(norm.item()) and norm.item() > max_norm:
-        scale = max_norm / (norm.item() + 1e-6)
+def clip_(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
+    """Scale the DDP gradients to ``max_norm`` when their global norm (a finite host value: the
+    train step reads it once with its other scalars) exceeds it."""
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
         for p in params:
             p.main_grad.mul_(scale)
 

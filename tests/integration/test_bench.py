@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mimir_megatron.bench import PEER, Variant, parse_windows, peer_l_bp_cycles, run_order
+from mimir_megatron.bench.cli import PEER, Variant, parse_windows, run_order
+from mimir_megatron.bench.peer import peer_l_bp_cycles
 from mimir_megatron.model.window import plan_window
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -44,10 +45,67 @@ def test_windows_parse():
             parse_windows(bad)
 
 
-def test_bench_tiny_on_cpu(tmp_path, capsys):
-    """Two windows on the same models, the peer with gradient checkpointing right after ours."""
-    from mimir_megatron.cli import main
+def test_shapes_are_code_equal_to_the_model_yamls():
+    """A wheel has no configs/: the shapes ship as code, and stay what the YAMLs say."""
+    from mimir_megatron.bench.shapes import model_config
+    from mimir_megatron.config import load_config
 
+    configs = Path(__file__).resolve().parent.parent / "configs" / "model"
+    for shape in ("tiny", "mimir"):
+        assert model_config(shape, None) == load_config(configs / f"{shape}.yaml"), shape
+    mid = model_config("mid", None)
+    assert (mid.hidden_size, mid.num_layers_L, mid.num_layers_H, mid.vocab_size) == (768, 4, 4, 32768)
+    assert model_config("mid", None, ["hidden_size=384"]).hidden_size == 384
+
+
+OUTSIDE_A_CHECKOUT = """
+import argparse, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+import mimir_megatron
+assert mimir_megatron.__file__.startswith(sys.argv[1]), mimir_megatron.__file__
+from mimir_megatron.bench import register
+parser = argparse.ArgumentParser()
+register(parser.add_subparsers())
+args = parser.parse_args(["bench", "--shape", "mid", "--no-peer", "--steps", "1", "--warmup", "0",
+                          "--seq-len", "16", "--micro-batch", "1", "hidden_size=64",
+                          "ffn_hidden_size=128", "num_attention_heads=4", "vocab_size=256"])
+sys.exit(args.handler(args))
+"""
+
+
+def test_bench_runs_from_an_installed_copy_outside_a_checkout(tmp_path):
+    """The packages copied as a wheel installs them (no configs/, no editable finder), run from
+    an empty directory."""
+    import importlib.util
+    import sys
+
+    site = tmp_path / "site"
+    for name in ("mimir_megatron", "mimir_kernels"):
+        source = importlib.util.find_spec(name).submodule_search_locations[0]
+        shutil.copytree(source, site / name, ignore=shutil.ignore_patterns("__pycache__"))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    proc = subprocess.run([sys.executable, "-c", OUTSIDE_A_CHECKOUT, str(site)], cwd=work,
+                          env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "mimir-megatron                5" in proc.stdout
+
+
+def test_bench_tiny_on_cpu(tmp_path, capsys, monkeypatch):
+    """Two windows on the same models, the peer with gradient checkpointing right after ours;
+    ours is timed through the trainer's own train_step."""
+    from mimir_megatron.cli import main
+    from mimir_megatron.train import step as step_module
+
+    calls = []
+    real_step = step_module.train_step
+
+    def counted(trainer, *args, **kwargs):
+        calls.append(type(trainer.optimizer).__name__)
+        return real_step(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(step_module, "train_step", counted)
     out = tmp_path / "bench.json"
     assert main(["bench", "--shape", "tiny", "--steps", "1", "--warmup", "0", "--seq-len", "32",
                  "--micro-batch", "2", "--window", "5,8", "--peer-checkpointing", "--json", str(out),
@@ -66,6 +124,9 @@ def test_bench_tiny_on_cpu(tmp_path, capsys):
     assert by_row["transformers hrm_text", 5]["settings"]["gradient_checkpointing"] is True
     assert set(report["ratio_vs_transformers"]) == {"k=5", "k=8"}
     assert "ratio mimir-megatron / transformers at k=8" in capsys.readouterr().out
+    assert calls == ["AdamW", "AdamW"]  # one timed step per window, no warm-up
+    for r in report["results"]:
+        assert (r["settings"]["clip_grad"], r["settings"]["ema_decay"]) == (1.0, 0.9999)
 
 
 def test_bench_scripts_are_shellcheck_clean():

@@ -221,7 +221,7 @@ def test_data_prefetch_setting_is_validated():
 
 
 def test_bench_variants_parse():
-    from mimir_megatron.bench import parse_variant
+    from mimir_megatron.bench.cli import parse_variant
 
     v = parse_variant("flex+compile:attention_backend=flex, compile=true")
     assert (v.name, v.overrides) == ("flex+compile", ["attention_backend=flex", "compile=true"])
@@ -231,7 +231,7 @@ def test_bench_variants_parse():
 
 
 def test_bench_batch_packs_samples():
-    from mimir_megatron.bench import bench_batch
+    from mimir_megatron.bench.measure import bench_batch
 
     b = bench_batch(vocab=100, micro_batch=2, seq_len=32, samples_per_context=3)
     b.validate(100)
@@ -260,7 +260,7 @@ def test_bench_reports_each_variant_and_a_failing_one(tmp_path: Path, capsys):
 
 
 def test_bench_variants_share_the_first_models_weights():
-    from mimir_megatron.bench import SharedWeights
+    from mimir_megatron.bench.measure import SharedWeights
 
     weights = SharedWeights()
     first = weights.model(tiny_config(), torch.device("cpu"))

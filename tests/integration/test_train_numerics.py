@@ -13,10 +13,11 @@ import torch
 from conftest import REPO, train_overrides
 
 from mimir_megatron.errors import ConfigError, NonFiniteTraining
-from mimir_megatron.train import loop
+from mimir_megatron.train import step as step_module
 from mimir_megatron.train.config import load_train_config
-from mimir_megatron.train.loop import FAULT_ENV, train
+from mimir_megatron.train.loop import train
 from mimir_megatron.train.optim import local_optimizer
+from mimir_megatron.train.step import StepHooks
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
 
@@ -34,15 +35,28 @@ EXPECTED_LR = [
 WEIGHT_DECAY, EPS = 0.1, 1e-8  # demo.yaml's weight decay, AdamW's default eps
 
 
-def run(demo_data, run_dir, *extra, stop_at_step=None):
+def run(demo_data, run_dir, *extra, stop_at_step=None, faults=None):
     cfg = load_train_config(DEMO, train_overrides(demo_data, run_dir, *extra))
-    return train(cfg, stop_at_step=stop_at_step)
+    return train(cfg, stop_at_step=stop_at_step, hooks=fault_hooks(faults or {}))
+
+
+def fault_hooks(faults: dict[int, str]) -> StepHooks:
+    """``{step: "loss" | "grad"}`` (1-based): that step's loss, or its gradient norm, becomes
+    non-finite on every rank."""
+
+    def inject(step: int, loss_sum: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+        if faults.get(step) == "loss":
+            loss_sum.fill_(float("nan"))
+        elif faults.get(step) == "grad":
+            params[0].main_grad.view(-1)[0] = float("inf")
+
+    return StepHooks(after_reduction=inject)
 
 
 def test_applied_learning_rates_and_first_adam_updates(demo_data, tmp_path, monkeypatch):
     applied: list[dict[str, float]] = []
     first_updates: list[tuple] = []  # (step, group, weight before, change, expected change)
-    real_step = loop.optimizer_step
+    real_step = step_module.optimizer_step
 
     def spy(optimizer, plan):
         local = local_optimizer(optimizer)
@@ -59,7 +73,7 @@ def test_applied_learning_rates_and_first_adam_updates(demo_data, tmp_path, monk
             want = -lr * (WEIGHT_DECAY * w + g / (g.abs() + EPS))
             first_updates.append((step, name, w, p.detach() - w, want))
 
-    monkeypatch.setattr(loop, "optimizer_step", spy)
+    monkeypatch.setattr(step_module, "optimizer_step", spy)
     run(demo_data, tmp_path, *SCHEDULE, "optim.ema_decay=0", "checkpoint.interval=100")
     assert len(applied) == 6
     for step, (got, want) in enumerate(zip(applied, EXPECTED_LR)):
@@ -99,9 +113,7 @@ def skipped_run(demo_data, tmp_path_factory):
     """4 steps, a checkpoint after each, step 3's gradient norm made infinite."""
     run_dir = tmp_path_factory.mktemp("skip")
     extra = ("train.steps=4", "checkpoint.interval=1", "checkpoint.keep=10")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(FAULT_ENV, "3:grad")
-        result = run(demo_data, run_dir, *extra)
+    result = run(demo_data, run_dir, *extra, faults={3: "grad"})
     cfg = load_train_config(DEMO, train_overrides(demo_data, run_dir, *extra))
     states = {s: _full_state(run_dir / "checkpoints" / f"step_{s:07d}", cfg) for s in (2, 3, 4)}
     return result, run_dir, states
@@ -119,12 +131,12 @@ def test_a_nonfinite_step_is_skipped_whole(skipped_run):
     assert skips == [0, 0, 1, 0]
 
 
-def test_stop_saves_the_last_good_state_and_fails(demo_data, tmp_path, monkeypatch, skipped_run):
+def test_stop_saves_the_last_good_state_and_fails(demo_data, tmp_path, skipped_run):
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv(FAULT_ENV, "3:loss")
     with pytest.raises(NonFiniteTraining, match=r"non-finite step 3: loss nan.*last good state: step 2"):
-        run(demo_data, tmp_path, "train.on_nonfinite=stop", "train.steps=4", "checkpoint.interval=5")
+        run(demo_data, tmp_path, "train.on_nonfinite=stop", "train.steps=4", "checkpoint.interval=5",
+            faults={3: "loss"})
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_0000002"
     cfg = load_train_config(DEMO, train_overrides(demo_data, tmp_path, "train.steps=4"))
     # The same two good steps as the skipping run: the saved state is the one before step 3.
@@ -134,10 +146,10 @@ def test_stop_saves_the_last_good_state_and_fails(demo_data, tmp_path, monkeypat
     assert [r.info.status for r in runs] == ["FAILED"]
 
 
-def test_skips_in_a_row_beyond_the_limit_stop(demo_data, tmp_path, monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "2:grad,3:loss")
+def test_skips_in_a_row_beyond_the_limit_stop(demo_data, tmp_path):
     with pytest.raises(NonFiniteTraining, match=r"step 3: .*\(2 in a row.*last good state: step 2"):
-        run(demo_data, tmp_path, "train.max_nonfinite_skips=1", "train.steps=4", "checkpoint.interval=5")
+        run(demo_data, tmp_path, "train.max_nonfinite_skips=1", "train.steps=4", "checkpoint.interval=5",
+            faults={2: "grad", 3: "loss"})
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_0000002"
 
 

@@ -1,0 +1,76 @@
+"""The bench's table, ratios against the peer, and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mimir_megatron.bench.measure import BenchResult
+from mimir_megatron.bench.peer import PEER_NAME
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Report:
+    """Prints each result as it is measured and rewrites the JSON after each one, so a run cut
+    short (a time limit, an out-of-memory kill) keeps what it measured."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, attended_keys: float) -> None:
+        import torch
+
+        self.args, self.results, self.attended_keys = args, [], attended_keys
+        print(f"attention FLOPs counted for {attended_keys:,.1f} keys per position (this batch)")
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        self.torch_version = torch.__version__
+        header = (f"{'implementation':<28}{'k':>3}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'step (s)':>10}"
+                  f"{'spread':>9}{'peak GB':>9}  window / settings")
+        print(header)
+        print("-" * len(header), flush=True)
+
+    def add(self, r: BenchResult) -> None:
+        self.results.append(r)
+        if r.error:
+            print(f"{r.name:<28}{r.k:>3}  FAILED: {r.error.splitlines()[0]}", flush=True)
+        else:
+            mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
+            settings = " ".join(f"{k}={v}" for k, v in r.settings.items())
+            print(f"{r.name:<28}{r.k:>3}{r.tokens_per_s:>12,.0f}{r.tflops_per_s:>10.3f}{mfu:>8}"
+                  f"{r.step_median_s:>10.3f}{r.step_spread_s:>9.3f}{r.peak_memory_gb:>9.2f}  "
+                  f"{r.window}  {settings}", flush=True)
+        self._write()
+
+    def ratios(self) -> dict[str, dict[str, float]]:
+        """Per window (``"k=5"``): tokens/s of each of our variants over the peer's, where the
+        peer ran at that window."""
+        ratios: dict[str, dict[str, float]] = {}
+        for peer in (r for r in self.results if r.name == PEER_NAME and not r.error):
+            ratios[f"k={peer.k}"] = {r.name: r.tokens_per_s / peer.tokens_per_s for r in self.results
+                                     if r.k == peer.k and r.name != PEER_NAME and not r.error}
+        return ratios
+
+    def finish(self) -> None:
+        for window, by_name in self.ratios().items():
+            for name, ratio in by_name.items():
+                print(f"ratio {name} / transformers at {window} (tokens/s): {ratio:.2f}")
+        if self.device_name == "cpu" and len(self.results) > 1:
+            print("peak GB on CPU is the process's largest resident set so far, not per row")
+        self._write()
+
+    def _write(self) -> None:
+        if not self.args.json:
+            return
+        a = self.args
+        payload = {"shape": a.config or a.shape, "windows": a.window, "seq_len": a.seq_len,
+                   "micro_batch": a.micro_batch, "samples_per_context": a.samples_per_context,
+                   "precision": a.precision, "device": self.device_name, "torch": self.torch_version,
+                   "attended_keys_per_token": self.attended_keys,
+                   "step": {"optimizer": a.optimizer, "lr": a.lr, "clip_grad": a.clip_grad,
+                            "ema_decay": a.ema_decay},
+                   "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in self.results],
+                   "ratio_vs_transformers": self.ratios()}
+        Path(a.json).write_text(json.dumps(payload, indent=2))
