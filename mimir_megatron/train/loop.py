@@ -103,7 +103,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     from mimir_megatron.data.prefetch import DevicePrefetcher
     from mimir_megatron.model import build_model
 
-    env = parallel.init_distributed()
+    env = parallel.init_distributed(timeout_s=cfg.train.collective_timeout_s)
     cfg.validate(world_size=env.world_size)
     parallel.init_model_parallel(cfg.model.tensor_parallel_size)
     rank, device = env.rank, backend.device()
