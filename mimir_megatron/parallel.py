@@ -50,15 +50,19 @@ def launch_env() -> LaunchEnv:
     )
 
 
-def init_distributed(timeout_minutes: int = 30) -> LaunchEnv:
-    """Initialise torch.distributed for this process (idempotent)."""
+def init_distributed(timeout_s: float = 1800) -> LaunchEnv:
+    """Initialise torch.distributed for this process (idempotent).
+
+    ``timeout_s``: how long a collective waits for the other ranks before it raises (the
+    trainer passes ``train.collective_timeout_s``).
+    """
     backend.activate()
     env = launch_env()
     if dist.is_initialized():
         return env
     if backend.has_gpu():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-    timeout = datetime.timedelta(minutes=timeout_minutes)
+    timeout = datetime.timedelta(seconds=timeout_s)
     if env.world_size == 1:
         # No rendezvous needed: an in-process store, no port to collide on.
         dist.init_process_group(

@@ -51,6 +51,7 @@ from mimir_megatron import backend
 from mimir_megatron.config import EXECUTION_FIELDS, ModelConfig
 from mimir_megatron.errors import UserError
 from mimir_megatron.model.sharded import ema_sharded_state, model_sharded_state
+from mimir_megatron.train.signal_safe_helpers import start_shielded, write_results_queue
 
 if TYPE_CHECKING:
     from mimir_megatron.train.config import TrainConfig
@@ -263,6 +264,7 @@ class CheckpointWriter:
         # and write them while training changes them; a forked writer gets a snapshot.
         self._queue = AsyncCallsQueue(persistent=False) if asynchronous else None
         self.pending: Path | None = None
+        write_results_queue()  # its helper process starts now, not inside the first save
 
     def save(self, step: int, model, optimizer, ema, trainer_state: dict[str, Any]) -> Path:
         self.wait()
@@ -281,6 +283,7 @@ class CheckpointWriter:
         self._agree(step, tmp, error)
         request = None
         try:
+            write_results_queue()  # a helper that died since the last save is started again
             request = dist_checkpointing.save(_sharded_state(model, optimizer, ema), str(tmp),
                                               async_sharded_save=self._queue is not None,
                                               async_strategy="mcore")
@@ -293,7 +296,7 @@ class CheckpointWriter:
             commit()
             return final
         request.add_finalize_fn(commit)
-        self._queue.schedule_async_request(request)
+        start_shielded(partial(self._queue.schedule_async_request, request))  # forks the writer
         self.pending = final
         log.info("checkpoint %s: writing in the background", final.name)
         return final
@@ -472,7 +475,8 @@ def check_compatible(saved: dict[str, Any], cfg: ModelConfig, path: Path) -> Non
 
 # What may change between save and resume without --allow-config-change: the layout of the same
 # computation (how the global batch is split, whether Adam state is sharded) and reporting.
-_LAYOUT_SETTINGS = {"train.micro_batch_size", "train.log_interval", "train.peak_tflops", "optim.shard_state"}
+_LAYOUT_SETTINGS = {"train.micro_batch_size", "train.log_interval", "train.peak_tflops", "optim.shard_state",
+                    "train.collective_timeout_s"}
 _COMPARED_SECTIONS = ("train", "window", "optim")
 _COMPARED_MODEL_FIELDS = ("h_cycles", "l_cycles", "window_policy")
 

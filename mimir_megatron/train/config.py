@@ -58,6 +58,11 @@ class TrainSection:
     weights before that step) and exit non-zero naming the step."""
     max_nonfinite_skips: int = 5
     """Consecutive non-finite steps `skip` tolerates before stopping."""
+    collective_timeout_s: int = 1800
+    """Seconds a collective (rendezvous, all-reduce, barrier) may wait for the other ranks before
+    this rank fails with an error: a hung or unreachable peer ends the job instead of holding the
+    allocation until its time limit. Must exceed the longest phase in which ranks wait for rank 0
+    alone: building the packing index at start (minutes at 100B tokens), an `eval.suite`."""
 
 
 @dataclass
@@ -213,6 +218,8 @@ class TrainConfig(RunSections):
             errs.append(f"train.on_nonfinite must be skip or stop, got {t.on_nonfinite!r}")
         if t.max_nonfinite_skips < 0:
             errs.append(f"train.max_nonfinite_skips must be >= 0, got {t.max_nonfinite_skips}")
+        if t.collective_timeout_s < 1:
+            errs.append(f"train.collective_timeout_s must be >= 1, got {t.collective_timeout_s}")
         if self.eval.suite and not Path(self.eval.suite).is_file():
             errs.append(f"eval.suite: {self.eval.suite} is not a file (a suite YAML, e.g. "
                         "configs/eval/demo.yaml)")

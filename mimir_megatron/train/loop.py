@@ -139,7 +139,7 @@ def _set_up(cfg: TrainConfig) -> _Run:
     from mimir_megatron.data.prefetch import DevicePrefetcher
     from mimir_megatron.model import build_model
 
-    env = parallel.init_distributed()
+    env = parallel.init_distributed(timeout_s=cfg.train.collective_timeout_s)
     cfg.validate(world_size=env.world_size)
     parallel.init_model_parallel(cfg.model.tensor_parallel_size)
     rank, device = env.rank, backend.device()

@@ -2,7 +2,8 @@
 
 megatron's writer calls torch's ``_write_item`` once per tensor with the open data file; the
 wrapper runs ``action(stream)`` first when the file lies in a directory named ``directory``
-(an action may raise, as a full disk does, or block). A forked asynchronous writer inherits it.
+(any checkpoint's when None; an action may raise, as a full disk does, or block). A forked
+asynchronous writer inherits it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 
-def patch_data_writes(directory: str, action: Callable[[io.IOBase], None], monkeypatch=None) -> None:
+def patch_data_writes(directory: str | None, action: Callable[[io.IOBase], None], monkeypatch=None) -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     original = filesystem_async._write_item
@@ -21,7 +22,7 @@ def patch_data_writes(directory: str, action: Callable[[io.IOBase], None], monke
     @functools.wraps(original)  # megatron inspects its signature
     def write_item(*args, **kwargs):
         stream = next(a for a in args if isinstance(a, io.IOBase))
-        if Path(stream.name).parent.name == directory:
+        if directory is None or Path(stream.name).parent.name == directory:
             action(stream)
         return original(*args, **kwargs)
 
