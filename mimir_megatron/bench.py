@@ -102,11 +102,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="compute precision: auto = bf16 autocast on GPU, fp32 on CPU")
     p.add_argument("--variant", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
                    help="measure our model with these extra overrides (repeatable), e.g. "
-                        "'flex+compile:attention_backend=flex,compile=true'")
+                        "'flex+compile:execution.attention_backend=flex,execution.compile=true'")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     p.add_argument("--peer-checkpointing", action="store_true",
-                   help="gradient checkpointing in the peer (compare with recompute=full variants; the "
-                        "peer needs it to fit the Mimir shape at 4 x 4096 tokens)")
+                   help="gradient checkpointing in the peer (compare with execution.recompute=full "
+                        "variants; the peer needs it to fit the Mimir shape at 4 x 4096 tokens)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("overrides", nargs="*", help="model key=value overrides for every variant")
@@ -145,7 +145,7 @@ def is_compiled(variant: Variant, shared: Sequence[str] = ()) -> bool:
     value = None
     for item in [*shared, *variant.overrides]:
         key, _, v = item.partition("=")
-        if key.strip() == "compile":
+        if key.strip().removeprefix("model.") == "execution.compile":
             value = v.strip().lower()
     return value in ("true", "1", "yes", "on")
 
@@ -304,7 +304,7 @@ class SharedWeights:
         from mimir_megatron import backend
         from mimir_megatron.model import build_model
 
-        te = backend.layer_backend(cfg.layer_backend) == "te"
+        te = backend.layer_backend(cfg.execution.layer_backend) == "te"
         if self.state is None or te:  # TE keeps FP8 state that an empty model would not have
             model = _build_on(cfg, device)
             if self.state is None and not te:
@@ -369,8 +369,9 @@ def _bench_ours(name: str, cfg, setup: BenchSetup, weights: SharedWeights) -> li
         return [_failed(name, exc, setup.device, k) for k in setup.windows]
     autocast = _autocast(setup)
     settings = {"attention": model.attention_backend, "layers": model.layer_backend,
-                "fp8": cfg.fp8, "compile": cfg.compile, "recompute": cfg.recompute,
-                "loss_chunk_tokens": cfg.loss_chunk_tokens}
+                "fp8": str(cfg.execution.fp8), "compile": cfg.execution.compile,
+                "recompute": str(cfg.execution.recompute),
+                "loss_chunk_tokens": cfg.execution.loss_chunk_tokens}
 
     def measure(k: int) -> BenchResult:
         plan = model.window_plan(k)
@@ -403,7 +404,8 @@ def _bench_peer(cfg, setup: BenchSetup, weights: SharedWeights, checkpointing: b
             raise ValueError("the transformers peer cannot express packed samples "
                              "(use --samples-per-context 1, or --no-peer)")
         with tempfile.TemporaryDirectory() as tmp:
-            local = replace(cfg, layer_backend="local", fp8="none", compile=False)  # never compiled
+            plain = replace(cfg.execution, layer_backend="local", fp8="none", compile=False)
+            local = replace(cfg, execution=plain)  # never compiled
             export_hf(weights.model(local, torch.device("cpu")), Path(tmp) / "hf")
             peer = AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.float32,
                                                         attn_implementation="sdpa")

@@ -12,7 +12,7 @@ import os
 import signal
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +105,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
 
     env = parallel.init_distributed()
     cfg.validate(world_size=env.world_size)
-    parallel.init_model_parallel(cfg.model.tensor_parallel_size)
+    parallel.init_model_parallel(cfg.model.parallel.tensor_parallel_size)
     rank, device = env.rank, backend.device()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -167,7 +167,8 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
     tracker = Tracker(cfg.tracking.uri, run_dir, cfg.tracking.experiment,
                       enabled=cfg.tracking.enabled and rank == 0,
                       retry_seconds=cfg.tracking.retry_seconds)
-    layout = f"TP={cfg.model.tensor_parallel_size} DP={dp_size} SP={cfg.model.uses_sequence_parallel}"
+    tp = cfg.model.parallel.tensor_parallel_size
+    layout = f"TP={tp} DP={dp_size} SP={cfg.model.uses_sequence_parallel}"
     tags = host_tags(env.world_size, layout) | {"data_fingerprint": fingerprint, "config": cfg.source}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
@@ -198,7 +199,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
             "window_k": plan.window.k if at_step else None,
             "optimizer_group_steps": ckpt.optimizer_group_steps(optimizer, dp_group),
             "data_fingerprint": fingerprint,
-            "model": asdict(cfg.model),
+            "model": cfg.model.shape_dict(),
             "padded_vocab_size": cfg.model.padded_vocab_size,
             "mlflow_run_id": tracker.run_id,
             "config": cfg.to_dict(),
@@ -262,7 +263,7 @@ def _train(cfg: TrainConfig, stop: _StopFlag, stop_at_step: int | None) -> Train
             result.losses.append(loss)
             result.final_step = step
             _log_step(tracker, cfg, step, plan, loss, norm.item(), supervised.item(),
-                      tokens_per_step, elapsed, dp_size * cfg.model.tensor_parallel_size,
+                      tokens_per_step, elapsed, dp_size * cfg.model.parallel.tensor_parallel_size,
                       attended.item(), skipped=not finite)
 
             writer.poll()
