@@ -31,7 +31,6 @@ from mimir_megatron.config import (
     model_section,
     model_yaml,
     raise_errors,
-    read_yaml,
     typed_section,
 )
 from mimir_megatron.data.config import DataConfig
@@ -329,19 +328,26 @@ def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainC
     Every section is read and checked even when another one is wrong: the ConfigError lists
     every mistake of every section, one line each."""
     path = Path(path)
-    raw = read_yaml(path, "sections")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
     try:
+        loaded = OmegaConf.load(path)
         if overrides:
-            raw = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(raw),
-                                                          OmegaConf.from_dotlist(list(overrides))))
-    except Exception as exc:
+            loaded = OmegaConf.merge(loaded, OmegaConf.from_dotlist(list(overrides)))
+        raw = OmegaConf.to_container(loaded, resolve=True)
+    except Exception as exc:  # YAML syntax, malformed overrides
         raise ConfigError(f"cannot parse {path} with overrides {list(overrides)}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections")
     errors: list[str] = []
     known = [f.name for f in fields(TrainConfig) if f.name != "source"]
     for section in sorted(set(raw) - set(known)):
         errors.append(f"{section} is not a section (known: {', '.join(known)})")
 
-    model_tree = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    model_tree = raw.get("model") or {}
+    if not isinstance(model_tree, dict):
+        errors.append(f"model must be a mapping of settings, got {model_tree!r}")
+        model_tree = {}
     model_tree = dict(model_tree)
     model_path = model_tree.pop("config", None)
     base: dict[str, Any] = {}
