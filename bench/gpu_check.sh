@@ -136,7 +136,7 @@ write_summary() {
         echo
         echo "## Bench ($shape, micro-batch $micro_batch x $seq_len tokens)"
         echo
-        echo "The peer runs with gradient checkpointing, our variants with recompute=full (like with"
+        echo "The peer runs with gradient checkpointing, our variants with execution.recompute=full (like with"
         echo "like: neither fits 4 x 4096 tokens at the Mimir shape without); peak GB is per row."
         echo '```'
         grep -v -E "^[WI][0-9]{4} |[Ww]arn|Loading weights| INFO | ERROR |^[[:space:]]" "$out/bench.log"
@@ -165,26 +165,26 @@ write_summary
 #    b) k=5 on packed contexts (8 samples each, like real SFT data): the kernels against each
 #       other where the block sparsity matters.
 peer_variants=(
-    "dense+recompute:attention_backend=dense,recompute=full"
-    "varlen+recompute:attention_backend=varlen,recompute=full"
-    "flex+recompute:attention_backend=flex,recompute=full"
-    "flex+recompute+full-logits:attention_backend=flex,recompute=full,loss_chunk_tokens=0"
+    "dense+recompute:execution.attention_backend=dense,execution.recompute=full"
+    "varlen+recompute:execution.attention_backend=varlen,execution.recompute=full"
+    "flex+recompute:execution.attention_backend=flex,execution.recompute=full"
+    "flex+recompute+full-logits:execution.attention_backend=flex,execution.recompute=full,execution.loss_chunk_tokens=0"
 )
 packed_variants=(
-    "dense+recompute:attention_backend=dense,recompute=full"
-    "varlen+recompute:attention_backend=varlen,recompute=full"
-    "flex+recompute:attention_backend=flex,recompute=full"
+    "dense+recompute:execution.attention_backend=dense,execution.recompute=full"
+    "varlen+recompute:execution.attention_backend=varlen,execution.recompute=full"
+    "flex+recompute:execution.attention_backend=flex,execution.recompute=full"
 )
 if ((have_te)); then
-    peer_variants+=("te-fp8-current:layer_backend=te,attention_backend=flex,recompute=full,fp8=current")
+    peer_variants+=("te-fp8-current:execution.layer_backend=te,execution.attention_backend=flex,execution.recompute=full,execution.fp8=current")
     packed_variants+=(
-        "te+flex+recompute:layer_backend=te,attention_backend=flex,recompute=full"
-        "te-fp8-current:layer_backend=te,attention_backend=flex,recompute=full,fp8=current"
-        "te-fp8-delayed:layer_backend=te,attention_backend=flex,recompute=full,fp8=delayed"
+        "te+flex+recompute:execution.layer_backend=te,execution.attention_backend=flex,execution.recompute=full"
+        "te-fp8-current:execution.layer_backend=te,execution.attention_backend=flex,execution.recompute=full,execution.fp8=current"
+        "te-fp8-delayed:execution.layer_backend=te,execution.attention_backend=flex,execution.recompute=full,execution.fp8=delayed"
     )
 fi
-peer_variants+=("flex+recompute+compile:attention_backend=flex,recompute=full,compile=true")
-packed_variants+=("flex+recompute+compile:attention_backend=flex,recompute=full,compile=true")
+peer_variants+=("flex+recompute+compile:execution.attention_backend=flex,execution.recompute=full,execution.compile=true")
+packed_variants+=("flex+recompute+compile:execution.attention_backend=flex,execution.recompute=full,execution.compile=true")
 
 run_bench() {  # name, windows, limit (s), extra bench arguments (--variant ..., --no-peer, ...)
     local name=$1 windows=$2 seconds=$3 code
@@ -192,7 +192,7 @@ run_bench() {  # name, windows, limit (s), extra bench arguments (--variant ...,
     echo "== $name: k=$windows, micro-batch $micro_batch x $seq_len tokens, limit ${seconds} s $*" >>"$out/bench.log"
     limited "$seconds" "$python" -m mimir_megatron.cli bench --shape "$shape" \
         --window "$windows" --seq-len "$seq_len" --micro-batch "$micro_batch" --steps "$steps" --warmup 1 \
-        --json "$out/$name.json" "$@" loss_chunk_tokens=2048 >>"$out/bench.log" 2>&1
+        --json "$out/$name.json" "$@" execution.loss_chunk_tokens=2048 >>"$out/bench.log" 2>&1
     code=$?
     parts+=("bench $name: $(status_word "$code") (limit ${seconds} s), at $((SECONDS - started)) s")
     echo "${parts[-1]}"

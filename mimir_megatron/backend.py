@@ -86,7 +86,7 @@ def layer_backend(requested: str) -> str:
     if requested == "te" and (why := transformer_engine_missing()):
         from mimir_megatron.errors import ConfigError
 
-        raise ConfigError(f"model.layer_backend=te needs Transformer Engine on a GPU: {why}")
+        raise ConfigError(f"model.execution.layer_backend=te needs Transformer Engine on a GPU: {why}")
     return requested
 
 

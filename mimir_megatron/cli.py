@@ -1,16 +1,22 @@
 """`mimir` command line: one entry point, subcommands registered by the modules that own them.
 
 Each owning module exposes ``register(subparsers)``; heavy imports happen inside the handlers so
-that ``mimir --help`` stays fast. Packages built on this one (data preparation: ``prepare``,
-``data``, ``synth``) add their commands through the entry-point group ``mimir.commands``
-(pyproject.toml), so this package imports none of them.
+that building the parser imports neither torch nor any optional extra (the packages of the
+registering modules export lazily, see :mod:`mimir_megatron.lazy`): ``mimir --help`` and
+``mimir CMD --help`` answer on a bare install. A command that needs an extra says so with
+``set_defaults(extra="eval")``; run without it, it stops with one line naming the extra.
+Packages built on this one (data preparation: ``prepare``, ``data``, ``synth``) add their
+commands through the entry-point group ``mimir.commands`` (pyproject.toml), so this package
+imports none of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
+import re
 import sys
 from importlib.metadata import entry_points
 
@@ -43,6 +49,55 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _extras() -> dict[str, list[str]]:
+    """This package's extras, each with the distribution names it requires (``{}`` where the
+    package metadata is absent, e.g. run from a source tree: then the import error speaks)."""
+    try:
+        requires = importlib.metadata.requires("mimir-megatron") or []
+    except importlib.metadata.PackageNotFoundError:
+        return {}
+    extras: dict[str, list[str]] = {}
+    for line in requires:
+        spec, _, marker = line.partition(";")
+        extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", marker)
+        if extra:
+            extras.setdefault(extra.group(1), []).append(spec.strip())
+    return extras
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def missing_requirements(extra: str) -> list[str]:
+    """The distributions of ``extra`` (and of the extras it includes) that are not installed."""
+    missing: set[str] = set()
+    for spec in _extras().get(extra, []):
+        name = re.match(r"[A-Za-z0-9._-]+", spec).group(0)
+        included = re.search(r"\[([^\]]+)\]", spec)
+        if _normal(name) == "mimir-megatron" and included:
+            for sub in included.group(1).split(","):
+                missing.update(missing_requirements(sub.strip()))
+            continue
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.add(name)
+    return sorted(missing)
+
+
+def _extra_providing(module: str) -> str | None:
+    """The first extra that requires a distribution named like import name ``module``."""
+    for extra, specs in _extras().items():
+        if any(_normal(re.match(r"[A-Za-z0-9._-]+", s).group(0)) == _normal(module) for s in specs):
+            return extra
+    return None
+
+
+def _install_hint(extra: str) -> str:
+    return f"pip install 'mimir-megatron[{extra}]'"
+
+
 def _command(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
@@ -59,15 +114,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(verbose=args.verbose)
+    say = logging.getLogger("mimir").error
+    extra = getattr(args, "extra", None)
     try:
+        if extra and (missing := missing_requirements(extra)):
+            say("mimir %s needs the optional '%s' dependencies (missing: %s): %s",
+                args.command, extra, ", ".join(missing), _install_hint(extra))
+            return 2
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:  # an optional package the command reached for
+        module = (exc.name or "").partition(".")[0]
+        if args.verbose or not module or module.startswith("mimir_"):
+            raise
+        owner = extra or _extra_providing(module)
+        hint = _install_hint(owner) if owner else f"pip install {module}"
+        say("mimir %s needs the Python package %s, which is not installed: %s", args.command, module, hint)
+        return 2
     except Exception as exc:  # one clear line for user errors; traceback with -v
         from mimir_megatron.errors import UserError
 
         if isinstance(exc, UserError) and not args.verbose:
-            logging.getLogger("mimir").error("%s", exc)
+            say("%s", exc)
             return 2
         raise
     finally:

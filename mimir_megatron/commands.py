@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", required=True, help="directory to write")
     p.add_argument("--tokenizer", help="tokenizer directory to copy alongside")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the model config")
-    p.set_defaults(handler=cmd_export)
+    p.set_defaults(handler=cmd_export, extra="hf")
 
     p = sub.add_parser("import", help="convert a transformers hrm_text model into project weights")
     p.add_argument("--hf", required=True, help="transformers hrm_text model directory")

@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mimir_megatron.config import ModelConfig, load_config
+from mimir_megatron.config import ModelConfig, model_config_from_record, read_yaml
 from mimir_megatron.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -223,8 +222,8 @@ def save_weights(model: torch.nn.Module, output_dir: str | Path) -> Path:
     full = gather_full_state(model)
     if _is_writer():
         tmp = _tmp_sibling(output_dir)
-        cfg = replace(model.cfg, tensor_parallel_size=1)
-        OmegaConf.save(OmegaConf.structured(cfg), tmp / CONFIG_FILE)
+        # The shape alone: execution and parallel layout are the loader's choice.
+        OmegaConf.save(OmegaConf.create(model.cfg.shape_dict()), tmp / CONFIG_FILE)
         save_file({k: v.contiguous() for k, v in full.items()}, str(tmp / WEIGHTS_FILE),
                   metadata={"format": "mimir-megatron-full"})
         _publish(tmp, output_dir)
@@ -232,12 +231,12 @@ def save_weights(model: torch.nn.Module, output_dir: str | Path) -> Path:
 
 
 def load_weights(weights_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()):
-    """Build a model from project weights (``overrides`` e.g. ``tensor_parallel_size=2``)."""
+    """Build a model from project weights (``overrides`` e.g. ``parallel.tensor_parallel_size=2``)."""
     from mimir_megatron.model import build_model
     from mimir_megatron.model.state import load_full_state
 
     weights_dir = Path(weights_dir)
-    cfg = load_config(weights_dir / CONFIG_FILE, overrides)
+    cfg = model_config_from_record(read_yaml(weights_dir / CONFIG_FILE, "model settings"), overrides)
     model = build_model(cfg)
     load_full_state(model, read_safetensors_dir(weights_dir), source=str(weights_dir))
     return model

@@ -5,7 +5,11 @@ verbatim span of greedy outputs in any training document) and ``mimir audit cont
 64+64 exact-continuation protocol. Imports the model, data and inference halves, never the trainer.
 """
 
-from .index import AuditIndex, Hit, build_index
-from .sources import AuditSource, resolve_sources
+from mimir_megatron.lazy import lazy_exports
 
+# Imported on first use: the CLI imports this package to register its commands.
+__getattr__ = lazy_exports(__name__, {
+    "AuditIndex": ".index", "Hit": ".index", "build_index": ".index",
+    "AuditSource": ".sources", "resolve_sources": ".sources",
+})
 __all__ = ["AuditIndex", "AuditSource", "Hit", "build_index", "resolve_sources"]

@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpus", type=int, help="parallel sorting jobs (default: all cores)")
     p.add_argument("--encoding", default="auto", choices=["auto", "u16", "u16x2"],
                    help="symbols per token: auto picks u16 for vocabularies < 65,500")
-    p.set_defaults(handler=cmd_index)
+    p.set_defaults(handler=cmd_index, extra="audit")
 
     p = asub.add_parser("prefix",
                         help="audit 1: longest verbatim span of greedy outputs (Table 11, Figure 2)")
@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-hits", type=int, default=10_000, help="documents listed per span, at most")
     p.add_argument("--position", choices=["start", "random"], default="start",
                    help="where the prefix is cut from the document")
-    p.set_defaults(handler=cmd_prefix)
+    p.set_defaults(handler=cmd_prefix, extra="audit")
 
     p = asub.add_parser("continuation",
                         help="audit 2: the greedy 64+64 exact-continuation protocol (Table 12)")
@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--continuation-tokens", type=int, default=64)
     p.add_argument("--method", choices=["score", "generate"], default="score",
                    help="score: one forward pass per window (same verdict); generate: decode and compare")
-    p.set_defaults(handler=cmd_continuation)
+    p.set_defaults(handler=cmd_continuation, extra="audit")
 
 
 def _add_sources(p: argparse.ArgumentParser, allow_index: bool = False) -> None:

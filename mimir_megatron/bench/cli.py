@@ -60,10 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ema-decay", type=float, default=0.9999, help="EMA of the weights in both (0: none)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
                    help="measure our model with these extra overrides (repeatable), e.g. "
-                        "'flex+compile:attention_backend=flex,compile=true'")
+                        "'flex+compile:execution.attention_backend=flex,execution.compile=true'")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     p.add_argument("--peer-checkpointing", action="store_true",
-                   help="gradient checkpointing in the peer (compare with recompute=full variants; the "
+                   help="gradient checkpointing in the peer (compare with execution.recompute=full variants; the "
                         "peer needs it to fit the Mimir shape at 4 x 4096 tokens)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
     p.add_argument("--json", help="also write the results here")
@@ -99,7 +99,7 @@ def is_compiled(variant: Variant, shared: Sequence[str] = ()) -> bool:
     value = None
     for item in [*shared, *variant.overrides]:
         key, _, v = item.partition("=")
-        if key.strip() == "compile":
+        if key.strip().removeprefix("model.") == "execution.compile":
             value = v.strip().lower()
     return value in ("true", "1", "yes", "on")
 

@@ -173,7 +173,7 @@ class SharedWeights:
         from mimir_megatron import backend
         from mimir_megatron.model import build_model
 
-        te = backend.layer_backend(cfg.layer_backend) == "te"
+        te = backend.layer_backend(cfg.execution.layer_backend) == "te"
         if self.state is None or te:  # TE keeps FP8 state that an empty model would not have
             model = _build_on(cfg, device)
             if self.state is None and not te:

@@ -41,8 +41,9 @@ def bench_ours(name: str, cfg: ModelConfig, setup: BenchSetup, weights: SharedWe
         return [failed(name, exc, setup.device, k) for k in setup.windows]
     model = trainer.model
     settings = {"attention": model.attention_backend, "layers": model.layer_backend,
-                "fp8": cfg.fp8, "compile": cfg.compile, "recompute": cfg.recompute,
-                "loss_chunk_tokens": cfg.loss_chunk_tokens, "optimizer": s.optimizer,
+                "fp8": str(cfg.execution.fp8), "compile": cfg.execution.compile,
+                "recompute": str(cfg.execution.recompute),
+                "loss_chunk_tokens": cfg.execution.loss_chunk_tokens, "optimizer": s.optimizer,
                 "clip_grad": s.clip_grad, "ema_decay": s.ema_decay}
 
     def measure(k: int) -> BenchResult:

@@ -60,7 +60,8 @@ def bench_peer(cfg: ModelConfig, setup: BenchSetup, weights: SharedWeights,
             raise ValueError("the transformers peer cannot express packed samples "
                              "(use --samples-per-context 1, or --no-peer)")
         with tempfile.TemporaryDirectory() as tmp:
-            local = replace(cfg, layer_backend="local", fp8="none", compile=False)  # never compiled
+            plain = replace(cfg.execution, layer_backend="local", fp8="none", compile=False)
+            local = replace(cfg, execution=plain)  # never compiled
             export_hf(weights.model(local, torch.device("cpu")), Path(tmp) / "hf")
             peer = AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.float32,
                                                         attn_implementation="sdpa")

@@ -36,12 +36,9 @@ class DataConfig:
     eval_path: str | None = None
     """A prepared held-out dataset for exact-match evaluation (see load_eval_samples)."""
 
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Check values only; files are checked when the loader opens them, so configs load
-        (and can be tested) before any data has been prepared."""
+    def errors(self) -> list[str]:
+        """Every invalid value, one line each. Values only; files are checked when the loader
+        opens them, so configs load (and can be tested) before any data has been prepared."""
         errors = []
         if not isinstance(self.mixture, str):
             errors.append(f"data.mixture must be a path string, got {self.mixture!r}")
@@ -55,5 +52,11 @@ class DataConfig:
             errors.append(f"data.prefetch must be an integer >= 0, got {self.prefetch!r}")
         if not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
             errors.append(f"data.pad_token_id must be >= 0, got {self.pad_token_id!r}")
+        return errors
+
+    def validate(self) -> "DataConfig":
+        """Raise one ConfigError naming every mistake (the loader calls this)."""
+        errors = self.errors()
         if errors:
             raise ConfigError("; ".join(errors))
+        return self

@@ -46,14 +46,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--l-cycles", type=int, help="evaluate under this L (default: trained schedule)")
     p.add_argument("--model-name",
                    help="with --base-url: the model id to request (default: the first listed)")
-    p.set_defaults(handler=cmd_eval)
+    p.set_defaults(handler=cmd_eval, extra="eval")
 
     p = sub.add_parser("sweep", help="evaluate one checkpoint under several (H, L) schedules (Table 5)")
     _add_source(p, base_url=True)
     p.add_argument("--schedules", default="1x3,2x1,2x2,2x3,2x4,2x5,3x3", help="comma-separated HxL")
     p.add_argument("--trained-schedule", help="HxL the weights were trained with (default: read from them)")
     p.add_argument("--model-name", help="with --base-url: the model id to request")
-    p.set_defaults(handler=cmd_sweep)
+    p.set_defaults(handler=cmd_sweep, extra="eval")
 
     p = sub.add_parser("eval-fixtures", help="write small made-up files in every benchmark's layout")
     p.add_argument("--output", required=True, help="directory (use it as --data-dir)")

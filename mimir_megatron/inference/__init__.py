@@ -8,17 +8,16 @@ Imports the model, never the trainer (the trainer imports this package for its e
 - :mod:`~mimir_megatron.inference.server`: the OpenAI-compatible ``mimir serve``.
 """
 
-from mimir_megatron.inference.engine import DecodeSession, InferenceEngine, RequestError
-from mimir_megatron.inference.kv_cache import KVCache
-from mimir_megatron.inference.loading import load_engine
-from mimir_megatron.inference.types import (
-    GenerationRequest,
-    GenerationResult,
-    SamplingParams,
-    ScoreResult,
-    TokenEvent,
-)
+from mimir_megatron.lazy import lazy_exports
 
+# Imported on first use: the CLI imports this package to register its commands.
+__getattr__ = lazy_exports(__name__, {
+    "DecodeSession": ".engine", "InferenceEngine": ".engine", "RequestError": ".engine",
+    "KVCache": ".kv_cache",
+    "load_engine": ".loading",
+    "GenerationRequest": ".types", "GenerationResult": ".types", "SamplingParams": ".types",
+    "ScoreResult": ".types", "TokenEvent": ".types",
+})
 __all__ = [
     "DecodeSession",
     "GenerationRequest",

@@ -83,7 +83,7 @@ class InferenceEngine:
         self.stats = EngineStats()
         self._seeds = random.Random(seed)  # unseeded requests; identical on every TP rank
         # Sequence parallelism splits the sequence over TP ranks: inputs are padded to a multiple.
-        self._seq_multiple = self.cfg.tensor_parallel_size if self.cfg.uses_sequence_parallel else 1
+        self._seq_multiple = self.cfg.parallel.tensor_parallel_size if self.cfg.uses_sequence_parallel else 1
 
     # -- text helpers ----------------------------------------------------------------------------
 

@@ -23,17 +23,10 @@ log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.json"
 
 
-def _inference_overrides(tensor_parallel_size: int) -> dict:
-    # Kernels and layer implementation are this machine's choice, not the checkpoint's; decoding
-    # feeds one token per row, so the sequence is never split across TP ranks.
-    from mimir_megatron.config import EXECUTION_FIELDS, ModelConfig
-
-    defaults = ModelConfig().to_dict()
-    return {
-        **{name: defaults[name] for name in EXECUTION_FIELDS},
-        "tensor_parallel_size": tensor_parallel_size,
-        "sequence_parallel": False,
-    }
+def _inference_overrides(tensor_parallel_size: int) -> list[str]:
+    # Decoding feeds one token per row, so the sequence is never split across TP ranks. (Kernels
+    # and layer implementation stay this machine's defaults: recorded shapes carry none.)
+    return [f"parallel.tensor_parallel_size={tensor_parallel_size}", "parallel.sequence_parallel=false"]
 
 
 def load_checkpoint_model(path: str | Path, ema: bool = False, tensor_parallel_size: int = 1):
@@ -41,7 +34,7 @@ def load_checkpoint_model(path: str | Path, ema: bool = False, tensor_parallel_s
     whose ``latest`` is followed), with its trained or EMA weights."""
     from megatron.core import dist_checkpointing
 
-    from mimir_megatron.config import model_config_from_dict
+    from mimir_megatron.config import model_config_from_record
     from mimir_megatron.model import build_model
     from mimir_megatron.model.sharded import ema_sharded_state, model_sharded_state
 
@@ -49,7 +42,7 @@ def load_checkpoint_model(path: str | Path, ema: bool = False, tensor_parallel_s
     state = json.loads((path / TRAINER_STATE).read_text())
     if ema and state["config"]["optim"]["ema_decay"] == 0:
         raise UserError(f"{path} was trained without an EMA (optim.ema_decay = 0)")
-    cfg = model_config_from_dict({**state["model"], **_inference_overrides(tensor_parallel_size)})
+    cfg = model_config_from_record(state["model"], _inference_overrides(tensor_parallel_size))
     model = build_model(cfg)
     model_sd = model_sharded_state(model)
     sharded = {"model": model_sd}
@@ -111,7 +104,7 @@ def load_engine(
         raise UserError(f"model directory not found: {source}")
     if ema and checkpoint is None:
         raise UserError("--ema needs a training checkpoint (project weights and HF directories hold no EMA)")
-    overrides = [f"{k}={v}" for k, v in _inference_overrides(tensor_parallel_size).items()]
+    overrides = _inference_overrides(tensor_parallel_size)
     if checkpoint is not None:
         model = load_checkpoint_model(source, ema=ema, tensor_parallel_size=tensor_parallel_size)
         fallback = model.cfg.tokenizer

@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="largest max_tokens a request may ask (default: min(4096, the context))")
     p.add_argument("--max-context", type=int, default=None,
                    help="prompt + generated tokens per request (default: the model's position limit)")
-    p.set_defaults(handler=_serve)
+    p.set_defaults(handler=_serve, extra="serve")
 
 
 def _serve(args: argparse.Namespace) -> int:

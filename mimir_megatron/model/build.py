@@ -18,7 +18,7 @@ def build_model(cfg: ModelConfig, *, device: str | torch.device | None = None) -
     ``device="meta"`` builds the module structure without allocating weights.
     """
     cfg.validate()
-    parallel.init_model_parallel(cfg.tensor_parallel_size)
+    parallel.init_model_parallel(cfg.parallel.tensor_parallel_size)
     # Same seed on every rank: megatron initialises full master weights and keeps each rank's
     # slice, so one seed gives the same model for any TP size.
     torch.manual_seed(cfg.seed)
@@ -48,7 +48,7 @@ class ParameterCounts:
 def count_parameters(model: HRMTextModel) -> ParameterCounts:
     """Trainable parameters of the full model (summed over TP ranks, padding rows excluded)."""
     cfg = model.cfg
-    tp = cfg.tensor_parallel_size
+    tp = cfg.parallel.tensor_parallel_size
 
     def numel(module: torch.nn.Module) -> int:
         return sum(p.numel() for p in module.parameters()) * tp

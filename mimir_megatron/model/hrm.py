@@ -46,7 +46,7 @@ def transformer_config(cfg: ModelConfig, num_layers: int) -> TransformerConfig:
         "none": {},
         "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
         "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    }[cfg.recompute]
+    }[cfg.execution.recompute]
     # TE recipes: e4m3 forward / e5m2 gradients ("hybrid"); MXFP8 blocks use e4m3 throughout.
     fp8 = {
         "none": {},
@@ -54,7 +54,7 @@ def transformer_config(cfg: ModelConfig, num_layers: int) -> TransformerConfig:
                         fp8_amax_compute_algo="max"),
         "current": dict(fp8="hybrid", fp8_recipe="tensorwise"),
         "mxfp8": dict(fp8="e4m3", fp8_recipe="mxfp8"),
-    }[cfg.fp8]
+    }[cfg.execution.fp8]
     return TransformerConfig(
         **recompute,
         **fp8,
@@ -64,7 +64,7 @@ def transformer_config(cfg: ModelConfig, num_layers: int) -> TransformerConfig:
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_attention_heads,
         kv_channels=cfg.head_dim,
-        tensor_model_parallel_size=cfg.tensor_parallel_size,
+        tensor_model_parallel_size=cfg.parallel.tensor_parallel_size,
         sequence_parallel=cfg.uses_sequence_parallel,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_eps,
@@ -100,8 +100,8 @@ class HRMTextModel(MegatronModule):
         config_l = transformer_config(cfg, cfg.num_layers_L)
         super().__init__(config=config_l)
         self.cfg = cfg
-        self.layer_backend = backend.layer_backend(cfg.layer_backend)
-        self.attention_backend = backend.attention_backend(cfg.attention_backend)
+        self.layer_backend = backend.layer_backend(cfg.execution.layer_backend)
+        self.attention_backend = backend.attention_backend(cfg.execution.attention_backend)
         self.embedding = tensor_parallel.VocabParallelEmbedding(
             cfg.padded_vocab_size,
             cfg.hidden_size,
@@ -124,7 +124,7 @@ class HRMTextModel(MegatronModule):
         # Fixed initial low-level state; saved with the weights, never trained.
         self.register_buffer("z_L_init", torch.empty(cfg.hidden_size, dtype=config_l.params_dtype))
         z_l_init_(self.z_L_init)
-        if cfg.compile:
+        if cfg.execution.compile:
             # In place (keeps parameter names): each module application runs the compiled
             # stack; grad and no-grad applications get one compiled graph each.
             self.L.compile()
@@ -164,7 +164,7 @@ class HRMTextModel(MegatronModule):
         layout = build_layout(self.attention_backend, batch.segment_ids, batch.prefix_mask)
         z_H = self.recurrence(batch.input_ids, batch.position_ids, layout, plan)
 
-        if batch.labels is not None and not return_logits and cfg.loss_chunk_tokens:
+        if batch.labels is not None and not return_logits and cfg.execution.loss_chunk_tokens:
             loss, count = self._chunked_loss(z_H, batch.labels, num_supervised)
             return ModelOutput(logits=None, loss=loss, num_supervised=count, window=plan)
 
@@ -235,7 +235,7 @@ class HRMTextModel(MegatronModule):
     # -- pieces --------------------------------------------------------------------------------
 
     def _check_sequence_split(self, seq: int) -> None:
-        tp = self.cfg.tensor_parallel_size
+        tp = self.cfg.parallel.tensor_parallel_size
         if self.cfg.uses_sequence_parallel and seq % tp:
             raise BatchError(
                 f"input_ids has sequence length {seq}, not divisible by tensor_parallel_size {tp} "
@@ -287,7 +287,7 @@ class HRMTextModel(MegatronModule):
         supervised = target != IGNORE_INDEX
         weight = self.head.weight
         loss_sum = chunked_vocab_parallel_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]), weight, target, supervised, cfg.loss_chunk_tokens,
+            hidden.reshape(-1, hidden.shape[-1]), weight, target, supervised, cfg.execution.loss_chunk_tokens,
             vocab_start=parallel_state.get_tensor_model_parallel_rank() * weight.shape[0],
             vocab_size=cfg.vocab_size, group=parallel_state.get_tensor_model_parallel_group(),
         )

@@ -78,7 +78,7 @@ def gather_full_state(
 def expected_full_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """Shapes :func:`gather_full_state` produces for this model's config, without communication."""
     cfg = model.cfg
-    tp = cfg.tensor_parallel_size
+    tp = cfg.parallel.tensor_parallel_size
     shapes: dict[str, tuple[int, ...]] = {}
     for name, param in model.named_parameters():
         shape = list(param.shape)

@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--artifacts-dir", help="artifact directory (default <run-dir>/mlartifacts)")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default {DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=5000, help="port (default 5000)")
-    p.set_defaults(handler=_ui)
+    p.set_defaults(handler=_ui, extra="ui")
 
 
 def _ui(args: argparse.Namespace) -> int:

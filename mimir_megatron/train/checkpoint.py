@@ -34,7 +34,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -48,7 +48,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mimir_megatron import backend
-from mimir_megatron.config import EXECUTION_FIELDS, ModelConfig
+from mimir_megatron.config import ModelConfig
 from mimir_megatron.errors import UserError
 from mimir_megatron.model.sharded import ema_sharded_state, model_sharded_state
 from mimir_megatron.train.signal_safe_helpers import start_shielded, write_results_queue
@@ -63,10 +63,10 @@ FORMAT = 1
 """Layout version of the sharded state; bumped whenever its keys change."""
 LATEST = "latest"
 ABANDONED = "abandoned"
-# Model fields that may change between save and resume (layout and schedule, not shape).
-_LAYOUT_FIELDS = {"tensor_parallel_size", "sequence_parallel", "bp_window", "window_policy",
-                  "tokenizer", "seed", "h_cycles", "l_cycles", "max_position_embeddings"} | set(
-    EXECUTION_FIELDS)
+# Shape fields the weights do not depend on: the recurrence schedule and metadata may change
+# between save and resume (execution and parallel settings are not part of the shape at all).
+_FREE_SHAPE_FIELDS = {"bp_window", "window_policy", "tokenizer", "seed", "h_cycles", "l_cycles",
+                      "max_position_embeddings"}
 
 
 def step_dir_name(step: int) -> str:
@@ -458,11 +458,12 @@ def check_compatible(saved: dict[str, Any], cfg: ModelConfig, path: Path) -> Non
     if saved.get("format") != FORMAT:
         raise UserError(f"checkpoint {path} has layout version {saved.get('format', 'none')}; this "
                         f"version of mimir-megatron reads version {FORMAT}")
-    current = asdict(cfg)
+    current = cfg.shape_dict()
     diffs = [
-        f"{key}: checkpoint {value!r}, config {current.get(key)!r}"
+        f"{key}: checkpoint {value!r}, config {current[key]!r}"
         for key, value in saved["model"].items()
-        if key not in _LAYOUT_FIELDS and current.get(key) != value
+        # Records written before the shape/execution split also hold execution and layout keys.
+        if key in current and key not in _FREE_SHAPE_FIELDS and current[key] != value
     ]
     if saved.get("padded_vocab_size") != cfg.padded_vocab_size and not diffs:
         diffs.append(
@@ -563,17 +564,15 @@ def optimizer_group_steps(optimizer, group=None) -> dict[str, int]:
 
 def load_model_from_checkpoint(path: Path, ema: bool = False):
     """The model of a training checkpoint, with its trained or (``ema``) EMA weights."""
-    from mimir_megatron.config import model_config_from_dict
+    from mimir_megatron.config import model_config_from_record
     from mimir_megatron.model import build_model
     from mimir_megatron.train.optim import EMA
 
     state = read_trainer_state(path)
     if ema and state["config"]["optim"]["ema_decay"] == 0:
         raise UserError(f"{path} was trained without an EMA (optim.ema_decay = 0)")
-    # Kernels and layer implementation are this machine's choice, not the checkpoint's.
-    defaults = ModelConfig().to_dict()
-    execution = {name: defaults[name] for name in EXECUTION_FIELDS}
-    cfg = model_config_from_dict({**state["model"], **execution, "tensor_parallel_size": 1})
+    # The recorded shape; kernels and layer implementation are this machine's choice (defaults).
+    cfg = model_config_from_record(state["model"])
     model = build_model(cfg)
     averaged = EMA(model, decay=0.0) if ema else None
     load_checkpoint(path, model, None, averaged)

@@ -1,30 +1,67 @@
 """Training-run configuration: one typed section per concern, validated once before any compute.
 
-A train YAML names its model YAML (``model.config``) and may override model fields next to it:
+A train YAML names its model YAML (``model.config``) and may override model fields next to it,
+the model's ``execution`` and ``parallel`` sections included:
 
     model:
       config: configs/model/tiny.yaml
       bp_window: 5
+      parallel: {tensor_parallel_size: 2}
     data: {mixture: configs/data/demo.yaml, seq_len: 256}
     train: {steps: 300, global_batch_size: 16, micro_batch_size: 8}
+
+:func:`load_train_config` reads every section, then checks every value, and reports all the
+mistakes it found, in every section, together: one line each, before anything is computed.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+import typing
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Sequence
 
 from omegaconf import OmegaConf
 
-from mimir_megatron.config import ModelConfig, _structured_merge, load_config
+from mimir_megatron.config import (
+    ModelConfig,
+    ParamsDtype,
+    _plain,
+    model_section,
+    model_yaml,
+    raise_errors,
+    typed_section,
+)
 from mimir_megatron.data.config import DataConfig
 from mimir_megatron.errors import ConfigError
 
-WINDOW_SCHEDULES = ("constant", "linear")
-OPTIMIZERS = ("adamw", "adam_atan2")
-COOLDOWNS = ("none", "linear", "cosine")
-ON_NONFINITE = ("skip", "stop")
+
+class Precision(StrEnum):
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class OnNonfinite(StrEnum):
+    skip = "skip"
+    stop = "stop"
+
+
+class WindowSchedule(StrEnum):
+    constant = "constant"
+    linear = "linear"
+
+
+class Optimizer(StrEnum):
+    adamw = "adamw"
+    adam_atan2 = "adam_atan2"
+
+
+class Cooldown(StrEnum):
+    none = "none"
+    linear = "linear"
+    cosine = "cosine"
 
 
 @dataclass
@@ -47,11 +84,11 @@ class TrainSection:
     """Contexts per forward/backward on one rank; accumulation = global / (micro * DP)."""
     log_interval: int = 10
     """Steps between log lines (metrics go to MLflow every step)."""
-    precision: str = "auto"
+    precision: Precision = Precision.auto
     """auto (bf16 compute with fp32 master weights on GPU, fp32 on CPU), fp32 or bf16."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device, for MFU (H100/H200 bf16: 989; 0: MFU not reported)."""
-    on_nonfinite: str = "skip"
+    on_nonfinite: OnNonfinite = OnNonfinite.skip
     """What a step whose loss or gradient norm is not finite does. skip: no optimizer step, no
     EMA update (its batch is consumed, the step counts), MLflow metric `nonfinite_skip` = 1; more
     than `max_nonfinite_skips` in a row stop as `stop` does. stop: save the last good state (the
@@ -67,7 +104,7 @@ class TrainSection:
 
 @dataclass
 class WindowSection:
-    schedule: str = "constant"
+    schedule: WindowSchedule = WindowSchedule.constant
     """constant k, or linear: k0 -> k1 over the first `ramp_fraction` of the steps (step function
     k = k0 + int(progress * (k1 - k0)), as in the reference trainer)."""
     k: int = 5
@@ -82,7 +119,7 @@ class WindowSection:
 
 @dataclass
 class OptimSection:
-    optimizer: str = "adamw"
+    optimizer: Optimizer = Optimizer.adamw
     """adamw, or adam_atan2 (the reference trainer's: no epsilon, bounded update)."""
     lr: float = 3e-4
     """Peak learning rate (embedding and head; L and H get lr / k_L and lr / k_H)."""
@@ -90,7 +127,7 @@ class OptimSection:
     """Floor reached by the cool-down."""
     warmup_steps: int = 2000
     """Linear warm-up from 0."""
-    cooldown: str = "none"
+    cooldown: Cooldown = Cooldown.none
     """none, linear or cosine decay to `min_lr` over the last `cooldown_steps`."""
     cooldown_steps: int = 0
     beta1: float = 0.9
@@ -177,7 +214,7 @@ class EvalSection:
 
 @dataclass
 class RunSections:
-    """The sections OmegaConf types and merges directly (model and data load on their own)."""
+    """The sections typed directly from the train YAML (model and data load on their own)."""
 
     run: RunSection = field(default_factory=RunSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -204,18 +241,19 @@ class TrainConfig(RunSections):
         return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return _plain(asdict(self))
 
     def errors(self, world_size: int | None = None) -> list[str]:
-        errs = self.model.errors()
+        return self.model.errors() + self.data.errors() + self.run_errors(world_size)
+
+    def run_errors(self, world_size: int | None = None) -> list[str]:
+        """The value checks of every section but the model's and the data's own."""
+        errs: list[str] = []
         t, w, o = self.train, self.window, self.optim
+        tp = self.model.parallel.tensor_parallel_size
         for name in ("steps", "global_batch_size", "micro_batch_size", "log_interval"):
             if getattr(t, name) < 1:
                 errs.append(f"train.{name} must be >= 1, got {getattr(t, name)}")
-        if t.precision not in ("auto", "fp32", "bf16"):
-            errs.append(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
-        if t.on_nonfinite not in ON_NONFINITE:
-            errs.append(f"train.on_nonfinite must be skip or stop, got {t.on_nonfinite!r}")
         if t.max_nonfinite_skips < 0:
             errs.append(f"train.max_nonfinite_skips must be >= 0, got {t.max_nonfinite_skips}")
         if t.collective_timeout_s < 1:
@@ -223,28 +261,27 @@ class TrainConfig(RunSections):
         if self.eval.suite and not Path(self.eval.suite).is_file():
             errs.append(f"eval.suite: {self.eval.suite} is not a file (a suite YAML, e.g. "
                         "configs/eval/demo.yaml)")
-        if self.eval.suite and self.model.tensor_parallel_size > 1:
+        if self.eval.suite and tp > 1:
             errs.append("eval.suite runs on rank 0's engine alone, which needs the whole model: "
-                        "use tensor_parallel_size=1, or evaluate checkpoints with `mimir eval`")
+                        "use model.parallel.tensor_parallel_size=1, or evaluate checkpoints with "
+                        "`mimir eval`")
         if self.eval.limit < 1:
             errs.append(f"eval.limit must be >= 1, got {self.eval.limit}")
-        if self.model.params_dtype != "float32":
+        if self.model.params_dtype != ParamsDtype.float32:
             # The optimizer updates the weights in place from fp32 DDP gradients: bf16 storage
             # would need separate fp32 master weights, which this trainer does not keep.
             errs.append(f"model.params_dtype={self.model.params_dtype} cannot be trained: the trainer "
                         "keeps fp32 weights (the master weights) and computes in bf16 under autocast "
                         "on GPU (train.precision); use model.params_dtype=float32")
-        if world_size is not None and t.micro_batch_size >= 1:
-            dp = world_size // self.model.tensor_parallel_size
-            if world_size % self.model.tensor_parallel_size:
-                errs.append(f"model.tensor_parallel_size ({self.model.tensor_parallel_size}) "
+        if world_size is not None and t.micro_batch_size >= 1 and tp >= 1:
+            dp = world_size // tp
+            if world_size % tp:
+                errs.append(f"model.parallel.tensor_parallel_size ({tp}) "
                             f"does not divide the world size ({world_size})")
             elif t.global_batch_size % (t.micro_batch_size * dp):
                 errs.append(f"train.global_batch_size ({t.global_batch_size}) is not a multiple of "
                             f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp})")
         depth = self.model.depth if self.model.h_cycles >= 1 and self.model.l_cycles >= 1 else None
-        if w.schedule not in WINDOW_SCHEDULES:
-            errs.append(f"window.schedule must be one of {', '.join(WINDOW_SCHEDULES)}, got {w.schedule!r}")
         ks = {"constant": ("k",), "linear": ("k0", "k1")}.get(w.schedule, ())
         for name in ks:
             if depth and not 1 <= getattr(w, name) <= depth:
@@ -252,10 +289,6 @@ class TrainConfig(RunSections):
                             f"got {getattr(w, name)}")
         if w.schedule == "linear" and not 0 < w.ramp_fraction <= 1:
             errs.append(f"window.ramp_fraction must be in (0, 1], got {w.ramp_fraction}")
-        if o.optimizer not in OPTIMIZERS:
-            errs.append(f"optim.optimizer must be one of {', '.join(OPTIMIZERS)}, got {o.optimizer!r}")
-        if o.cooldown not in COOLDOWNS:
-            errs.append(f"optim.cooldown must be one of {', '.join(COOLDOWNS)}, got {o.cooldown!r}")
         if o.lr <= 0:
             errs.append(f"optim.lr must be > 0, got {o.lr}")
         if not 0 <= o.min_lr <= o.lr:
@@ -291,51 +324,61 @@ class TrainConfig(RunSections):
         return errs
 
     def validate(self, world_size: int | None = None) -> "TrainConfig":
-        errs = self.errors(world_size)
-        if errs:
-            raise ConfigError(f"invalid training configuration ({self.source or 'overrides'}):\n  - "
-                              + "\n  - ".join(errs))
+        raise_errors(self.errors(world_size),
+                     f"invalid training configuration ({self.source or 'overrides'})")
         return self
 
 
 def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Load a train YAML plus `section.key=value` overrides; validates values (not world size)."""
+    """Load a train YAML plus `section.key=value` overrides; validates values (not world size).
+
+    Every section is read and checked even when another one is wrong: the ConfigError lists
+    every mistake of every section, one line each."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        raw = OmegaConf.load(path)
+        loaded = OmegaConf.load(path)
         if overrides:
-            raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides)))
-        tree = OmegaConf.to_container(raw, resolve=True)
-    except Exception as exc:
+            loaded = OmegaConf.merge(loaded, OmegaConf.from_dotlist(list(overrides)))
+        raw = OmegaConf.to_container(loaded, resolve=True)
+    except Exception as exc:  # YAML syntax, malformed overrides
         raise ConfigError(f"cannot parse {path} with overrides {list(overrides)}: {exc}") from None
-    if not isinstance(tree, dict):
+    if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections")
-    known = {f.name for f in fields(TrainConfig)} - {"source"}
-    unknown = sorted(set(tree) - known)
-    if unknown:
-        raise ConfigError(f"{path}: unknown section(s): {', '.join(unknown)}; "
-                          f"known: {', '.join(sorted(known))}")
+    errors: list[str] = []
+    known = [f.name for f in fields(TrainConfig) if f.name != "source"]
+    for section in sorted(set(raw) - set(known)):
+        errors.append(f"{section} is not a section (known: {', '.join(known)})")
 
-    model_tree = dict(tree.pop("model", None) or {})
+    model_tree = raw.get("model") or {}
+    if not isinstance(model_tree, dict):
+        errors.append(f"model must be a mapping of settings, got {model_tree!r}")
+        model_tree = {}
+    model_tree = dict(model_tree)
     model_path = model_tree.pop("config", None)
+    base: dict[str, Any] = {}
     if not model_path:
-        raise ConfigError(f"{path}: model.config must name a model YAML (configs/model/*.yaml)")
-    model = load_config(_relative_to_repo(model_path, path),
-                        [f"{k}={_dotlist_value(v)}" for k, v in model_tree.items()])
+        errors.append("model.config must name a model YAML (configs/model/*.yaml)")
+    else:
+        try:
+            base = model_yaml(_relative_to_repo(str(model_path), path))
+        except ConfigError as exc:
+            errors.append(f"model.config: {exc}")
+    # The train YAML's model keys override the model YAML's, sections (execution, parallel) merged.
     try:
-        data = DataConfig(**(tree.pop("data", None) or {}))
-    except TypeError as exc:
-        raise ConfigError(f"{path}: data section: {exc}") from None
-    rest = _structured_merge(RunSections, [OmegaConf.create(tree)], "training")
-    cfg = TrainConfig(model=model, data=data, source=str(path),
-                      **{f.name: getattr(rest, f.name) for f in fields(RunSections)})
-    return cfg.validate()
-
-
-def _dotlist_value(value: Any) -> str:
-    return "null" if value is None else str(value)
+        merged = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(model_tree)))
+    except Exception as exc:
+        errors.append(f"model: {str(exc).splitlines()[0]}")
+        merged = base
+    model = model_section(merged, (), errors)
+    data = typed_section(DataConfig, raw.get("data"), "data", errors)
+    sections = typing.get_type_hints(RunSections)
+    rest = {name: typed_section(schema, raw.get(name), name, errors) for name, schema in sections.items()}
+    cfg = TrainConfig(model=model, data=data, source=str(path), **rest)
+    errors += data.errors() + cfg.run_errors()
+    raise_errors(errors, f"invalid training configuration ({path})")
+    return cfg
 
 
 def _relative_to_repo(model_path: str, config_path: Path) -> Path:

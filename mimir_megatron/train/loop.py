@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +113,7 @@ class _Run:
             "window_k": plan_step(at_step - 1, cfg).window.k if at_step else None,
             "optimizer_group_steps": ckpt.optimizer_group_steps(t.optimizer, t.dp_group),
             "data_fingerprint": self.fingerprint,
-            "model": asdict(cfg.model),
+            "model": cfg.model.shape_dict(),
             "padded_vocab_size": cfg.model.padded_vocab_size,
             "mlflow_run_id": self.tracker.run_id,
             "config": cfg.to_dict(),
@@ -141,7 +141,7 @@ def _set_up(cfg: TrainConfig) -> _Run:
 
     env = parallel.init_distributed(timeout_s=cfg.train.collective_timeout_s)
     cfg.validate(world_size=env.world_size)
-    parallel.init_model_parallel(cfg.model.tensor_parallel_size)
+    parallel.init_model_parallel(cfg.model.parallel.tensor_parallel_size)
     rank, device = env.rank, backend.device()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -192,7 +192,8 @@ def _set_up(cfg: TrainConfig) -> _Run:
     tracker = Tracker(cfg.tracking.uri, run_dir, cfg.tracking.experiment,
                       enabled=cfg.tracking.enabled and rank == 0,
                       retry_seconds=cfg.tracking.retry_seconds)
-    layout = f"TP={cfg.model.tensor_parallel_size} DP={dp_size} SP={cfg.model.uses_sequence_parallel}"
+    tp = cfg.model.parallel.tensor_parallel_size
+    layout = f"TP={tp} DP={dp_size} SP={cfg.model.uses_sequence_parallel}"
     tags = host_tags(env.world_size, layout) | {"data_fingerprint": fingerprint, "config": cfg.source}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
@@ -225,7 +226,7 @@ def _loop(run: _Run, stop: _StopFlag, stop_at_step: int | None, hooks: StepHooks
     cfg, result, device = run.cfg, run.result, run.trainer.device
     first_step, nonfinite_in_a_row = run.step, 0
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-    devices = run.dp_size * cfg.model.tensor_parallel_size
+    devices = run.dp_size * cfg.model.parallel.tensor_parallel_size
     evaluates = bool(run.eval_samples or cfg.eval.suite)
     try:
         while run.step < cfg.train.steps:

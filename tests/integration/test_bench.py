@@ -25,15 +25,15 @@ def test_peer_window_matches_last_k(k, expected):
 
 
 def test_run_order_puts_the_peer_second_and_compiled_variants_last():
-    dense = Variant("dense", ["attention_backend=dense"])
-    compiled = Variant("flex+compile", ["attention_backend=flex", "compile=true"])
-    varlen = Variant("varlen", ["attention_backend=varlen", "compile=false"])
-    flex = Variant("flex", ["attention_backend=flex"])
+    dense = Variant("dense", ["execution.attention_backend=dense"])
+    compiled = Variant("flex+compile", ["execution.attention_backend=flex", "execution.compile=true"])
+    varlen = Variant("varlen", ["execution.attention_backend=varlen", "execution.compile=false"])
+    flex = Variant("flex", ["execution.attention_backend=flex"])
     assert run_order([compiled, dense, varlen, flex], peer=True) == [dense, PEER, varlen, flex, compiled]
     assert run_order([compiled, dense], peer=False) == [dense, compiled]
     assert run_order([dense], peer=True) == [dense, PEER]
     # A shared compile=true compiles every variant but one that turns it off: that one goes first.
-    assert run_order([flex, varlen], peer=True, shared=["compile=true"]) == [varlen, PEER, flex]
+    assert run_order([flex, varlen], peer=True, shared=["execution.compile=true"]) == [varlen, PEER, flex]
 
 
 def test_windows_parse():

@@ -27,16 +27,16 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CP
 
 def test_new_settings_are_validated_with_one_message_each():
     with pytest.raises(ConfigError) as err:
-        tiny_config("attention_backend=flash", "layer_backend=apex", "fp8=e5m2")
+        tiny_config("execution.attention_backend=flash", "execution.layer_backend=apex", "execution.fp8=e5m2")
     message = str(err.value)
-    assert "model.attention_backend must be one of auto, dense, flex, varlen, got 'flash'" in message
-    assert "model.layer_backend must be one of auto, local, te, got 'apex'" in message
-    assert "model.fp8 must be one of none, delayed, current, mxfp8, got 'e5m2'" in message
+    assert "model.execution.attention_backend must be one of auto, dense, flex, varlen, got 'flash'" in message
+    assert "model.execution.layer_backend must be one of auto, local, te, got 'apex'" in message
+    assert "model.execution.fp8 must be one of none, delayed, current, mxfp8, got 'e5m2'" in message
 
 
 def test_fp8_needs_transformer_engine_layers():
-    with pytest.raises(ConfigError, match="model.fp8=current needs model.layer_backend te"):
-        tiny_config("fp8=current", "layer_backend=local")
+    with pytest.raises(ConfigError, match="model.execution.fp8=current needs model.execution.layer_backend te"):
+        tiny_config("execution.fp8=current", "execution.layer_backend=local")
 
 
 @pytest.mark.parametrize("recipe,fp8,megatron_recipe,history", [
@@ -46,7 +46,7 @@ def test_fp8_needs_transformer_engine_layers():
 def test_fp8_recipes_map_onto_megatrons_settings(recipe, fp8, megatron_recipe, history):
     from mimir_megatron.model.hrm import transformer_config
 
-    config = transformer_config(tiny_config(f"fp8={recipe}", "layer_backend=te"), num_layers=2)
+    config = transformer_config(tiny_config(f"execution.fp8={recipe}", "execution.layer_backend=te"), num_layers=2)
     assert (config.fp8, config.fp8_recipe, config.fp8_amax_history_len) == (fp8, megatron_recipe, history)
     assert transformer_config(tiny_config(), num_layers=2).fp8 is None
 
@@ -61,8 +61,8 @@ def test_auto_resolves_to_the_cpu_paths():
 
 def test_transformer_engine_refused_on_cpu_with_the_reason():
     assert backend.transformer_engine_missing() == "no GPU in this process"
-    with pytest.raises(ConfigError, match="layer_backend=te needs Transformer Engine on a GPU: no GPU"):
-        build_model(tiny_config("layer_backend=te"))
+    with pytest.raises(ConfigError, match="execution.layer_backend=te needs Transformer Engine on a GPU: no GPU"):
+        build_model(tiny_config("execution.layer_backend=te"))
 
 
 # -- attention backends inside the model -------------------------------------------------------
@@ -79,8 +79,8 @@ def _loss_and_grads(model, batch):
 def test_varlen_two_pass_model_equals_dense():
     """The two-pass index math (CPU reference kernel) through 8 applications and backward."""
     batch = packed_batch()
-    dense_out, dense_grads = _loss_and_grads(build_model(tiny_config("attention_backend=dense")), batch)
-    varlen_out, varlen_grads = _loss_and_grads(build_model(tiny_config("attention_backend=varlen")), batch)
+    dense_out, dense_grads = _loss_and_grads(build_model(tiny_config("execution.attention_backend=dense")), batch)
+    varlen_out, varlen_grads = _loss_and_grads(build_model(tiny_config("execution.attention_backend=varlen")), batch)
     real = batch.segment_ids > 0
     torch.testing.assert_close(varlen_out.logits[real], dense_out.logits[real], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(varlen_out.loss, dense_out.loss, rtol=1e-6, atol=1e-6)
@@ -93,8 +93,8 @@ def test_flex_model_forward_equals_dense():
     """FlexAttention has no CPU backward; its forward (mask semantics) is checked here."""
     batch = packed_batch()
     with torch.no_grad():
-        dense = build_model(tiny_config("attention_backend=dense"))(batch).logits
-        flex = build_model(tiny_config("attention_backend=flex"))(batch).logits
+        dense = build_model(tiny_config("execution.attention_backend=dense"))(batch).logits
+        flex = build_model(tiny_config("execution.attention_backend=flex"))(batch).logits
     real = batch.segment_ids > 0
     torch.testing.assert_close(flex[real], dense[real], rtol=1e-5, atol=1e-5)
 
@@ -139,8 +139,8 @@ def test_gpu_tests_second_model_holds_the_reference_weights():
     raises for megatron modules): same weights and buffers, but its own tensors."""
     from models import SHAPE, like
 
-    reference = build_model(tiny_config(*SHAPE, "attention_backend=dense"))
-    second = like(reference, "attention_backend=dense", "seed=7")  # a seed the load must undo
+    reference = build_model(tiny_config(*SHAPE, "execution.attention_backend=dense"))
+    second = like(reference, "execution.attention_backend=dense", "seed=7")  # a seed the load must undo
     ref_state, state = reference.state_dict(), second.state_dict()
     tensors = [k for k, v in ref_state.items() if isinstance(v, torch.Tensor)]
     assert state.keys() == ref_state.keys() and len(tensors) > 10
@@ -153,7 +153,7 @@ def test_gpu_tests_second_model_holds_the_reference_weights():
 def test_compiled_stacks_equal_eager_and_keep_parameter_names():
     batch = packed_batch()
     eager_out, eager_grads = _loss_and_grads(build_model(tiny_config()), batch)
-    compiled = build_model(tiny_config("compile=true"))
+    compiled = build_model(tiny_config("execution.compile=true"))
     names = [n for n, _ in build_model(tiny_config()).named_parameters()]
     assert [n for n, _ in compiled.named_parameters()] == names
     out, grads = _loss_and_grads(compiled, batch)
@@ -166,17 +166,20 @@ def test_compiled_stacks_equal_eager_and_keep_parameter_names():
 
 
 def test_checkpoint_accepts_changed_execution_settings_but_not_shape(tmp_path):
-    from dataclasses import asdict
-
     from mimir_megatron.errors import UserError
     from mimir_megatron.train import checkpoint as ckpt
 
-    saved_cfg = tiny_config("attention_backend=varlen", "recompute=full", "loss_chunk_tokens=7")
-    saved = {"format": ckpt.FORMAT, "model": asdict(saved_cfg),
+    saved_cfg = tiny_config("execution.attention_backend=varlen", "execution.recompute=full",
+                            "execution.loss_chunk_tokens=7")
+    saved = {"format": ckpt.FORMAT, "model": saved_cfg.shape_dict(),
              "padded_vocab_size": saved_cfg.padded_vocab_size}
-    ckpt.check_compatible(saved, tiny_config("compile=true", "layer_backend=local"), tmp_path)
+    assert "attention_backend" not in saved["model"] and "tensor_parallel_size" not in saved["model"]
+    ckpt.check_compatible(saved, tiny_config("execution.compile=true", "execution.layer_backend=local"), tmp_path)
     with pytest.raises(UserError, match="hidden_size"):
         ckpt.check_compatible(saved, tiny_config("hidden_size=128"), tmp_path)
+    # A record written before the split holds execution and layout keys flat: still compatible.
+    legacy = {**saved["model"], "attention_backend": "varlen", "tensor_parallel_size": 2, "compile": True}
+    ckpt.check_compatible({**saved, "model": legacy}, tiny_config(), tmp_path)
 
 
 # -- prefetching ---------------------------------------------------------------------------------
@@ -214,7 +217,7 @@ def test_data_prefetch_setting_is_validated():
     from mimir_megatron.data.config import DataConfig
 
     with pytest.raises(ConfigError, match="data.prefetch must be an integer >= 0"):
-        DataConfig(mixture="x.yaml", prefetch=-1)
+        DataConfig(mixture="x.yaml", prefetch=-1).validate()
 
 
 # -- bench ---------------------------------------------------------------------------------------
@@ -223,8 +226,8 @@ def test_data_prefetch_setting_is_validated():
 def test_bench_variants_parse():
     from mimir_megatron.bench.cli import parse_variant
 
-    v = parse_variant("flex+compile:attention_backend=flex, compile=true")
-    assert (v.name, v.overrides) == ("flex+compile", ["attention_backend=flex", "compile=true"])
+    v = parse_variant("flex+compile:execution.attention_backend=flex, execution.compile=true")
+    assert (v.name, v.overrides) == ("flex+compile", ["execution.attention_backend=flex", "execution.compile=true"])
     assert parse_variant("base").overrides == []
     with pytest.raises(ValueError, match="expected key=value"):
         parse_variant("x:compile")
@@ -248,8 +251,9 @@ def test_bench_reports_each_variant_and_a_failing_one(tmp_path: Path, capsys):
     out = tmp_path / "bench.json"
     code = main(["bench", "--shape", "tiny", "--steps", "1", "--warmup", "0", "--seq-len", "32",
                  "--micro-batch", "2", "--no-peer", "--samples-per-context", "3", "--json", str(out),
-                 "--variant", "dense:attention_backend=dense", "--variant", "varlen:attention_backend=varlen",
-                 "--variant", "te:layer_backend=te", "hidden_size=64", "ffn_hidden_size=128"])
+                 "--variant", "dense:execution.attention_backend=dense",
+                 "--variant", "varlen:execution.attention_backend=varlen",
+                 "--variant", "te:execution.layer_backend=te", "hidden_size=64", "ffn_hidden_size=128"])
     assert code == 1  # one variant failed
     report = json.loads(out.read_text())
     by_name = {r["name"]: r for r in report["results"]}
@@ -264,7 +268,7 @@ def test_bench_variants_share_the_first_models_weights():
 
     weights = SharedWeights()
     first = weights.model(tiny_config(), torch.device("cpu"))
-    second = weights.model(tiny_config("attention_backend=varlen", "seed=99"), torch.device("cpu"))
+    second = weights.model(tiny_config("execution.attention_backend=varlen", "seed=99"), torch.device("cpu"))
     assert second.attention_backend == "varlen"
     tensors = {k: v for k, v in first.state_dict().items() if isinstance(v, torch.Tensor)}
     assert len(tensors) > 10
@@ -273,6 +277,6 @@ def test_bench_variants_share_the_first_models_weights():
 
 
 def test_flex_training_on_cpu_is_refused_with_the_alternatives():
-    model = build_model(tiny_config("attention_backend=flex"))
+    model = build_model(tiny_config("execution.attention_backend=flex"))
     with pytest.raises(NotImplementedError, match="attention_backend dense or varlen"):
         model(packed_batch(), return_logits=False)

@@ -47,12 +47,12 @@ def test_data_parallel_matches_one_process(demo_data, tmp_path):
 
 def test_tensor_parallel_matches_one_process(demo_data, tmp_path, reference):
     run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path), "none",
-              "model.tensor_parallel_size=2")
+              "model.parallel.tensor_parallel_size=2")
     assert losses(tmp_path) == pytest.approx(reference, rel=RTOL)
 
 
 def test_tp2_checkpoint_resumes_at_tp1(demo_data, tmp_path, reference):
-    run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path), "3", "model.tensor_parallel_size=2")
+    run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path), "3", "model.parallel.tensor_parallel_size=2")
     first = losses(tmp_path, 3)
     cfg = load_train_config(REPO / "configs/train/demo.yaml", train_overrides(demo_data, tmp_path))
     second = train(cfg).losses
@@ -62,7 +62,7 @@ def test_tp2_checkpoint_resumes_at_tp1(demo_data, tmp_path, reference):
 def test_tp1_checkpoint_resumes_at_tp2(demo_data, tmp_path, reference):
     cfg = load_train_config(REPO / "configs/train/demo.yaml", train_overrides(demo_data, tmp_path))
     first = train(cfg, stop_at_step=3).losses
-    run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path), "none", "model.tensor_parallel_size=2")
+    run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path), "none", "model.parallel.tensor_parallel_size=2")
     assert first + losses(tmp_path) == pytest.approx(reference, rel=RTOL)
 
 

@@ -59,7 +59,7 @@ def test_data_parallel_grad_norms_and_zero1_shards(demo_data, tmp_path, referenc
 
 
 def test_tensor_parallel_grad_norms(demo_data, tmp_path, reference):
-    run_ranks("numerics_worker.py", 2, str(demo_data), str(tmp_path), *SHORT, "model.tensor_parallel_size=2")
+    run_ranks("numerics_worker.py", 2, str(demo_data), str(tmp_path), *SHORT, "model.parallel.tensor_parallel_size=2")
     losses, norms = reference
     assert json.loads((tmp_path / "losses.json").read_text()) == pytest.approx(losses, rel=RTOL)
     assert grad_norms(tmp_path) == pytest.approx(norms, rel=RTOL)

@@ -76,7 +76,7 @@ def assert_matches(got, ref, loss_rtol: float, grad_rel: float) -> None:
 @pytest.fixture(scope="module")
 def reference():
     """fp32, dense attention, local layers: the CPU path's semantics, on the GPU."""
-    model = build_model(tiny_config(*SHAPE, "attention_backend=dense"))
+    model = build_model(tiny_config(*SHAPE, "execution.attention_backend=dense"))
     batch = cuda_batch()
     return model, batch, loss_and_grads(model, batch, bf16=False)
 
@@ -85,7 +85,7 @@ def reference():
 def test_bf16_attention_backends_match_fp32_dense(reference, attention):
     """Loss within 2 % and gradients within 5 % (norm-relative) of fp32 dense."""
     ref_model, batch, ref = reference
-    got = loss_and_grads(like(ref_model, f"attention_backend={attention}"), batch, bf16=True)
+    got = loss_and_grads(like(ref_model, f"execution.attention_backend={attention}"), batch, bf16=True)
     assert_matches(got, ref, loss_rtol=2e-2, grad_rel=5e-2)
 
 
@@ -93,22 +93,22 @@ def test_bf16_attention_backends_match_fp32_dense(reference, attention):
 def test_fp32_fused_attention_matches_dense_closely(reference, attention):
     """The same kernel in fp32: loss within 1e-4 and gradients within 1e-3 of dense."""
     ref_model, batch, ref = reference
-    got = loss_and_grads(like(ref_model, f"attention_backend={attention}"), batch, bf16=False)
+    got = loss_and_grads(like(ref_model, f"execution.attention_backend={attention}"), batch, bf16=False)
     assert_matches(got, ref, loss_rtol=1e-4, grad_rel=1e-3)
 
 
 def test_compiled_flex_stacks_match_eager(reference):
     """fp32, so that a real error is not lost in bf16 round-off: loss and gradients within 1e-4."""
     ref_model, batch, _ = reference
-    eager = loss_and_grads(like(ref_model, "attention_backend=flex"), batch, bf16=False)
-    compiled = loss_and_grads(like(ref_model, "attention_backend=flex", "compile=true"), batch, bf16=False)
+    eager = loss_and_grads(like(ref_model, "execution.attention_backend=flex"), batch, bf16=False)
+    compiled = loss_and_grads(like(ref_model, "execution.attention_backend=flex", "execution.compile=true"), batch, bf16=False)
     assert_matches(compiled, eager, loss_rtol=1e-4, grad_rel=1e-4)
 
 
 def test_bf16_training_steps_reduce_the_loss(reference):
     """A few AdamW steps on one batch under bf16 autocast: finite, decreasing loss."""
     ref_model, batch, _ = reference
-    model = like(ref_model, "attention_backend=dense")
+    model = like(ref_model, "execution.attention_backend=dense")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(8):
@@ -124,7 +124,7 @@ def test_transformer_engine_layers_keep_the_local_semantics(reference):
     """TE linears with our parameterless norm and megatron's sigmoid gate: same function as the
     local layers for the same weights (fp32: loss within 1e-4, gradients within 1e-3)."""
     ref_model, batch, ref = reference
-    model = build_model(tiny_config(*SHAPE, "attention_backend=dense", "layer_backend=te"))
+    model = build_model(tiny_config(*SHAPE, "execution.attention_backend=dense", "execution.layer_backend=te"))
     assert model.layer_backend == "te"
     missing, unexpected = model.load_state_dict(ref_model.state_dict(), strict=False)
     assert all(k.endswith("_extra_state") for k in missing) and not unexpected
@@ -137,7 +137,7 @@ def test_transformer_engine_layers_keep_the_local_semantics(reference):
 def test_fp8_recipes_train(reference, recipe):
     """FP8 (Hopper recipes) through TE: loss within 10 % of fp32 and decreasing over steps."""
     ref_model, batch, (ref_loss, _) = reference
-    model = like(ref_model, "attention_backend=flex", "layer_backend=te", f"fp8={recipe}", strict=False)
+    model = like(ref_model, "execution.attention_backend=flex", "execution.layer_backend=te", f"execution.fp8={recipe}", strict=False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(6):

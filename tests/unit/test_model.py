@@ -165,12 +165,12 @@ def test_chunked_vocab_loss_equals_the_plain_path(model, batch, chunk):
     plain.loss.backward()
     expected = grads(model)
     model.zero_grad(set_to_none=True)
-    model.cfg.loss_chunk_tokens = chunk
+    model.cfg.execution.loss_chunk_tokens = chunk
     try:
         chunked = model(batch, window=8, return_logits=False)
         chunked.loss.backward()
     finally:
-        model.cfg.loss_chunk_tokens = 0
+        model.cfg.execution.loss_chunk_tokens = 0
     got = grads(model)
     model.zero_grad(set_to_none=True)
     torch.testing.assert_close(chunked.loss, plain.loss, rtol=1e-6, atol=1e-6)
@@ -183,7 +183,7 @@ def test_chunked_vocab_loss_equals_the_plain_path(model, batch, chunk):
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_activation_recompute_gives_the_same_gradients(batch, mode):
     plain = build_model(tiny_config("seed=9"))
-    recomputing = build_model(tiny_config("seed=9", f"recompute={mode}"))
+    recomputing = build_model(tiny_config("seed=9", f"execution.recompute={mode}"))
     calls = {}
     for m in (plain, recomputing):
         m.train()

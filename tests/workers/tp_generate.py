@@ -17,7 +17,7 @@ from mimir_megatron.model import build_model  # noqa: E402
 
 def main(out: Path) -> None:
     for name, sp in (("sp1", True), ("sp0", False)):
-        model = build_model(tiny_config("seed=5", "tensor_parallel_size=2", f"sequence_parallel={sp}"))
+        model = build_model(tiny_config("seed=5", "parallel.tensor_parallel_size=2", f"parallel.sequence_parallel={sp}"))
         result = tp_workload(InferenceEngine(model.eval(), None))
         if dist.get_rank() == 0:
             (out / f"tp_generate_{name}.json").write_text(json.dumps(result))

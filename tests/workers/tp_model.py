@@ -22,8 +22,8 @@ def main(out: Path) -> None:
     batch = make_batch()
     # (name, sequence parallel, tokens per chunk of the fused head + loss; 0 = plain head)
     for name, sp, chunk in (("sp1", True, 0), ("sp0", False, 0), ("chunked", True, 5)):
-        cfg = tiny_config(*OVERRIDES, "tensor_parallel_size=2", f"sequence_parallel={sp}",
-                          f"loss_chunk_tokens={chunk}")
+        cfg = tiny_config(*OVERRIDES, "parallel.tensor_parallel_size=2", f"parallel.sequence_parallel={sp}",
+                          f"execution.loss_chunk_tokens={chunk}")
         model = build_model(cfg)
         result = model(batch, window=8, return_logits=not chunk)
         result.loss.backward()

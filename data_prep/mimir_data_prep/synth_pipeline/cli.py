@@ -34,7 +34,7 @@ def register_synth_run(synth_subparsers: argparse._SubParsersAction) -> None:
         "Row-level evidence goes to an append-only state file; rerunning resumes.",
     )
     _add_arguments(p)
-    p.set_defaults(handler=run_command)
+    p.set_defaults(handler=run_command, extra="synth")
 
 
 # The `mimir synth` group (data_prep/mimir_data_prep/cli.py) calls ``register_synth`` of each module it lists.
