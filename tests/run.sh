@@ -2,13 +2,14 @@
 # Set up everything and run the whole test suite: bash tests/run.sh [pytest args]
 #
 # As root with apt-get available, installs the system packages the tests use (Slurm and munge
-# for the real single-node Slurm tests, shellcheck for the launcher lint); without them those
+# for the real Slurm tests, iproute2 and util-linux for their two simulated nodes, shellcheck
+# for the launcher lint); without them those
 # tests skip with a reason (and fail under CI=true, see tests/expected_skips.txt). Then creates
 # .venv with the test extras and runs pytest.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-packages=(slurmctld slurmd slurm-client munge shellcheck procps)
+packages=(slurmctld slurmd slurm-client munge iproute2 util-linux shellcheck procps)
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     missing=()
     for pkg in "${packages[@]}"; do
