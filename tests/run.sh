@@ -5,7 +5,8 @@
 # quick, integration spawns processes and servers, system needs Slurm, the demo or docker tools.
 #
 # As root with apt-get available, installs the system packages the tests use (Slurm and munge
-# for the real single-node Slurm tests, shellcheck for the launcher lint); without them those
+# for the real Slurm tests, iproute2 and util-linux for their two simulated nodes, shellcheck
+# for the launcher lint); without them those
 # tests skip with a reason (and fail under CI=true, see tests/expected_skips.txt). Then creates
 # .venv with the test extras and runs pytest.
 set -euo pipefail
@@ -16,7 +17,7 @@ case "${1:-}" in
     unit | integration | system) targets=("tests/$1"); shift ;;
 esac
 
-packages=(slurmctld slurmd slurm-client munge shellcheck procps)
+packages=(slurmctld slurmd slurm-client munge iproute2 util-linux shellcheck procps)
 if [ "${targets[0]}" != tests/unit ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     missing=()
     for pkg in "${packages[@]}"; do

@@ -5,7 +5,8 @@ the helper processes a save started (megatron's write-results Manager, Python's 
 tracker, an async save's forked writer). Here real signals go to a trainer's whole process
 group, as Slurm sends them, after a periodic checkpoint (so the helpers exist), with a second
 signal while the pre-emption save is being written: the helpers survive, the save succeeds, and
-the run resumes to the losses of an uninterrupted one. Unit tests check the helpers themselves.
+the run resumes to the losses of an uninterrupted one (system tier). Unit tests check the helpers
+themselves, and that a hung peer ends a collective after `train.collective_timeout_s`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from mimir_megatron.stop_signals import shield_children
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
 from mimir_megatron.train.signal_safe_helpers import write_results_queue
-
-pytestmark = pytest.mark.system
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
 WORKER = Path(__file__).resolve().parent / "workers" / "held_save_worker.py"
@@ -105,6 +104,7 @@ def uninterrupted(demo_data, tmp_path_factory) -> list[float]:
     return train(cfg).losses
 
 
+@pytest.mark.system
 @pytest.mark.slow
 @pytest.mark.parametrize("save, first, second", [
     ("sync", signal.SIGUSR1, signal.SIGTERM),

@@ -1,14 +1,27 @@
-"""A real single-node Slurm for the tests: munged, slurmctld and slurmd from Debian's packages.
+"""A real Slurm for the tests: munged, slurmctld and slurmd from Debian's packages, on one node
+or on N simulated nodes.
 
 Everything lives in one private directory: a generated ``slurm.conf`` (``SLURM_CONF`` points
-at it), its own munge key and socket, free TCP ports, spool, state and logs, so it neither
-needs nor touches a system Slurm or munge. Needs root (slurmd launches jobs, munged runs as
-the ``munge`` user). ``missing()`` says why a cluster cannot start here, or None.
+at it), its own munge key and socket, spool, state and logs, so it neither needs nor touches a
+system Slurm or munge. Needs root (slurmd launches jobs, munged runs as the ``munge`` user).
+``missing(nodes)`` says why a cluster cannot start here, or None.
 
-    cluster = SlurmCluster.start()
+    cluster = SlurmCluster.start()              # one node: this host, on 127.0.0.1
+    cluster = SlurmCluster.start(nodes=2)       # node1, node2: one network namespace each
     job = cluster.sbatch(["--wrap", "hostname"])
-    info = cluster.wait(job)            # scontrol's fields once the job is finished
-    cluster.stop()
+    info = cluster.wait(job, timeout=60)        # scontrol's fields once the job is finished
+    cluster.stop()                              # also after a failure: leaves nothing behind
+
+N nodes on one machine: one network namespace per node, joined by a bridge that lives in a
+namespace of its own, with addresses from a made-up private range (:data:`SUBNET`) that exist
+only inside those namespaces. A node's processes run under ``nsenter --net=<its namespace>
+unshare --uts --mount`` with its own hostname and a bind-mounted ``/etc/hosts`` naming the
+nodes (``ip netns exec`` would remount ``/sys``, hiding the cgroup tree slurmd needs). One
+``slurmd -N nodeX`` per node, slurmctld and every client command in node1, one munged for all
+(its socket is a file). The nodes share this machine's kernel, CPUs and file system: the run
+directory is the same path everywhere, as on a cluster with a shared file system.
+:meth:`SlurmCluster.crash` takes a node's link down and kills everything in it;
+:meth:`SlurmCluster.revive` brings it back.
 
 Requeued jobs wait ``cred_expire`` seconds before they may start again (Slurm's default is
 120 s); the generated config sets the minimum so that requeue tests stay short.
@@ -19,17 +32,25 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue",
             "sinfo", "scancel", "srun", "runuser")
+NETNS_BINARIES = ("ip", "nsenter", "unshare", "mount", "hostname")
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 CRED_EXPIRE_S = 5  # requeued jobs become eligible this long after they are requeued
+SUBNET = "10.213.7"  # made up: assigned only to interfaces inside the nodes' namespaces
+NETNS_PREFIX = "mimir-slurm-"  # + <pid of the test process>-<n>: stale ones are found by pid
+# In a node: its hostname, the nodes' /etc/hosts and an empty resolv.conf (no DNS to wait for).
+_ENTER_NODE = ('hostname "$1" && mount --bind "$2" /etc/hosts && mount --bind "$3" /etc/resolv.conf'
+               ' && shift 3 && exec "$@"')
 
 
 def _which(name: str) -> str | None:
@@ -38,8 +59,8 @@ def _which(name: str) -> str | None:
     )
 
 
-def missing() -> str | None:
-    """Why a cluster cannot be started here (None when it can)."""
+def missing(nodes: int = 1) -> str | None:
+    """Why a cluster of ``nodes`` nodes cannot be started here (None when it can)."""
     absent = [b for b in BINARIES if _which(b) is None]
     if absent:
         return (
@@ -47,7 +68,17 @@ def missing() -> str | None:
             "--no-install-recommends slurmctld slurmd slurm-client munge"
         )
     if os.geteuid() != 0:
-        return "the single-node Slurm needs root (slurmd launches jobs, munged runs as munge)"
+        return "the test Slurm needs root (slurmd launches jobs, munged runs as munge)"
+    if nodes > 1:
+        absent = [b for b in NETNS_BINARIES if _which(b) is None]
+        if absent:
+            return (f"the {nodes}-node Slurm needs iproute2 and util-linux ({', '.join(absent)} "
+                    "missing): apt-get install -y --no-install-recommends iproute2 util-linux")
+        probe = subprocess.run([_which("unshare"), "--net", "--uts", "--mount", "true"],
+                               capture_output=True, text=True, timeout=30)
+        if probe.returncode != 0:
+            return (f"the {nodes}-node Slurm cannot create namespaces here (unshare: "
+                    f"{probe.stderr.strip()}); it needs CAP_SYS_ADMIN and CAP_NET_ADMIN")
     return None
 
 
@@ -68,10 +99,17 @@ def parse_scontrol(text: str) -> dict[str, str]:
     return fields
 
 
+@dataclass
+class Node:
+    name: str
+    addr: str
+    netns: str | None = None  # None: this host itself (the one-node cluster)
+    port: str | None = None  # its end of the link, in the switch namespace
+
+
 class SlurmCluster:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, nodes: int = 1) -> None:
         self.root = root
-        self.host = socket.gethostname().split(".")[0]
         self.conf = root / "slurm.conf"
         self.munge_dir = root / "munge"
         self.munge_socket = self.munge_dir / "munge.socket"
@@ -82,39 +120,79 @@ class SlurmCluster:
             if var.startswith(("SLURM_", "SBATCH_", "SRUN_")) and var != "SLURM_CONF":
                 del self.env[var]
         self.cpus = 1
+        if nodes == 1:
+            self.nodes = [Node(socket.gethostname().split(".")[0], "127.0.0.1")]
+            self.switch = None
+        else:
+            tag = f"{NETNS_PREFIX}{os.getpid()}-{root.name[-6:]}"
+            self.nodes = [Node(f"node{i}", f"{SUBNET}.{i}", f"{tag}-n{i}", f"port{i}")
+                          for i in range(1, nodes + 1)]
+            self.switch = f"{tag}-sw"
+        self.host = self.nodes[0].name  # slurmctld's node; job scripts run on it
 
     # ---------------------------------------------------------------- lifecycle
     @classmethod
-    def start(cls, root: Path | None = None) -> SlurmCluster:
+    def start(cls, root: Path | None = None, nodes: int = 1) -> SlurmCluster:
         root = root or Path(tempfile.mkdtemp(prefix="mimir-slurm-"))
         root.chmod(0o755)  # munged (as munge) must traverse it
-        cluster = cls(root)
+        if nodes > 1:
+            remove_stale_namespaces()
+        cluster = cls(root, nodes)
         try:
             cluster._start_munge()
+            if cluster.switch:
+                cluster._make_network()
             cluster._write_conf()
-            cluster._run([_which("slurmctld")])
-            cluster._run([_which("slurmd")])
-            cluster._wait_idle(timeout=30)
+            cluster._run(cluster._on(cluster.nodes[0], [_which("slurmctld")]))
+            for node in cluster.nodes:
+                cluster._start_slurmd(node)
+            cluster._wait_idle(timeout=60)
         except BaseException:
             cluster.stop()
             raise
         return cluster
 
     def stop(self) -> None:
-        """Shut the daemons down (scontrol shutdown), then munged, and remove the directory
-        (kept when MIMIR_KEEP_SLURM is set); never raises."""
+        """End every job, the daemons and munged, delete the namespaces and the directory (kept
+        when MIMIR_KEEP_SLURM is set, for the daemons' logs); never raises."""
         if self.conf.exists():
+            self._end_jobs()
             try:
-                subprocess.run(["scontrol", "shutdown"], env=self.env, capture_output=True,
-                               timeout=30)
+                subprocess.run(self._on(self.nodes[0], ["scontrol", "shutdown"]), env=self.env,
+                               capture_output=True, timeout=30)
             except (OSError, subprocess.SubprocessError):
-                pass  # the pid files below end whatever is left
-            for name in ("slurmctld.pid", "slurmd.pid"):
-                self._wait_pid_gone(self.root / name, timeout=15)
+                pass  # the pid files and namespaces below end whatever is left
+            for pid_file in [self.root / "slurmctld.pid",
+                             *(self._slurmd_pid_file(n) for n in self.nodes)]:
+                self._wait_pid_gone(pid_file, timeout=15)
+        if self.switch:
+            for node in self.nodes:
+                _kill_namespace(node.netns)
+            _delete_namespace(self.switch)
         if self.munge_pid.exists():
             self._kill_pid_file(self.munge_pid)
-        if not os.environ.get("MIMIR_KEEP_SLURM"):  # set it to keep the daemons' logs
+        if not os.environ.get("MIMIR_KEEP_SLURM"):
             shutil.rmtree(self.root, ignore_errors=True)
+
+    def _end_jobs(self) -> None:
+        """Kill the processes of every job still there (a failed test's): slurmstepd and its
+        tasks outlive `scontrol shutdown` otherwise."""
+        try:
+            jobs = subprocess.run(self._on(self.nodes[0], ["squeue", "-h", "-o", "%i"]),
+                                  env=self.env, capture_output=True, text=True, timeout=30)
+            ids = jobs.stdout.split()
+            if not ids:
+                return
+            for args in (["--full", "--signal=KILL"], []):
+                subprocess.run(self._on(self.nodes[0], ["scancel", *args, *ids]), env=self.env,
+                               capture_output=True, timeout=30)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and subprocess.run(
+                    self._on(self.nodes[0], ["squeue", "-h", "-t", "R,CG", "-o", "%i"]),
+                    env=self.env, capture_output=True, text=True, timeout=30).stdout.strip():
+                time.sleep(0.2)
+        except (OSError, subprocess.SubprocessError):
+            pass
 
     def _start_munge(self) -> None:
         # munged insists: the socket's directory is searchable by all, the key's is private.
@@ -137,22 +215,49 @@ class SlurmCluster:
                 raise RuntimeError(f"munged did not create {self.munge_socket}\n{self._logs()}")
             time.sleep(0.1)
 
+    def _make_network(self) -> None:
+        """Namespaces for the switch and each node; a veth pair from each node to the bridge."""
+        ip = _which("ip")
+        etc = self.root / "etc"
+        etc.mkdir()
+        lines = ["127.0.0.1 localhost", *(f"{n.addr} {n.name}" for n in self.nodes)]
+        (etc / "hosts").write_text("\n".join(lines) + "\n")
+        (etc / "resolv.conf").write_text("")
+        self._run([ip, "netns", "add", self.switch])
+        self._run([ip, "-n", self.switch, "link", "add", "br0", "type", "bridge"])
+        self._run([ip, "-n", self.switch, "link", "set", "br0", "up"])
+        for node in self.nodes:
+            self._run([ip, "netns", "add", node.netns])
+            self._run([ip, "-n", self.switch, "link", "add", node.port, "type", "veth", "peer",
+                       "name", "eth0", "netns", node.netns])
+            self._run([ip, "-n", self.switch, "link", "set", node.port, "master", "br0", "up"])
+            self._run([ip, "-n", node.netns, "addr", "add", f"{node.addr}/24", "dev", "eth0"])
+            for dev in ("lo", "eth0"):
+                self._run([ip, "-n", node.netns, "link", "set", dev, "up"])
+
     def _write_conf(self) -> None:
         for sub in ("spool", "state", "log"):
             (self.root / sub).mkdir()
+        for node in self.nodes:
+            (self.root / "spool" / node.name).mkdir()
         probe = subprocess.run([_which("slurmd"), "-C"], capture_output=True, text=True,
                                timeout=30, check=True).stdout
-        node = parse_scontrol(probe.splitlines()[0])
-        self.cpus = int(node["CPUs"])
-        memory = node.get("RealMemory", "1000")
+        hardware = parse_scontrol(probe.splitlines()[0])
+        self.cpus = int(hardware["CPUs"])
+        memory = hardware.get("RealMemory", "1000")
         auth = f"socket={self.munge_socket},cred_expire={CRED_EXPIRE_S}"
-        r = self.root
+        # In namespaces every node has its own ports; on this host, take free ones.
+        ports = (6817, 6818) if self.switch else (_free_port(), _free_port())
+        r, first = self.root, self.nodes[0]
+        node_lines = "\n".join(
+            f"NodeName={n.name} NodeAddr={n.addr} CPUs={self.cpus} RealMemory={memory} "
+            "State=UNKNOWN" for n in self.nodes)
         self.conf.write_text(f"""\
-# Generated by tests/slurm_cluster.py: a private single-node Slurm.
+# Generated by tests/slurm_cluster.py: a private {len(self.nodes)}-node Slurm.
 ClusterName=mimirtest
-SlurmctldHost={self.host}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldHost={first.name}({first.addr})
+SlurmctldPort={ports[0]}
+SlurmdPort={ports[1]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -168,45 +273,78 @@ SchedulerParameters=sched_interval=1,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
+SlurmdTimeout=10
 EnforcePartLimits=ALL
 MailProg=/bin/true
 MinJobAge=600
 KillWait=30
 SlurmctldPidFile={r / 'slurmctld.pid'}
-SlurmdPidFile={r / 'slurmd.pid'}
-SlurmdSpoolDir={r / 'spool'}
+SlurmdPidFile={r / 'slurmd-%n.pid'}
+SlurmdSpoolDir={r / 'spool' / '%n'}
 StateSaveLocation={r / 'state'}
 SlurmctldLogFile={r / 'log' / 'slurmctld.log'}
-SlurmdLogFile={r / 'log' / 'slurmd.log'}
-NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={memory} State=UNKNOWN
-PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
+SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}
+{node_lines}
+PartitionName=debug Nodes={','.join(n.name for n in self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
 
-    def _wait_idle(self, timeout: float) -> None:
+    def _start_slurmd(self, node: Node) -> None:
+        self._run(self._on(node, [_which("slurmd"), "-N", node.name]))
+
+    def _slurmd_pid_file(self, node: Node) -> Path:
+        return self.root / f"slurmd-{node.name}.pid"
+
+    def node_states(self) -> dict[str, str]:
+        proc = subprocess.run(self._on(self.nodes[0], ["sinfo", "-h", "-N", "-o", "%N %T"]),
+                              env=self.env, capture_output=True, text=True, timeout=30)
+        return dict(line.split() for line in proc.stdout.splitlines() if line.strip())
+
+    def _wait_idle(self, timeout: float, nodes: list[Node] | None = None) -> None:
+        names = [n.name for n in nodes or self.nodes]
         deadline = time.monotonic() + timeout
-        state = ""
+        states: dict[str, str] = {}
         while time.monotonic() < deadline:
-            proc = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True,
-                                  text=True, timeout=10)
-            state = proc.stdout.strip()
-            if state == "idle":
+            states = self.node_states()
+            if all(states.get(name) in ("idle", "mixed", "allocated")  # "*": not responding
+                   for name in names) and (nodes or set(states.values()) == {"idle"}):
                 return
             time.sleep(0.2)
-        raise RuntimeError(f"node not idle after {timeout} s (sinfo: {state!r})\n{self._logs()}")
+        raise RuntimeError(f"nodes not idle after {timeout} s (sinfo: {states!r})\n{self._logs()}")
+
+    # ---------------------------------------------------------------- node failures
+    def crash(self, name: str) -> None:
+        """The node's link goes down and every process in it is killed (SIGKILL), as when a
+        machine loses power: its slurmd, its job steps and their helpers."""
+        node = self._node(name)
+        assert self.switch, "crash() needs the namespaced cluster (nodes > 1)"
+        self._run([_which("ip"), "-n", self.switch, "link", "set", node.port, "down"])
+        _kill_namespace(node.netns, delete=False)
+
+    def revive(self, name: str, timeout: float = 60) -> None:
+        """Link up and slurmd started again; returns once slurmctld has it back in service."""
+        node = self._node(name)
+        self._run([_which("ip"), "-n", self.switch, "link", "set", node.port, "up"])
+        self._start_slurmd(node)
+        self._wait_idle(timeout, nodes=[node])
+
+    def _node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
 
     # ---------------------------------------------------------------- jobs
     def sbatch(self, args: list[str], env: dict[str, str] | None = None,
                cwd: Path | None = None) -> str:
-        """Submit; returns the job id. ``env`` is added to the cluster's environment."""
-        proc = subprocess.run(["sbatch", "--parsable", *args], env={**self.env, **(env or {})},
-                              cwd=cwd, capture_output=True, text=True, timeout=30)
+        """Submit (from the first node); returns the job id. ``env`` is added to the cluster's
+        environment."""
+        proc = subprocess.run(self._on(self.nodes[0], ["sbatch", "--parsable", *args]),
+                              env={**self.env, **(env or {})}, cwd=cwd, capture_output=True,
+                              text=True, timeout=30)
         if proc.returncode != 0:
             raise RuntimeError(f"sbatch {args} failed ({proc.returncode}): {proc.stderr}")
         return proc.stdout.strip().split(";")[0]
 
     def job(self, job_id: str) -> dict[str, str]:
-        proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=self.env,
-                              capture_output=True, text=True, timeout=10)
+        proc = subprocess.run(self._on(self.nodes[0], ["scontrol", "show", "job", "-o", job_id]),
+                              env=self.env, capture_output=True, text=True, timeout=30)
         if proc.returncode != 0:
             raise RuntimeError(f"scontrol show job {job_id}: {proc.stderr.strip()}")
         return parse_scontrol(proc.stdout)
@@ -227,11 +365,21 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
             time.sleep(0.5)
 
     def scancel(self, *args: str) -> None:
-        subprocess.run(["scancel", *args], env=self.env, check=True, capture_output=True,
-                       timeout=30)
+        subprocess.run(self._on(self.nodes[0], ["scancel", *args]), env=self.env, check=True,
+                       capture_output=True, timeout=30)
 
     # ---------------------------------------------------------------- helpers
-    def _run(self, cmd: list[str | None]) -> None:
+    def _on(self, node: Node, cmd: list) -> list[str]:
+        """``cmd`` as run on ``node``: inside its namespaces, or as is on this host."""
+        cmd = [str(c) for c in cmd]
+        if node.netns is None:
+            return cmd
+        etc = self.root / "etc"
+        return [_which("nsenter"), f"--net=/run/netns/{node.netns}", _which("unshare"), "--uts",
+                "--mount", "--propagation", "private", "sh", "-c", _ENTER_NODE, "sh", node.name,
+                str(etc / "hosts"), str(etc / "resolv.conf"), *cmd]
+
+    def _run(self, cmd: list) -> None:
         proc = subprocess.run([str(c) for c in cmd], env=self.env, capture_output=True,
                               text=True, timeout=60)
         if proc.returncode != 0:
@@ -242,8 +390,9 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
 
     def _logs(self, chars: int = 3000) -> str:
         out = []
-        for path in (self.logs / "slurmctld.log", self.logs / "slurmd.log",
-                     self.munge_dir / "private" / "munged.log"):
+        paths = [self.logs / "slurmctld.log", *sorted(self.logs.glob("slurmd*.log")),
+                 self.munge_dir / "private" / "munged.log"]
+        for path in paths:
             if path.exists():
                 out.append(f"--- {path.name}\n{path.read_text(errors='replace')[-chars:]}")
         return "\n".join(out)
@@ -276,6 +425,73 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
             deadline = time.monotonic() + 5
             while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
+
+
+def namespace_pids(netns: str) -> list[int]:
+    """Every process in network namespace ``netns`` (empty when it does not exist)."""
+    try:
+        proc = subprocess.run([_which("ip") or "ip", "netns", "pids", netns], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [int(p) for p in proc.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+
+
+def _kill_namespace(netns: str, delete: bool = True) -> None:
+    """SIGKILL everything in ``netns`` until nothing is left, then delete it; never raises."""
+    deadline = time.monotonic() + 30
+    while (pids := namespace_pids(netns)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.1)
+    if delete:
+        _delete_namespace(netns)
+
+
+def _delete_namespace(netns: str) -> None:
+    try:
+        subprocess.run([_which("ip") or "ip", "netns", "del", netns], capture_output=True,
+                       timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        pass
+
+
+def processes_of(cluster: SlurmCluster) -> list[int]:
+    """Every process started by ``cluster`` (daemons, job steps, tasks and their helpers): they
+    all carry its ``SLURM_CONF`` in their environment."""
+    marker = f"SLURM_CONF={cluster.conf}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if marker in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:
+            pass  # gone meanwhile, or a process we may not read
+    return found
+
+
+def namespaces() -> list[str]:
+    """The test clusters' network namespaces that exist now."""
+    try:
+        proc = subprocess.run([_which("ip") or "ip", "netns", "list"], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split()[0] for line in proc.stdout.splitlines()
+            if line.startswith(NETNS_PREFIX)]
+
+
+def remove_stale_namespaces() -> None:
+    """Delete namespaces left by a test process that is gone (killed before its tear-down)."""
+    for netns in namespaces():
+        owner = netns.removeprefix(NETNS_PREFIX).split("-")[0]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            _kill_namespace(netns)
 
 
 # ---------------------------------------------------------------- a stand-in trainer
