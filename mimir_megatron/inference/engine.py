@@ -36,7 +36,12 @@ log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
-    """A request the engine cannot serve; the message names the field."""
+    """A request the engine cannot serve; the message names the field (``field``: that field's
+    name, when known; ``code``: a machine-readable reason such as ``context_length_exceeded``)."""
+
+    def __init__(self, message: str, field: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.field, self.code = field, code
 
 
 @dataclass
@@ -107,30 +112,44 @@ class InferenceEngine:
         low = self.cfg.l_cycles if l_cycles is None else l_cycles
         for name, value in (("h_cycles", h), ("l_cycles", low)):
             if not isinstance(value, int) or value < 1:
-                raise RequestError(f"{name} must be an integer >= 1, got {value!r}")
+                raise RequestError(f"{name} must be an integer >= 1, got {value!r}", name)
         return h, low
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise :class:`RequestError` naming the first bad field."""
         errors = request.params.errors()
         if errors:
-            raise RequestError(errors[0])
+            raise RequestError(errors[0], errors[0].split(" ", 1)[0])
         self.check_ids(request.prompt_ids, "prompt")
         if len(request.prompt_ids) >= self.max_context:
             raise RequestError(
                 f"prompt has {len(request.prompt_ids)} tokens; the context holds "
-                f"{self.max_context} (prompt + generated)"
+                f"{self.max_context} (prompt + generated)",
+                "prompt",
+                "context_length_exceeded",
             )
         self.schedule(request.h_cycles, request.l_cycles)
 
+    def check_pair(self, context: list[int], continuation: list[int]) -> None:
+        """Raise :class:`RequestError` if a (context, continuation) pair cannot be scored."""
+        self.check_ids(context, "context")
+        self.check_ids(continuation, "continuation")
+        if len(context) + len(continuation) - 1 > self.max_context:
+            raise RequestError(
+                f"context + continuation have {len(context) + len(continuation)} "
+                f"tokens; the context holds {self.max_context}",
+                "continuation",
+                "context_length_exceeded",
+            )
+
     def check_ids(self, ids: list[int], name: str) -> None:
         if not isinstance(ids, (list, tuple)) or not ids:
-            raise RequestError(f"{name} must be a non-empty list of token ids")
+            raise RequestError(f"{name} must be a non-empty list of token ids", name)
         bad = [
             t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
         ]
         if bad:
-            raise RequestError(f"{name} holds {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})")
+            raise RequestError(f"{name} holds {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})", name)
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -180,13 +199,7 @@ class InferenceEngine:
         bidirectional prefix and the continuation is causal, exactly the training mask."""
         plan = self._plan(*self.schedule(h_cycles, l_cycles))
         for context, continuation in pairs:
-            self.check_ids(context, "context")
-            self.check_ids(continuation, "continuation")
-            if len(context) + len(continuation) - 1 > self.max_context:
-                raise RequestError(
-                    f"context + continuation have {len(context) + len(continuation)} "
-                    f"tokens; the context holds {self.max_context}"
-                )
+            self.check_pair(context, continuation)
         order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
         results: list[ScoreResult | None] = [None] * len(pairs)
         for start in range(0, len(order), self.max_batch_size):
