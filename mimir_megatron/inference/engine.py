@@ -28,8 +28,10 @@ from mimir_megatron.inference.text import StreamingText, default_stop_ids, encod
 from mimir_megatron.inference.types import (
     GenerationRequest,
     GenerationResult,
+    RowConstraint,
     ScoreResult,
     TokenEvent,
+    TopLogprobs,
 )
 
 log = logging.getLogger(__name__)
@@ -149,7 +151,9 @@ class InferenceEngine:
             t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
         ]
         if bad:
-            raise RequestError(f"{name} holds {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})", name)
+            raise RequestError(
+                f"{name} holds {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})", name
+            )
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -296,8 +300,10 @@ class _Row:
     stops: frozenset[int]
     generator: torch.Generator | None
     text: StreamingText | None
+    constraint: RowConstraint | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
     @property
     def next_position(self) -> int:  # of the last sampled token, which the next step feeds
@@ -340,7 +346,8 @@ class DecodeSession:
                 p.seed if p.seed is not None else engine._seeds.getrandbits(63)
             )
         text = StreamingText(engine.tokenizer, p.stop_strings) if engine.tokenizer is not None else None
-        row = _Row(self._next_handle, request, stops, generator, text)
+        constraint = request.constraint.start() if request.constraint is not None else None
+        row = _Row(self._next_handle, request, stops, generator, text, constraint)
         self._next_handle += 1
         self._pending.append(row)
         return row.handle
@@ -379,11 +386,32 @@ class DecodeSession:
         return events
 
     def _emit(self, rows: list[_Row], logits: torch.Tensor) -> list[TokenEvent]:
-        chosen, logprobs = next_tokens(logits, [r.request.params for r in rows], [r.generator for r in rows])
+        allowed = None
+        if any(r.constraint is not None for r in rows):  # per-row Python only when a grammar is there
+            allowed = torch.ones(logits.shape, dtype=torch.bool)
+            for i, row in enumerate(rows):
+                if row.constraint is not None:
+                    row.constraint.allowed(allowed[i])
+            allowed = allowed.to(logits.device)
+        chosen, all_logprobs = next_tokens(
+            logits, [r.request.params for r in rows], [r.generator for r in rows], allowed
+        )
+        logprobs = all_logprobs.gather(1, chosen[:, None])[:, 0]
+        k = max(r.request.params.top_logprobs for r in rows)
+        top = None
+        if k:
+            values, indices = torch.topk(all_logprobs, k, dim=-1)
+            top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
         events = []
-        for row, token, lp in zip(rows, chosen.tolist(), logprobs.tolist()):
+        for i, (row, token, lp) in enumerate(zip(rows, chosen.tolist(), logprobs.tolist())):
             row.tokens.append(token)
             row.logprobs.append(lp)
+            row_top = None
+            if row.request.params.top_logprobs:
+                row_top = top[i][: row.request.params.top_logprobs]
+                row.top_logprobs.append(row_top)
+            if row.constraint is not None:
+                row.constraint.accept(token)
             reason = self._finish_reason(row, token)
             delta = None
             if row.text is not None:
@@ -399,12 +427,15 @@ class DecodeSession:
                     row.text.text if row.text is not None else None,
                     list(row.logprobs),
                     reason,
+                    list(row.top_logprobs) if row.request.params.top_logprobs else None,
                 )
-            events.append(TokenEvent(row.handle, token, lp, delta, reason is not None, reason, result))
+            events.append(
+                TokenEvent(row.handle, token, lp, delta, reason is not None, reason, result, row_top)
+            )
         return events
 
     def _finish_reason(self, row: _Row, token: int) -> str | None:
-        if token in row.stops:
+        if token in row.stops or (row.constraint is not None and row.constraint.done):
             return "stop"
         if len(row.tokens) >= row.request.params.max_new_tokens:
             return "length"

@@ -14,11 +14,18 @@ job:
 - :mod:`.app`: the routes and the ways to run the app.
 
 Extra body fields (beyond OpenAI's): ``h_cycles`` / ``l_cycles`` (the recurrence schedule of this
-request; default: the trained one) and ``top_k``. Not supported, and refused with 400 when set:
-``echo``, ``suffix``, ``best_of`` > 1, ``logit_bias``, non-zero frequency/presence penalties.
-``top_logprobs`` are not computed: completions return ``top_logprobs: null``, chat returns ``[]``.
+request; default: the trained one), ``top_k`` and ``ignore_eos``. ``response_format`` and forced
+tool calls (``tool_choice`` ``required`` or named) are grammars (:mod:`..grammar`) that mask their
+own row's logits. Refused with 400 when set: ``echo``, ``suffix``, ``best_of`` > 1, ``logit_bias``,
+non-zero frequency/presence penalties, and any field the server does not know.
 """
 
-from mimir_megatron.inference.server.app import app_server, build_app, serve, serve_app_in_thread, serve_in_thread
+from mimir_megatron.inference.server.app import (
+    app_server,
+    build_app,
+    serve,
+    serve_app_in_thread,
+    serve_in_thread,
+)
 
 __all__ = ["app_server", "build_app", "serve", "serve_app_in_thread", "serve_in_thread"]

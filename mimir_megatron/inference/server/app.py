@@ -15,7 +15,13 @@ from fastapi.responses import JSONResponse
 
 from mimir_megatron.inference.engine import InferenceEngine
 from mimir_megatron.inference.server.dispatch import Server
-from mimir_megatron.inference.server.protocol import ApiError, ChatBody, CompletionBody, ScoreBody, bad_request
+from mimir_megatron.inference.server.protocol import (
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    ScoreBody,
+    bad_request,
+)
 from mimir_megatron.inference.server.responses import stream
 
 log = logging.getLogger(__name__)
@@ -87,9 +93,9 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
         head = _head("cmpl", "text_completion", engine)
         if body.stream:
             return stream(server.events(queue, works),
-                          server.respond.completion_chunks(head, body, generation.prompt_tokens))
+                          server.respond.completion_chunks(head, body, generation))
         results = await server.results(queue, works)
-        return server.respond.completion(head, body, results, generation.prompt_tokens)
+        return server.respond.completion(head, body, results, generation)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody):
@@ -98,9 +104,9 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
         head = _head("chatcmpl", "chat.completion", engine)
         if body.stream:
             return stream(server.events(queue, works),
-                          server.respond.chat_chunks(head, body, generation.prompt_tokens))
+                          server.respond.chat_chunks(head, body, generation))
         results = await server.results(queue, works)
-        return server.respond.chat(head, body, results, generation.prompt_tokens)
+        return server.respond.chat(head, body, results, generation)
 
     @app.post("/v1/score")
     async def score(body: ScoreBody):

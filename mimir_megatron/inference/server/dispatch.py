@@ -106,7 +106,8 @@ class Server:
 
     async def scored(self, scoring: Scoring) -> list[ScoreResult]:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        work = ScoreWork(scoring.pairs, _QueueSink(loop, queue, 0), scoring.schedule)
+        work = ScoreWork(scoring.pairs, _QueueSink(loop, queue, 0), scoring.schedule,
+                         bidirectional_tokens=scoring.bidirectional_tokens)
         self.submit([work])
         try:
             kind, _, value = await queue.get()

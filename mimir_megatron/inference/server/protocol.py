@@ -32,7 +32,8 @@ def bad_request(message: str, param: str | None, code: str | None = None) -> Api
 
 
 class Body(BaseModel):
-    # Unknown fields are kept and ignored (clients send many).
+    # Unknown fields are collected (extra="allow") and refused by the translation with a 400 that
+    # names them: a field the server does not implement is never silently ignored.
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
@@ -53,6 +54,12 @@ class SamplingBody(Body):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}``."""
+    ignore_eos: bool = False
+    """vLLM's extra field: generate past the end-of-turn / eos tokens (benchmarks)."""
+    user: str | None = None
+    """An end-user id for the client's records; it has no effect on the output."""
 
     @property
     def include_usage(self) -> bool:
@@ -81,7 +88,10 @@ class ChatBody(SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
+    """``none`` (tools not offered), ``auto`` (default with tools), ``required``, or
+    ``{"type": "function", "function": {"name": ...}}``."""
+    parallel_tool_calls: bool = True
 
 
 class ScoreItem(BaseModel):
@@ -89,9 +99,13 @@ class ScoreItem(BaseModel):
 
     context: str | list[int]
     continuation: str | list[int]
+    bidirectional_tokens: int | None = Field(None, ge=0)
+    """How many leading context tokens attend bidirectionally (the rest of the context is
+    causal, as response text was in training); None: all of the context."""
 
 
 class ScoreBody(Body):
     context: str | list[int] | None = None
     continuation: str | list[int] | None = None
+    bidirectional_tokens: int | None = Field(None, ge=0)
     items: list[ScoreItem] | None = None
