@@ -271,3 +271,22 @@ def test_tool_choice_none_offers_no_tools_and_a_template_without_tools_refuses_t
     monkeypatch.setattr(engine.tokenizer, "chat_template", template.replace("tools", "extras"))
     response = httpx.post(f"{url}/chat/completions", json={"model": "tiny", "messages": ASK, "tools": [WEATHER]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+
+
+def test_score_passes_bidirectional_tokens_per_item_to_the_engine(engine, served, monkeypatch):
+    """The server's part: the per-item field reaches ``engine.score`` (only when one is set, so an
+    engine without partial-prefix scoring serves every other request); the engine scores it."""
+    url, _ = served
+    real, seen = engine.score, []
+
+    def recording(pairs, h_cycles=None, l_cycles=None, **kw):
+        seen.append(kw.get("bidirectional_tokens"))
+        return real(pairs, h_cycles, l_cycles)
+
+    monkeypatch.setattr(engine, "score", recording)
+    pair = {"context": "A context of words", "continuation": " and more"}
+    for items in ([pair, {**pair, "bidirectional_tokens": 2}, pair], [pair, pair]):
+        assert httpx.post(f"{url}/score", json={"items": items}, timeout=120).status_code == 200
+    single = httpx.post(f"{url}/score", json={**pair, "bidirectional_tokens": 0}, timeout=120)
+    assert single.status_code == 200
+    assert seen == [[None, 2, None], None, [0]]

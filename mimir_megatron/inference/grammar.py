@@ -9,12 +9,15 @@ with its own :class:`GrammarConstraint` (the per-row state the engine's decoding
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import torch
 
 from mimir_megatron.inference.engine import RequestError
 from mimir_megatron.inference.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+log = logging.getLogger(__name__)
+
 # Compact, deterministic JSON (what ``json.dumps`` writes): no free whitespace a model could loop in.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -42,14 +45,17 @@ class GrammarConstraint:
         n = min(len(bias), self._vocab_size)
         out.zero_()
         out[:n] = bias[:n] > 0
+        if not out.any():  # the matcher failed (never expected): let the row end instead of the batch
+            log.warning("grammar admits no token (%s); ending the row", self._matcher.get_error())
+            out.fill_(True)
 
     def accept(self, token: int) -> None:
         self._matcher.consume_token(token)
 
     @property
     def done(self) -> bool:
-        """The grammar is complete and admits nothing more."""
-        return self._matcher.is_stopped()
+        """The grammar is complete and admits nothing more (or has failed)."""
+        return self._matcher.is_stopped() or self._matcher.is_error()
 
 
 class Grammar:
