@@ -5,6 +5,9 @@ Imports the model, never the trainer (the trainer imports this package for its e
 - :mod:`~mimir_megatron.inference.kv_cache`: one cache slot per (module application, layer).
 - :mod:`~mimir_megatron.inference.engine`: prefill + cached decoding in step-level batches, scoring.
 - :mod:`~mimir_megatron.inference.loading`: engines from checkpoints, weights or HF directories.
+- :mod:`~mimir_megatron.inference.grammar`: structured output (llguidance, the ``serve`` extra):
+  a grammar per request masks its own row's logits at each decoding step.
+- :mod:`~mimir_megatron.inference.tool_calls`: the chat template's tool-call syntax, parsed back.
 - :mod:`~mimir_megatron.inference.server`: the OpenAI-compatible ``mimir serve``.
 """
 

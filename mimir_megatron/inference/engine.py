@@ -29,15 +29,22 @@ from mimir_megatron.inference.text import StreamingText, default_stop_ids
 from mimir_megatron.inference.types import (
     GenerationRequest,
     GenerationResult,
+    RowConstraint,
     ScoreResult,
     TokenEvent,
+    TopLogprobs,
 )
 
 log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
-    """A request the engine cannot serve; the message names the field."""
+    """A request the engine cannot serve; the message names the field (``field``: that field's
+    name, when known; ``code``: a machine-readable reason such as ``context_length_exceeded``)."""
+
+    def __init__(self, message: str, field: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.field, self.code = field, code
 
 
 @dataclass
@@ -108,30 +115,46 @@ class InferenceEngine:
         low = self.cfg.l_cycles if l_cycles is None else l_cycles
         for name, value in (("h_cycles", h), ("l_cycles", low)):
             if not isinstance(value, int) or value < 1:
-                raise RequestError(f"{name} must be an integer >= 1, got {value!r}")
+                raise RequestError(f"{name} must be an integer >= 1, got {value!r}", name)
         return h, low
 
     def check_request(self, request: GenerationRequest) -> None:
         """Raise :class:`RequestError` naming the first bad field."""
         errors = request.params.errors()
         if errors:
-            raise RequestError(errors[0])
+            raise RequestError(errors[0], errors[0].split(" ", 1)[0])
         self.check_ids(request.prompt_ids, "prompt")
         if len(request.prompt_ids) >= self.max_context:
             raise RequestError(
                 f"prompt has {len(request.prompt_ids)} tokens; the context holds "
-                f"{self.max_context} (prompt + generated)"
+                f"{self.max_context} (prompt + generated)",
+                "prompt",
+                "context_length_exceeded",
             )
         self.schedule(request.h_cycles, request.l_cycles)
 
+    def check_pair(self, context: list[int], continuation: list[int]) -> None:
+        """Raise :class:`RequestError` if a (context, continuation) pair cannot be scored."""
+        self.check_ids(context, "context")
+        self.check_ids(continuation, "continuation")
+        if len(context) + len(continuation) - 1 > self.max_context:
+            raise RequestError(
+                f"context + continuation have {len(context) + len(continuation)} "
+                f"tokens; the context holds {self.max_context}",
+                "continuation",
+                "context_length_exceeded",
+            )
+
     def check_ids(self, ids: list[int], name: str) -> None:
         if not isinstance(ids, (list, tuple)) or not ids:
-            raise RequestError(f"{name} must be a non-empty list of token ids")
+            raise RequestError(f"{name} must be a non-empty list of token ids", name)
         bad = [
             t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
         ]
         if bad:
-            raise RequestError(f"{name} holds {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})")
+            raise RequestError(
+                f"{name} holds {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})", name
+            )
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -181,13 +204,7 @@ class InferenceEngine:
         bidirectional prefix and the continuation is causal, exactly the training mask."""
         plan = self._plan(*self.schedule(h_cycles, l_cycles))
         for context, continuation in pairs:
-            self.check_ids(context, "context")
-            self.check_ids(continuation, "continuation")
-            if len(context) + len(continuation) - 1 > self.max_context:
-                raise RequestError(
-                    f"context + continuation have {len(context) + len(continuation)} "
-                    f"tokens; the context holds {self.max_context}"
-                )
+            self.check_pair(context, continuation)
         order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
         results: list[ScoreResult | None] = [None] * len(pairs)
         for start in range(0, len(order), self.max_batch_size):
@@ -284,8 +301,10 @@ class _Row:
     stops: frozenset[int]
     generator: torch.Generator | None
     text: StreamingText | None
+    constraint: RowConstraint | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
     @property
     def next_position(self) -> int:  # of the last sampled token, which the next step feeds
@@ -328,7 +347,8 @@ class DecodeSession:
                 p.seed if p.seed is not None else engine._seeds.getrandbits(63)
             )
         text = StreamingText(engine.tokenizer, p.stop_strings) if engine.tokenizer is not None else None
-        row = _Row(self._next_handle, request, stops, generator, text)
+        constraint = request.constraint.start() if request.constraint is not None else None
+        row = _Row(self._next_handle, request, stops, generator, text, constraint)
         self._next_handle += 1
         self._pending.append(row)
         return row.handle
@@ -367,11 +387,32 @@ class DecodeSession:
         return events
 
     def _emit(self, rows: list[_Row], logits: torch.Tensor) -> list[TokenEvent]:
-        chosen, logprobs = next_tokens(logits, [r.request.params for r in rows], [r.generator for r in rows])
+        allowed = None
+        if any(r.constraint is not None for r in rows):  # per-row Python only when a grammar is there
+            allowed = torch.ones(logits.shape, dtype=torch.bool)
+            for i, row in enumerate(rows):
+                if row.constraint is not None:
+                    row.constraint.allowed(allowed[i])
+            allowed = allowed.to(logits.device)
+        chosen, all_logprobs = next_tokens(
+            logits, [r.request.params for r in rows], [r.generator for r in rows], allowed
+        )
+        logprobs = all_logprobs.gather(1, chosen[:, None])[:, 0]
+        k = max(r.request.params.top_logprobs for r in rows)
+        top = None
+        if k:
+            values, indices = torch.topk(all_logprobs, k, dim=-1)
+            top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
         events = []
-        for row, token, lp in zip(rows, chosen.tolist(), logprobs.tolist()):
+        for i, (row, token, lp) in enumerate(zip(rows, chosen.tolist(), logprobs.tolist())):
             row.tokens.append(token)
             row.logprobs.append(lp)
+            row_top = None
+            if row.request.params.top_logprobs:
+                row_top = top[i][: row.request.params.top_logprobs]
+                row.top_logprobs.append(row_top)
+            if row.constraint is not None:
+                row.constraint.accept(token)
             reason = self._finish_reason(row, token)
             delta = None
             if row.text is not None:
@@ -387,12 +428,15 @@ class DecodeSession:
                     row.text.text if row.text is not None else None,
                     list(row.logprobs),
                     reason,
+                    list(row.top_logprobs) if row.request.params.top_logprobs else None,
                 )
-            events.append(TokenEvent(row.handle, token, lp, delta, reason is not None, reason, result))
+            events.append(
+                TokenEvent(row.handle, token, lp, delta, reason is not None, reason, result, row_top)
+            )
         return events
 
     def _finish_reason(self, row: _Row, token: int) -> str | None:
-        if token in row.stops:
+        if token in row.stops or (row.constraint is not None and row.constraint.done):
             return "stop"
         if len(row.tokens) >= row.request.params.max_new_tokens:
             return "length"

@@ -24,17 +24,24 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def next_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next token and its model log-probability for each row of ``[rows, vocab]`` fp32 logits.
+    """Next token of each row of ``[rows, vocab]`` fp32 logits, and the ``[rows, vocab]`` model
+    log-probabilities (temperature 1, no filtering, no mask: the convention of returned log-probs).
 
     Greedy rows are decided together; sampled rows draw from their own CPU generator, so a
-    seeded request gives the same tokens whatever else is in the batch.
+    seeded request gives the same tokens whatever else is in the batch. ``allowed`` (``[rows,
+    vocab]`` bool, structured output) restricts each row's choice; None: no restriction.
     """
     logprobs = torch.log_softmax(logits, dim=-1)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     chosen = logits.argmax(dim=-1)
     for row, (p, gen) in enumerate(zip(params, generators)):
         if p.temperature > 0:
             probs = torch.softmax(filtered_logits(logits[row], p), dim=-1).cpu()
             chosen[row] = torch.multinomial(probs, 1, generator=gen).item()
-    return chosen, logprobs.gather(1, chosen[:, None])[:, 0]
+    return chosen, logprobs

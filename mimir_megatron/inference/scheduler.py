@@ -56,6 +56,8 @@ class ScoreWork:
     sink: Sink
     schedule: tuple[int, int]
     cancelled: bool = False
+    bidirectional_tokens: list[int | None] | None = None
+    """Per pair: leading context tokens that attend bidirectionally; None: all of the context."""
 
 
 @dataclass
@@ -237,7 +239,11 @@ class Scheduler:
         if work.cancelled:
             return
         try:
-            results = self.engine.score(work.pairs, *work.schedule)
+            extra = {}
+            partial = work.bidirectional_tokens
+            if partial is not None and any(b is not None for b in partial):
+                extra["bidirectional_tokens"] = partial  # only then: an engine without it still scores
+            results = self.engine.score(work.pairs, *work.schedule, **extra)
         except Exception as exc:  # noqa: BLE001
             self._fail(work, exc)
             return

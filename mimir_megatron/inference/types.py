@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,8 @@ class SamplingParams:
     """Generation stops when the text contains one; the text is cut before it."""
     use_default_stops: bool = True
     """Whether the engine's default stop ids apply."""
+    top_logprobs: int = 0
+    """Also return the k most likely tokens and their log-probabilities at each step (k <= 20)."""
 
     def errors(self) -> list[str]:
         """One message per invalid field (empty when valid)."""
@@ -36,7 +41,29 @@ class SamplingParams:
             out.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if any(not s for s in self.stop_strings):
             out.append("stop strings must not be empty")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+            out.append(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
         return out
+
+
+class RowConstraint(Protocol):
+    """One row's decoding constraint (a grammar's state): the engine masks the row's logits to the
+    allowed tokens before choosing, then reports the chosen token."""
+
+    def allowed(self, out: torch.Tensor) -> None:
+        """Fill a ``[vocab]`` bool tensor: True where a token may come next."""
+
+    def accept(self, token: int) -> None: ...
+
+    @property
+    def done(self) -> bool:
+        """Nothing more may follow: the row finishes (``stop``)."""
+
+
+class Constraint(Protocol):
+    """What a request carries: a fresh :class:`RowConstraint` per decoded row."""
+
+    def start(self) -> RowConstraint: ...
 
 
 @dataclass(frozen=True)
@@ -46,6 +73,12 @@ class GenerationRequest:
     h_cycles: int | None = None
     """Schedule for this request; default: the one the weights were trained with."""
     l_cycles: int | None = None
+    constraint: Constraint | None = None
+    """Structured output: the tokens each step may choose (see :mod:`.grammar`); None: any."""
+
+
+TopLogprobs = list[tuple[int, float]]
+"""The k most likely (token id, log-probability) pairs at one step, most likely first."""
 
 
 @dataclass
@@ -59,7 +92,10 @@ class GenerationResult:
     logprobs: list[float]
     """Log-probability of each generated token under the model (temperature 1, no filtering)."""
     finish_reason: str
-    """``stop`` (a stop token or string) or ``length`` (max_new_tokens or the context limit)."""
+    """``stop`` (a stop token or string, or a completed grammar) or ``length`` (max_new_tokens or
+    the context limit)."""
+    top_logprobs: list[TopLogprobs] | None = None
+    """Per generated token, when ``top_logprobs`` was asked for."""
 
 
 @dataclass
@@ -84,3 +120,4 @@ class TokenEvent:
     finish_reason: str | None
     result: GenerationResult | None
     """The whole result, on the request's last event."""
+    top_logprobs: TopLogprobs | None = None

@@ -1,0 +1,31 @@
+"""``mimir serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the inference engine.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/score``,
+``GET /v1/models``, ``GET /v1/stats``, ``GET /health``. A request travels through one module per
+job:
+
+- :mod:`.protocol`: the request bodies (OpenAI's field names) and the error object;
+- :mod:`.translation`: body -> engine requests for every endpoint; the engine validates them
+  against the model (bad input: HTTP 400 with OpenAI's error object naming the field);
+- :mod:`.dispatch`: hands the work to the :class:`~mimir_megatron.inference.scheduler.Scheduler`
+  thread (the only one that touches the engine; a full queue answers 503) and collects the
+  results through an asyncio queue per HTTP request;
+- :mod:`.responses`: OpenAI's response bodies, whole or streamed as server-sent events;
+- :mod:`.app`: the routes and the ways to run the app.
+
+Extra body fields (beyond OpenAI's): ``h_cycles`` / ``l_cycles`` (the recurrence schedule of this
+request; default: the trained one), ``top_k`` and ``ignore_eos``. ``response_format`` and forced
+tool calls (``tool_choice`` ``required`` or named) are grammars (:mod:`..grammar`) that mask their
+own row's logits. Refused with 400 when set: ``echo``, ``suffix``, ``best_of`` > 1, ``logit_bias``,
+non-zero frequency/presence penalties, and any field the server does not know.
+"""
+
+from mimir_megatron.inference.server.app import (
+    app_server,
+    build_app,
+    serve,
+    serve_app_in_thread,
+    serve_in_thread,
+)
+
+__all__ = ["app_server", "build_app", "serve", "serve_app_in_thread", "serve_in_thread"]

@@ -1,0 +1,163 @@
+"""The FastAPI app (routes only) and the ways to run it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager, contextmanager
+from typing import Iterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from mimir_megatron.inference.engine import InferenceEngine
+from mimir_megatron.inference.server.dispatch import Server
+from mimir_megatron.inference.server.protocol import (
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    ScoreBody,
+    bad_request,
+)
+from mimir_megatron.inference.server.responses import stream
+
+log = logging.getLogger(__name__)
+
+
+def _head(prefix: str, kind: str, engine: InferenceEngine) -> dict:
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+            "model": engine.model_name}
+
+
+def build_app(engine: InferenceEngine, **limits) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the scheduler thread.
+    ``limits``: ``max_tokens_limit``, ``max_queue``, ``max_batch_size``."""
+    server = Server(engine, **limits)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.scheduler.start()
+        log.info("serving %s (context %d, max_tokens <= %d, queue %d, batch %d)", engine.model_name,
+                 engine.max_context, server.limits.max_tokens_limit, server.limits.max_queue,
+                 engine.max_batch_size)
+        try:
+            yield
+        finally:
+            server.scheduler.stop()
+
+    app = FastAPI(title="mimir serve", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        parts, param = [], None
+        for err in exc.errors()[:3]:
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            if param is None and loc:
+                param = loc[0]
+            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+        return JSONResponse(bad_request("; ".join(parts), param).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": engine.model_name, "object": "model", "created": server.created, "owned_by": "mimir",
+            "max_model_len": engine.max_context, "trained_schedule": list(engine.trained_schedule)}]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str):
+        if model != engine.model_name:
+            raise ApiError(404, f"model {model!r} is not served here", "model", code="model_not_found")
+        return (await models())["data"][0]
+
+    @app.get("/v1/stats")
+    async def stats():
+        return {"scheduler": server.scheduler.stats.as_dict(), "queue_depth": server.scheduler.queue_depth,
+                "engine": dict(engine.stats.__dict__)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        generation = server.translate.completion(body)
+        queue, works = server.generation_works(generation.requests)
+        head = _head("cmpl", "text_completion", engine)
+        if body.stream:
+            return stream(server.events(queue, works),
+                          server.respond.completion_chunks(head, body, generation))
+        results = await server.results(queue, works)
+        return server.respond.completion(head, body, results, generation)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody):
+        generation = server.translate.chat(body)
+        queue, works = server.generation_works(generation.requests)
+        head = _head("chatcmpl", "chat.completion", engine)
+        if body.stream:
+            return stream(server.events(queue, works),
+                          server.respond.chat_chunks(head, body, generation))
+        results = await server.results(queue, works)
+        return server.respond.chat(head, body, results, generation)
+
+    @app.post("/v1/score")
+    async def score(body: ScoreBody):
+        scoring = server.translate.score(body)
+        return server.respond.score(await server.scored(scoring), scoring.pairs)
+
+    return app
+
+
+def app_server(app: FastAPI) -> Server:
+    """The :class:`Server` behind an app from :func:`build_app` (its scheduler, limits)."""
+    return app.state.server
+
+
+def serve(engine: InferenceEngine, host: str = "127.0.0.1", port: int = 8000, **limits) -> None:
+    """Serve until interrupted (``mimir serve``)."""
+    import uvicorn
+
+    uvicorn.run(build_app(engine, **limits), host=host, port=port, log_level="info")
+
+
+@contextmanager
+def serve_in_thread(engine: InferenceEngine, host: str = "127.0.0.1", port: int = 0,
+                    **limits) -> Iterator[str]:
+    """Serve from a background thread; yields the base URL ``http://HOST:PORT/v1`` (``port=0``: a
+    free port) once the server accepts connections, and shuts it down cleanly on exit.
+    ``limits``: ``max_tokens_limit``, ``max_queue``, ``max_batch_size``."""
+    with serve_app_in_thread(build_app(engine, **limits), host, port) as url:
+        yield url
+
+
+@contextmanager
+def serve_app_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """:func:`serve_in_thread` for an app from :func:`build_app` (whose scheduler the caller may
+    want to inspect: ``app_server(app).scheduler``)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="mimir-serve", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            thread.join(10)
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{bound}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(30)
