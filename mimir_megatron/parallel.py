@@ -51,8 +51,9 @@ def launch_env() -> LaunchEnv:
 
 
 def init_distributed(timeout_minutes: int = 30) -> LaunchEnv:
-    """Initialise torch.distributed for this process (idempotent)."""
-    backend.activate()
+    """Initialise torch.distributed for this process (idempotent). Sets the CPU backend up first
+    (:func:`mimir_megatron.backend.setup`, idempotent): every use of megatron-core passes here."""
+    backend.setup()
     env = launch_env()
     if dist.is_initialized():
         return env
@@ -116,3 +117,13 @@ def tp_group() -> dist.ProcessGroup:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_group()
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state (the ZeRO shard's, or the optimizer itself)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def owned_parameters(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """Parameters whose optimizer state lives on this rank."""
+    return [p for g in local_optimizer(optimizer).param_groups for p in g["params"]]

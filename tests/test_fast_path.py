@@ -190,7 +190,7 @@ def test_checkpoint_accepts_changed_execution_settings_but_not_shape(tmp_path):
     from dataclasses import asdict
 
     from mimir_megatron.errors import UserError
-    from mimir_megatron.train import checkpoint as ckpt
+    from mimir_megatron import checkpoint as ckpt
 
     saved_cfg = tiny_config("attention_backend=varlen", "recompute=full", "loss_chunk_tokens=7")
     saved = {"format": ckpt.FORMAT, "model": asdict(saved_cfg),
