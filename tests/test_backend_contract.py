@@ -51,8 +51,8 @@ def test_megatron_rng_state_functions_we_replace():
     assert "_get_cuda_rng_state" in mcore_random._get_all_rng_states.__code__.co_names
     assert "_set_cuda_rng_state" in mcore_random._set_all_rng_states.__code__.co_names
     assert "_get_all_rng_states" in mcore_random.CheckpointFunction.forward.__code__.co_names
-    assert {"_get_cuda_rng_state", "_set_cuda_rng_state"} <= set(
-        mcore_random.CudaRNGStatesTracker.fork.__code__.co_names)
+    fork = mcore_random.CudaRNGStatesTracker.fork.__wrapped__  # a contextmanager
+    assert {"_get_cuda_rng_state", "_set_cuda_rng_state"} <= set(fork.__code__.co_names)
 
 
 def test_megatron_inference_rng_tracker_we_install():
