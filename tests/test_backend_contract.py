@@ -59,12 +59,11 @@ def test_megatron_inference_rng_tracker_we_install():
     from megatron.core.tensor_parallel import random as mcore_random
 
     assert {"inference_rng_tracker", "force_reset"} <= set(parameters(mcore_random.initialize_rng_tracker))
-    if backend.has_gpu():
-        pytest.skip("the CPU tracker is installed only without a GPU")
-    tracker = mcore_random.get_cuda_rng_tracker()
-    with tracker.fork():  # a no-op: no CUDA generator is touched
-        pass
-    tracker.add("another", 1)  # the inference tracker ignores seeds
+    if not backend.has_gpu():  # the CPU tracker is installed only without a GPU
+        tracker = mcore_random.get_cuda_rng_tracker()
+        with tracker.fork():  # a no-op: no CUDA generator is touched
+            pass
+        tracker.add("another", 1)  # the inference tracker ignores seeds
 
 
 def test_attention_output_gate_we_unwrap():
@@ -83,9 +82,8 @@ def test_attention_output_gate_we_unwrap():
         assert Attention.__dict__["_apply_output_gate"] is eager
 
 
+@pytest.mark.skipif(backend.has_gpu(), reason="checks the CPU choices (setup() is a no-op with a GPU)")
 def test_setup_is_idempotent_and_redirects_on_cpu():
-    if backend.has_gpu():
-        pytest.skip("setup() is a no-op with a GPU")
     backend.setup()  # the test configuration called it already
     backend.setup()
     assert backend.is_set_up() and torch.cuda.current_device() == "cpu"
