@@ -64,7 +64,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mimir_megatron.checkpoint import is_checkpoint_source
+    from mimir_megatron.checkpoint import is_checkpoint_source, load_model
     from mimir_megatron.config import load_config
     from mimir_megatron.errors import UserError
     from mimir_megatron.interop import export_hf, load_weights
@@ -77,8 +77,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     elif not Path(args.checkpoint).is_dir():
         raise UserError(f"checkpoint directory not found: {args.checkpoint}")
     elif is_checkpoint_source(args.checkpoint):
-        from mimir_megatron.checkpoint import load_model
-
         model = load_model(args.checkpoint, ema=args.ema)
     else:
         if args.ema:
