@@ -104,6 +104,9 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
+    from mimir_megatron import backend
+
+    backend.setup()  # this script is an entry point: the CPU backend, once, before any model
     torch.set_num_threads(args.threads)
     if args.child:
         impl, weights, hf_dir, batch, _ = args.child

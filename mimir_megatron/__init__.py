@@ -5,6 +5,7 @@ Public API (imported lazily so that ``import mimir_megatron`` stays light):
 - :func:`load_config` (path, overrides) -> ModelConfig
 - :func:`build_model` (config) -> HRMTextModel; sets up a one-rank process group when needed
 - :func:`export_hf` (model, output_dir) and :func:`import_hf` (hf_dir) -> HRMTextModel
+- :func:`load_model` (training checkpoint: ``step_N`` or a checkpoints directory, ``ema``) -> HRMTextModel
 - :class:`Batch`, the batch contract shared by data, model and trainer
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Batch", "ModelConfig", "build_model", "export_hf", "import_hf", "load_config"]
+__all__ = ["Batch", "ModelConfig", "build_model", "export_hf", "import_hf", "load_config", "load_model"]
 
 
 def __getattr__(name: str) -> Any:
@@ -29,6 +30,10 @@ def __getattr__(name: str) -> Any:
         from mimir_megatron.model import build_model
 
         return build_model
+    if name == "load_model":
+        from mimir_megatron.checkpoint import load_model
+
+        return load_model
     if name in ("export_hf", "import_hf"):
         from mimir_megatron import interop
 

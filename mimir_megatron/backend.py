@@ -17,12 +17,15 @@ megatron-core assumes a GPU in a few places that our model path reaches:
 We never call megatron's RotaryEmbedding or default causal-mask helper (both allocate on CUDA):
 RoPE frequencies and the PrefixLM mask are computed by our own code on the batch's device.
 
-:func:`activate` does all of this once, only when no GPU is present, so the model code is the
-same on CPU (gloo) and GPU (NCCL) with no ``if cpu`` branches.
+:func:`setup` does all of this once, only when no GPU is present, so the model code is the
+same on CPU (gloo) and GPU (NCCL) with no ``if cpu`` branches. It is explicit: importing
+``mimir_megatron.model`` (or this module) patches nothing, so a library that imports ours keeps
+torch and megatron-core as they were until an entry point calls :func:`setup`.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import warnings
 
@@ -33,6 +36,8 @@ from mimir_megatron.logging_setup import quiet_known_noise
 log = logging.getLogger(__name__)
 
 _ACTIVE = False
+_ORIGINALS: dict[str, object] = {}  # what setup() replaced, by name
+_GATE = "megatron.core.transformer.attention.Attention._apply_output_gate"
 
 # megatron warns at import that TE/apex are absent (the expected state on CPU, and apex is
 # optional everywhere), and about config defaults we do not use.
@@ -102,25 +107,64 @@ def distributed_backend() -> str:
     return "nccl" if has_gpu() else "gloo"
 
 
-def activate() -> None:
-    """Redirect megatron-core's CUDA-only calls to the CPU when no GPU is present (idempotent)."""
+def setup() -> None:
+    """Redirect megatron-core's CUDA-only calls to the CPU when no GPU is present (idempotent).
+
+    Called once by each entry point (the CLI, the test configuration, worker and benchmark
+    scripts) before any model is built, and by :func:`mimir_megatron.parallel.init_distributed`
+    so that library use (a notebook's ``build_model``) is covered too. Importing this module or
+    the model patches nothing. The symbols replaced are listed in :data:`PATCHED`; a contract
+    test pins each of them against the installed torch and megatron-core.
+    """
     global _ACTIVE
     if _ACTIVE or has_gpu():
         return
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
-    torch.cuda.current_stream = lambda *args, **kwargs: _SynchronousStream()  # type: ignore[assignment]
-
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.attention import Attention
 
+    for owner, name in ((torch.cuda, "current_device"), (torch.cuda, "synchronize"),
+                        (torch.cuda, "current_stream"), (mcore_random, "_get_cuda_rng_state"),
+                        (mcore_random, "_set_cuda_rng_state")):
+        _ORIGINALS.setdefault(f"{owner.__name__}.{name}", getattr(owner, name))
+    _ORIGINALS.setdefault(_GATE, Attention.__dict__["_apply_output_gate"])
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda *args, **kwargs: _SynchronousStream()  # type: ignore[assignment]
     mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     mcore_random._get_cuda_rng_state = lambda *args, **kwargs: None
     mcore_random._set_cuda_rng_state = lambda *args, **kwargs: None
     compiled = Attention.__dict__["_apply_output_gate"]
     Attention._apply_output_gate = getattr(compiled, "_torchdynamo_orig_callable", compiled)
     _ACTIVE = True
-    log.debug("CPU backend active: megatron-core CUDA calls redirected")
+    log.debug("CPU backend set up: megatron-core CUDA calls redirected")
+
+
+def is_set_up() -> bool:
+    """Whether :func:`setup` has redirected megatron-core's CUDA calls in this process."""
+    return _ACTIVE
+
+
+PATCHED = (
+    "torch.cuda.current_device", "torch.cuda.synchronize", "torch.cuda.current_stream",
+    "megatron.core.tensor_parallel.random._get_cuda_rng_state",
+    "megatron.core.tensor_parallel.random._set_cuda_rng_state", _GATE,
+)
+"""The symbols :func:`setup` replaces on CPU (it also installs megatron's inference RNG tracker
+through ``initialize_rng_tracker``); tests/test_backend_contract.py pins each of them."""
+
+
+def original(name: str) -> object:
+    """The symbol named in :data:`PATCHED` as the installed library defines it (what
+    :func:`setup` replaced, or the current one when setup has not run)."""
+    if name in _ORIGINALS:
+        return _ORIGINALS[name]
+    if name == _GATE:
+        from megatron.core.transformer.attention import Attention
+
+        return Attention.__dict__["_apply_output_gate"]
+    module, attr = name.rsplit(".", 1)
+    return getattr(importlib.import_module(module), attr)
 
 
 class _SynchronousStream:

@@ -31,6 +31,11 @@ _REGISTRARS = (
     "mimir_megatron.audits.cli",
     "mimir_megatron.evaluation.cli",
 )
+# Commands that run megatron-core in this process: the CPU backend is set up (explicitly, once)
+# before their handler imports the model. The others (data, ui, eval's client side, ...) never
+# import megatron-core; a command missing here is still covered by parallel.init_distributed.
+_MEGATRON_COMMANDS = frozenset({"info", "export", "import", "train", "bench", "generate", "serve",
+                                "audit", "lm-eval"})
 
 # Entry points ``NAME = "module:register"`` of installed packages that add subcommands.
 COMMAND_GROUP = "mimir.commands"
@@ -121,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             say("mimir %s needs the optional '%s' dependencies (missing: %s): %s",
                 args.command, extra, ", ".join(missing), _install_hint(extra))
             return 2
+        if args.command in _MEGATRON_COMMANDS:
+            from mimir_megatron import backend
+
+            backend.setup()
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:
         return 130

@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--seed", type=int, help="initialise from this seed")
     src.add_argument("--checkpoint",
-                     help="project weights (from `mimir import`) or a training checkpoint directory")
+                     help="project weights (from `mimir import`), or a training checkpoint: a step_N "
+                          "directory or a run's checkpoints directory (its latest)")
     p.add_argument("--ema", action="store_true", help="with a training checkpoint: export the EMA weights")
     p.add_argument("--output", required=True, help="directory to write")
     p.add_argument("--tokenizer", help="tokenizer directory to copy alongside")
@@ -63,6 +64,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from mimir_megatron.checkpoint import is_checkpoint_source, load_model
     from mimir_megatron.config import load_config
     from mimir_megatron.errors import UserError
     from mimir_megatron.interop import export_hf, load_weights
@@ -74,10 +76,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         model = build_model(load_config(args.config, [*args.overrides, f"seed={args.seed}"]))
     elif not Path(args.checkpoint).is_dir():
         raise UserError(f"checkpoint directory not found: {args.checkpoint}")
-    elif (Path(args.checkpoint) / "trainer_state.json").is_file():
-        from mimir_megatron.train.checkpoint import load_model_from_checkpoint
-
-        model = load_model_from_checkpoint(Path(args.checkpoint), ema=args.ema)
+    elif is_checkpoint_source(args.checkpoint):
+        model = load_model(args.checkpoint, ema=args.ema)
     else:
         if args.ema:
             raise UserError("--ema needs a training checkpoint (project weights hold no EMA)")

@@ -56,7 +56,7 @@ def init_distributed(timeout_s: float = 1800) -> LaunchEnv:
     ``timeout_s``: how long a collective waits for the other ranks before it raises (the
     trainer passes ``train.collective_timeout_s``).
     """
-    backend.activate()
+    backend.setup()
     env = launch_env()
     if dist.is_initialized():
         return env
@@ -120,3 +120,13 @@ def tp_group() -> dist.ProcessGroup:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_group()
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state (the ZeRO shard's, or the optimizer itself)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def owned_parameters(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """Parameters whose optimizer state lives on this rank."""
+    return [p for g in local_optimizer(optimizer).param_groups for p in g["params"]]

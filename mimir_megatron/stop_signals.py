@@ -7,7 +7,7 @@ takes over and honours it (the step ends, a checkpoint is saved, exit 0). Standa
 so that installing the handlers costs nothing.
 
 Slurm delivers a forwarded signal to *every* process of the job step, so the helper processes a
-rank starts (checkpointing's, see :mod:`mimir_megatron.train.signal_safe_helpers`) must not die
+rank starts (checkpointing's, see :mod:`mimir_megatron.checkpoint.signal_safe`) must not die
 of these signals: :func:`shield_children` starts them with the signals blocked, and
 :func:`helper_process_init` makes a spawned helper ignore them for good. Both live here, in a
 standard-library module, because a spawned helper imports its initializer's module first.

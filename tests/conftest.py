@@ -20,6 +20,9 @@ MIMIR = REPO / "configs" / "model" / "mimir.yaml"
 
 def pytest_configure(config: pytest.Config) -> None:
     skip_policy.install(config)  # unexpected skips fail under CI=true
+    from mimir_megatron import backend
+
+    backend.setup()  # the test process is an entry point: the CPU backend, once, explicitly
 
 
 @pytest.fixture(scope="session")

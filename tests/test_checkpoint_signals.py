@@ -26,7 +26,7 @@ from conftest import REPO, train_overrides
 from mimir_megatron.stop_signals import shield_children
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
-from mimir_megatron.train.signal_safe_helpers import write_results_queue
+from mimir_megatron.checkpoint.signal_safe import write_results_queue
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
 WORKER = Path(__file__).resolve().parent / "workers" / "held_save_worker.py"
@@ -57,7 +57,7 @@ def alive(pid: int) -> bool:
 
 def test_the_write_results_manager_ignores_the_job_signals_and_is_restarted_when_dead():
     queue = write_results_queue()
-    from mimir_megatron.train import signal_safe_helpers
+    from mimir_megatron.checkpoint import signal_safe as signal_safe_helpers
 
     pid = signal_safe_helpers._manager._process.pid
     for sig in JOB_SIGNALS:

@@ -70,7 +70,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="seeds the choice of documents and windows")
     p.add_argument("--output", required=True, help="directory for tables, figures and JSONL")
-    p.add_argument("--tracking-uri", help="MLflow store (default: sqlite:///OUTPUT/mlflow.db)")
+    p.add_argument("--tracking-uri",
+                   help="MLflow store (default: sqlite:///OUTPUT/mlflow.db, artifacts in OUTPUT/mlartifacts)")
     p.add_argument("--experiment", default="mimir-audit", help="MLflow experiment")
 
 
@@ -93,8 +94,13 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tracking(args: argparse.Namespace, out: Path) -> str:
-    return args.tracking_uri or f"sqlite:///{out.resolve()}/mlflow.db"
+def _tracking(args: argparse.Namespace, out: Path) -> tuple[str, str]:
+    """(store, artifact location): ``--tracking-uri``, else a sqlite database in the output
+    directory; artifacts beside that database, never in ``./mlruns`` of the working directory."""
+    from mimir_megatron.ops.mlflow_server import run_store
+
+    default_uri, artifacts = run_store(out)
+    return args.tracking_uri or default_uri, artifacts.as_uri()
 
 
 def cmd_prefix(args: argparse.Namespace) -> int:
@@ -121,7 +127,7 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     print((out / "table11.md").read_text())
     metrics = {f"{r['setting']}/{k}": v for r in rows for k, v in r.items()
                if isinstance(v, (int, float)) and k != "setting"}
-    log_to_mlflow(_tracking(args, out), args.experiment, "prefix-audit",
+    log_to_mlflow(*_tracking(args, out), args.experiment, "prefix-audit",
                   {**{k: v for k, v in vars(args).items() if k != "handler"}, "model_name": model.name},
                   metrics, files)
     return 0
@@ -153,7 +159,7 @@ def cmd_continuation(args: argparse.Namespace) -> int:
     files.append(write_matches(matches, out / "exact_matches.jsonl", model.decode))
     print((out / "table12.md").read_text())
     metrics = {f"{r['category']}/{k}": v for r in rows for k, v in r.items() if isinstance(v, (int, float))}
-    log_to_mlflow(_tracking(args, out), args.experiment, "continuation-audit",
+    log_to_mlflow(*_tracking(args, out), args.experiment, "continuation-audit",
                   {**{k: v for k, v in vars(args).items() if k != "handler"}, "model_name": model.name},
                   metrics, files)
     return 0

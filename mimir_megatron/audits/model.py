@@ -70,8 +70,9 @@ class EngineAuditModel:
 
 def load_audit_model(model: str, *, ema: bool = False, tokenizer: str | None = None,
                      batch_size: int = 32) -> EngineAuditModel:
-    """A training checkpoint (has trainer_state.json), a transformers hrm_text directory (has
-    config.json) or `mimir import` weights."""
+    """A training checkpoint (a step_N directory or a run's checkpoints directory), a
+    transformers hrm_text directory (has config.json) or `mimir import` weights."""
+    from mimir_megatron.checkpoint import is_checkpoint_source
     from mimir_megatron.inference import load_engine
 
     path = Path(model)
@@ -80,7 +81,7 @@ def load_audit_model(model: str, *, ema: bool = False, tokenizer: str | None = N
     kwargs: dict = {"max_batch_size": batch_size}
     if tokenizer:
         kwargs["tokenizer"] = tokenizer
-    if (path / "trainer_state.json").is_file():
+    if is_checkpoint_source(path):
         engine = load_engine(checkpoint=str(path), ema=ema, **kwargs)
     elif (path / "config.json").is_file():
         engine = load_engine(hf=str(path), **kwargs)

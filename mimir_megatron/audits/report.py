@@ -63,16 +63,19 @@ def match_length_figure(lengths_by_setting: dict[str, list[int]], path: Path, th
     return path
 
 
-def log_to_mlflow(uri: str, experiment: str, run_name: str, params: dict, metrics: dict[str, float],
-                  artifacts: list[Path]) -> str | None:
+def log_to_mlflow(uri: str, artifact_location: str, experiment: str, run_name: str, params: dict,
+                  metrics: dict[str, float], artifacts: list[Path]) -> str | None:
     """One MLflow run with the audit's parameters, headline metrics and files; its id, or None
-    (with a warning) when the tracking store cannot be reached: the files on disk are the record."""
+    (with a warning) when the tracking store cannot be reached: the files on disk are the record.
+    A new experiment keeps its artifacts in ``artifact_location`` (MLflow's default would be
+    ``./mlruns`` of whatever directory the command runs in)."""
     try:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(
+            experiment, artifact_location=artifact_location)
         run = client.create_run(exp_id, run_name=run_name, tags={"mimir.kind": "audit"})
         for key, value in params.items():
             client.log_param(run.info.run_id, key, str(value)[:500])

@@ -74,7 +74,12 @@ def _suite(args: argparse.Namespace):
 def _source_name(args: argparse.Namespace) -> str:
     if args.base_url:
         return args.model_name or "server"
-    path = Path(args.checkpoint or args.hf or args.weights).resolve()
+    path = Path(args.checkpoint or args.hf or args.weights)
+    if args.checkpoint:
+        from mimir_megatron.checkpoint import resolve
+
+        path = resolve(path)  # a checkpoints directory names the step its latest points at
+    path = path.resolve()
     name = path.parent.parent.name + "-" + path.name if path.parent.name == "checkpoints" else path.name
     return name + ("-ema" if args.ema else "")
 
@@ -87,9 +92,9 @@ def _tokenizer_dir(args: argparse.Namespace) -> str | None:
         if directory and (Path(directory) / "tokenizer.json").is_file():
             return directory
     if args.checkpoint:
-        from .tracking import _checkpoint_state
+        from mimir_megatron.checkpoint import find
 
-        found = _checkpoint_state(Path(args.checkpoint))
+        found = find(args.checkpoint)
         if found:
             return found[1].get("model", {}).get("tokenizer") or None
     return None

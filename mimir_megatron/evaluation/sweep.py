@@ -163,10 +163,10 @@ def write_sweep(sweep: SweepResult, output: Path) -> list[Path]:
 
 def trained_schedule(checkpoint: str | None = None, hf: str | None = None) -> Schedule | None:
     """(H, L) the weights were trained with, from the checkpoint's state or the HF config."""
-    from .tracking import _checkpoint_state
+    from mimir_megatron.checkpoint import find
 
     if checkpoint:
-        found = _checkpoint_state(Path(checkpoint))
+        found = find(checkpoint)
         if found:
             model = found[1].get("model", {})
             return int(model["h_cycles"]), int(model["l_cycles"])

@@ -1,7 +1,7 @@
 """MLflow for evaluations: one run per evaluation (metrics per task, tables and InspectAI logs as
 artifacts), nested under the training run when a training checkpoint is evaluated.
 
-A training checkpoint's ``trainer_state.json`` names its MLflow run and config; the evaluation
+A training checkpoint's trainer state names its MLflow run and config; the evaluation
 then goes to the same store and experiment as a child run. Otherwise the store is
 ``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else a sqlite file in the output directory.
 Tables are written to disk before MLflow is touched, so an unreachable server loses nothing.
@@ -9,7 +9,6 @@ Tables are written to disk before MLflow is touched, so an unreachable server lo
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -30,19 +29,12 @@ class TrackingTarget:
     checkpoint_step: int | None = None
 
 
-def _checkpoint_state(checkpoint: Path) -> tuple[Path, dict[str, Any]] | None:
-    """(checkpoint directory, its trainer state), following a run's ``latest``; None otherwise."""
-    path = checkpoint
-    if not (path / "trainer_state.json").is_file() and (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
-    state_file = path / "trainer_state.json"
-    return (path, json.loads(state_file.read_text())) if state_file.is_file() else None
-
-
 def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path | None = None,
                     experiment: str | None = None) -> TrackingTarget:
     """Where an evaluation's MLflow run goes (see the module docstring)."""
-    found = _checkpoint_state(Path(checkpoint)) if checkpoint else None
+    from mimir_megatron.checkpoint import find
+
+    found = find(checkpoint) if checkpoint else None
     if found is not None and not uri:
         path, state = found
         config = state.get("config", {})

@@ -1,75 +1,21 @@
 """Build an inference engine from a training checkpoint, project weights or a transformers directory.
 
-Never imports the trainer: a training checkpoint's weights (or its EMA) are read through the
-sharded-state layout of :mod:`mimir_megatron.model.sharded`, the one the trainer writes.
-Weights are read with dist_checkpointing (training checkpoints: its metadata is read by torch's
-checkpoint reader, which unpickles, so load only checkpoints you trust) or safetensors (project
-weights, transformers directories: nothing is unpickled).
+Never imports the trainer: a training checkpoint (a ``step_N`` directory or a checkpoints
+directory) is read by :mod:`mimir_megatron.checkpoint`, with dist_checkpointing (its metadata is
+read by torch's checkpoint reader, which unpickles, so load only checkpoints you trust). Project
+weights and transformers directories are read with safetensors (nothing is unpickled).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
-import torch
-
+from mimir_megatron import checkpoint as checkpoint_pkg
 from mimir_megatron.errors import UserError
 from mimir_megatron.inference.engine import InferenceEngine
 
 log = logging.getLogger(__name__)
-
-TRAINER_STATE = "trainer_state.json"
-
-
-def _inference_overrides(tensor_parallel_size: int) -> list[str]:
-    # Decoding feeds one token per row, so the sequence is never split across TP ranks. (Kernels
-    # and layer implementation stay this machine's defaults: recorded shapes carry none.)
-    return [f"parallel.tensor_parallel_size={tensor_parallel_size}", "parallel.sequence_parallel=false"]
-
-
-def load_checkpoint_model(path: str | Path, ema: bool = False, tensor_parallel_size: int = 1):
-    """The model of a training checkpoint directory (``step_N``, or a run's checkpoint directory,
-    whose ``latest`` is followed), with its trained or EMA weights."""
-    from megatron.core import dist_checkpointing
-
-    from mimir_megatron.config import model_config_from_record
-    from mimir_megatron.model import build_model
-    from mimir_megatron.model.sharded import ema_sharded_state, model_sharded_state
-
-    path = resolve_checkpoint(Path(path))
-    state = json.loads((path / TRAINER_STATE).read_text())
-    if ema and state["config"]["optim"]["ema_decay"] == 0:
-        raise UserError(f"{path} was trained without an EMA (optim.ema_decay = 0)")
-    cfg = model_config_from_record(state["model"], _inference_overrides(tensor_parallel_size))
-    model = build_model(cfg)
-    model_sd = model_sharded_state(model)
-    sharded = {"model": model_sd}
-    shadow = None
-    if ema:
-        shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-        sharded["ema"] = ema_sharded_state(model, model_sd, shadow)
-    loaded = dist_checkpointing.load(sharded, str(path))
-    model.load_state_dict(loaded["model"], strict=False)
-    if shadow is not None:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(loaded["ema"][name])
-    return model
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """``path`` itself if it is one checkpoint, else the one its ``latest`` file names."""
-    if (path / TRAINER_STATE).is_file():
-        return path
-    latest = path / "latest"
-    if latest.is_file():
-        named = path / latest.read_text().strip()
-        if (named / TRAINER_STATE).is_file():
-            return named
-        raise UserError(f"{latest} names {named.name}, which is not a complete checkpoint")
-    raise UserError(f"{path} is not a training checkpoint (no {TRAINER_STATE}, no latest)")
 
 
 def _tokenizer(directory: str | Path | None):
@@ -104,9 +50,9 @@ def load_engine(
         raise UserError(f"model directory not found: {source}")
     if ema and checkpoint is None:
         raise UserError("--ema needs a training checkpoint (project weights and HF directories hold no EMA)")
-    overrides = _inference_overrides(tensor_parallel_size)
+    overrides = checkpoint_pkg.execution_overrides(tensor_parallel_size)
     if checkpoint is not None:
-        model = load_checkpoint_model(source, ema=ema, tensor_parallel_size=tensor_parallel_size)
+        model = checkpoint_pkg.load_model(source, ema=ema, tensor_parallel_size=tensor_parallel_size)
         fallback = model.cfg.tokenizer
     elif weights is not None:
         from mimir_megatron.interop import load_weights

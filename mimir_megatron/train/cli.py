@@ -35,7 +35,6 @@ def overrides_from(args: argparse.Namespace) -> list[str]:
 def cmd_train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from mimir_megatron.model import build_model  # noqa: F401  (activates the CPU backend first)
     from mimir_megatron.train.config import load_train_config
     from mimir_megatron.train.loop import train
 

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from mimir_megatron import backend, parallel
+from mimir_megatron import checkpoint as ckpt
 from mimir_megatron.errors import NonFiniteTraining
 from mimir_megatron.stop_signals import STOP_SIGNALS, take_early
-from mimir_megatron.train import checkpoint as ckpt
 from mimir_megatron.train.config import TrainConfig, flatten
 from mimir_megatron.train.flops import flops_per_token
 from mimir_megatron.train.schedules import StepPlan, plan_step
@@ -327,7 +327,7 @@ def _resume_path(cfg: TrainConfig, ckpt_dir: Path) -> Path | None:
         return None
     if mode == "auto":
         return ckpt.latest_checkpoint(ckpt_dir)
-    return Path(mode)
+    return ckpt.resolve(mode)  # a step_N directory, or a checkpoints directory's latest
 
 
 def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> str | None:
@@ -339,8 +339,10 @@ def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> str | None:
     if (source / CONFIG_FILE).is_file():
         load_full_state(model, read_safetensors_dir(source), source=str(source))
         parent = None
-    else:
-        state = ckpt.load_checkpoint(source, model, optimizer if cfg.checkpoint.keep_optimizer else None, ema)
+    else:  # a new run: its own seed decides the RNG, not the source run's
+        state = ckpt.load_checkpoint(ckpt.resolve(source), model,
+                                     optimizer if cfg.checkpoint.keep_optimizer else None, ema,
+                                     restore_rng=False)
         parent = state.get("mlflow_run_id")
     if ema is not None and not (cfg.checkpoint.keep_optimizer and parent is not None):
         ema.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()}

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from mimir_megatron import parallel
+# ZeRO-1's state layout is the parallel layer's (the checkpoint package reads it too).
+from mimir_megatron.parallel import local_optimizer, owned_parameters  # noqa: F401
 from mimir_megatron.train.schedules import GROUPS, StepPlan
 
 
@@ -116,16 +118,6 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, dp_group=None, shard: boo
         for p in group["params"]:
             init_state(local, p)
     return opt
-
-
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding this rank's state (the ZeRO shard's, or the optimizer itself)."""
-    return getattr(optimizer, "optim", optimizer)
-
-
-def owned_parameters(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    """Parameters whose optimizer state lives on this rank."""
-    return [p for g in local_optimizer(optimizer).param_groups for p in g["params"]]
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, plan: StepPlan) -> None:

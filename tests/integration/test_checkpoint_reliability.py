@@ -6,7 +6,6 @@ restored. The reference is one uninterrupted 6-step run (checkpoints at steps 3 
 """
 
 import errno
-import json
 import os
 import random
 import re
@@ -22,13 +21,14 @@ from checkpoint_faults import patch_data_writes
 from checkpoint_states import assert_same_state
 from conftest import REPO, train_overrides
 
-from mimir_megatron.errors import UserError
-from mimir_megatron.train.checkpoint import (
+from mimir_megatron.checkpoint import (
     CheckpointWriteError,
-    _prune,
     latest_checkpoint,
+    prune_checkpoints,
     read_trainer_state,
 )
+from mimir_megatron.checkpoint.layout import write_trainer_state
+from mimir_megatron.errors import UserError
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
 from mimir_megatron.train.tracking import Tracker
@@ -90,7 +90,7 @@ def test_a_rollback_keeps_the_new_timeline(demo_data, tmp_path, reference):
 def make_checkpoint(checkpoint_dir: Path, step: int, written_at: float) -> None:
     path = checkpoint_dir / f"step_{step:07d}"
     path.mkdir(parents=True)
-    (path / "trainer_state.json").write_text(json.dumps({"step": step, "written_at": written_at}))
+    write_trainer_state(path, {"step": step, "written_at": written_at})
 
 
 def test_pruning_keeps_the_newest_written_and_the_one_latest_names(tmp_path):
@@ -98,11 +98,11 @@ def test_pruning_keeps_the_newest_written_and_the_one_latest_names(tmp_path):
     for step, written_at in [(9, 1.0), (12, 2.0), (5, 3.0), (7, 4.0), (8, 5.0)]:
         make_checkpoint(tmp_path, step, written_at)
     (tmp_path / "latest").write_text("step_0000008\n")
-    _prune(tmp_path, keep=2)
+    prune_checkpoints(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_0000007", "step_0000008"]
     (tmp_path / "latest").write_text("step_0000007\n")
     make_checkpoint(tmp_path, 10, 6.0)
-    _prune(tmp_path, keep=1)
+    prune_checkpoints(tmp_path, keep=1)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_0000007", "step_0000010"]
 
 

@@ -73,7 +73,7 @@ def small_epochs(demo_data):
 def test_training_resumed_across_epoch_boundaries_is_bit_exact(demo_data, small_epochs, tmp_path):
     from mimir_megatron.model import build_model
     from mimir_megatron.model.state import gather_full_state
-    from mimir_megatron.train.checkpoint import load_checkpoint
+    from mimir_megatron.checkpoint import load_checkpoint
     from mimir_megatron.train.config import load_train_config
     from mimir_megatron.train.loop import train
 

@@ -167,7 +167,7 @@ def test_compiled_stacks_equal_eager_and_keep_parameter_names():
 
 def test_checkpoint_accepts_changed_execution_settings_but_not_shape(tmp_path):
     from mimir_megatron.errors import UserError
-    from mimir_megatron.train import checkpoint as ckpt
+    from mimir_megatron import checkpoint as ckpt
 
     saved_cfg = tiny_config("execution.attention_backend=varlen", "execution.recompute=full",
                             "execution.loss_chunk_tokens=7")

@@ -269,14 +269,17 @@ def test_generate_command_writes_one_line_per_input(text_model_dir, tmp_path):
 
 
 def test_engine_loads_a_training_checkpoint_and_its_ema(demo_data, tmp_path):
-    """The engine reads a checkpoint without the trainer; the trainer's own loader is the reference."""
+    """The engine reads a checkpoint without the trainer; the reference is the training-state
+    loader (resume's path) into a model built from the run's own config."""
     from conftest import REPO, train_overrides
 
+    from mimir_megatron.checkpoint import load_checkpoint
+    from mimir_megatron.inference import load_engine
+    from mimir_megatron.model import build_model
     from mimir_megatron.model.state import gather_full_state
-    from mimir_megatron.train.checkpoint import load_model_from_checkpoint
     from mimir_megatron.train.config import load_train_config
     from mimir_megatron.train.loop import train
-    from mimir_megatron.inference import load_engine
+    from mimir_megatron.train.optim import EMA
 
     cfg = load_train_config(REPO / "configs/train/demo.yaml",
                             train_overrides(demo_data, tmp_path, "train.steps=3", "optim.ema_decay=0.5"))
@@ -285,7 +288,12 @@ def test_engine_loads_a_training_checkpoint_and_its_ema(demo_data, tmp_path):
     for ema in (False, True):
         engine = load_engine(checkpoint=checkpoints, ema=ema)  # follows `latest`
         ours = gather_full_state(engine.model)
-        ref = gather_full_state(load_model_from_checkpoint(checkpoints / "step_0000003", ema=ema))
+        reference = build_model(cfg.model)
+        averaged = EMA(reference, decay=0.0)
+        load_checkpoint(checkpoints / "step_0000003", reference, None, averaged, restore_rng=False)
+        if ema:
+            averaged.copy_to(reference)
+        ref = gather_full_state(reference)
         assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ours)
         assert engine.tokenizer is not None and engine.model_name == "checkpoints"
     raw, averaged = (gather_full_state(load_engine(checkpoint=checkpoints, ema=e).model) for e in (False, True))

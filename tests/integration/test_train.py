@@ -71,7 +71,7 @@ def test_frozen_modules_do_not_move(demo_data, tmp_path):
     """With k=1 (last_k) only H trains: L and the embedding must stay bit-identical."""
     from mimir_megatron.model import build_model
     from mimir_megatron.model.state import gather_full_state
-    from mimir_megatron.train.checkpoint import load_checkpoint
+    from mimir_megatron.checkpoint import load_checkpoint
 
     run(demo_data, tmp_path, "window.schedule=constant", "window.k=1", "train.steps=3")
     cfg = load_train_config(DEMO, train_overrides(demo_data, tmp_path))
@@ -160,7 +160,7 @@ def test_continued_training_from_a_checkpoint_and_from_imported_weights(demo_dat
     from mlflow.tracking import MlflowClient
 
     from mimir_megatron.interop import export_hf, import_hf, save_weights
-    from mimir_megatron.train.checkpoint import load_model_from_checkpoint
+    from mimir_megatron.checkpoint import load_model
 
     v1 = run(demo_data, tmp_path / "v1", "train.steps=3")
     start = tmp_path / "v1" / "checkpoints" / "step_0000003"
@@ -170,7 +170,7 @@ def test_continued_training_from_a_checkpoint_and_from_imported_weights(demo_dat
     tags = MlflowClient(f"sqlite:///{tmp_path / 'v15'}/mlflow.db").get_run(v15.run_id).data.tags
     assert tags["mlflow.parentRunId"] == v1.run_id
     # From a transformers model, through `mimir import` weights.
-    export_hf(load_model_from_checkpoint(start), tmp_path / "hf")
+    export_hf(load_model(start), tmp_path / "hf")
     save_weights(import_hf(tmp_path / "hf"), tmp_path / "imported")
     from_hf = run(demo_data, tmp_path / "from_hf", f"checkpoint.init_from={tmp_path / 'imported'}",
                   "window.k0=5", "window.k1=8", "train.steps=2")
@@ -183,12 +183,12 @@ def test_adam_atan2_trains(demo_data, tmp_path):
 
 
 def test_checkpoint_of_another_layout_version_is_refused(demo_data, tmp_path):
-    import json
+    from mimir_megatron.checkpoint.layout import read_trainer_state, write_trainer_state
 
     run(demo_data, tmp_path, stop_at_step=3)
-    state_file = tmp_path / "checkpoints" / "step_0000003" / "trainer_state.json"
-    state = json.loads(state_file.read_text())
+    path = tmp_path / "checkpoints" / "step_0000003"
+    state = read_trainer_state(path)
     state.pop("format")
-    state_file.write_text(json.dumps(state))
+    write_trainer_state(path, state)
     with pytest.raises(UserError, match="layout version none; this version of mimir-megatron reads version 1"):
         run(demo_data, tmp_path)

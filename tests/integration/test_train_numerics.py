@@ -89,7 +89,7 @@ def test_applied_learning_rates_and_first_adam_updates(demo_data, tmp_path, monk
 def _full_state(path, cfg) -> dict[str, torch.Tensor]:
     """Weights, EMA and Adam moments (and steps) of a checkpoint, by name."""
     from mimir_megatron.model import build_model
-    from mimir_megatron.train.checkpoint import load_checkpoint
+    from mimir_megatron.checkpoint import load_checkpoint
     from mimir_megatron.train.optim import EMA, build_optimizer
 
     model = build_model(cfg.model)

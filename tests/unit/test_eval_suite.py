@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from mimir_megatron.checkpoint.layout import write_trainer_state
 from mimir_megatron.errors import ConfigError, UserError
 from mimir_megatron.evaluation.fixtures import write_fixtures
 from mimir_megatron.evaluation.prompts import build_items
@@ -151,8 +152,6 @@ def test_schedules_parse():
 
 
 def test_training_checkpoint_evaluations_go_under_the_training_run(tmp_path):
-    import json
-
     from mimir_megatron.evaluation.sweep import trained_schedule
     from mimir_megatron.evaluation.tracking import tracking_target
 
@@ -161,7 +160,7 @@ def test_training_checkpoint_evaluations_go_under_the_training_run(tmp_path):
     (ckpts / "latest").write_text("step_0000400\n")
     state = {"step": 400, "mlflow_run_id": "abc123", "model": {"h_cycles": 2, "l_cycles": 3},
              "config": {"run": {"name": "demo", "dir": ""}, "tracking": {"uri": None, "experiment": "mimir-demo"}}}
-    (ckpts / "step_0000400" / "trainer_state.json").write_text(json.dumps(state))
+    write_trainer_state(ckpts / "step_0000400", state)
     target = tracking_target(tmp_path / "out", checkpoint=ckpts)
     assert target.uri == f"sqlite:///{(tmp_path / 'runs' / 'demo' / 'mlflow.db').resolve()}"
     assert (target.experiment, target.parent_run_id, target.checkpoint_step) == ("mimir-demo", "abc123", 400)

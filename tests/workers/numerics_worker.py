@@ -13,10 +13,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conftest import REPO, train_overrides  # noqa: E402
 
-from mimir_megatron.model import build_model  # noqa: E402,F401  (CPU backend first)
+from mimir_megatron import backend  # noqa: E402
 from mimir_megatron.train import loop  # noqa: E402
 from mimir_megatron.train.config import load_train_config  # noqa: E402
 from mimir_megatron.train.optim import local_optimizer, owned_parameters  # noqa: E402
+
+backend.setup()  # a worker is an entry point
 
 
 def describe(optimizer) -> dict:

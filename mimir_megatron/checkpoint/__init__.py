@@ -1,0 +1,62 @@
+"""Training checkpoints: the one owner of their on-disk layout.
+
+Layout of a run's checkpoints directory (``<run.dir>/checkpoints``)::
+
+    step_0000200/            one checkpoint, visible only once complete
+        (dist_checkpointing files: model, optimizer moments, EMA; resharding-capable)
+        trainer_state.json   step, consumed samples, window, group steps, data fingerprint,
+                             model shape, MLflow run id, layout version
+        rng_rank<r>.safetensors  each rank's RNG state
+    latest                   name of the newest complete checkpoint (replaced atomically)
+    abandoned/               checkpoints of a timeline given up by resuming from an older one
+
+Every command that takes a checkpoint accepts both forms: a ``step_N`` directory, or a
+checkpoints directory (its ``latest`` is followed; a ``latest`` naming a missing checkpoint is an
+error, never a silent fresh start). The modules, each with one job:
+
+- :mod:`.layout`: names, ``latest``, the resolver (:func:`resolve`), the trainer state file.
+- :mod:`.compat`: layout version and model-shape checks; :mod:`.resume`: may training go on.
+- :mod:`.state`: the sharded model/optimizer/EMA state and the per-rank RNG state.
+- :mod:`.load`: :func:`load_checkpoint` (training state into a built model) and
+  :func:`load_model` (a model on its own: export, generate, serve, eval, audits).
+- :mod:`.write`: :class:`CheckpointWriter` (synchronous or asynchronous); :mod:`.prune`.
+
+This package imports the model, never the trainer: inference, evaluation and audits use it.
+The writer and loaders (megatron-core) are imported on first use, so reading the layout is cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .compat import check_compatible, check_format
+from .layout import (
+    FORMAT,
+    find,
+    is_checkpoint,
+    is_checkpoint_source,
+    latest_checkpoint,
+    read_trainer_state,
+    resolve,
+    step_dir_name,
+)
+from .resume import check_resumable, config_changes
+
+_LAZY = {
+    "load_checkpoint": "load", "load_model": "load", "execution_overrides": "load",
+    "CheckpointWriter": "write", "CheckpointWriteError": "write", "check_writable": "write",
+    "optimizer_group_steps": "state", "prune_checkpoints": "prune", "set_aside_newer": "prune",
+}
+
+__all__ = [
+    "FORMAT", "check_compatible", "check_format", "check_resumable", "config_changes", "find",
+    "is_checkpoint", "is_checkpoint_source", "latest_checkpoint", "read_trainer_state", "resolve",
+    "step_dir_name", *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

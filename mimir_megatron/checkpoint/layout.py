@@ -1,0 +1,141 @@
+"""The on-disk layout of training checkpoints: names, the ``latest`` pointer, and the resolver.
+
+This module is the only place that knows a checkpoint's file names; everything else asks it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from mimir_megatron.errors import UserError
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+FORMAT = 1
+"""Layout version of the sharded state; bumped whenever its keys change."""
+LATEST = "latest"
+ABANDONED = "abandoned"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def rng_file(path: Path, rank: int) -> Path:
+    """Where rank ``rank`` keeps its RNG state inside checkpoint ``path``."""
+    return path / f"rng_rank{rank}.safetensors"
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is one complete checkpoint (a ``step_N`` directory whose state is written)."""
+    return (Path(path) / STATE_FILE).is_file()
+
+
+def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """Complete checkpoints in ``checkpoint_dir``, oldest *written* first (not lowest step)."""
+    found = [p for p in checkpoint_dir.glob("step_*") if p.name[5:].isdigit() and is_checkpoint(p)]
+
+    def written(path: Path) -> tuple[float, int]:
+        try:
+            at = float(json.loads((path / STATE_FILE).read_text()).get("written_at", 0.0))
+        except (OSError, ValueError):
+            at = 0.0  # unreadable: oldest, pruned first
+        return at, step_of(path)
+
+    return sorted(found, key=written)
+
+
+def latest_name(checkpoint_dir: Path) -> str | None:
+    pointer = checkpoint_dir / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def write_latest(checkpoint_dir: Path, name: str) -> None:
+    """Point ``latest`` at ``name``, atomically (a reader sees the old or the new name)."""
+    pointer = checkpoint_dir / (LATEST + ".tmp")
+    pointer.write_text(name + "\n")
+    os.replace(pointer, checkpoint_dir / LATEST)
+
+
+def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
+    """The checkpoint ``latest`` names; None only when the directory holds no checkpoint at all.
+
+    A ``latest`` naming a missing or incomplete checkpoint is an error: starting again from step
+    0 would silently throw the run away. Without a ``latest`` (a kill between the rename and the
+    pointer update) the newest written checkpoint is taken.
+    """
+    name = latest_name(checkpoint_dir)
+    if name is None:
+        complete = complete_checkpoints(checkpoint_dir)
+        if complete:
+            log.warning("%s has no `latest`; taking the newest written checkpoint, %s",
+                        checkpoint_dir, complete[-1].name)
+            return complete[-1]
+        return None
+    path = checkpoint_dir / name
+    if not is_checkpoint(path):
+        present = ", ".join(p.name for p in complete_checkpoints(checkpoint_dir)) or "none"
+        raise UserError(
+            f"{checkpoint_dir / LATEST} names {name}, which is not a complete checkpoint; refusing "
+            f"to start again from step 0 (complete checkpoints here: {present}). Pass "
+            "checkpoint.resume=<checkpoint directory>, or checkpoint.resume=never to start afresh"
+        )
+    return path
+
+
+def is_checkpoint_source(path: str | Path) -> bool:
+    """Whether ``path`` is meant as a training checkpoint: a ``step_N`` directory or a run's
+    checkpoints directory (it has a ``latest`` or ``step_N`` entries), complete or not."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    return is_checkpoint(path) or (path / LATEST).is_file() or any(
+        p.name[5:].isdigit() for p in path.glob("step_*"))
+
+
+def resolve(path: str | Path) -> Path:
+    """The one checkpoint ``path`` stands for: ``path`` itself when it is a ``step_N`` checkpoint,
+    else (a run's checkpoints directory) the one its ``latest`` names, else its newest written.
+
+    Anything else, a dangling ``latest`` included, is a one-line :class:`UserError`.
+    """
+    path = Path(path)
+    if is_checkpoint(path):
+        return path
+    if not path.is_dir():
+        raise UserError(f"checkpoint not found: {path}")
+    found = latest_checkpoint(path)
+    if found is None:
+        raise UserError(f"{path} is not a training checkpoint (no {STATE_FILE}, no {LATEST}, "
+                        "no complete step_N checkpoint)")
+    return found
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state of the checkpoint ``path`` (a ``step_N`` directory)."""
+    state_file = Path(path) / STATE_FILE
+    if not state_file.is_file():
+        raise UserError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
+    return json.loads(state_file.read_text())
+
+
+def write_trainer_state(path: Path, state: dict[str, Any]) -> None:
+    (Path(path) / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
+
+
+def find(path: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """(checkpoint, its trainer state) when ``path`` is a training checkpoint in either form;
+    None when it is something else (project weights, a transformers directory)."""
+    if not is_checkpoint_source(path):
+        return None
+    resolved = resolve(path)
+    return resolved, read_trainer_state(resolved)

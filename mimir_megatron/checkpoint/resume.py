@@ -1,0 +1,55 @@
+"""May training go on from this checkpoint with this configuration? The resume checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mimir_megatron.errors import UserError
+
+from .compat import check_compatible
+
+if TYPE_CHECKING:  # annotations only: this package never imports the trainer
+    from mimir_megatron.train.config import TrainConfig
+
+# What may change between save and resume without --allow-config-change: the layout of the same
+# computation (how the global batch is split, whether Adam state is sharded) and reporting.
+_LAYOUT_SETTINGS = {"train.micro_batch_size", "train.log_interval", "train.peak_tflops", "optim.shard_state",
+                    "train.collective_timeout_s"}
+_COMPARED_SECTIONS = ("train", "window", "optim")
+_COMPARED_MODEL_FIELDS = ("h_cycles", "l_cycles", "window_policy")
+
+
+def config_changes(saved: dict[str, Any], cfg: "TrainConfig") -> list[str]:
+    """One line per training setting that differs from the checkpoint's: the trajectory changes."""
+    before, now = saved.get("config", {}), cfg.to_dict()
+    pairs = [(f"{section}.{key}", before.get(section, {}), key, value)
+             for section in _COMPARED_SECTIONS for key, value in now[section].items()]
+    pairs += [(f"model.{key}", saved.get("model", {}), key, now["model"][key])
+              for key in _COMPARED_MODEL_FIELDS]
+    return [
+        f"{name}: checkpoint {old[key]!r}, config {value!r}"
+        for name, old, key, value in pairs
+        # A setting added since the checkpoint was written has no recorded value to compare.
+        if name not in _LAYOUT_SETTINGS and key in old and old[key] != value
+    ]
+
+
+def check_resumable(saved: dict[str, Any], cfg: "TrainConfig", path: Path, fingerprint: str) -> list[str]:
+    """Refuse a changed data mixture or training configuration unless allowed; returns the
+    accepted configuration changes (to be recorded)."""
+    check_compatible(saved, cfg.model, path)
+    if saved["data_fingerprint"] != fingerprint and not cfg.checkpoint.allow_data_change:
+        raise UserError(
+            f"the data mixture changed since {path} was written "
+            f"(fingerprint {saved['data_fingerprint'][:12]} -> {fingerprint[:12]}); "
+            "pass checkpoint.allow_data_change=true to resume anyway"
+        )
+    changes = config_changes(saved, cfg)
+    if changes and not cfg.checkpoint.allow_config_change:
+        raise UserError(
+            f"the training configuration changed since {path} was written:\n  - "
+            + "\n  - ".join(changes)
+            + "\npass --allow-config-change (checkpoint.allow_config_change=true) to resume anyway"
+        )
+    return changes
