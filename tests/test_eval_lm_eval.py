@@ -114,3 +114,61 @@ def test_loglikelihood_generation_and_perplexity_equal_direct_requests(served, t
         (document,) = args_of(sample)
         expected = score(served, [tokenizer.bos_token_id], encode(tokenizer, document))
         assert float(sample["resps"][0][0]) == pytest.approx(expected["logprob"], abs=1e-4)
+
+
+def test_passthrough_arguments_and_model_args():
+    from mimir_megatron.errors import UserError
+    from mimir_megatron.evaluation.lm_eval_run import lm_eval_argv
+
+    argv = lm_eval_argv("http://127.0.0.1:9/v1", "tok", "arc_easy", ["--limit", "5", "--model_args", "max_length=64"],
+                        output_path=Path("out"), batch_size=4, h_cycles=2)
+    assert argv == ["run", "--model", "mimir", "--model_args",
+                    "base_url=http://127.0.0.1:9/v1,tokenizer=tok,h_cycles=2,max_length=64", "--tasks", "arc_easy",
+                    "--batch_size", "4", "--output_path", "out", "--limit", "5"]
+    with pytest.raises(UserError, match="--model after `--`"):
+        lm_eval_argv("u", "tok", "t", ["--model", "hf"])
+    with pytest.raises(UserError, match="key=value"):
+        lm_eval_argv("u", "tok", "t", ["--model_args", '{"max_length": 5}'])
+
+
+def test_missing_extra_is_one_line_naming_it(monkeypatch):
+    import sys
+
+    from mimir_megatron.errors import UserError
+    from mimir_megatron.evaluation.lm_eval_run import run_lm_eval
+
+    monkeypatch.setitem(sys.modules, "lm_eval._cli", None)  # as if lm-eval were not installed
+    with pytest.raises(UserError, match=r"pip install 'mimir-megatron\[lmeval\]'"):
+        run_lm_eval("u", "tok", "t", [])
+
+
+def test_score_client_retries_a_transport_error_then_gives_up(monkeypatch):
+    """`mimir eval`'s /v1/score client: a dropped connection is retried, a 400 is not."""
+    import asyncio
+
+    from mimir_megatron.evaluation.http_retry import RetryPolicy
+    from mimir_megatron.evaluation.scoring_client import ScoreClient
+
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) < 3:
+            raise httpx.ConnectError("connection refused", request=request)
+        if json.loads(request.content)["items"][0]["continuation"] == "bad":
+            return httpx.Response(400, json={"error": {"message": "bad"}})
+        return httpx.Response(200, json={"results": [{"logprob": -1.5}]})
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(handler), **kw))
+    client = ScoreClient("http://127.0.0.1:9/v1", "tiny", retry=RetryPolicy(attempts=3, backoff_s=0.0))
+    assert asyncio.run(client.logprobs([{"role": "user", "content": "q"}], ["a"])) == [-1.5]
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(httpx.ConnectError):  # a transport error on every try: the task fails
+        asyncio.run(ScoreClient("http://127.0.0.1:9/v1", "tiny", retry=RetryPolicy(attempts=2, backoff_s=0.0))
+                    .logprobs([{"role": "user", "content": "q"}], ["a"]))
+    calls[:] = [None, None]  # the next request answers at once
+    with pytest.raises(httpx.HTTPStatusError):
+        asyncio.run(client.logprobs([{"role": "user", "content": "q"}], ["bad"]))
+    assert len(calls) == 3  # a 400 is the request's fault: not retried

@@ -77,8 +77,9 @@ class MimirLM(TemplateLM):
         self._tokenizer_dir = str(tokenizer)
         self._batch_size = 16 if str(batch_size).startswith("auto") else max(1, int(batch_size))
         self.max_gen_toks = int(max_gen_toks)
-        self.schedule = {k: v for k, v in (("h_cycles", _int_or_none(h_cycles, "h_cycles")),
-                                            ("l_cycles", _int_or_none(l_cycles, "l_cycles"))) if v is not None}
+        schedule = {"h_cycles": _int_or_none(h_cycles, "h_cycles"),
+                    "l_cycles": _int_or_none(l_cycles, "l_cycles")}
+        self.schedule = {k: v for k, v in schedule.items() if v is not None}
         self.retry = RetryPolicy(attempts=max(1, int(retries)))
         self.client = httpx.Client(timeout=float(timeout))
         served = self._served_model()
@@ -114,7 +115,8 @@ class MimirLM(TemplateLM):
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, chat_history: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
@@ -209,7 +211,8 @@ class MimirLM(TemplateLM):
             if name in kwargs:
                 settings[name] = kwargs.pop(name)
         if kwargs:
-            raise UserError(f"generation settings the mimir model does not implement: {', '.join(sorted(kwargs))}")
+            raise UserError("generation settings the mimir model does not implement: "
+                            + ", ".join(sorted(kwargs)))
         return settings
 
     def _prompt(self, context: str, max_tokens: int) -> list[int]:
