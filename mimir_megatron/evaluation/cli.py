@@ -241,8 +241,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:
-    from .lm_eval_run import run_lm_eval
+    from .lm_eval_run import require_lm_eval, run_lm_eval
 
+    require_lm_eval()
     tokenizer = _tokenizer_dir(args)
     if tokenizer is None:
         from mimir_megatron.errors import UserError

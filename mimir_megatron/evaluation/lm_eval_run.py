@@ -40,13 +40,20 @@ def lm_eval_argv(base_url: str, tokenizer: str, tasks: str, passthrough: list[st
     return argv + rest
 
 
-def run_lm_eval(base_url: str, tokenizer: str, tasks: str, passthrough: list[str], **kwargs) -> int:
-    """Registers the ``mimir`` model and runs lm-eval's CLI; lm-eval prints its results table."""
+def require_lm_eval() -> None:
+    """One clear line when the extra is missing (checked before a server is started)."""
     try:
-        from lm_eval._cli import HarnessCLI
+        import lm_eval._cli  # noqa: F401
     except ImportError:
         raise UserError("mimir lm-eval needs lm-evaluation-harness: pip install 'mimir-megatron[lmeval]'") \
             from None
+
+
+def run_lm_eval(base_url: str, tokenizer: str, tasks: str, passthrough: list[str], **kwargs) -> int:
+    """Registers the ``mimir`` model and runs lm-eval's CLI; lm-eval prints its results table."""
+    require_lm_eval()
+    from lm_eval._cli import HarnessCLI
+
     from . import lm_eval_model  # noqa: F401  (registers --model mimir)
 
     argv = lm_eval_argv(base_url, tokenizer, tasks, passthrough, **kwargs)
