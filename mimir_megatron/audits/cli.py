@@ -51,6 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--continuation-tokens", type=int, default=64)
     p.add_argument("--method", choices=["score", "generate"], default="score",
                    help="score: one forward pass per window (same verdict); generate: decode and compare")
+    p.add_argument("--mask", choices=["prompt", "training"], default="prompt",
+                   help="prompt: the window is a bidirectional prompt (the paper's protocol); training: "
+                   "also score each window with the mask it had in training (bidirectional only where "
+                   "it lay in its document's prompt) and report both rates side by side")
     p.set_defaults(handler=cmd_continuation, extra="audit")
 
 
@@ -152,11 +156,17 @@ def cmd_continuation(args: argparse.Namespace) -> int:
                              batch_size=args.batch_size)
     settings = ContinuationSettings(
         categories=_categories(args.categories), samples=args.samples, prefix_tokens=args.prefix_tokens,
-        continuation_tokens=args.continuation_tokens, method=args.method, seed=args.seed,
+        continuation_tokens=args.continuation_tokens, method=args.method, mask=args.mask, seed=args.seed,
         batch_size=args.batch_size)
-    rows, matches = run_continuation_audit(model, sources, settings)
-    files = write_table(rows, out, "table12", "64+64 exact-continuation audit (Table 12 layout)")
+    rows, matches, training_matches = run_continuation_audit(model, sources, settings)
+    title = "64+64 exact-continuation audit (Table 12 layout)"
+    if args.mask == "training":
+        title += "; columns ending in 'training mask': each window scored with its training mask"
+    files = write_table(rows, out, "table12", title)
     files.append(write_matches(matches, out / "exact_matches.jsonl", model.decode))
+    if args.mask == "training":
+        files.append(write_matches(training_matches, out / "exact_matches_training_mask.jsonl", model.decode,
+                                   mask="training"))
     print((out / "table12.md").read_text())
     metrics = {f"{r['category']}/{k}": v for r in rows for k, v in r.items() if isinstance(v, (int, float))}
     log_to_mlflow(*_tracking(args, out), args.experiment, "continuation-audit",

@@ -4,6 +4,11 @@ prompt, 64 greedy tokens, exact match against the document's true continuation.
 ``method='score'`` checks all 64 positions in one forward pass (the continuation is greedy iff
 each of its tokens is the argmax after the true tokens before it: the same verdict as decoding,
 64x fewer model calls); ``method='generate'`` decodes and compares, as a cross-check.
+
+The paper's protocol makes the whole 64-token window a bidirectional prompt. A window cut from a
+document's response was causal in training, so that protocol is a lower bound on what the model
+reproduces. ``mask='training'`` scores every window a second time with the mask it had in
+training (bidirectional only on the tokens that lay in the document's prompt) and reports both.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+
+from mimir_megatron.errors import UserError
 
 from .model import AuditModel
 from .sampling import CategoryDocuments, Probe, sample_windows
@@ -29,15 +36,28 @@ class ContinuationSettings:
     prefix_tokens: int = 64
     continuation_tokens: int = 64
     method: str = "score"
+    mask: str = "prompt"
+    """prompt: the paper's protocol only; training: also each window under its training mask."""
     seed: int = 0
     batch_size: int = 32
 
 
+MASKS = ("prompt", "training")
+TRAINING = ", training mask"  # suffix of the training-mask columns
+
+
 def run_continuation_audit(model: AuditModel, sources: list[AuditSource], settings: ContinuationSettings,
-                           progress: bool = True) -> tuple[list[dict], list[Probe]]:
-    """Returns (Table 12 rows with a total row, the probes that matched exactly)."""
+                           progress: bool = True) -> tuple[list[dict], list[Probe], list[Probe]]:
+    """Returns (Table 12 rows with a total row, the probes that matched exactly under the paper's
+    protocol, those that matched under their training mask: empty unless ``mask='training'``)."""
     from tqdm import tqdm
 
+    if settings.mask not in MASKS:
+        raise UserError(f"mask must be one of {', '.join(MASKS)}, got {settings.mask!r}")
+    if settings.mask == "training" and settings.method != "score":
+        raise UserError("--mask training needs --method score (decoding prefills the whole window "
+                        "as a bidirectional prompt)")
+    training = settings.mask == "training"
     categories = settings.categories or sorted({s.category for s in sources})
     windows = {}
     for category in categories:
@@ -49,25 +69,38 @@ def run_continuation_audit(model: AuditModel, sources: list[AuditSource], settin
                         settings.prefix_tokens + settings.continuation_tokens)
     bar = tqdm(total=sum(map(len, windows.values())), desc="64+64 audit", unit="window",
                disable=not progress)
-    rows, matches = [], []
+    rows, matches, training_matches = [], [], []
     for category, probes in windows.items():
         hits: list[Probe] = []
+        training_hits: list[Probe] = []
         for first in range(0, len(probes), settings.batch_size):
             batch = probes[first:first + settings.batch_size]
             hits.extend(p for p, ok in zip(batch, _exact(model, batch, settings)) if ok)
+            if training:
+                training_hits.extend(p for p, ok in zip(batch, _exact_training(model, batch)) if ok)
             bar.update(len(batch))
-        unique = {(tuple(p.prompt_ids), tuple(p.continuation_ids)) for p in hits}
-        rows.append({"category": category, "evaluations": len(probes), "exact matches": len(hits),
-                     "rate (%)": 100.0 * len(hits) / len(probes) if probes else 0.0,
-                     "unique pairs": len(unique)})
+        rows.append(_row(category, len(probes), hits, training_hits if training else None))
         matches.extend(hits)
+        training_matches.extend(training_hits)
     bar.close()
-    evaluations = sum(r["evaluations"] for r in rows)
-    unique_all = {(tuple(p.prompt_ids), tuple(p.continuation_ids)) for p in matches}
-    rows.append({"category": "Total", "evaluations": evaluations, "exact matches": len(matches),
-                 "rate (%)": 100.0 * len(matches) / evaluations if evaluations else 0.0,
-                 "unique pairs": len(unique_all)})
-    return rows, matches
+    rows.append(_row("Total", sum(r["evaluations"] for r in rows), matches,
+                     training_matches if training else None))
+    return rows, matches, training_matches
+
+
+def _row(category: str, evaluations: int, hits: list[Probe], training_hits: list[Probe] | None) -> dict:
+    """One Table 12 row; with training-mask hits, each count sits beside its training-mask twin."""
+    def counts(found: list[Probe]) -> tuple[int, float, int]:
+        unique = {(tuple(p.prompt_ids), tuple(p.continuation_ids)) for p in found}
+        return len(found), 100.0 * len(found) / evaluations if evaluations else 0.0, len(unique)
+
+    row: dict = {"category": category, "evaluations": evaluations}
+    names = ("exact matches{}", "rate{} (%)", "unique pairs{}")
+    for name, value, training in zip(names, counts(hits), counts(training_hits or [])):
+        row[name.format("")] = value
+        if training_hits is not None:
+            row[name.format(TRAINING)] = training
+    return row
 
 
 def _exact(model: AuditModel, batch: list[Probe], settings: ContinuationSettings) -> list[bool]:
@@ -77,12 +110,19 @@ def _exact(model: AuditModel, batch: list[Probe], settings: ContinuationSettings
     return [out[:settings.continuation_tokens] == p.continuation_ids for out, p in zip(outputs, batch)]
 
 
-def write_matches(matches: list[Probe], path: Path, decode) -> Path:
+def _exact_training(model: AuditModel, batch: list[Probe]) -> list[bool]:
+    return model.greedy_reproduces([(p.prompt_ids, p.continuation_ids) for p in batch],
+                                   bidirectional_tokens=[p.prompt_in_document_prompt for p in batch])
+
+
+def write_matches(matches: list[Probe], path: Path, decode, mask: str = "prompt") -> Path:
     """One JSON line per exact match, for adjudication by a person or an LLM."""
     with path.open("w") as f:
         for p in matches:
             f.write(json.dumps({
                 "dataset": p.source, "category": p.category, "document": p.document, "offset": p.offset,
+                "mask": mask, "bidirectional_tokens": len(p.prompt_ids) if mask == "prompt"
+                else p.prompt_in_document_prompt,
                 "prefix_text": decode(p.prompt_ids), "continuation_text": decode(p.continuation_ids),
                 "prefix_ids": p.prompt_ids, "continuation_ids": p.continuation_ids,
             }, ensure_ascii=False) + "\n")

@@ -17,8 +17,11 @@ class AuditModel(Protocol):
         ``stop``, decoding ends at an end-of-turn token, which is not part of the returned ids;
         without, exactly ``max_new_tokens`` are produced."""
 
-    def greedy_reproduces(self, pairs: list[tuple[list[int], list[int]]]) -> list[bool]:
-        """For each (context, continuation): would greedy decoding from context produce it?"""
+    def greedy_reproduces(self, pairs: list[tuple[list[int], list[int]]],
+                          bidirectional_tokens: list[int | None] | None = None) -> list[bool]:
+        """For each (context, continuation): would greedy decoding from context produce it?
+        ``bidirectional_tokens``: per pair, how many leading context tokens are the bidirectional
+        prefix (None: all of the context, the paper's protocol); the rest is causal."""
 
     def decode(self, ids: list[int]) -> str | None:
         """Text of ids, or None without a tokenizer."""
@@ -50,8 +53,11 @@ class EngineAuditModel:
                 outputs.append(ids)
         return outputs
 
-    def greedy_reproduces(self, pairs: list[tuple[list[int], list[int]]]) -> list[bool]:
-        return [bool(r.is_greedy) for r in self.engine.score([(list(c), list(x)) for c, x in pairs])]
+    def greedy_reproduces(self, pairs: list[tuple[list[int], list[int]]],
+                          bidirectional_tokens: list[int | None] | None = None) -> list[bool]:
+        scores = self.engine.score([(list(c), list(x)) for c, x in pairs],
+                                   bidirectional_tokens=bidirectional_tokens)
+        return [bool(r.is_greedy) for r in scores]
 
     def decode(self, ids: list[int]) -> str | None:
         if self.engine.tokenizer is None:

@@ -24,6 +24,9 @@ class Probe:
     offset: int
     prompt_ids: list[int]
     continuation_ids: list[int]
+    prompt_in_document_prompt: int = 0
+    """How many leading ``prompt_ids`` lay in the document's prompt (its prefix): the tokens
+    that attended bidirectionally in training; the rest of the window was causal there."""
 
 
 class CategoryDocuments:
@@ -44,6 +47,15 @@ class CategoryDocuments:
         """Tokens per document, over all sources in order."""
         return np.concatenate([(d.prefix_lengths + d.response_lengths).astype(np.int64)
                                for d in self.datasets])
+
+    @cached_property
+    def prompt_lengths(self) -> np.ndarray:
+        """Tokens of each document's prompt (prefix), over all sources in order."""
+        return np.concatenate([d.prefix_lengths.astype(np.int64) for d in self.datasets])
+
+    def prompt_part(self, index: int, offset: int, length: int) -> int:
+        """How many of the ``length`` tokens from ``offset`` of document ``index`` lie in its prompt."""
+        return int(min(max(int(self.prompt_lengths[index]) - offset, 0), length))
 
     @cached_property
     def _starts(self) -> np.ndarray:
@@ -77,7 +89,8 @@ def sample_prefixes(docs: CategoryDocuments, n: int, prefix_len: int, seed: int,
         source, local, ids = docs.tokens(int(index))
         offset = 0 if position == "start" else int(rng.integers(0, len(ids) - prefix_len))
         probes.append(Probe(docs.category, source, local, offset, ids[offset:offset + prefix_len].tolist(),
-                            ids[offset + prefix_len:].tolist()))
+                            ids[offset + prefix_len:].tolist(),
+                            docs.prompt_part(int(index), offset, prefix_len)))
     return probes
 
 
@@ -99,5 +112,6 @@ def sample_windows(docs: CategoryDocuments, n: int, prefix_len: int, continuatio
         offset = int(pick - (cumulative[index] - windows[index]))
         source, local, ids = docs.tokens(int(index))
         probes.append(Probe(docs.category, source, local, offset, ids[offset:offset + prefix_len].tolist(),
-                            ids[offset + prefix_len:offset + span].tolist()))
+                            ids[offset + prefix_len:offset + span].tolist(),
+                            docs.prompt_part(int(index), offset, prefix_len)))
     return probes

@@ -12,15 +12,20 @@ from pathlib import Path
 log = logging.getLogger("mimir")
 
 
-def _add_source(p: argparse.ArgumentParser, base_url: bool) -> None:
+def _add_model_source(p: argparse.ArgumentParser) -> None:
+    """Where the model comes from: a directory `mimir serve` is started for, or a running server."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="training checkpoint (step_N, or a run's checkpoint directory)")
     src.add_argument("--hf", help="transformers hrm_text directory")
     src.add_argument("--weights", help="project weights directory (`mimir import` output)")
-    if base_url:
-        src.add_argument("--base-url", help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    src.add_argument("--base-url", help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--ema", action="store_true", help="with --checkpoint: evaluate the EMA weights")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's own)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for mimir serve")
+
+
+def _add_source(p: argparse.ArgumentParser) -> None:
+    _add_model_source(p)
     p.add_argument("--suite", required=True, help="suite YAML, e.g. configs/eval/mimir_en.yaml")
     p.add_argument("--data-dir", help="directory the tasks' files are under (default: the suite's data_dir)")
     p.add_argument("--limit", type=int, help="first N rows of each task after the seeded shuffle")
@@ -32,7 +37,6 @@ def _add_source(p: argparse.ArgumentParser, base_url: bool) -> None:
                    help="run HumanEval's generated code (limited subprocess, no network); off by default")
     p.add_argument("--tracking-uri", help="MLflow store (default: the training run's, else OUTPUT/mlflow.db)")
     p.add_argument("--experiment", help="MLflow experiment (default: the training run's, else mimir-eval)")
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for mimir serve")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "model directory (or uses --base-url), runs the suite with InspectAI (greedy, "
                        "seed from the suite), stops the server, writes results.md/.csv/.json, the "
                        "per-item outcomes and InspectAI's logs, and logs everything to MLflow.")
-    _add_source(p, base_url=True)
+    _add_source(p)
     p.add_argument("--h-cycles", type=int, help="evaluate under this H (default: trained schedule)")
     p.add_argument("--l-cycles", type=int, help="evaluate under this L (default: trained schedule)")
     p.add_argument("--model-name",
@@ -49,11 +53,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_eval, extra="eval")
 
     p = sub.add_parser("sweep", help="evaluate one checkpoint under several (H, L) schedules (Table 5)")
-    _add_source(p, base_url=True)
+    _add_source(p)
     p.add_argument("--schedules", default="1x3,2x1,2x2,2x3,2x4,2x5,3x3", help="comma-separated HxL")
     p.add_argument("--trained-schedule", help="HxL the weights were trained with (default: read from them)")
     p.add_argument("--model-name", help="with --base-url: the model id to request")
     p.set_defaults(handler=cmd_sweep, extra="eval")
+
+    p = sub.add_parser(
+        "lm-eval", help="run lm-evaluation-harness tasks (log-likelihood through /v1/score)",
+        usage="mimir lm-eval (--base-url URL --tokenizer DIR | --checkpoint DIR | --hf DIR | --weights DIR) "
+              "--tasks TASKS [options] [-- LM-EVAL OPTIONS]",
+        description="Runs lm-evaluation-harness (the `lmeval` extra) with this project's model `mimir`: "
+        "log-likelihood goes through the server's /v1/score with lm-eval's own context/continuation "
+        "split (context bidirectional, continuation causal: the training mask), generation through "
+        "/v1/completions. Starts `mimir serve` for a checkpoint or model directory as `mimir eval` "
+        "does, or uses --base-url. Everything after `--` goes to lm-eval's `run` unchanged "
+        "(--num_fewshot, --limit, --include_path, --log_samples, --apply_chat_template, ...).")
+    _add_model_source(p)
+    p.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (lm-eval's --tasks)")
+    p.add_argument("--h-cycles", type=int, help="evaluate under this H (default: trained schedule)")
+    p.add_argument("--l-cycles", type=int, help="evaluate under this L (default: trained schedule)")
+    p.add_argument("--batch-size", type=int, default=16, help="pairs per /v1/score request, prompts per "
+                   "/v1/completions request (default 16)")
+    p.add_argument("--output", help="directory for lm-eval's results (--output_path) and serve.log "
+                   "(default: evals/lm-eval/<model>)")
+    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER,
+                   help="after `--`: lm-eval `run` options, passed through")
+    p.set_defaults(handler=cmd_lm_eval, extra="lmeval")
 
     p = sub.add_parser("eval-fixtures", help="write small made-up files in every benchmark's layout")
     p.add_argument("--output", required=True, help="directory (use it as --data-dir)")
@@ -73,7 +99,7 @@ def _suite(args: argparse.Namespace):
 
 def _source_name(args: argparse.Namespace) -> str:
     if args.base_url:
-        return args.model_name or "server"
+        return getattr(args, "model_name", None) or "server"
     path = Path(args.checkpoint or args.hf or args.weights)
     if args.checkpoint:
         from mimir_megatron.checkpoint import resolve
@@ -217,6 +243,22 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     parent.end()
     print(f"sweep tables, heatmap and logs: {output}   MLflow: {target.uri}   {seconds:.0f} s")
     return 0
+
+
+def cmd_lm_eval(args: argparse.Namespace) -> int:
+    from .lm_eval_run import require_lm_eval, run_lm_eval
+
+    require_lm_eval()
+    tokenizer = _tokenizer_dir(args)
+    if tokenizer is None:
+        from mimir_megatron.errors import UserError
+
+        raise UserError("mimir lm-eval needs the model's tokenizer: pass --tokenizer DIR")
+    output = Path(args.output or Path("evals") / "lm-eval" / _source_name(args))
+    passthrough = args.lm_eval_args[1:] if args.lm_eval_args[:1] == ["--"] else args.lm_eval_args
+    with _server(args, output) as base_url:
+        return run_lm_eval(base_url, tokenizer, args.tasks, passthrough, output_path=output,
+                           batch_size=args.batch_size, h_cycles=args.h_cycles, l_cycles=args.l_cycles)
 
 
 def cmd_fixtures(args: argparse.Namespace) -> int:

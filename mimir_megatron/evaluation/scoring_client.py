@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from .http_retry import RetryPolicy, post_json_async
+
 log = logging.getLogger(__name__)
 
 Renderer = Callable[[list[dict[str, str]]], list[int]]
@@ -46,12 +48,14 @@ class ScoreClient:
     """Sums of continuation log-probs for (conversation, continuation) pairs."""
 
     def __init__(self, base_url: str, model: str, render: Renderer | None = None,
-                 encode: Callable[[str], list[int]] | None = None, timeout_s: float = 600.0):
+                 encode: Callable[[str], list[int]] | None = None, timeout_s: float = 600.0,
+                 retry: RetryPolicy = RetryPolicy()):
         self.url = base_url.rstrip("/") + "/score"
         self.model = model
         self.render = render
         self.encode = encode
         self.timeout_s = timeout_s
+        self.retry = retry
         self._warned = False
 
     def _context(self, messages: list[dict[str, str]]) -> Any:
@@ -74,6 +78,7 @@ class ScoreClient:
     async def logprobs(self, messages: list[dict[str, str]], continuations: Sequence[str],
                        schedule: dict[str, int] | None = None) -> list[float]:
         async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-            response = await client.post(self.url, json=self.body(messages, continuations, schedule))
-        response.raise_for_status()
+            # a dropped connection or a full queue is retried, not the task's failure
+            response = await post_json_async(client, self.url, self.body(messages, continuations, schedule),
+                                             self.retry)
         return [float(r["logprob"]) for r in response.json()["results"]]

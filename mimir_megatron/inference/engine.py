@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -133,10 +134,30 @@ class InferenceEngine:
             )
         self.schedule(request.h_cycles, request.l_cycles)
 
-    def check_pair(self, context: list[int], continuation: list[int]) -> None:
-        """Raise :class:`RequestError` if a (context, continuation) pair cannot be scored."""
+    def check_pair(self, context: list[int], continuation: list[int],
+                   bidirectional_tokens: int | None = None) -> None:
+        """Raise :class:`RequestError` if a (context, continuation) pair cannot be scored with
+        its first ``bidirectional_tokens`` context tokens bidirectional (None: all of them)."""
+        if isinstance(context, (list, tuple)) and not context:
+            # Position len(context) - 1 predicts continuation[0]: an empty context has none.
+            raise RequestError(
+                "context must hold at least one token (the one that predicts the first "
+                "continuation token); to score a whole text causally, send a beginning-of-text "
+                "token as the context",
+                "context",
+            )
         self.check_ids(context, "context")
         self.check_ids(continuation, "continuation")
+        if bidirectional_tokens is not None and (
+            not isinstance(bidirectional_tokens, int)
+            or isinstance(bidirectional_tokens, bool)
+            or not 0 <= bidirectional_tokens <= len(context)
+        ):
+            raise RequestError(
+                f"bidirectional_tokens must be an integer in [0, {len(context)}] (the context "
+                f"length) or null, got {bidirectional_tokens!r}",
+                "bidirectional_tokens",
+            )
         if len(context) + len(continuation) - 1 > self.max_context:
             raise RequestError(
                 f"context + continuation have {len(context) + len(continuation)} "
@@ -199,26 +220,41 @@ class InferenceEngine:
         pairs: list[tuple[list[int], list[int]]],
         h_cycles: int | None = None,
         l_cycles: int | None = None,
+        *,
+        bidirectional_tokens: Sequence[int | None] | None = None,
     ) -> list[ScoreResult]:
-        """Log-probability of each continuation given its context: the context is the
-        bidirectional prefix and the continuation is causal, exactly the training mask."""
+        """Log-probability of each continuation given its context. The first
+        ``bidirectional_tokens[i]`` context tokens of pair ``i`` are the bidirectional prefix
+        (None, the default: the whole context, the mask of a prompt in training); the rest of the
+        context and the continuation are causal, as response text was in training."""
         plan = self._plan(*self.schedule(h_cycles, l_cycles))
-        for context, continuation in pairs:
-            self.check_pair(context, continuation)
+        if bidirectional_tokens is None:
+            bidirectional_tokens = [None] * len(pairs)
+        if len(bidirectional_tokens) != len(pairs):
+            raise RequestError(
+                f"bidirectional_tokens has {len(bidirectional_tokens)} entries for {len(pairs)} pairs",
+                "bidirectional_tokens",
+            )
+        for (context, continuation), bidirectional in zip(pairs, bidirectional_tokens):
+            self.check_pair(context, continuation, bidirectional)
         order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
         results: list[ScoreResult | None] = [None] * len(pairs)
         for start in range(0, len(order), self.max_batch_size):
             chunk = order[start : start + self.max_batch_size]
-            for i, res in zip(chunk, self._score_batch([pairs[i] for i in chunk], plan)):
+            chunk_pairs = [pairs[i] for i in chunk]
+            chunk_bidirectional = [bidirectional_tokens[i] for i in chunk]
+            for i, res in zip(chunk, self._score_batch(chunk_pairs, chunk_bidirectional, plan)):
                 results[i] = res
         return results  # type: ignore[return-value]
 
-    def _score_batch(self, pairs, plan) -> list[ScoreResult]:
+    def _score_batch(self, pairs, bidirectional_tokens, plan) -> list[ScoreResult]:
         width = max(len(c) + len(x) - 1 for c, x in pairs)
         width += -width % self._seq_multiple
-        batch = single_sample_batch([c for c, _ in pairs], [x for _, x in pairs], seq_len=width).to(
-            self.device
-        )
+        batch = single_sample_batch([c for c, _ in pairs], [x for _, x in pairs], seq_len=width)
+        for row, ((context, _), bidirectional) in enumerate(zip(pairs, bidirectional_tokens)):
+            if bidirectional is not None:  # the context's tail is causal, like response text
+                batch.prefix_mask[row, bidirectional : len(context)] = False
+        batch = batch.to(self.device)
         layout = build_layout(self.model.attention_backend, batch.segment_ids, batch.prefix_mask)
         hidden = self.model.full_sequence(
             self.model.recurrence(batch.input_ids, batch.position_ids, layout, plan)

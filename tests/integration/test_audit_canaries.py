@@ -93,10 +93,53 @@ def test_continuation_protocol_finds_the_canaries_and_score_agrees_with_generate
     for method in ("score", "generate"):
         settings = ContinuationSettings(categories=["canary", "control"], samples=1000, prefix_tokens=PROMPT,
                                         continuation_tokens=64, method=method, seed=0)
-        rows, matches = run_continuation_audit(model, sources, settings, progress=False)
+        rows, matches, _ = run_continuation_audit(model, sources, settings, progress=False)
         found[method] = {(m.source, m.document, m.offset) for m in matches}
         by = {r["category"]: r for r in rows}
         assert by["canary"]["evaluations"] == by["control"]["evaluations"] == N_CANARIES * 17  # every window
         assert by["control"]["exact matches"] == 0
         assert {("canary", d, 0) for d in range(N_CANARIES)} <= found[method]
     assert found["score"] == found["generate"]
+
+
+def test_training_mask_finds_every_window_that_greedy_decoding_reproduces_under_that_mask(trained, tmp_path):
+    """`--mask training`: each window is scored with the mask it had in training (bidirectional
+    only on the tokens that lay in the canary's prompt). The reference is independent:
+    transformers' hrm_text decodes every window greedily with token_type_ids = 1 on exactly
+    those tokens. The two sets of reproduced windows must be equal; the paper's protocol (the
+    whole window bidirectional) is reported beside it."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from mimir_megatron.audits.continuation import ContinuationSettings, run_continuation_audit
+    from mimir_megatron.audits.sampling import CategoryDocuments, sample_windows
+    from mimir_megatron.audits.sources import AuditSource
+    from mimir_megatron.interop import export_hf
+
+    model, index, _ = trained
+    sources = [AuditSource(s["name"], Path(s["path"]), s["category"]) for s in index.sources]
+    settings = ContinuationSettings(categories=["canary"], samples=1000, prefix_tokens=PROMPT,
+                                    continuation_tokens=64, mask="training", seed=0)
+    rows, paper, training = run_continuation_audit(model, sources, settings, progress=False)
+
+    probes = sample_windows(CategoryDocuments(sources, "canary"), 1000, PROMPT, 64, seed=0)
+    assert len(probes) == N_CANARIES * 17
+    assert [p.prompt_in_document_prompt for p in probes] == [max(PROMPT - p.offset, 0) for p in probes]
+    export_hf(model.engine.model, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.tensor([p.prompt_ids for p in probes])
+    types = torch.zeros_like(ids)
+    for row, p in enumerate(probes):
+        types[row, :p.prompt_in_document_prompt] = 1
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=types,
+                          max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0)
+    reproduced = {(p.source, p.document, p.offset) for p, o in zip(probes, out)
+                  if o[PROMPT:].tolist() == p.continuation_ids}
+    assert reproduced  # the canaries are memorised: at least their trained (prompt, response) windows
+    assert {(m.source, m.document, m.offset) for m in training} == reproduced
+    by = {r["category"]: r for r in rows}
+    assert by["canary"]["exact matches, training mask"] == len(reproduced)
+    assert by["canary"]["exact matches"] == len(paper)
+    print(f"canary windows reproduced: paper protocol {len(paper)}/{len(probes)}, "
+          f"training mask {len(training)}/{len(probes)}")

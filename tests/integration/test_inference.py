@@ -174,6 +174,35 @@ def test_score_equals_the_model_forward_with_the_prefix_mask(model, engine):
     assert abs(causal_sum - scores[2].logprob) > 1e-3
 
 
+@torch.no_grad()
+def test_partial_prefix_score_equals_transformers_with_token_type_ids(model, engine, tmp_path):
+    """Only the first ``bidirectional_tokens`` context tokens are bidirectional; transformers'
+    hrm_text marks exactly those with token_type_ids = 1 (an independent implementation)."""
+    transformers = pytest.importorskip("transformers")
+    from mimir_megatron.interop import export_hf
+
+    export_hf(model, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    contexts = random_prompts([9, 9, 9, 9, 1, 6], seed=31)
+    contexts[1:4] = [contexts[0]] * 3  # one window under four masks
+    continuations = random_prompts([5, 5, 5, 5, 7, 2], seed=32)
+    continuations[1:4] = [continuations[0]] * 3
+    bidirectional = [0, 4, 9, None, 0, 3]
+    scores = engine.score(list(zip(contexts, continuations)), bidirectional_tokens=bidirectional)
+    for ctx, cont, b, score in zip(contexts, continuations, bidirectional, scores):
+        ids = torch.tensor([ctx + cont[:-1]])
+        types = torch.zeros_like(ids)
+        types[0, : len(ctx) if b is None else b] = 1
+        logits = hf(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=types).logits
+        lp = torch.log_softmax(logits[0].float(), dim=-1)
+        ref = [lp[len(ctx) - 1 + j, t].item() for j, t in enumerate(cont)]
+        assert score.token_logprobs == pytest.approx(ref, abs=1e-5)
+    # the mask matters: the same window scores differently with 0, 4 and 9 bidirectional tokens
+    sums = [s.logprob for s in scores[:3]]
+    assert min(abs(sums[0] - sums[1]), abs(sums[1] - sums[2]), abs(sums[0] - sums[2])) > 1e-4
+    assert scores[2].token_logprobs == pytest.approx(scores[3].token_logprobs, abs=1e-6)  # None = all
+
+
 def test_bad_requests_name_the_field(engine):
     with pytest.raises(RequestError, match="outside the vocabulary"):
         engine.generate([GenerationRequest([1, VOCAB])])
@@ -185,8 +214,14 @@ def test_bad_requests_name_the_field(engine):
         engine.generate([GenerationRequest([1] * engine.max_context)])
     with pytest.raises(RequestError, match="h_cycles"):
         engine.generate([GenerationRequest([1], h_cycles=0)])
-    with pytest.raises(RequestError, match="non-empty"):
+    with pytest.raises(RequestError, match="context must hold at least one token"):
         engine.score([([], [1])])
+    with pytest.raises(RequestError, match="non-empty"):
+        engine.score([([1], [])])
+    with pytest.raises(RequestError, match=r"bidirectional_tokens must be an integer in \[0, 2\]"):
+        engine.score([([1, 2], [3])], bidirectional_tokens=[3])
+    with pytest.raises(RequestError, match="2 entries for 1 pairs"):
+        engine.score([([1, 2], [3])], bidirectional_tokens=[0, 1])
 
 
 @pytest.mark.multiprocess

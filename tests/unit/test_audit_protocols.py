@@ -134,7 +134,7 @@ def test_prefix_audit_is_deterministic_for_a_seed(corpus):
 def test_continuation_audit_counts_exactly_the_memorised_windows(corpus, method):
     _, sources, full, memorised = corpus
     settings = ContinuationSettings(samples=25, prefix_tokens=16, continuation_tokens=16, method=method, seed=0)
-    rows, matches = run_continuation_audit(FakeModel(memorised), sources, settings, progress=False)
+    rows, matches, _ = run_continuation_audit(FakeModel(memorised), sources, settings, progress=False)
     by_cat = {r["category"]: r for r in rows}
     assert by_cat["A"]["evaluations"] == 25 and by_cat["Total"]["evaluations"] == 50
     expected = set()
@@ -206,3 +206,42 @@ def test_cli_index_prefix_continuation_with_mlflow(corpus, tmp_path, monkeypatch
     for line in lines:
         m = json.loads(line)
         assert set(m) >= {"dataset", "document", "offset", "prefix_text", "continuation_text"}
+
+
+class MaskRecordingModel(FakeModel):
+    """Under the training mask, reproduces only the windows that start inside the prompt (a
+    made-up rule that makes the two protocols differ), and records the masks it was asked for."""
+
+    def __init__(self, memorised):
+        super().__init__(memorised)
+        self.masks = []
+
+    def greedy_reproduces(self, pairs, bidirectional_tokens=None):
+        self.masks.append(bidirectional_tokens)
+        known = super().greedy_reproduces(pairs)
+        if bidirectional_tokens is None:
+            return known
+        return [ok and b > 0 for ok, b in zip(known, bidirectional_tokens)]
+
+
+def test_training_mask_scores_each_window_with_its_prompt_part_and_reports_both(corpus):
+    _, sources, full, memorised = corpus
+    model = MaskRecordingModel(memorised)
+    settings = ContinuationSettings(samples=25, prefix_tokens=16, continuation_tokens=16, mask="training", seed=0)
+    rows, paper, training = run_continuation_audit(model, sources, settings, progress=False)
+    assert model.masks[0] is None and model.masks[1] is not None  # the paper's protocol, then training
+    masks = [b for m in model.masks if m is not None for b in m]
+    from mimir_megatron.audits.sampling import CategoryDocuments, sample_windows
+
+    probes = [p for cat in ("A", "B") for p in sample_windows(CategoryDocuments(sources, cat), 25, 16, 16, 0)]
+    assert masks == [min(max(12 - p.offset, 0), 16) for p in probes]  # every document's prompt: 12 tokens
+    assert ({(m.source, m.document, m.offset) for m in training}
+            == {(m.source, m.document, m.offset) for m in paper if m.offset < 12})
+    assert len(training) < len(paper)  # the made-up rule bites on this corpus
+    total = rows[-1]
+    assert list(total)[2:] == ["exact matches", "exact matches, training mask", "rate (%)",
+                               "rate, training mask (%)", "unique pairs", "unique pairs, training mask"]
+    assert total["exact matches"] == len(paper) and total["exact matches, training mask"] == len(training)
+    with pytest.raises(Exception, match="--mask training needs --method score"):
+        run_continuation_audit(model, sources, ContinuationSettings(mask="training", method="generate"),
+                               progress=False)

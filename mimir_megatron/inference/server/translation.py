@@ -190,7 +190,9 @@ class Translator:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if isinstance(body, CompletionBody):
             if body.echo:
-                raise bad_request("echo is not supported", "echo")
+                raise bad_request("echo is not supported: a PrefixLM scores a continuation only with its "
+                                  "context split off; use POST /v1/score, or `mimir lm-eval` for "
+                                  "lm-evaluation-harness", "echo")
             if body.suffix:
                 raise bad_request("suffix is not supported", "suffix")
             if body.best_of not in (None, 1):
