@@ -151,7 +151,7 @@ PATCHED = (
     "megatron.core.tensor_parallel.random._set_cuda_rng_state", _GATE,
 )
 """The symbols :func:`setup` replaces on CPU (it also installs megatron's inference RNG tracker
-through ``initialize_rng_tracker``); tests/test_backend_contract.py pins each of them."""
+through ``initialize_rng_tracker``); tests/integration/test_backend_contract.py pins each of them."""
 
 
 def original(name: str) -> object:

@@ -1,7 +1,7 @@
 """The model shapes `mimir bench --shape` knows, as code: a wheel carries no ``configs/``.
 
 ``tiny`` and ``mimir`` equal ``configs/model/tiny.yaml`` and ``configs/model/mimir.yaml``
-(tests/test_bench.py checks it); ``mid`` sits between them: D=768, 4+4 layers, a 32k vocabulary.
+(tests/integration/test_bench.py checks it); ``mid`` sits between them: D=768, 4+4 layers, a 32k vocabulary.
 """
 
 from __future__ import annotations

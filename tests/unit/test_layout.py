@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {"mimir_megatron": REPO / "mimir_megatron", "mimir_kernels": REPO / "kernels" / "mimir_kernels",
             "mimir_data_prep": REPO / "data_prep" / "mimir_data_prep"}
 

@@ -29,7 +29,7 @@ from mimir_megatron.train.loop import train
 from mimir_megatron.checkpoint.signal_safe import write_results_queue
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
-WORKER = Path(__file__).resolve().parent / "workers" / "held_save_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "held_save_worker.py"
 EXTRA = ("train.steps=12", "checkpoint.interval=2", "train.log_interval=1")
 JOB_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

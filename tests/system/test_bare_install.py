@@ -22,7 +22,7 @@ packaging = pytest.importorskip("packaging.requirements")
 from packaging.requirements import Requirement  # noqa: E402
 from packaging.utils import canonicalize_name  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # What the optional extras bring; none of it may be importable in the bare venv.
 OPTIONAL_MODULES = ("fastapi", "uvicorn", "httpx", "openai", "inspect_ai", "transformers", "flask",
                     "infini_gram", "matplotlib", "sacrebleu", "datasets", "lm_eval")
