@@ -17,7 +17,7 @@ Two nodes (`sbatch -N 2 --ntasks-per-node=1`, one rank per node, gloo across the
    it resumes from `latest` once the node is back, every logged loss equals the uninterrupted
    run's, one MLflow run.
 
-Every real run is the tests' small model on the demo data, 20 steps, a checkpoint every 5.
+Every real run is the tests' small model on the demo data, 30 steps, a checkpoint every 5.
 Skipped (with the reason) only when the Slurm/munge binaries are missing or not root, and the
 two-node tests also without iproute2/util-linux or the right to create namespaces.
 """
@@ -52,7 +52,9 @@ needs_two_nodes = pytest.mark.skipif(missing(2) is not None, reason=str(missing(
 CPU_ALLOCATION = ["--cpus-per-task=1", "--gpus-per-node=0", "--time=15:00"]
 ONE_NODE = ["--nodes=1", "--ntasks-per-node=2", *CPU_ALLOCATION]
 TWO_NODES = ["--nodes=2", "--ntasks-per-node=1", *CPU_ALLOCATION]
-STEPS, INTERVAL = 20, 5
+# Pre-emption is sent once step INTERVAL's checkpoint is logged: the steps after it are the
+# margin for the signal to arrive before the run ends (seconds even on a fast machine).
+STEPS, INTERVAL = 30, 5
 RUN = (f"train.steps={STEPS}", f"checkpoint.interval={INTERVAL}", "train.log_interval=1")
 
 
