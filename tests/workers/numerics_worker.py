@@ -15,6 +15,7 @@ from conftest import REPO, train_overrides  # noqa: E402
 
 from mimir_megatron import backend  # noqa: E402
 from mimir_megatron.train import loop  # noqa: E402
+from mimir_megatron.train import step as train_step  # noqa: E402
 from mimir_megatron.train.config import load_train_config  # noqa: E402
 from mimir_megatron.train.optim import local_optimizer, owned_parameters  # noqa: E402
 
@@ -36,13 +37,13 @@ def main() -> None:
 
     demo, run_dir, *extra = sys.argv[1:]
     run_dir = Path(run_dir)
-    real_step, seen = loop.optimizer_step, {}
+    real_step, seen = train_step.optimizer_step, {}
 
     def spy(optimizer, plan):
         seen.setdefault("shard", describe(optimizer))
         real_step(optimizer, plan)
 
-    loop.optimizer_step = spy
+    train_step.optimizer_step = spy
     cfg = load_train_config(REPO / "configs/train/demo.yaml", train_overrides(Path(demo), run_dir, *extra))
     result = loop.train(cfg)
     rank = dist.get_rank()
