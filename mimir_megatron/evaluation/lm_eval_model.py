@@ -70,7 +70,7 @@ class MimirLM(TemplateLM):
         # lm-eval always passes device (default cuda:0) and max_batch_size: the server places the
         # model and batches, so neither applies here.
         del device, max_batch_size
-        from mimir_data_prep.render import load_tokenizer
+        from mimir_megatron.chat import load_tokenizer
 
         self.base_url = str(base_url).rstrip("/")
         self.tokenizer = load_tokenizer(tokenizer)

@@ -1,6 +1,6 @@
 """The chat template's tool-call syntax, read back from generated text into OpenAI ``tool_calls``.
 
-The project's templates (``mimir_data_prep.demo_tokenizer``, what ``mimir prepare`` trains on)
+The project's templates (the demo tokenizer under ``data_prep/``, what ``mimir prepare`` trains on)
 write each call of an assistant turn as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 after the turn's text. A call whose JSON does not parse stays in the content as text (the client
 sees what the model wrote), as vLLM's parsers do.

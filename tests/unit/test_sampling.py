@@ -80,4 +80,5 @@ def test_top_k_keeps_the_k_most_likely():
 def test_greedy_takes_the_argmax_and_reports_its_log_probability():
     chosen, logprobs = next_tokens(LOGITS[None], [SamplingParams(temperature=0.0)], [None])
     assert chosen.tolist() == [0]
-    assert logprobs.item() == pytest.approx(math.log(0.5), abs=1e-6)
+    assert logprobs.shape == (1, LOGITS.numel())  # every token's log-prob (for top_logprobs)
+    assert logprobs[0, chosen[0]].item() == pytest.approx(math.log(0.5), abs=1e-6)
