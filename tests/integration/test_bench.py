@@ -50,7 +50,7 @@ def test_shapes_are_code_equal_to_the_model_yamls():
     from mimir_megatron.bench.shapes import model_config
     from mimir_megatron.config import load_config
 
-    configs = Path(__file__).resolve().parent.parent / "configs" / "model"
+    configs = Path(__file__).resolve().parents[2] / "configs" / "model"
     for shape in ("tiny", "mimir"):
         assert model_config(shape, None) == load_config(configs / f"{shape}.yaml"), shape
     mid = model_config("mid", None)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
 from checkpoint_faults import patch_data_writes  # noqa: E402
 
 from mimir_megatron.cli import main  # noqa: E402
