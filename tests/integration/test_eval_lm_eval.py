@@ -17,12 +17,12 @@ from conftest import REPO, tiny_config
 pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.timeout(900)
 
-TOKENIZER = REPO / "data_prep" / "demo" / "tokenizer"
+TOKENIZER = REPO / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer"
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from mimir_data_prep.render import load_tokenizer
+    from mimir_megatron.chat import load_tokenizer
 
     return load_tokenizer(TOKENIZER)
 
