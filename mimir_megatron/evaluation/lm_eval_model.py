@@ -108,7 +108,7 @@ class MimirLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         # exactly as the server tokenises text (special tokens only where the text spells them)
-        from mimir_megatron.inference.text import encode
+        from mimir_megatron.chat import encode
 
         return encode(self.tokenizer, string)
 

@@ -59,7 +59,7 @@ def lm_eval_samples(url: str, out: Path, tasks: str, monkeypatch) -> dict[str, l
 def split(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """lm-eval's split for a causal tokenizer: trailing spaces move to the continuation; the
     whole string is encoded and cut after the context's tokens."""
-    from mimir_megatron.inference.text import encode
+    from mimir_megatron.chat import encode
 
     spaces = len(context) - len(context.rstrip())
     if spaces:
@@ -106,7 +106,7 @@ def test_loglikelihood_generation_and_perplexity_equal_direct_requests(served, t
         assert sample["resps"] == [[direct]]
 
     # perplexity: the whole text, causal, after the beginning-of-text token
-    from mimir_megatron.inference.text import encode
+    from mimir_megatron.chat import encode
 
     text = samples["mimir_text_style"]
     assert len(text) == 2
