@@ -64,4 +64,12 @@ def start_shielded(start: Callable[[], Any]) -> Any:
 
 def _alive(manager: SyncManager) -> bool:
     process = manager._process  # multiprocessing keeps no public handle on the server process
-    return process is not None and process.is_alive()
+    if process is None or not process.is_alive():
+        return False
+    # is_alive() answers True for a child that something else has already reaped (its waitpid
+    # fails); the pid is then gone.
+    try:
+        os.kill(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
