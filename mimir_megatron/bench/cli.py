@@ -63,8 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "'flex+compile:execution.attention_backend=flex,execution.compile=true'")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     p.add_argument("--peer-checkpointing", action="store_true",
-                   help="gradient checkpointing in the peer (compare with execution.recompute=full variants; the "
-                        "peer needs it to fit the Mimir shape at 4 x 4096 tokens)")
+                   help="gradient checkpointing in the peer (compare with execution.recompute=full "
+                        "variants; the peer needs it to fit the Mimir shape at 4 x 4096 tokens)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("overrides", nargs="*", help="model key=value overrides for every variant")

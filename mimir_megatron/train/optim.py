@@ -13,7 +13,6 @@ norm is the TP all-reduce of local squared norms.
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
