@@ -143,6 +143,14 @@ class Tracker:
         from mlflow.entities import Param, RunTag
 
         start = self._pending_start
+        if self.run_id is not None and not self._run_exists(self.run_id):
+            # A checkpoint resumed into another run directory (or store) names a run this store
+            # never had: continue in a new run that says where it came from, instead of
+            # retrying a run that cannot appear and losing every metric.
+            log.warning("MLflow run %s (from the checkpoint) is not in %s; logging to a new run "
+                        "tagged mimir.resumed_from_run_id", self.run_id, self.uri)
+            start["tags"] = start["tags"] | {"mimir.resumed_from_run_id": self.run_id}
+            self.run_id = None
         if self.run_id is None:
             exp = self._client.get_experiment_by_name(self.experiment)
             exp_id = exp.experiment_id if exp else self._client.create_experiment(
@@ -156,6 +164,19 @@ class Tracker:
             self._client.update_run(self.run_id, status="RUNNING")
             self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in start["tags"].items()])
         self._pending_start = None
+
+
+    def _run_exists(self, run_id: str) -> bool:
+        """False only when the store answers that it has no such run; transport errors raise."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.get_run(run_id)
+        except MlflowException as exc:
+            if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
+        return True
 
 
 class SystemMetrics:

@@ -190,6 +190,15 @@ def test_train_init_from_and_resume(trained, demo_data, form, tmp_path):
     path = source(trained, form)
     resumed = run(tmp_path / "resumed", f"checkpoint.resume={path}", "train.steps=4")
     assert len(resumed.losses) == 1 and resumed.final_step == 4  # one step after step 3
+    # The checkpoint's MLflow run lives in the other run directory's store: this one logs to a
+    # new run that names it, and its metrics arrive (no retrying a run that cannot appear).
+    from mlflow.tracking import MlflowClient
+
+    from mimir_megatron.checkpoint import read_trainer_state
+
+    logged = MlflowClient(f"sqlite:///{tmp_path / 'resumed' / 'mlflow.db'}").get_run(resumed.run_id)
+    assert logged.data.tags["mimir.resumed_from_run_id"] == read_trainer_state(trained / "checkpoints" / STEP)["mlflow_run_id"]
+    assert logged.info.status == "FINISHED" and "loss" in logged.data.metrics
     continued = run(tmp_path / "continued", f"checkpoint.init_from={path}", "train.steps=1")
     assert continued.final_step == 1
 
