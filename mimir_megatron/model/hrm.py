@@ -303,5 +303,7 @@ class HRMTextModel(MegatronModule):
         return loss_sum / denom.clamp(min=1).to(loss_sum.dtype), count
 
     def _gather_logits(self, logits_parallel: torch.Tensor) -> torch.Tensor:
-        full = tensor_parallel.gather_from_tensor_model_parallel_region(logits_parallel)
+        full = tensor_parallel.gather_from_tensor_model_parallel_region(
+            logits_parallel, group=parallel_state.get_tensor_model_parallel_group()
+        )  # the group passed: megatron warns on every call without one
         return full.transpose(0, 1)[..., : self.cfg.vocab_size].contiguous()

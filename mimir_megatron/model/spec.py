@@ -16,6 +16,7 @@ from __future__ import annotations
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -29,9 +30,28 @@ from mimir_megatron.model.norm import ParameterlessRMSNorm
 BACKENDS = ("local", "te")
 
 
+class GroupedRowParallelLinear(RowParallelLinear):
+    """megatron's RowParallelLinear, handing its own TP group to its matmul.
+
+    megatron-core 0.19's ``RowParallelLinear.forward`` passes ``tp_group=None`` to
+    ``_forward_impl``, so every call looks the group up again and raises a ``tp_group is None``
+    DeprecationWarning (two per layer per forward: 32 per decoded token at the tiny shape).
+    """
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if kwargs.get("tp_group") is None:
+            kwargs["tp_group"] = self.tp_group
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+class _LocalProvider(LocalSpecProvider):
+    def row_parallel_linear(self) -> type[RowParallelLinear]:
+        return GroupedRowParallelLinear
+
+
 def _provider(backend: str) -> BackendSpecProvider:
     if backend == "local":
-        return LocalSpecProvider()
+        return _LocalProvider()
     if backend == "te":
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
