@@ -1,13 +1,19 @@
 """Decoding benchmark: the engine's KV-cached generation next to transformers `generate`.
 
-    .venv/bin/python bench/bench_generate.py [--config configs/model/tiny.yaml] [--batches 1,8,32]
-        [--prompt-len 64] [--new-tokens 64] [--threads 2] [--json out.json]
+    .venv/bin/python bench/bench_generate.py [--shape tiny|mid] [--config MODEL.yaml]
+        [--batches 1,8,32] [--prompt-len 64] [--new-tokens 64] [--threads 2] [--repeats 1]
+        [--impls ours,transformers] [--json out.json]
 
 Same random weights for both (ours exported to a transformers ``hrm_text`` directory), greedy,
 prompts of one length (no padding, so both do the same work). Each (implementation, batch) runs
-in a fresh process so that its peak resident memory is its own. Prefill is timed as generating
-one token; decode tokens/s is ``batch x (new - 1) / (t(new) - t(1))``, the same formula for both.
-The greedy tokens of both are compared.
+in a fresh process so that its peak resident memory is its own; with ``--repeats N`` the
+implementations alternate (ours first in even rounds, last in odd ones), so that on a shared
+machine each sees the same load, and the table shows medians. Prefill is timed as generating one
+token; decode tokens/s is ``batch x (new - 1) / (t(new) - t(1))``, the same formula for both.
+The greedy tokens of all are compared. Implementations: ``ours`` (the engine as it runs),
+``megatron`` (the engine on megatron's layer modules, ``InferenceEngine(megatron_layers=True)``),
+``transformers``. ``--shape`` names a shape of ``mimir bench`` (``mimir_megatron.bench.shapes``:
+tiny D=256 2+2 layers vocab 1k; mid D=768 4+4 layers vocab 32k); ``--config`` a model YAML instead.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,10 +43,12 @@ def _measure(impl: str, weights: Path, hf_dir: Path, batch: int, prompt_len: int
     import torch
 
     cache_bytes = None
-    if impl == "ours":
-        from mimir_megatron.inference import GenerationRequest, SamplingParams, load_engine
+    if impl in ("ours", "megatron"):
+        from mimir_megatron.inference import GenerationRequest, InferenceEngine, SamplingParams, load_engine
 
         engine = load_engine(weights=weights, max_batch_size=batch)
+        if impl == "megatron":  # the same model, the engine on megatron's layer modules
+            engine = InferenceEngine(engine.model, None, max_batch_size=batch, megatron_layers=True)
         prompts = _prompts(batch, prompt_len, engine.vocab_size)
 
         def run(n: int) -> list[list[int]]:
@@ -77,7 +86,7 @@ def _measure(impl: str, weights: Path, hf_dir: Path, batch: int, prompt_len: int
     start = time.perf_counter()
     tokens = run(new)
     tn = time.perf_counter() - start
-    if impl == "ours":
+    if impl != "transformers":
         cfg = engine.cfg  # one slot per (application, layer), keys + values, fp32
         slots = cfg.h_cycles * (cfg.l_cycles * cfg.num_layers_L + cfg.num_layers_H)
         cache_bytes = slots * 2 * cfg.hidden_size * 4 * batch * (prompt_len + new)
@@ -94,8 +103,13 @@ def _measure(impl: str, weights: Path, hf_dir: Path, batch: int, prompt_len: int
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(REPO / "configs/model/tiny.yaml"))
+    parser.add_argument("--shape", default="tiny", choices=("tiny", "mid"),
+                        help="a mimir bench shape (ignored with --config)")
+    parser.add_argument("--config", help="a model YAML instead of --shape")
     parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--repeats", type=int, default=1, help="alternating runs per implementation")
+    parser.add_argument("--impls", default="ours,transformers",
+                        help="comma-separated: ours, megatron (ours on megatron's layers), transformers")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -117,51 +131,58 @@ def main() -> int:
         )
         return 0
 
-    from mimir_megatron.config import load_config
+    from mimir_megatron.bench.shapes import model_config
     from mimir_megatron.interop import export_hf, save_weights
     from mimir_megatron.model import build_model
 
+    impls = args.impls.split(",")
+    unknown = set(impls) - {"ours", "megatron", "transformers"}
+    if unknown or "ours" not in impls or "transformers" not in impls:
+        parser.error(f"--impls must hold ours and transformers (and may hold megatron), got {args.impls!r}")
     work = Path(tempfile.mkdtemp(prefix="bench_generate_"))
-    model = build_model(load_config(args.config))
+    model = build_model(model_config(args.shape, args.config))
     save_weights(model, work / "weights")
     export_hf(model, work / "hf")
+    del model
     rows = []
+    extra = " | megatron-layers decode tok/s" if "megatron" in impls else ""
     print(
         "| batch | ours prefill tok/s | ours decode tok/s | transformers prefill | transformers decode "
-        "| decode ratio | ours peak RSS GB | transformers peak RSS GB | same tokens |"
+        f"| prefill ratio | decode ratio{extra} | ours peak RSS GB | transformers peak RSS GB | same tokens |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| ---: " * (11 if extra else 10) + "|")
     for batch in [int(b) for b in args.batches.split(",")]:
-        got = {}
-        for impl in ("ours", "transformers"):
-            cmd = [
-                sys.executable,
-                __file__,
-                "--prompt-len",
-                str(args.prompt_len),
-                "--new-tokens",
-                str(args.new_tokens),
-                "--threads",
-                str(args.threads),
-                "--child",
-                impl,
-                str(work / "weights"),
-                str(work / "hf"),
-                str(batch),
-                "x",
-            ]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            got[impl] = json.loads(out.strip().splitlines()[-1])
-        ours, peer = got["ours"], got["transformers"]
-        same = ours.pop("tokens") == peer.pop("tokens")
+        runs: dict[str, list[dict]] = {impl: [] for impl in impls}
+        for rep in range(args.repeats):
+            for impl in impls if rep % 2 == 0 else impls[::-1]:
+                cmd = [
+                    sys.executable, __file__, "--prompt-len", str(args.prompt_len),
+                    "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
+                    "--child", impl, str(work / "weights"), str(work / "hf"), str(batch), "x",
+                ]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                runs[impl].append(json.loads(out.strip().splitlines()[-1]))
+        tokens = [r.pop("tokens") for impl_runs in runs.values() for r in impl_runs]
+        same = all(t == tokens[0] for t in tokens)
+
+        def median(impl: str, key: str) -> float:
+            return statistics.median(r[key] for r in runs[impl])
+
+        ours = {k: median("ours", k) for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_gb")}
+        peer = {k: median("transformers", k) for k in ours}
         ratio = ours["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
-        rows.append(
-            {"batch": batch, "ours": ours, "transformers": peer, "decode_ratio": ratio, "same_tokens": same}
-        )
+        prefill_ratio = ours["prefill_tokens_per_s"] / peer["prefill_tokens_per_s"]
+        row = {"batch": batch, "runs": runs, "ours": ours, "transformers": peer, "decode_ratio": ratio,
+               "prefill_ratio": prefill_ratio, "same_tokens": same}
+        cell = ""
+        if "megatron" in impls:
+            row["megatron_decode_tokens_per_s"] = median("megatron", "decode_tokens_per_s")
+            cell = f" | {row['megatron_decode_tokens_per_s']:,.0f}"
+        rows.append(row)
         print(
             f"| {batch} | {ours['prefill_tokens_per_s']:,.0f} | {ours['decode_tokens_per_s']:,.0f} | "
-            f"{peer['prefill_tokens_per_s']:,.0f} | {peer['decode_tokens_per_s']:,.0f} | {ratio:.2f} | "
-            f"{ours['peak_rss_gb']:.2f} | {peer['peak_rss_gb']:.2f} | {'yes' if same else 'NO'} |",
+            f"{peer['prefill_tokens_per_s']:,.0f} | {peer['decode_tokens_per_s']:,.0f} | {prefill_ratio:.2f} | "
+            f"{ratio:.2f}{cell} | {ours['peak_rss_gb']:.2f} | {peer['peak_rss_gb']:.2f} | {'yes' if same else 'NO'} |",
             flush=True,
         )
     if args.json:

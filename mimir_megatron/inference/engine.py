@@ -24,6 +24,7 @@ from mimir_kernels import PrefixLMLayout, build_layout
 
 from mimir_megatron.batch import single_sample_batch
 from mimir_megatron.chat import encode, render_chat
+from mimir_megatron.inference.fast_stack import fast_stacks
 from mimir_megatron.inference.kv_cache import KVCache
 from mimir_megatron.inference.sampling import next_tokens
 from mimir_megatron.inference.text import StreamingText, default_stop_ids
@@ -77,8 +78,12 @@ class InferenceEngine:
         max_context: int | None = None,
         model_name: str = "mimir",
         seed: int = 0,
+        megatron_layers: bool = False,
     ) -> None:
         self.model = model.eval()
+        # The stacks without megatron's per-call machinery (fast_stack.py) unless asked for
+        # megatron's own modules (the reference in tests) or the model's setup is not covered.
+        self._stacks = None if megatron_layers else fast_stacks(self.model)
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -257,7 +262,7 @@ class InferenceEngine:
         batch = batch.to(self.device)
         layout = build_layout(self.model.attention_backend, batch.segment_ids, batch.prefix_mask)
         hidden = self.model.full_sequence(
-            self.model.recurrence(batch.input_ids, batch.position_ids, layout, plan)
+            self.model.recurrence(batch.input_ids, batch.position_ids, layout, plan, stacks=self._stacks)
         )  # [s, b, h]
         out = []
         for row, (context, continuation) in enumerate(pairs):
@@ -302,7 +307,7 @@ class InferenceEngine:
         layout = build_layout(self.model.attention_backend, real.long(), real)
         cache = KVCache(rows, self.device)
         start = time.perf_counter()
-        hidden = self.model.full_sequence(self.model.recurrence(ids, positions, layout, plan, kv_cache=cache))
+        hidden = self.model.full_sequence(self.model.recurrence(ids, positions, layout, plan, kv_cache=cache, stacks=self._stacks))
         cache.advance(real)
         logits = self.model.head_logits(hidden[-1:])[:, 0].float()  # left padding: all rows end last
         self.stats.prefill_tokens += sum(map(len, prompts))
@@ -322,7 +327,7 @@ class InferenceEngine:
         valid[:, 0] = True
         layout = PrefixLMLayout("dense", dense_mask=cache.attention_mask(valid))
         start = time.perf_counter()
-        hidden = self.model.full_sequence(self.model.recurrence(ids, pos, layout, plan, kv_cache=cache))
+        hidden = self.model.full_sequence(self.model.recurrence(ids, pos, layout, plan, kv_cache=cache, stacks=self._stacks))
         cache.advance(valid)
         logits = self.model.head_logits(hidden[:1])[:, 0].float()
         self.stats.decode_tokens += rows

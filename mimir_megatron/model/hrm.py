@@ -188,26 +188,31 @@ class HRMTextModel(MegatronModule):
         layout: PrefixLMLayout,
         plan: WindowPlan,
         kv_cache=None,
+        stacks=None,
     ) -> torch.Tensor:
         """The final high-level state ``z_H`` ``[seq, batch, hidden]`` for ``[batch, seq]`` inputs.
 
         ``kv_cache`` (decoding, :class:`mimir_megatron.inference.kv_cache.KVCache`) gives every
         module application its own cache slots: the same layer applied at two points of the
         schedule sees different inputs, so it has different keys and values.
+        ``stacks`` (inference): an ``(L, H)`` pair called in place of the two blocks, with the
+        blocks' arguments (:mod:`mimir_megatron.inference.fast_stack`: the same weights without
+        megatron's autograd machinery).
         """
         rotary = RotaryTable(rotary_angles(position_ids, self.cfg.head_dim, self.cfg.rope_theta))
         layout = RotaryLayout.of(layout, rotary)  # RoPE is applied in our attention slot
         z_H = self._embed(input_ids)
         z_L = self.z_L_init.to(z_H.dtype).expand_as(z_H)
+        run_L, run_H = (self.L, self.H) if stacks is None else stacks
         for application, (module, grad) in enumerate(zip(plan.schedule, plan.grad)):
             if kv_cache is not None:
                 layout = replace(layout, kv_cache=kv_cache.application(application))
             stack_args = dict(attention_mask=None, rotary_pos_emb=None, packed_seq_params=layout)
             with nullcontext() if grad else torch.no_grad():
                 if module == "L":
-                    z_L = self.L(z_L + z_H, **stack_args)
+                    z_L = run_L(z_L + z_H, **stack_args)
                 else:
-                    z_H = self.H(z_H + z_L, **stack_args)
+                    z_H = run_H(z_H + z_L, **stack_args)
         return z_H
 
     def full_sequence(self, hidden: torch.Tensor) -> torch.Tensor:

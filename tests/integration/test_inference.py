@@ -63,6 +63,23 @@ def test_cached_greedy_equals_full_recomputation(model, engine, h, low):
     assert all(r.finish_reason == "length" and len(r.logprobs) == 6 for r in results)
 
 
+def test_fast_stacks_decode_like_megatrons_layers(model, engine):
+    """The engine's default stacks (inference/fast_stack.py) against the same engine on megatron's
+    modules: prefill and every decoding step's logits within 1e-5, the same greedy tokens."""
+    reference = InferenceEngine(model, None, max_batch_size=64, megatron_layers=True)
+    assert engine._stacks is not None and reference._stacks is None
+    prompts = random_prompts([4, 11, 26], seed=8)
+    plan = engine._plan(2, 2)
+    (cache, logits), (ref_cache, ref_logits) = engine.prefill(prompts, plan), reference.prefill(prompts, plan)
+    positions = torch.tensor([len(p) for p in prompts])
+    for step in range(5):
+        assert (logits - ref_logits).abs().max().item() < 1e-5, f"step {step}"
+        tokens = logits.argmax(-1)
+        assert torch.equal(tokens, ref_logits.argmax(-1))
+        logits = engine.decode_step(cache, tokens, positions + step, plan)
+        ref_logits = reference.decode_step(ref_cache, tokens, positions + step, plan)
+
+
 def test_rows_joining_a_running_batch_decode_as_if_alone(engine):
     """Step-level batching: a request added mid-decode (its cache merged, left-padded) and rows
     leaving the batch change nobody's tokens."""
