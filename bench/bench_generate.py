@@ -13,7 +13,9 @@ token (the fastest of 3 runs); decode tokens/s is ``batch x (new - 1) / (t(new) 
 t(new) the fastest of 2 runs, the same formula for both.
 The greedy tokens of all are compared. Implementations: ``ours`` (the engine as it runs),
 ``megatron`` (the engine on megatron's layer modules, ``InferenceEngine(megatron_layers=True)``),
-``transformers``. ``--shape`` names a shape of ``mimir bench`` (``mimir_megatron.bench.shapes``:
+``compiled`` (``InferenceEngine(compile_decode=True)``: static-shape decoding steps through
+``torch.compile``; its warm-up generates all ``new`` tokens once and is reported as the compile
+cost, apart from the steady-state rate), ``transformers``. ``--shape`` names a shape of ``mimir bench`` (``mimir_megatron.bench.shapes``:
 tiny D=256 2+2 layers vocab 1k; mid D=768 4+4 layers vocab 32k); ``--config`` a model YAML instead.
 """
 
@@ -50,6 +52,8 @@ def _measure(impl: str, weights: Path, hf_dir: Path, batch: int, prompt_len: int
         engine = load_engine(weights=weights, max_batch_size=batch)
         if impl == "megatron":  # the same model, the engine on megatron's layer modules
             engine = InferenceEngine(engine.model, None, max_batch_size=batch, megatron_layers=True)
+        if impl == "compiled":  # static-shape decoding steps through torch.compile
+            engine = InferenceEngine(engine.model, None, max_batch_size=batch, compile_decode=True)
         prompts = _prompts(batch, prompt_len, engine.vocab_size)
 
         def run(n: int) -> list[list[int]]:
@@ -80,7 +84,9 @@ def _measure(impl: str, weights: Path, hf_dir: Path, batch: int, prompt_len: int
             )
             return out[:, prompt_len:].tolist()
 
-    run(2)  # warm-up (allocator, first-call overheads)
+    start = time.perf_counter()
+    run(new if impl == "compiled" else 2)  # warm-up (allocator, first calls; the compile)
+    warmup = time.perf_counter() - start
 
     def fastest(n: int, times: int) -> tuple[float, list[list[int]]]:
         # The fastest of a few runs: on a shared machine, other jobs only ever add time.
@@ -104,6 +110,7 @@ def _measure(impl: str, weights: Path, hf_dir: Path, batch: int, prompt_len: int
         "decode_tokens_per_s": batch * (new - 1) / max(tn - t1, 1e-9),
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "kv_cache_gb": None if cache_bytes is None else cache_bytes / 2**30,
+        "warmup_s": warmup,
         "tokens": tokens,
     }
 
@@ -116,7 +123,8 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs per implementation")
     parser.add_argument("--impls", default="ours,transformers",
-                        help="comma-separated: ours, megatron (ours on megatron's layers), transformers")
+                        help="comma-separated: ours, megatron (ours on megatron's layers), compiled (ours with "
+                        "compile_decode), transformers")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -143,9 +151,9 @@ def main() -> int:
     from mimir_megatron.model import build_model
 
     impls = args.impls.split(",")
-    unknown = set(impls) - {"ours", "megatron", "transformers"}
+    unknown = set(impls) - {"ours", "megatron", "compiled", "transformers"}
     if unknown or "ours" not in impls or "transformers" not in impls:
-        parser.error(f"--impls must hold ours and transformers (and may hold megatron), got {args.impls!r}")
+        parser.error(f"--impls must hold ours and transformers (and may hold megatron, compiled), got {args.impls!r}")
     work = Path(tempfile.mkdtemp(prefix="bench_generate_"))
     model = build_model(model_config(args.shape, args.config))
     save_weights(model, work / "weights")
@@ -153,11 +161,12 @@ def main() -> int:
     del model
     rows = []
     extra = " | megatron-layers decode tok/s" if "megatron" in impls else ""
+    extra += " | compiled decode tok/s | compiled ratio | compile + first run s" if "compiled" in impls else ""
     print(
         "| batch | ours prefill tok/s | ours decode tok/s | transformers prefill | transformers decode "
         f"| prefill ratio | decode ratio{extra} | ours peak RSS GB | transformers peak RSS GB | same tokens |"
     )
-    print("| ---: " * (11 if extra else 10) + "|")
+    print("| ---: " * (10 + extra.count("|")) + "|")
     for batch in [int(b) for b in args.batches.split(",")]:
         runs: dict[str, list[dict]] = {impl: [] for impl in impls}
         for rep in range(args.repeats):
@@ -185,6 +194,12 @@ def main() -> int:
         if "megatron" in impls:
             row["megatron_decode_tokens_per_s"] = median("megatron", "decode_tokens_per_s")
             cell = f" | {row['megatron_decode_tokens_per_s']:,.0f}"
+        if "compiled" in impls:
+            row["compiled_decode_tokens_per_s"] = median("compiled", "decode_tokens_per_s")
+            row["compiled_decode_ratio"] = row["compiled_decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+            row["compile_and_first_run_s"] = median("compiled", "warmup_s")
+            cell += (f" | {row['compiled_decode_tokens_per_s']:,.0f} | {row['compiled_decode_ratio']:.2f}"
+                     f" | {row['compile_and_first_run_s']:.0f}")
         rows.append(row)
         print(
             f"| {batch} | {ours['prefill_tokens_per_s']:,.0f} | {ours['decode_tokens_per_s']:,.0f} | "

@@ -79,11 +79,17 @@ class InferenceEngine:
         model_name: str = "mimir",
         seed: int = 0,
         megatron_layers: bool = False,
+        compile_decode: bool = False,
     ) -> None:
         self.model = model.eval()
         # The stacks without megatron's per-call machinery (fast_stack.py) unless asked for
         # megatron's own modules (the reference in tests) or the model's setup is not covered.
         self._stacks = None if megatron_layers else fast_stacks(self.model)
+        # Decoding steps with static shapes through torch.compile (see decode_step); off by
+        # default: each (schedule, batch size, cache allocation) costs a compile.
+        self._compiled_recurrence = (
+            torch.compile(self.model.recurrence, dynamic=False) if compile_decode else None
+        )
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -291,9 +297,9 @@ class InferenceEngine:
         return width + (-width % self._seq_multiple)
 
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], plan) -> tuple[KVCache, torch.Tensor]:
-        """Left-padded prompts in one bidirectional pass; a fresh cache and ``[rows, vocab]``
-        fp32 logits of the token after each prompt."""
+    def prefill(self, prompts: list[list[int]], plan, capacity: int = 0) -> tuple[KVCache, torch.Tensor]:
+        """Left-padded prompts in one bidirectional pass; a fresh cache (``capacity`` positions
+        allocated up front) and ``[rows, vocab]`` fp32 logits of the token after each prompt."""
         rows, width = len(prompts), self._pad_width(max(map(len, prompts)))
         ids = torch.zeros(rows, width, dtype=torch.long)
         positions = torch.zeros_like(ids)
@@ -305,7 +311,7 @@ class InferenceEngine:
             real[r, width - n :] = True
         ids, positions, real = ids.to(self.device), positions.to(self.device), real.to(self.device)
         layout = build_layout(self.model.attention_backend, real.long(), real)
-        cache = KVCache(rows, self.device)
+        cache = KVCache(rows, self.device, capacity=self._pad_width(max(capacity, width)))
         start = time.perf_counter()
         hidden = self.model.full_sequence(self.model.recurrence(ids, positions, layout, plan, kv_cache=cache, stacks=self._stacks))
         cache.advance(real)
@@ -325,9 +331,17 @@ class InferenceEngine:
         ids[:, 0], pos[:, 0] = tokens, positions
         valid = torch.zeros(rows, width, dtype=torch.bool, device=self.device)
         valid[:, 0] = True
-        layout = PrefixLMLayout("dense", dense_mask=cache.attention_mask(valid))
         start = time.perf_counter()
-        hidden = self.model.full_sequence(self.model.recurrence(ids, pos, layout, plan, kv_cache=cache, stacks=self._stacks))
+        if self._compiled_recurrence is not None and width == 1 and cache.can_step_static():
+            # Static shapes: the whole allocated cache, a tensor write index; one compiled graph
+            # per (schedule, batch size, allocation).
+            layout = PrefixLMLayout("dense", dense_mask=cache.static_attention_mask())
+            with cache.static_step():
+                hidden = self._compiled_recurrence(ids, pos, layout, plan, kv_cache=cache, stacks=self._stacks)
+        else:
+            layout = PrefixLMLayout("dense", dense_mask=cache.attention_mask(valid))
+            hidden = self.model.recurrence(ids, pos, layout, plan, kv_cache=cache, stacks=self._stacks)
+        hidden = self.model.full_sequence(hidden)
         cache.advance(valid)
         logits = self.model.head_logits(hidden[:1])[:, 0].float()
         self.stats.decode_tokens += rows
@@ -417,7 +431,13 @@ class DecodeSession:
         joining = self._pending[: max(0, self.engine.max_batch_size - len(self._rows))]
         if joining:
             self._pending = self._pending[len(joining) :]
-            cache, logits = self.engine.prefill([r.request.prompt_ids for r in joining], self._plan)
+            capacity = min(
+                self.engine.max_context,
+                max(len(r.request.prompt_ids) + r.request.params.max_new_tokens for r in joining),
+            )  # allocated once: no regrowth while these rows decode
+            if self.engine._compiled_recurrence is not None:  # few allocations: few compiles
+                capacity = min(self.engine.max_context, max(64, 1 << (capacity - 1).bit_length()))
+            cache, logits = self.engine.prefill([r.request.prompt_ids for r in joining], self._plan, capacity)
             if self._cache is None:
                 self._cache = cache
             else:

@@ -18,6 +18,8 @@ prompt and the tokens generated before it, exactly the training mask.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 
@@ -42,12 +44,15 @@ class KVCache:
     :meth:`merge`.
     """
 
-    def __init__(self, batch: int, device: torch.device | str) -> None:
+    def __init__(self, batch: int, device: torch.device | str, capacity: int = 0) -> None:
         self.batch = batch
         self.device = torch.device(device)
         self.length = 0
+        self.capacity = capacity
+        """Positions allocated up front (the requests' prompts + new tokens): no regrowth below it."""
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=self.device)
         self._slots: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._write_at: torch.Tensor | None = None  # set during a static-shape decoding step
 
     # -- what the model sees ----------------------------------------------------------------------
 
@@ -58,6 +63,11 @@ class KVCache:
         new = key.shape[0]
         key = key.permute(1, 2, 0, 3)  # [b, h, new, d]
         value = value.permute(1, 2, 0, 3)
+        if self._write_at is not None:  # static shapes (see static_step): whole buffers, tensor index
+            keys, values = self._slots[slot]
+            keys.index_copy_(2, self._write_at, key)
+            values.index_copy_(2, self._write_at, value)
+            return keys, values
         stored = self._slots.get(slot)
         end = self.length + new
         if stored is None or stored[0].shape[2] < end:
@@ -73,7 +83,7 @@ class KVCache:
     def _grow(self, stored, like: torch.Tensor, needed: int):
         """A larger buffer (capacity doubles) holding what was stored so far."""
         old = 0 if stored is None else stored[0].shape[2]
-        capacity = max(needed, 2 * old, 16)
+        capacity = max(needed, 2 * old, 16, self.capacity)
         shape = (like.shape[0], like.shape[1], capacity, like.shape[3])
         grown = tuple(torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2))
         if stored is not None:
@@ -94,6 +104,31 @@ class KVCache:
         # A padding query still needs one key (itself), or its softmax row would be NaN.
         allowed[:, :, self.length :] |= torch.eye(new, dtype=torch.bool, device=self.device)[None]
         return ~allowed[:, None]
+
+    def can_step_static(self) -> bool:
+        """Whether every slot has room for one more token (a static-shape step needs no growth)."""
+        return bool(self._slots) and all(k.shape[2] > self.length for k, _ in self._slots.values())
+
+    @contextmanager
+    def static_step(self):
+        """One decoding step of one token per row with shapes that do not change from step to step
+        (for ``torch.compile``): every slot writes at a tensor index and hands attention its whole
+        buffer, ``[batch, heads, allocated, head_dim]``; :meth:`static_attention_mask` masks what is
+        not written. Needs :meth:`can_step_static`."""
+        self._write_at = torch.tensor([self.length], device=self.device)
+        try:
+            yield
+        finally:
+            self._write_at = None
+
+    def static_attention_mask(self) -> torch.Tensor:
+        """``[batch, 1, 1, allocated]`` (True = masked out) for one new token per row in a
+        :meth:`static_step`: the valid cached tokens and the new one itself."""
+        allocated = next(iter(self._slots.values()))[0].shape[2]
+        allowed = torch.zeros(self.batch, allocated, dtype=torch.bool, device=self.device)
+        allowed[:, : self.length] = self.valid
+        allowed[:, self.length] = True
+        return ~allowed[:, None, None, :]
 
     def advance(self, new_valid: torch.Tensor) -> None:
         """Commit the ``new_valid [batch, new]`` tokens of the forward pass that just ran."""
@@ -130,6 +165,7 @@ class KVCache:
         self.valid = torch.cat([self._valid_padded(length), other._valid_padded(length)], dim=0)
         self.batch += other.batch
         self.length = length
+        self.capacity = max(self.capacity, other.capacity)
 
     def _left_padded(self, length: int) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
         pad = length - self.length

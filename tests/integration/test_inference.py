@@ -80,6 +80,31 @@ def test_fast_stacks_decode_like_megatrons_layers(model, engine):
         ref_logits = reference.decode_step(ref_cache, tokens, positions + step, plan)
 
 
+def test_compiled_static_decode_equals_eager_decode(model, engine):
+    """compile_decode: static-shape steps (whole allocated cache, tensor write index) through
+    torch.compile give eager decoding's tokens and logits (1e-5, fp32), with one compile for
+    all steps of a batch (a recompile would fail the test)."""
+    compiled = InferenceEngine(model, None, max_batch_size=64, compile_decode=True)
+    prompts = random_prompts([3, 9, 14], seed=12)
+    plan = engine._plan(1, 2)
+    cache, logits = engine.prefill(prompts, plan)
+    static_cache, static_logits = compiled.prefill(prompts, plan, capacity=32)
+    calls = []
+    compiled_recurrence = compiled._compiled_recurrence
+    compiled._compiled_recurrence = lambda *a, **k: calls.append(1) or compiled_recurrence(*a, **k)
+    positions = torch.tensor([len(p) for p in prompts])
+    for step in range(6):
+        assert (logits - static_logits).abs().max().item() < 1e-5, f"step {step}"
+        tokens = logits.argmax(-1)
+        assert torch.equal(tokens, static_logits.argmax(-1))
+        logits = engine.decode_step(cache, tokens, positions + step, plan)
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            static_logits = compiled.decode_step(static_cache, tokens, positions + step, plan)
+    assert len(calls) == 6  # every step took the compiled path
+    requests = [GenerationRequest(p, SamplingParams(max_new_tokens=5), 1, 2) for p in prompts]
+    assert [r.token_ids for r in compiled.generate(requests)] == [r.token_ids for r in engine.generate(requests)]
+
+
 def test_rows_joining_a_running_batch_decode_as_if_alone(engine):
     """Step-level batching: a request added mid-decode (its cache merged, left-padded) and rows
     leaving the batch change nobody's tokens."""
