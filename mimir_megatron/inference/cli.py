@@ -28,6 +28,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ema", action="store_true", help="with --checkpoint: use the EMA weights")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's own)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="TP size (run under torchrun)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="decode with static shapes through torch.compile: faster steps after a compile "
+                        "per (schedule, batch size, cache size); pays off for long generations")
 
 
 def engine_from_args(args: argparse.Namespace, **kwargs):
@@ -40,6 +43,7 @@ def engine_from_args(args: argparse.Namespace, **kwargs):
         hf=args.hf,
         tokenizer=args.tokenizer,
         tensor_parallel_size=args.tensor_parallel_size,
+        compile_decode=args.compile_decode,
         **kwargs,
     )
 

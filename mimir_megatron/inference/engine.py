@@ -67,7 +67,16 @@ class EngineStats:
 
 
 class InferenceEngine:
-    """Decoding and scoring for one model (any TP size; sequence parallelism is padded around)."""
+    """Decoding and scoring for one model (any TP size; sequence parallelism is padded around).
+
+    The L and H stacks run as :class:`~mimir_megatron.inference.fast_stack.FastStack` (the same
+    weights without megatron's autograd machinery) wherever it applies; ``megatron_layers=True``
+    runs megatron's modules instead (the reference). ``compile_decode=True`` runs decoding steps
+    with static shapes through ``torch.compile`` (caches allocated to a power of two of the
+    requests' prompt + new tokens, the whole allocation attended under a validity mask): one
+    compile per (schedule, batch size, allocation), so it pays off for long generations of a
+    steady batch (``docs/performance.md``) and is off by default.
+    """
 
     def __init__(
         self,

@@ -36,11 +36,13 @@ def load_engine(
     tensor_parallel_size: int = 1,
     max_batch_size: int = 32,
     max_context: int | None = None,
+    compile_decode: bool = False,
 ) -> InferenceEngine:
     """An engine over exactly one of: a training ``checkpoint`` (optionally its ``ema`` weights),
     project ``weights`` (``mimir import`` output) or a transformers ``hf`` directory.
 
     The tokenizer comes from ``tokenizer``, else from the model's own directory or config.
+    ``compile_decode``: see :class:`InferenceEngine`.
     """
     sources = [s for s in (checkpoint, weights, hf) if s is not None]
     if len(sources) != 1:
@@ -69,5 +71,6 @@ def load_engine(
         log.warning("no tokenizer found for %s: the engine takes and returns token ids only", source)
     name = source.name if source.name not in ("latest", "") else source.parent.name
     return InferenceEngine(
-        model, tok, max_batch_size=max_batch_size, max_context=max_context, model_name=name
+        model, tok, max_batch_size=max_batch_size, max_context=max_context, model_name=name,
+        compile_decode=compile_decode,
     )

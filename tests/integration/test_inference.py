@@ -80,6 +80,7 @@ def test_fast_stacks_decode_like_megatrons_layers(model, engine):
         ref_logits = reference.decode_step(ref_cache, tokens, positions + step, plan)
 
 
+@pytest.mark.slow  # a torch.compile (~1 min on 2 loaded cores)
 def test_compiled_static_decode_equals_eager_decode(model, engine):
     """compile_decode: static-shape steps (whole allocated cache, tensor write index) through
     torch.compile give eager decoding's tokens and logits (1e-5, fp32), with one compile for
