@@ -15,8 +15,8 @@ The greedy tokens of all are compared. Implementations: ``ours`` (the engine as 
 ``megatron`` (the engine on megatron's layer modules, ``InferenceEngine(megatron_layers=True)``),
 ``compiled`` (``InferenceEngine(compile_decode=True)``: static-shape decoding steps through
 ``torch.compile``; its warm-up generates all ``new`` tokens once and is reported as the compile
-cost, apart from the steady-state rate), ``transformers``. ``--shape`` names a shape of ``mimir bench`` (``mimir_megatron.bench.shapes``:
-tiny D=256 2+2 layers vocab 1k; mid D=768 4+4 layers vocab 32k); ``--config`` a model YAML instead.
+cost, apart from the steady-state rate), ``transformers``. ``--shape`` names a shape of
+``mimir bench`` (``mimir_megatron.bench.shapes``: tiny D=256 2+2 layers vocab 1k; mid D=768 4+4 layers vocab 32k); ``--config`` a model YAML instead.
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs per implementation")
     parser.add_argument("--impls", default="ours,transformers",
-                        help="comma-separated: ours, megatron (ours on megatron's layers), compiled (ours with "
-                        "compile_decode), transformers")
+                        help="comma-separated: ours, megatron (ours on megatron's layers), "
+                        "compiled (ours with compile_decode), transformers")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -153,7 +153,8 @@ def main() -> int:
     impls = args.impls.split(",")
     unknown = set(impls) - {"ours", "megatron", "compiled", "transformers"}
     if unknown or "ours" not in impls or "transformers" not in impls:
-        parser.error(f"--impls must hold ours and transformers (and may hold megatron, compiled), got {args.impls!r}")
+        parser.error(f"--impls must hold ours and transformers (and may hold megatron, compiled), "
+                     f"got {args.impls!r}")
     work = Path(tempfile.mkdtemp(prefix="bench_generate_"))
     model = build_model(model_config(args.shape, args.config))
     save_weights(model, work / "weights")
@@ -161,7 +162,8 @@ def main() -> int:
     del model
     rows = []
     extra = " | megatron-layers decode tok/s" if "megatron" in impls else ""
-    extra += " | compiled decode tok/s | compiled ratio | compile + first run s" if "compiled" in impls else ""
+    if "compiled" in impls:
+        extra += " | compiled decode tok/s | compiled ratio | compile + first run s"
     print(
         "| batch | ours prefill tok/s | ours decode tok/s | transformers prefill | transformers decode "
         f"| prefill ratio | decode ratio{extra} | ours peak RSS GB | transformers peak RSS GB | same tokens |"
@@ -203,8 +205,9 @@ def main() -> int:
         rows.append(row)
         print(
             f"| {batch} | {ours['prefill_tokens_per_s']:,.0f} | {ours['decode_tokens_per_s']:,.0f} | "
-            f"{peer['prefill_tokens_per_s']:,.0f} | {peer['decode_tokens_per_s']:,.0f} | {prefill_ratio:.2f} | "
-            f"{ratio:.2f}{cell} | {ours['peak_rss_gb']:.2f} | {peer['peak_rss_gb']:.2f} | {'yes' if same else 'NO'} |",
+            f"{peer['prefill_tokens_per_s']:,.0f} | {peer['decode_tokens_per_s']:,.0f} | "
+            f"{prefill_ratio:.2f} | {ratio:.2f}{cell} | {ours['peak_rss_gb']:.2f} | "
+            f"{peer['peak_rss_gb']:.2f} | {'yes' if same else 'NO'} |",
             flush=True,
         )
     if args.json:

@@ -322,7 +322,9 @@ class InferenceEngine:
         layout = build_layout(self.model.attention_backend, real.long(), real)
         cache = KVCache(rows, self.device, capacity=self._pad_width(max(capacity, width)))
         start = time.perf_counter()
-        hidden = self.model.full_sequence(self.model.recurrence(ids, positions, layout, plan, kv_cache=cache, stacks=self._stacks))
+        hidden = self.model.full_sequence(
+            self.model.recurrence(ids, positions, layout, plan, kv_cache=cache, stacks=self._stacks)
+        )
         cache.advance(real)
         logits = self.model.head_logits(hidden[-1:])[:, 0].float()  # left padding: all rows end last
         self.stats.prefill_tokens += sum(map(len, prompts))
@@ -346,7 +348,9 @@ class InferenceEngine:
             # per (schedule, batch size, allocation).
             layout = PrefixLMLayout("dense", dense_mask=cache.static_attention_mask())
             with cache.static_step():
-                hidden = self._compiled_recurrence(ids, pos, layout, plan, kv_cache=cache, stacks=self._stacks)
+                hidden = self._compiled_recurrence(
+                    ids, pos, layout, plan, kv_cache=cache, stacks=self._stacks
+                )
         else:
             layout = PrefixLMLayout("dense", dense_mask=cache.attention_mask(valid))
             hidden = self.model.recurrence(ids, pos, layout, plan, kv_cache=cache, stacks=self._stacks)
