@@ -16,7 +16,8 @@ The greedy tokens of all are compared. Implementations: ``ours`` (the engine as 
 ``compiled`` (``InferenceEngine(compile_decode=True)``: static-shape decoding steps through
 ``torch.compile``; its warm-up generates all ``new`` tokens once and is reported as the compile
 cost, apart from the steady-state rate), ``transformers``. ``--shape`` names a shape of
-``mimir bench`` (``mimir_megatron.bench.shapes``: tiny D=256 2+2 layers vocab 1k; mid D=768 4+4 layers vocab 32k); ``--config`` a model YAML instead.
+``mimir bench`` (``mimir_megatron.bench.shapes``: tiny D=256 2+2 layers vocab 1k; mid D=768
+4+4 layers vocab 32k); ``--config`` a model YAML instead.
 """
 
 from __future__ import annotations
