@@ -444,12 +444,12 @@ class DecodeSession:
         joining = self._pending[: max(0, self.engine.max_batch_size - len(self._rows))]
         if joining:
             self._pending = self._pending[len(joining) :]
-            capacity = min(
-                self.engine.max_context,
-                max(len(r.request.prompt_ids) + r.request.params.max_new_tokens for r in joining),
-            )  # allocated once: no regrowth while these rows decode
-            if self.engine._compiled_recurrence is not None:  # few allocations: few compiles
-                capacity = min(self.engine.max_context, max(64, 1 << (capacity - 1).bit_length()))
+            capacity = 0  # eager: the cache doubles as needed (a row may stop long before its limit)
+            if self.engine._compiled_recurrence is not None:
+                # Static shapes: allocated once for the rows' prompt + new tokens, rounded to a
+                # power of two (few allocations, few compiles).
+                need = max(len(r.request.prompt_ids) + r.request.params.max_new_tokens for r in joining)
+                capacity = min(self.engine.max_context, max(64, 1 << (need - 1).bit_length()))
             cache, logits = self.engine.prefill([r.request.prompt_ids for r in joining], self._plan, capacity)
             if self._cache is None:
                 self._cache = cache
