@@ -65,3 +65,16 @@ def test_fast_stacks_are_refused_where_they_do_not_apply(model):
     finally:
         model.eval()
     assert fast_stacks(model) is not None
+
+
+@torch.no_grad()
+def test_megatrons_layers_raise_no_tp_group_warning(model, batch):
+    """megatron-core 0.19's RowParallelLinear passes ``tp_group=None`` to its matmul, which warns
+    on every call; the spec's GroupedRowParallelLinear and the logits gather pass the group."""
+    import warnings
+
+    assert torch.distributed.is_initialized()  # the warning is raised only then
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(batch)
+    assert not [w for w in caught if "tp_group" in str(w.message)]
