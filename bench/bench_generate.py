@@ -47,7 +47,7 @@ def _measure(impl: str, weights: Path, hf_dir: Path, batch: int, prompt_len: int
     import torch
 
     cache_bytes = None
-    if impl in ("ours", "megatron"):
+    if impl != "transformers":
         from mimir_megatron.inference import GenerationRequest, InferenceEngine, SamplingParams, load_engine
 
         engine = load_engine(weights=weights, max_batch_size=batch)
