@@ -7,10 +7,12 @@
 Same random weights for both (ours exported to a transformers ``hrm_text`` directory), greedy,
 prompts of one length (no padding, so both do the same work). Each (implementation, batch) runs
 in a fresh process so that its peak resident memory is its own; with ``--repeats N`` the
-implementations alternate (ours first in even rounds, last in odd ones), so that on a shared
-machine each sees the same load, and the table shows medians. Prefill is timed as generating one
-token (the fastest of 3 runs); decode tokens/s is ``batch x (new - 1) / (t(new) - t(1))`` with
-t(new) the fastest of 2 runs, the same formula for both.
+implementations' processes alternate (ours first in even rounds, last in odd ones), so that on a
+shared machine each sees the same load, and the table shows medians. ``--same-process`` runs all
+implementations in one process per batch instead, alternating round by round (``--repeats``
+rounds): robust ratios on a loaded machine, but one shared peak RSS. Prefill is timed as
+generating one token; decode tokens/s is ``batch x (new - 1) / (t(new) - t(1))``, each time the
+fastest of its rounds (2 per process in the separate-process mode), the same formula for all.
 The greedy tokens of all are compared. Implementations: ``ours`` (the engine as it runs),
 ``megatron`` (the engine on megatron's layer modules, ``InferenceEngine(megatron_layers=True)``),
 ``compiled`` (``InferenceEngine(compile_decode=True)``: static-shape decoding steps through
@@ -42,78 +44,94 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(0, vocab, (batch, length), generator=g).tolist()
 
 
-def _measure(impl: str, weights: Path, hf_dir: Path, batch: int, prompt_len: int, new: int) -> dict:
-    """Run in a child process: time generation of 1 and of ``new`` tokens; report tokens."""
+def _runners(impls: list[str], weights: Path, hf_dir: Path, batch: int, prompt_len: int) -> dict:
+    """``impl -> run(n)``: generate ``n`` tokens for the batch, return the new tokens per row.
+    The engines share one loaded model."""
     import torch
 
-    cache_bytes = None
-    if impl != "transformers":
-        from mimir_megatron.inference import GenerationRequest, InferenceEngine, SamplingParams, load_engine
-
-        engine = load_engine(weights=weights, max_batch_size=batch)
-        if impl == "megatron":  # the same model, the engine on megatron's layer modules
-            engine = InferenceEngine(engine.model, None, max_batch_size=batch, megatron_layers=True)
-        if impl == "compiled":  # static-shape decoding steps through torch.compile
-            engine = InferenceEngine(engine.model, None, max_batch_size=batch, compile_decode=True)
-        prompts = _prompts(batch, prompt_len, engine.vocab_size)
-
-        def run(n: int) -> list[list[int]]:
-            reqs = [
-                GenerationRequest(p, SamplingParams(max_new_tokens=n, use_default_stops=False))
-                for p in prompts
-            ]
-            return [r.token_ids for r in engine.generate(reqs)]
-
-    else:
-        import transformers
-
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        prompts = _prompts(batch, prompt_len, model.config.vocab_size)
-        ids = torch.tensor(prompts)
-
-        @torch.no_grad()
-        def run(n: int) -> list[list[int]]:
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                token_type_ids=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
+    runners = {}
+    base = None
+    for impl in impls:
+        if impl != "transformers":
+            from mimir_megatron.inference import (
+                GenerationRequest, InferenceEngine, SamplingParams, load_engine,
             )
-            return out[:, prompt_len:].tolist()
 
-    start = time.perf_counter()
-    run(new if impl == "compiled" else 2)  # warm-up (allocator, first calls; the compile)
-    warmup = time.perf_counter() - start
+            if base is None:
+                base = load_engine(weights=weights, max_batch_size=batch)
+            engine = base
+            if impl == "megatron":  # the same model, the engine on megatron's layer modules
+                engine = InferenceEngine(base.model, None, max_batch_size=batch, megatron_layers=True)
+            if impl == "compiled":  # static-shape decoding steps through torch.compile
+                engine = InferenceEngine(base.model, None, max_batch_size=batch, compile_decode=True)
+            prompts = _prompts(batch, prompt_len, engine.vocab_size)
 
-    def fastest(n: int, times: int) -> tuple[float, list[list[int]]]:
-        # The fastest of a few runs: on a shared machine, other jobs only ever add time.
-        best = float("inf")
-        for _ in range(times):
+            def run(n: int, engine=engine, prompts=prompts) -> list[list[int]]:
+                reqs = [
+                    GenerationRequest(p, SamplingParams(max_new_tokens=n, use_default_stops=False))
+                    for p in prompts
+                ]
+                return [r.token_ids for r in engine.generate(reqs)]
+
+        else:
+            import transformers
+
+            model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+            ids = torch.tensor(_prompts(batch, prompt_len, model.config.vocab_size))
+
+            @torch.no_grad()
+            def run(n: int, model=model, ids=ids) -> list[list[int]]:
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    token_type_ids=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+                return out[:, prompt_len:].tolist()
+
+        runners[impl] = run
+    return runners
+
+
+def _measure(impls: list[str], weights: Path, hf_dir: Path, batch: int, prompt_len: int, new: int,
+             rounds: int) -> list[dict]:
+    """Run in a child process: per implementation, time generating 1 and ``new`` tokens in each
+    of ``rounds`` rounds (the implementations alternate within a round, reversed every other
+    round) and keep the fastest (on a shared machine, other jobs only ever add time)."""
+    runners = _runners(impls, weights, hf_dir, batch, prompt_len)
+    warmup = {}
+    for impl, run in runners.items():
+        start = time.perf_counter()
+        run(new if impl == "compiled" else 2)  # warm-up (allocator, first calls; the compile)
+        warmup[impl] = time.perf_counter() - start
+    t1 = dict.fromkeys(impls, float("inf"))
+    tn = dict.fromkeys(impls, float("inf"))
+    tokens = {}
+    for r in range(rounds):
+        for impl in impls if r % 2 == 0 else impls[::-1]:
             start = time.perf_counter()
-            tokens = run(n)
-            best = min(best, time.perf_counter() - start)
-        return best, tokens
-
-    t1, _ = fastest(1, 3)
-    tn, tokens = fastest(new, 2)
-    if impl != "transformers":
-        cfg = engine.cfg  # one slot per (application, layer), keys + values, fp32
-        slots = cfg.h_cycles * (cfg.l_cycles * cfg.num_layers_L + cfg.num_layers_H)
-        cache_bytes = slots * 2 * cfg.hidden_size * 4 * batch * (prompt_len + new)
-    return {
-        "impl": impl,
-        "batch": batch,
-        "prefill_tokens_per_s": batch * prompt_len / t1,
-        "decode_tokens_per_s": batch * (new - 1) / max(tn - t1, 1e-9),
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "kv_cache_gb": None if cache_bytes is None else cache_bytes / 2**30,
-        "warmup_s": warmup,
-        "tokens": tokens,
-    }
+            runners[impl](1)
+            t1[impl] = min(t1[impl], time.perf_counter() - start)
+            start = time.perf_counter()
+            tokens[impl] = runners[impl](new)
+            tn[impl] = min(tn[impl], time.perf_counter() - start)
+    return [
+        {
+            "impl": impl,
+            "batch": batch,
+            "prefill_tokens_per_s": batch * prompt_len / t1[impl],
+            "decode_tokens_per_s": batch * (new - 1) / max(tn[impl] - t1[impl], 1e-9),
+            # the process's peak: one implementation's own only when it ran alone
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "warmup_s": warmup[impl],
+            "tokens": tokens[impl],
+        }
+        for impl in impls
+    ]
 
 
 def main() -> int:
@@ -122,7 +140,11 @@ def main() -> int:
                         help="a mimir bench shape (ignored with --config)")
     parser.add_argument("--config", help="a model YAML instead of --shape")
     parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--repeats", type=int, default=1, help="alternating runs per implementation")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="alternating rounds per implementation (processes, or rounds in one)")
+    parser.add_argument("--same-process", action="store_true",
+                        help="all implementations in one process per batch, alternating round by "
+                             "round (robust ratios on a loaded machine; peak RSS is then shared)")
     parser.add_argument("--impls", default="ours,transformers",
                         help="comma-separated: ours, megatron (ours on megatron's layers), "
                         "compiled (ours with compile_decode), transformers")
@@ -139,12 +161,10 @@ def main() -> int:
     backend.setup()  # this script is an entry point: the CPU backend, once, before any model
     torch.set_num_threads(args.threads)
     if args.child:
-        impl, weights, hf_dir, batch, _ = args.child
-        print(
-            json.dumps(
-                _measure(impl, Path(weights), Path(hf_dir), int(batch), args.prompt_len, args.new_tokens)
-            )
-        )
+        impls, weights, hf_dir, batch, rounds = args.child
+        results = _measure(impls.split(","), Path(weights), Path(hf_dir), int(batch), args.prompt_len,
+                           args.new_tokens, int(rounds))
+        print(json.dumps(results))
         return 0
 
     from mimir_megatron.bench.shapes import model_config
@@ -172,15 +192,23 @@ def main() -> int:
     print("| ---: " * (10 + extra.count("|")) + "|")
     for batch in [int(b) for b in args.batches.split(",")]:
         runs: dict[str, list[dict]] = {impl: [] for impl in impls}
-        for rep in range(args.repeats):
-            for impl in impls if rep % 2 == 0 else impls[::-1]:
-                cmd = [
-                    sys.executable, __file__, "--prompt-len", str(args.prompt_len),
-                    "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
-                    "--child", impl, str(work / "weights"), str(work / "hf"), str(batch), "x",
-                ]
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-                runs[impl].append(json.loads(out.strip().splitlines()[-1]))
+
+        def child(names: list[str], rounds: int) -> None:
+            cmd = [
+                sys.executable, __file__, "--prompt-len", str(args.prompt_len),
+                "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
+                "--child", ",".join(names), str(work / "weights"), str(work / "hf"), str(batch), str(rounds),
+            ]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            for result in json.loads(out.strip().splitlines()[-1]):
+                runs[result["impl"]].append(result)
+
+        if args.same_process:
+            child(impls, args.repeats)
+        else:
+            for rep in range(args.repeats):
+                for impl in impls if rep % 2 == 0 else impls[::-1]:
+                    child([impl], 2)
         tokens = [r.pop("tokens") for impl_runs in runs.values() for r in impl_runs]
         same = all(t == tokens[0] for t in tokens)
 
