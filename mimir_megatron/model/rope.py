@@ -41,41 +41,6 @@ class RotaryTable:
         """RoPE on ``[seq, batch, heads, head_dim]`` (the table broadcasts over heads)."""
         if t.dtype not in self._cast:  # bf16 compute: cast once per forward, not per layer
             self._cast[t.dtype] = (self.cos.to(t.dtype), self.sin_signed.to(t.dtype))
-        return _Rotate.apply(t, *self._cast[t.dtype])
-
-
-def _rotate(t: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, swap: bool) -> torch.Tensor:
-    """``t * cos + cat(t2, t1) * sin_signed`` (``swap``: ``cat(u2, u1)`` with ``u = t * sin_signed``,
-    the transpose, which the backward pass needs), written into one new tensor without the ``cat``.
-
-    The same products and one addition per element as the plain expression, so the same bits:
-    the rotated half-products are written first and ``t * cos`` is added to them, and IEEE
-    addition commutes exactly.
-    """
-    half = t.shape[-1] // 2
-    out = torch.empty(torch.broadcast_shapes(t.shape, cos.shape), dtype=t.dtype, device=t.device)
-    lo, hi = (slice(None, half), slice(half, None))
-    if swap:  # out1 = t2 * s2, out2 = t1 * s1
-        torch.mul(t[..., hi], sin_signed[..., hi], out=out[..., lo])
-        torch.mul(t[..., lo], sin_signed[..., lo], out=out[..., hi])
-    else:  # out1 = t2 * s1, out2 = t1 * s2
-        torch.mul(t[..., hi], sin_signed[..., lo], out=out[..., lo])
-        torch.mul(t[..., lo], sin_signed[..., hi], out=out[..., hi])
-    return out.add_(t * cos)
-
-
-class _Rotate(torch.autograd.Function):
-    """RoPE with a hand-written backward: autograd's version of the plain expression runs a
-    ``chunk``, a ``cat`` and five nodes per call (forward and backward each copy the tensor once
-    more); this runs the same arithmetic in one node. Gradient: ``g * cos + swap(g * sin_signed)``,
-    the two terms autograd sums for ``t``."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin_signed)
-        return _rotate(t, cos, sin_signed, swap=False)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        cos, sin_signed = ctx.saved_tensors
-        return _rotate(grad, cos, sin_signed, swap=True), None, None
+        cos, sin_signed = self._cast[t.dtype]
+        t1, t2 = torch.chunk(t, 2, dim=-1)
+        return t * cos + torch.cat((t2, t1), dim=-1) * sin_signed

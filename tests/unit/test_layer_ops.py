@@ -1,9 +1,9 @@
-"""The train step's one-node layer ops (issue 21) give megatron's numbers bit for bit.
+"""The layer's own ops in the train step's hot path (issue 21) give megatron's numbers bit for bit.
 
-``model/rope.py``'s RoPE and ``model/swiglu.py``'s SwiGLU replace autograd's graphs of the plain
-expressions with hand-written backward passes; each is compared with megatron's own code (its
-``apply_rotary_pos_emb``, its MLP's unfused ``glu``) with ``torch.equal``, forward and backward,
-on strided inputs like the views megatron's fused projections hand them.
+``model/rope.py``'s per-forward RoPE table and ``model/swiglu.py``'s one-node SwiGLU (a
+hand-written backward) are compared with megatron's own code (its ``apply_rotary_pos_emb``, its
+MLP's unfused ``glu``) with ``torch.equal``, forward and backward, on strided inputs like the
+views megatron's fused projections hand them.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _value_and_grad(fn, base: torch.Tensor, view, weight: torch.Tensor):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_node_equals_megatrons_rope_forward_and_backward(dtype):
+def test_rotary_table_equals_megatrons_rope_forward_and_backward(dtype):
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
     g = torch.Generator().manual_seed(0)
@@ -86,7 +86,7 @@ def _megatron_glu(mlp, config, x: torch.Tensor) -> torch.Tensor:
 
 def test_a_stack_with_the_layer_ops_equals_megatrons_unfused_path():
     """One L stack, forward and backward: megatron applying RoPE from the angles and running its
-    own glu (the old path) vs our attention slot's RoPE node and the SwiGLU node: identical
+    own glu (the old path) vs our attention slot's RoPE table and the SwiGLU node: identical
     outputs and parameter gradients."""
     model = build_model(tiny_config())
     stack = model.L
