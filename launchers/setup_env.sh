@@ -33,6 +33,40 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 log="$venv/setup.log"
+stamp="$venv/.mimir-pyproject.sha256"
+digest="$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)"
+# Installed already (this pyproject.toml, every requirement of the extra met): nothing to do. Re-running
+# pip would reinstall the editable package under the feet of anything running from this venv.
+if [ "$(cat "$stamp" 2>/dev/null)" = "$digest" ] && "$venv/bin/python" - "$extras" <<'PY' 2>/dev/null
+import sys
+from importlib.metadata import PackageNotFoundError, distribution, version
+
+from packaging.requirements import Requirement
+
+def met(name: str, extras: set[str], seen: set) -> bool:
+    """Every requirement of ``name[extras]`` is installed at a matching version."""
+    if (name, frozenset(extras)) in seen:
+        return True
+    seen.add((name, frozenset(extras)))
+    for line in distribution(name).requires or []:
+        req = Requirement(line)
+        if req.marker and not any(req.marker.evaluate({"extra": e}) for e in extras | {""}):
+            continue
+        try:
+            if not req.specifier.contains(version(req.name), prereleases=True):
+                return False
+        except PackageNotFoundError:
+            return False
+        if req.extras and not met(req.name, set(req.extras), seen):
+            return False
+    return True
+
+sys.exit(0 if met("mimir-megatron", set(sys.argv[1].split(",")), set()) else 1)
+PY
+then
+    echo "setup_env: mimir-megatron[$extras] is installed in $venv (pyproject.toml unchanged)"
+    exit 0
+fi
 echo "setup_env: installing mimir-megatron[$extras] into $venv (torch is large on first install; log: $log)"
 # pip and setuptools are chatty about editable installs: keep their output in the log, show it on failure.
 if ! { "$venv/bin/python" -m pip install --upgrade pip \
@@ -41,4 +75,5 @@ if ! { "$venv/bin/python" -m pip install --upgrade pip \
     echo "setup_env: installation failed; full log: $log" >&2
     exit 1
 fi
+echo "$digest" >"$stamp"
 echo "setup_env: ready: source $venv/bin/activate"

@@ -9,6 +9,7 @@ import pytest
 
 # Shared helpers (tests/helpers/*.py) are imported by module name from every tier and worker.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+import schedule  # noqa: E402
 import skip_policy  # noqa: E402
 
 pytest_plugins = ["pytester"]  # tests/unit/test_skip_policy.py runs pytest on small generated suites
@@ -19,10 +20,15 @@ MIMIR = REPO / "configs" / "model" / "mimir.yaml"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    skip_policy.install(config)  # unexpected skips fail under CI=true
+    if not hasattr(config, "workerinput"):  # the controller sees every worker's reports
+        skip_policy.install(config)  # unexpected skips fail under CI=true
     from mimir_megatron import backend
 
     backend.setup()  # the test process is an entry point: the CPU backend, once, explicitly
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    schedule.order_longest_first(items)  # every worker sorts the same way: xdist checks it
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,17 @@ fi
 
 bash "$repo/launchers/setup_env.sh" test
 cd "$repo"
+# Workers (pytest-xdist): one per core, at most 4; MIMIR_TEST_WORKERS=1 runs in this process.
+# Much of the suite waits on subprocesses, servers and Slurm, or runs single-threaded Python, so
+# two workers on two cores finish in about half the time. A module runs on one worker (its
+# trained fixtures are built once), the modules that take minutes first (tests/helpers/schedule.py).
+cores="$(nproc)"
+workers="${MIMIR_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
+parallel=(-p no:xdist)
+if [ "$workers" -gt 1 ]; then
+    parallel=(-n "$workers" --dist loadscope --no-loadscope-reorder)
+fi
 # -rs lists every skip with its reason; under CI=true a skip not in tests/expected_skips.txt
 # fails the run (tests/helpers/skip_policy.py); --durations=30 lists the slowest tests of every run.
-exec "${VENV:-$repo/.venv}/bin/python" -m pytest -q -rs --durations=30 -p no:cacheprovider "$@" "${targets[@]}"
+exec "${VENV:-$repo/.venv}/bin/python" -m pytest -q -rs --durations=30 -p no:cacheprovider "${parallel[@]}" \
+    "$@" "${targets[@]}"

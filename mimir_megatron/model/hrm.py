@@ -70,6 +70,10 @@ def transformer_config(cfg: ModelConfig, num_layers: int) -> TransformerConfig:
         layernorm_epsilon=cfg.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
+        # Megatron's MLP then calls the activation module of the spec (model/swiglu.py: SwiGLU in
+        # one autograd node, bit-identical to its unfused glu); the flag's name says TE, the slot
+        # takes any module.
+        use_te_activation_func=True,
         add_bias_linear=False,
         add_qkv_bias=False,
         attention_output_gate=True,

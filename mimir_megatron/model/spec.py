@@ -2,7 +2,8 @@
 
 Both backends build the same layer: parameterless RMSNorm, then gated attention (megatron's
 ``attention_output_gate``: a sigmoid gate from the fused qkv projection) with our PrefixLM core
-attention from ``kernels/``, then a SwiGLU MLP, no biases. They differ only in the linears:
+attention from ``kernels/``, then a SwiGLU MLP (``model/swiglu.py`` in megatron's activation
+slot), no biases. They differ only in the linears:
 
 - ``local``: megatron's own tensor-parallel linears (CPU and GPU; the reference in tests).
 - ``te``: Transformer Engine linears (GPU; bf16 or FP8 through TE recipes). TE's fused
@@ -12,6 +13,9 @@ attention from ``kernels/``, then a SwiGLU MLP, no biases. They differ only in t
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
@@ -26,6 +30,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from mimir_megatron.model.attention import PrefixLMCoreAttention
 from mimir_megatron.model.norm import ParameterlessRMSNorm
+from mimir_megatron.model.swiglu import SwiGLU
 
 BACKENDS = ("local", "te")
 
@@ -66,6 +71,11 @@ def _provider(backend: str) -> BackendSpecProvider:
 def block_spec(num_layers: int, backend: str = "local") -> TransformerBlockSubmodules:
     """Layers of one stack: pre-norm gated attention + SwiGLU MLP, then a parameterless exit norm."""
     provider = _provider(backend)
+    mlp = get_mlp_module_spec_for_backend(backend=provider)
+    # Our SwiGLU in megatron's MLP activation slot (read because transformer_config sets
+    # use_te_activation_func; without this module megatron would apply a plain silu there).
+    submodules = replace(mlp.keywords["submodules"], activation_func=SwiGLU)
+    mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
     layer = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -84,7 +94,7 @@ def block_spec(num_layers: int, backend: str = "local") -> TransformerBlockSubmo
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=ParameterlessRMSNorm,
-            mlp=get_mlp_module_spec_for_backend(backend=provider),
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),
     )

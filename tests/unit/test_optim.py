@@ -1,11 +1,11 @@
-"""Optimizer pieces against hand-computed values: Adam-atan2, frozen groups, EMA."""
+"""Optimizer pieces against hand-computed values: Adam-atan2, frozen groups, EMA, gradient norm."""
 
 import math
 
 import pytest
 import torch
 
-from mimir_megatron.train.optim import EMA, AdamAtan2, group_of, init_state, optimizer_step
+from mimir_megatron.train.optim import EMA, AdamAtan2, grad_norm, group_of, init_state, optimizer_step
 from mimir_megatron.train.schedules import StepPlan
 
 
@@ -79,3 +79,22 @@ def test_ema_keeps_decay_of_the_average_and_takes_one_minus_decay_of_the_weights
 def test_groups_by_name():
     assert [group_of(n) for n in ("embedding.weight", "head.weight", "L.layers.0.mlp.linear_fc1.weight",
                                   "H.layers.3.self_attention.linear_qkv.weight")] == ["embedding", "head", "L", "H"]
+
+
+def test_grad_norm_by_hand_and_bit_for_bit_per_parameter():
+    """3-4-12-84 (9 + 16 + 144 = 169 = 13^2; 13^2 + 84^2 = 85^2), then random gradients of
+    several sizes: the scratch-buffer norm equals the per-parameter squares summed in order."""
+    from mimir_megatron import parallel
+
+    parallel.init_model_parallel(1)  # grad_norm asks the TP size (one process, TP 1)
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1, 2))]
+    params[0].main_grad = torch.tensor([3.0, 4.0])
+    params[1].main_grad = torch.tensor([[12.0, 84.0]])
+    assert grad_norm(params).item() == 85.0
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in [(7, 5), (300, 40), (3,), (64, 64)]]
+    expected = torch.zeros(())
+    for p in params:
+        p.main_grad = torch.randn(p.shape, generator=g)
+        expected += p.main_grad.float().pow(2).sum()
+    assert torch.equal(grad_norm(params), expected.sqrt())

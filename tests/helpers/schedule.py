@@ -1,0 +1,35 @@
+"""The order in which pytest-xdist hands test modules to its workers (``--dist loadscope``).
+
+`tests/run.sh` runs the suite on several workers, a module at a time (its module-scoped trained
+fixtures are then built once). A worker that picks up a module of several minutes near the end
+leaves the others idle, so the modules that take minutes go first, longest first (the numbers
+are their totals in `--durations` on the 2-core development machine); every other module keeps
+its collection order. A stale list costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+LONGEST_FIRST = (
+    "tests/system/test_readme_results.py",  # trains the demo (~5 min), then `mimir sweep`
+    "tests/system/test_slurm.py",  # one- and two-node clusters, ~4 min
+    "tests/integration/test_train_parallel.py",  # 2-rank gloo runs, ~2 min
+    "tests/integration/test_checkpoint_reliability.py",
+    "tests/integration/test_checkpoint_signals.py",
+    "tests/integration/test_trainer_catches.py",
+    "tests/integration/test_audit_canaries.py",
+    "tests/integration/test_checkpoint_commands.py",
+    "tests/integration/test_serve.py",
+    "tests/system/test_launchers.py",
+    "tests/integration/test_tracking_outage.py",
+    "tests/integration/test_mlflow_server.py",
+    "tests/integration/test_cli.py",
+)
+
+
+def order_longest_first(items: list[pytest.Item]) -> None:
+    """Sort ``items`` in place: the modules of :data:`LONGEST_FIRST` in that order, then the rest."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    position = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)), position[id(item)]))

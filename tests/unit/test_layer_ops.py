@@ -1,0 +1,119 @@
+"""The layer's own ops in the train step's hot path (issue 21) give megatron's numbers bit for bit.
+
+``model/rope.py``'s per-forward RoPE table and ``model/swiglu.py``'s one-node SwiGLU (a
+hand-written backward) are compared with megatron's own code (its ``apply_rotary_pos_emb``, its
+MLP's unfused ``glu``) with ``torch.equal``, forward and backward, on strided inputs like the
+views megatron's fused projections hand them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import tiny_config
+from mimir_kernels import build_layout
+
+from mimir_megatron.model import build_model
+from mimir_megatron.model.attention import RotaryLayout
+from mimir_megatron.model.rope import RotaryTable, rotary_angles
+from mimir_megatron.model.swiglu import swiglu
+
+
+def _value_and_grad(fn, base: torch.Tensor, view, weight: torch.Tensor):
+    """``fn`` of a strided view of ``base``; the gradient of a weighted sum back to ``base``."""
+    leaf = base.clone().requires_grad_(True)
+    out = fn(view(leaf))
+    (out * weight).sum().backward()
+    return out.detach(), leaf.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_table_equals_megatrons_rope_forward_and_backward(dtype):
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    g = torch.Generator().manual_seed(0)
+    angles = rotary_angles(torch.randint(0, 500, (3, 17), generator=g), 64, 10000.0)
+    base = torch.randn(17, 3, 4, 3 * 64, generator=g).to(dtype)  # q of a fused [q | k | v] row
+    weight = torch.randn(17, 3, 4, 64, generator=g).to(dtype)
+
+    def view(leaf):
+        return leaf[..., 64:128]
+
+    ours = _value_and_grad(RotaryTable(angles).apply, base, view, weight)
+    megatron = _value_and_grad(lambda t: _apply_rotary_pos_emb_bshd(t, angles), base, view, weight)
+    assert torch.equal(ours[0], megatron[0])
+    assert torch.equal(ours[1], megatron[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_node_equals_megatrons_glu_forward_and_backward(dtype):
+    from megatron.core.transformer.mlp import MLP
+
+    config = build_model(tiny_config()).L.config
+    glu_module = MLP.__new__(MLP)  # megatron's glu lives inside MLP.forward: call that, not a copy
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(9, 3, 2 * 96 + 5, generator=g).to(dtype)
+    weight = torch.randn(9, 3, 96, generator=g).to(dtype)
+
+    def view(leaf):
+        return leaf[..., 5:]
+
+    ours = _value_and_grad(swiglu, base, view, weight)
+    megatron = _value_and_grad(lambda x: _megatron_glu(glu_module, config, x), base, view, weight)
+    assert torch.equal(ours[0], megatron[0])
+    assert torch.equal(ours[1], megatron[1])
+
+
+class _Passthrough(torch.nn.Module):
+    """A projection slot that returns its input (and no bias)."""
+
+    def forward(self, h: torch.Tensor):
+        return h, None
+
+
+def _megatron_glu(mlp, config, x: torch.Tensor) -> torch.Tensor:
+    """megatron's MLP.forward with pass-through projections: its unfused glu on ``x``."""
+    torch.nn.Module.__init__(mlp)
+    mlp.config = dataclasses.replace(config, use_te_activation_func=False)
+    mlp.linear_fc1 = _Passthrough()
+    mlp.linear_fc2 = _Passthrough()
+    mlp.activation_func = config.activation_func
+    out, _ = type(mlp).forward(mlp, x)
+    return out
+
+
+def test_a_stack_with_the_layer_ops_equals_megatrons_unfused_path():
+    """One L stack, forward and backward: megatron applying RoPE from the angles and running its
+    own glu (the old path) vs our attention slot's RoPE table and the SwiGLU node: identical
+    outputs and parameter gradients."""
+    model = build_model(tiny_config())
+    stack = model.L
+    assert all(type(layer.mlp.activation_func).__name__ == "SwiGLU" for layer in stack.layers)
+    g = torch.Generator().manual_seed(1)
+    seq, batch = 16, 2
+    segments = torch.tensor([[1] * 9 + [2] * 7, [1] * 16])
+    prefix = torch.tensor([[True] * 4 + [False] * 5 + [True] * 3 + [False] * 4, [True] * 8 + [False] * 8])
+    positions = torch.cat([torch.arange(9), torch.arange(7)]).expand(batch, seq).clone()
+    positions[1] = torch.arange(16)
+    layout = build_layout(model.attention_backend, segments, prefix)
+    angles = rotary_angles(positions, model.cfg.head_dim, model.cfg.rope_theta)
+    x = torch.randn(seq, batch, model.cfg.hidden_size, generator=g)
+
+    def run(**stack_args):
+        model.zero_grad(set_to_none=True)
+        out = stack(x, attention_mask=None, **stack_args)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in stack.named_parameters()}
+
+    new_out, new_grads = run(rotary_pos_emb=None,
+                             packed_seq_params=RotaryLayout.of(layout, RotaryTable(angles)))
+    unfused = dataclasses.replace(stack.layers[0].mlp.config, use_te_activation_func=False)
+    for layer in stack.layers:  # megatron's MLP runs its own glu when the flag is off
+        layer.mlp.config = unfused
+    old_out, old_grads = run(rotary_pos_emb=angles, packed_seq_params=layout)
+    assert torch.equal(old_out, new_out)
+    assert old_grads.keys() == new_grads.keys()
+    for name in old_grads:
+        assert torch.equal(old_grads[name], new_grads[name]), name
