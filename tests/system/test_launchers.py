@@ -169,3 +169,51 @@ def test_torchrun_trains_the_demo_on_two_processes(demo_data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "TP=1 DP=2" in proc.stderr
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000006"
+
+
+FAKE_PYTHON = """#!/bin/bash
+echo "$*" >> "$CALLS"
+if [ "$1" = - ]; then  # setup_env.sh's check of the installed requirements (program on stdin)
+    cat > /dev/null
+    exit "$CHECK_EXIT"
+fi
+"""
+
+
+def test_setup_env_installs_only_what_is_missing(tmp_path):
+    """pip runs when pyproject.toml changed since the last install or a requirement of the extra is
+    missing, and not otherwise: a second `setup_env.sh` must not reinstall the editable package
+    under the processes running from the venv (the README check's demo runs it mid-suite)."""
+    venv, calls = tmp_path / "venv", tmp_path / "calls.log"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(FAKE_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+
+    def setup(check_exit: int) -> list[str]:
+        calls.write_text("")
+        proc = run("setup_env.sh", {"VENV": str(venv), "CALLS": str(calls), "CHECK_EXIT": str(check_exit)},
+                   timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return [line for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
+
+    assert len(setup(check_exit=0)) == 2  # no stamp yet: pip upgrades itself, then installs
+    digest = (venv / ".mimir-pyproject.sha256").read_text().strip()
+    assert digest == subprocess.run(["sha256sum", str(REPO / "pyproject.toml")], capture_output=True,
+                                    text=True, check=True).stdout.split()[0]
+    assert setup(check_exit=0) == []  # the same pyproject.toml, everything installed
+    assert len(setup(check_exit=1)) == 2  # a requirement of the extra missing
+    (venv / ".mimir-pyproject.sha256").write_text("0" * 64 + "\n")
+    assert len(setup(check_exit=0)) == 2  # pyproject.toml changed since
+
+
+def test_setup_env_finds_this_venv_complete():
+    """The requirement check itself, on the venv running these tests (set up by tests/run.sh)."""
+    stamp = Path(sys.prefix) / ".mimir-pyproject.sha256"
+    digest = subprocess.run(["sha256sum", str(REPO / "pyproject.toml")], capture_output=True, text=True,
+                            check=True).stdout.split()[0]
+    if not stamp.is_file() or stamp.read_text().strip() != digest:  # it would reinstall: not here
+        pytest.skip("this venv was not set up by launchers/setup_env.sh for this pyproject.toml "
+                    "(run the tests with tests/run.sh)")
+    proc = run("setup_env.sh", {"VENV": sys.prefix}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "setup_env: mimir-megatron[test] is installed" in proc.stdout, proc.stdout + proc.stderr
