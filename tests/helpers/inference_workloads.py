@@ -1,4 +1,5 @@
-"""Prompts and the generation workload that the one-rank and TP=2 inference tests both run."""
+"""Prompts and the generation workload that the one-rank and TP=2 inference tests both run, and
+the engine the server tests serve."""
 
 from __future__ import annotations
 
@@ -7,6 +8,20 @@ import torch
 from mimir_megatron.inference import GenerationRequest, SamplingParams
 
 VOCAB = 250
+
+
+def served_engine():
+    """The server tests' engine: the tiny model (seed 0, the demo tokenizer's 1,024-token
+    vocabulary) with the demo tokenizer, served as model "tiny"."""
+    from conftest import REPO, tiny_config
+
+    from mimir_megatron.chat import load_tokenizer
+    from mimir_megatron.inference import InferenceEngine
+    from mimir_megatron.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(tiny_config("vocab_size=1024"))
+    return InferenceEngine(model, load_tokenizer(REPO / "data_prep/mimir_data_prep/demo/tokenizer"), model_name="tiny")
 
 
 def random_prompts(lengths, seed=1) -> list[list[int]]:

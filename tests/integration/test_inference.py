@@ -4,6 +4,7 @@ scoring against the model's own forward with the prefix mask, rows joining a run
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -68,16 +69,24 @@ def test_fast_stacks_decode_like_megatrons_layers(model, engine):
     modules: prefill and every decoding step's logits within 1e-5, the same greedy tokens."""
     reference = InferenceEngine(model, None, max_batch_size=64, megatron_layers=True)
     assert engine._stacks is not None and reference._stacks is None
-    prompts = random_prompts([4, 11, 26], seed=8)
     plan = engine._plan(2, 2)
-    (cache, logits), (ref_cache, ref_logits) = engine.prefill(prompts, plan), reference.prefill(prompts, plan)
+    decode_in_lockstep(engine, reference, random_prompts([4, 11, 26], seed=8), plan, steps=5)
+
+
+def decode_in_lockstep(engine, other, prompts, plan, steps: int, capacity: int = 0,
+                       around_step=lambda step: nullcontext()) -> None:
+    """Greedy decoding with ``engine`` and ``other`` fed the same tokens (``other``'s cache of
+    ``capacity``, each of its steps inside ``around_step(step)``): the logits of the prefill and of
+    every step within 1e-5, the same argmax."""
+    (cache, logits), (other_cache, other_logits) = engine.prefill(prompts, plan), other.prefill(prompts, plan, capacity)
     positions = torch.tensor([len(p) for p in prompts])
-    for step in range(5):
-        assert (logits - ref_logits).abs().max().item() < 1e-5, f"step {step}"
+    for step in range(steps):
+        assert (logits - other_logits).abs().max().item() < 1e-5, f"step {step}"
         tokens = logits.argmax(-1)
-        assert torch.equal(tokens, ref_logits.argmax(-1))
+        assert torch.equal(tokens, other_logits.argmax(-1))
         logits = engine.decode_step(cache, tokens, positions + step, plan)
-        ref_logits = reference.decode_step(ref_cache, tokens, positions + step, plan)
+        with around_step(step):
+            other_logits = other.decode_step(other_cache, tokens, positions + step, plan)
 
 
 @pytest.mark.slow  # a torch.compile (~1 min on 2 loaded cores)
@@ -88,19 +97,11 @@ def test_compiled_static_decode_equals_eager_decode(model, engine):
     compiled = InferenceEngine(model, None, max_batch_size=64, compile_decode=True)
     prompts = random_prompts([3, 9, 14], seed=12)
     plan = engine._plan(1, 2)
-    cache, logits = engine.prefill(prompts, plan)
-    static_cache, static_logits = compiled.prefill(prompts, plan, capacity=32)
     calls = []
     compiled_recurrence = compiled._compiled_recurrence
     compiled._compiled_recurrence = lambda *a, **k: calls.append(1) or compiled_recurrence(*a, **k)
-    positions = torch.tensor([len(p) for p in prompts])
-    for step in range(6):
-        assert (logits - static_logits).abs().max().item() < 1e-5, f"step {step}"
-        tokens = logits.argmax(-1)
-        assert torch.equal(tokens, static_logits.argmax(-1))
-        logits = engine.decode_step(cache, tokens, positions + step, plan)
-        with torch._dynamo.config.patch(error_on_recompile=step > 0):
-            static_logits = compiled.decode_step(static_cache, tokens, positions + step, plan)
+    decode_in_lockstep(engine, compiled, prompts, plan, steps=6, capacity=32,
+                       around_step=lambda step: torch._dynamo.config.patch(error_on_recompile=step > 0))
     assert len(calls) == 6  # every step took the compiled path
     requests = [GenerationRequest(p, SamplingParams(max_new_tokens=5), 1, 2) for p in prompts]
     assert [r.token_ids for r in compiled.generate(requests)] == [r.token_ids for r in engine.generate(requests)]

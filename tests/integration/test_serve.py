@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from conftest import tiny_config
+from inference_workloads import served_engine
 
 from mimir_megatron.batch import single_sample_batch
 
@@ -25,14 +25,7 @@ PROMPTS = [f"{word} number {i}" for i, word in enumerate(["Hello", "The cat", "O
 
 @pytest.fixture(scope="module")
 def engine():
-    from mimir_megatron.chat import load_tokenizer
-
-    from mimir_megatron.inference import InferenceEngine
-    from mimir_megatron.model import build_model
-
-    torch.manual_seed(0)
-    model = build_model(tiny_config("vocab_size=1024"))
-    return InferenceEngine(model, load_tokenizer("data_prep/mimir_data_prep/demo/tokenizer"), model_name="tiny")
+    return served_engine()
 
 
 @pytest.fixture(scope="module")

@@ -92,28 +92,17 @@ def test_a_stack_with_the_rotary_table_equals_megatrons_rope_path():
     """One L stack, forward and backward: megatron applying RoPE from the angles (the old path)
     and our attention slot applying it from the table give identical outputs and gradients."""
     from conftest import tiny_config
-    from mimir_kernels import build_layout
+    from models import packed_stack_input, stack_output_and_grads
 
     from mimir_megatron.model import build_model
     from mimir_megatron.model.attention import RotaryLayout
-    from mimir_megatron.model.rope import RotaryTable, rotary_angles
+    from mimir_megatron.model.rope import RotaryTable
 
     model = build_model(tiny_config())
-    g = torch.Generator().manual_seed(1)
-    seq, batch = 16, 2
-    segments = torch.tensor([[1] * 9 + [2] * 7, [1] * 16])
-    prefix = torch.tensor([[True] * 4 + [False] * 5 + [True] * 3 + [False] * 4, [True] * 8 + [False] * 8])
-    positions = torch.cat([torch.arange(9), torch.arange(7)]).expand(batch, seq).clone()
-    positions[1] = torch.arange(16)
-    layout = build_layout(model.attention_backend, segments, prefix)
-    angles = rotary_angles(positions, model.cfg.head_dim, model.cfg.rope_theta)
-    x = torch.randn(seq, batch, model.cfg.hidden_size, generator=g)
+    x, layout, angles = packed_stack_input(model)
 
     def run(**stack_args):
-        model.zero_grad(set_to_none=True)
-        out = model.L(x, attention_mask=None, **stack_args)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        return out.detach(), {n: p.grad.clone() for n, p in model.L.named_parameters()}
+        return stack_output_and_grads(model.L, x, **stack_args)
 
     old_out, old_grads = run(rotary_pos_emb=angles, packed_seq_params=layout)
     new_out, new_grads = run(rotary_pos_emb=None,

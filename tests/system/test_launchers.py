@@ -6,6 +6,7 @@ job environment, which shows the srun command line (pyxis included) without a cl
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -180,6 +181,11 @@ fi
 """
 
 
+def pyproject_digest() -> str:
+    """What setup_env.sh stamps a venv with: the sha256 of pyproject.toml."""
+    return hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()
+
+
 def test_setup_env_installs_only_what_is_missing(tmp_path):
     """pip runs when pyproject.toml changed since the last install or a requirement of the extra is
     missing, and not otherwise: a second `setup_env.sh` must not reinstall the editable package
@@ -197,9 +203,7 @@ def test_setup_env_installs_only_what_is_missing(tmp_path):
         return [line for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
 
     assert len(setup(check_exit=0)) == 2  # no stamp yet: pip upgrades itself, then installs
-    digest = (venv / ".mimir-pyproject.sha256").read_text().strip()
-    assert digest == subprocess.run(["sha256sum", str(REPO / "pyproject.toml")], capture_output=True,
-                                    text=True, check=True).stdout.split()[0]
+    assert (venv / ".mimir-pyproject.sha256").read_text().strip() == pyproject_digest()
     assert setup(check_exit=0) == []  # the same pyproject.toml, everything installed
     assert len(setup(check_exit=1)) == 2  # a requirement of the extra missing
     (venv / ".mimir-pyproject.sha256").write_text("0" * 64 + "\n")
@@ -209,9 +213,7 @@ def test_setup_env_installs_only_what_is_missing(tmp_path):
 def test_setup_env_finds_this_venv_complete():
     """The requirement check itself, on the venv running these tests (set up by tests/run.sh)."""
     stamp = Path(sys.prefix) / ".mimir-pyproject.sha256"
-    digest = subprocess.run(["sha256sum", str(REPO / "pyproject.toml")], capture_output=True, text=True,
-                            check=True).stdout.split()[0]
-    if not stamp.is_file() or stamp.read_text().strip() != digest:  # it would reinstall: not here
+    if not stamp.is_file() or stamp.read_text().strip() != pyproject_digest():  # it would reinstall: not here
         pytest.skip("this venv was not set up by launchers/setup_env.sh for this pyproject.toml "
                     "(run the tests with tests/run.sh)")
     proc = run("setup_env.sh", {"VENV": sys.prefix}, timeout=120)
