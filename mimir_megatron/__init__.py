@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from mimir_megatron import megatron_import
+
+# megatron-core's import must not pull in torch's compiler (see megatron_import; imports nothing).
+megatron_import.install()
+
 __all__ = ["Batch", "ModelConfig", "build_model", "export_hf", "import_hf", "load_config", "load_model"]
 
 

@@ -42,6 +42,11 @@ workers="${MIMIR_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
 parallel=(-p no:xdist)
 if [ "$workers" -gt 1 ]; then
     parallel=(-n "$workers" --dist loadscope --no-loadscope-reorder)
+    # Workers and their subprocesses share the cores with more torch threads than there are
+    # cores. An OpenMP thread that finds no work spins before it sleeps; under that contention
+    # the spinning burned as much CPU as the work (the demo's training: 953 CPU-s where alone it
+    # needs ~540). Sleeping at once changes no result (same threads, same reduction order).
+    export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 fi
 # -rs lists every skip with its reason; under CI=true a skip not in tests/expected_skips.txt
 # fails the run (tests/helpers/skip_policy.py); --durations=30 lists the slowest tests of every run.

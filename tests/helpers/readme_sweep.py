@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 import subprocess
 import sys
@@ -69,7 +70,8 @@ def run_sweep(output: Path, repo: Path = REPO) -> str:
     not add runs to the demo's store); its table5.md."""
     cmd = [sys.executable, "-m", "mimir_megatron.cli", *SWEEP, "--output", str(output),
            "--tracking-uri", f"sqlite:///{output.resolve()}/mlflow.db"]
-    subprocess.run(cmd, cwd=repo, check=True)
+    # At the demo's thread count (launchers/demo_cpu.sh): CPU results follow the thread count.
+    subprocess.run(cmd, cwd=repo, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     return (output / "table5.md").read_text()
 
 

@@ -107,3 +107,24 @@ def test_importing_the_model_patches_nothing():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_megatron_core_imports_without_torch_compiler():
+    """megatron-core's ``torch.compile`` decorations are deferred to first call
+    (``mimir_megatron.megatron_import``): importing the model, trainer, inference and checkpoint
+    code imports neither TorchDynamo nor Inductor, torch.compile is torch's own again afterwards,
+    and megatron's fused helpers still carry their eager function."""
+    code = (
+        "import sys, torch\n"
+        "real = torch.compile\n"
+        "import mimir_megatron.model, mimir_megatron.train.step, mimir_megatron.inference\n"
+        "import mimir_megatron.checkpoint\n"
+        "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu\n"
+        "from megatron.core.jit import jit_fuser\n"
+        "loaded = sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+        "assert torch.compile is real and jit_fuser is not real\n"
+        "assert bias_swiglu._torchdynamo_orig_callable.__name__ == 'bias_swiglu'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
