@@ -78,6 +78,9 @@ class _DeferCompileLoader(importlib.abc.Loader):
     def __init__(self, loader: Any) -> None:
         self._loader = loader
 
+    def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, ...: the real loader's
+        return getattr(self._loader, name)
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
