@@ -70,9 +70,9 @@ def log_to_mlflow(uri: str, artifact_location: str, experiment: str, run_name: s
     A new experiment keeps its artifacts in ``artifact_location`` (MLflow's default would be
     ``./mlruns`` of whatever directory the command runs in)."""
     try:
-        from mlflow.tracking import MlflowClient
+        from mimir_megatron.mlflow_store import mlflow_client
 
-        client = MlflowClient(tracking_uri=uri)
+        client = mlflow_client(uri)
         exp = client.get_experiment_by_name(experiment)
         exp_id = exp.experiment_id if exp else client.create_experiment(
             experiment, artifact_location=artifact_location)

@@ -76,7 +76,8 @@ class CheckpointWriter:
         # and write them while training changes them; a forked writer gets a snapshot.
         self._queue = AsyncCallsQueue(persistent=False) if asynchronous else None
         self.pending: Path | None = None
-        write_results_queue()  # its helper process starts now, not inside the first save
+        # An asynchronous writer's helper process starts now, not inside the first save.
+        write_results_queue(cross_process=asynchronous)
 
     def save(self, step: int, model, optimizer, ema, trainer_state: dict[str, Any]) -> Path:
         self.wait()
@@ -95,7 +96,8 @@ class CheckpointWriter:
         self._agree(step, tmp, error)
         request = None
         try:
-            write_results_queue()  # a helper that died since the last save is started again
+            # A helper that died since the last save is started again.
+            write_results_queue(cross_process=self._queue is not None)
             sharded = sharded_state(model, optimizer, ema.shadow if ema is not None else None)
             request = dist_checkpointing.save(sharded, str(tmp),
                                               async_sharded_save=self._queue is not None,

@@ -62,9 +62,9 @@ class EvalRun:
         self.run_id: str | None = None
         self.target = target
         try:
-            from mlflow.tracking import MlflowClient
+            from mimir_megatron.mlflow_store import mlflow_client
 
-            self.client = MlflowClient(tracking_uri=target.uri)
+            self.client = mlflow_client(target.uri)
             exp = self.client.get_experiment_by_name(target.experiment)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(
                 target.experiment, artifact_location=target.artifact_root)

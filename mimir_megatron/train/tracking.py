@@ -56,9 +56,9 @@ class Tracker:
             os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # no DB-migration chatter
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-            from mlflow.tracking import MlflowClient
+            from mimir_megatron.mlflow_store import mlflow_client
 
-            self._client = MlflowClient(tracking_uri=self.uri)
+            self._client = mlflow_client(self.uri)
 
     # -- public --------------------------------------------------------------------------------
 

@@ -1,0 +1,87 @@
+"""MLflow clients: the one place that opens a tracking store (training, evaluation, audits).
+
+A new sqlite store (the default: ``mlflow.db`` in a run directory) is created by MLflow through
+its whole chain of schema migrations, ~2 s of CPU for every new run, sweep or audit. Here a new
+sqlite file starts instead as a copy of an empty store that was migrated once for the installed
+MLflow version (kept in the user's cache directory); MLflow then opens it as an up-to-date
+database. The copy holds no experiment: MLflow creates its Default experiment on first open,
+with this store's own artifact location, as it does for a new file. Any problem with the cache
+(unwritable, half-written) falls back to MLflow creating the file itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sqlite3
+import tempfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_SQLITE = "sqlite:///"
+
+
+def mlflow_client(uri: str) -> Any:
+    """An ``MlflowClient`` on ``uri``; a new sqlite store starts from the migrated template."""
+    from mlflow.tracking import MlflowClient
+
+    seed_sqlite_store(uri)
+    return MlflowClient(tracking_uri=uri)
+
+
+def seed_sqlite_store(uri: str) -> bool:
+    """Create the sqlite file of ``uri`` from the template when it does not exist yet; whether
+    it did (False for other stores, existing files, or when the cache cannot be used)."""
+    path = sqlite_path(uri)
+    if path is None or path.exists():
+        return False
+    try:
+        template = _template()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        shutil.copyfile(template, partial)
+        try:
+            os.link(partial, path)  # fails if another process created the store meanwhile
+        finally:
+            partial.unlink()
+    except (OSError, sqlite3.Error) as exc:
+        log.debug("MLflow store %s: no template (%s); MLflow creates it", path, exc)
+        return False
+    return True
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The file of a ``sqlite:///`` URI (None for other stores and URIs with options)."""
+    if not uri.startswith(_SQLITE) or "?" in uri or uri == _SQLITE + ":memory:":
+        return None
+    return Path(uri[len(_SQLITE):])
+
+
+def template_path() -> Path:
+    from mlflow.version import VERSION
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mimir-megatron"
+    return cache / f"mlflow-{VERSION}-empty-store.db"
+
+
+def _template() -> Path:
+    """The migrated empty store for the installed MLflow, built on first use."""
+    template = template_path()
+    if template.exists():
+        return template
+    template.parent.mkdir(parents=True, exist_ok=True)
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    with tempfile.TemporaryDirectory(dir=template.parent) as tmp:
+        db = Path(tmp) / "store.db"
+        store = SqlAlchemyStore(f"{_SQLITE}{db}", Path(tmp).as_uri())  # runs the migrations
+        store.engine.dispose()
+        getattr(SqlAlchemyStore, "_engine_map", {}).pop(f"{_SQLITE}{db}", None)
+        with sqlite3.connect(db) as conn:  # the Default experiment points into tmp: drop it
+            conn.execute("DELETE FROM experiments WHERE experiment_id = 0")
+        conn.close()
+        os.replace(db, template)  # atomic: a concurrent builder's copy is equally good
+    return template
