@@ -45,6 +45,21 @@ def wait_until(condition, timeout: float, what: str, proc=None, log: Path | None
         time.sleep(0.1)
 
 
+def spawned_helpers(pid: int) -> list[int]:
+    """The trainer's long-lived helpers (the Manager, the resource tracker), which run their own
+    command line. A forked per-save async writer shares the trainer's and ends once its save is
+    written (it may be a zombie when listed): its survival shows as the save completing."""
+    trainer = psutil.Process(pid)
+    helpers = []
+    for child in trainer.children(recursive=True):
+        try:
+            if child.cmdline() != trainer.cmdline():
+                helpers.append(child.pid)
+        except psutil.Error:  # ended or a zombie: not a long-lived helper
+            pass
+    return helpers
+
+
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -130,7 +145,7 @@ def test_a_preemption_after_a_periodic_checkpoint_survives_signals_to_every_proc
     try:
         wait_until(lambda: "checkpoint saved: " in log_path.read_text(), 300,
                    "no periodic checkpoint", proc, log_path)
-        helpers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        helpers = spawned_helpers(proc.pid)
         if save == "sync":  # writer threads and their results queue in the trainer: nothing to kill
             assert helpers == [], "a synchronous save started helper processes"
         else:
