@@ -35,9 +35,10 @@ bash "$repo/launchers/setup_env.sh" test
 cd "$repo"
 # Workers (pytest-xdist): one per core, at most 4; MIMIR_TEST_WORKERS=1 runs in this process.
 # Much of the suite waits on subprocesses, servers and Slurm, or runs single-threaded Python, so
-# two workers on two cores finish in about half the time. (A third worker on two cores was
-# slower: 18 min 49 s against 17 min 11 s, the README check's demo training starved.) A module runs on one worker (its
-# trained fixtures are built once), the modules that take minutes first (tests/helpers/schedule.py).
+# two workers on two cores finish in about half the time (a third worker on two cores was
+# slower, 18 min 49 s against 17 min 11 s: the README check's demo training starved). A module
+# runs on one worker (its trained fixtures are built once), the modules that take minutes first
+# (tests/helpers/schedule.py).
 cores="$(nproc)"
 workers="${MIMIR_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
 parallel=(-p no:xdist)

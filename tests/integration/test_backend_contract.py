@@ -91,6 +91,12 @@ def test_setup_is_idempotent_and_redirects_on_cpu():
     torch.cuda.current_stream().wait_stream(None)
 
 
+def run_in_a_fresh_interpreter(code: str) -> None:
+    """Run ``code`` where nothing is imported yet (its asserts fail the test with its stderr)."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_importing_the_model_patches_nothing():
     code = (
         "import torch\n"
@@ -105,8 +111,7 @@ def test_importing_the_model_patches_nothing():
         "assert before == after and not backend.is_set_up()\n"
         "assert hasattr(Attention.__dict__['_apply_output_gate'], '_torchdynamo_orig_callable')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_a_fresh_interpreter(code)
 
 
 def test_megatron_core_imports_without_torch_compiler():
@@ -126,5 +131,4 @@ def test_megatron_core_imports_without_torch_compiler():
         "assert torch.compile is real and jit_fuser is not real\n"
         "assert bias_swiglu._torchdynamo_orig_callable.__name__ == 'bias_swiglu'\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_a_fresh_interpreter(code)
