@@ -11,7 +11,7 @@ the attention kernel). The arithmetic is megatron's, in its order:
 
     x = norm1(h); q, gate, k, v = split(x W_qkv^T)       (per query group: q, gate, k, v)
     h = h + (attention(q, k, v) * sigmoid(gate)) W_proj^T  (the gate in fp32, cast back)
-    x = norm2(h); a, b = x W_gate^T, x W_up^T        (W_fc1 = [W_gate; W_up]; see _swiglu_input)
+    x = norm2(h); a, b = chunk(x W_fc1^T, 2)
     h = h + (silu(a) * b) W_fc2^T
     ... every layer, then the stack's exit norm.
 
@@ -69,25 +69,9 @@ class FastStack:
             gate = gate.reshape(context.shape)
             context = (context * torch.sigmoid(gate.float())).to(context.dtype)
             hidden = hidden + self._row_reduce(F.linear(context, proj.weight))
-            hidden = hidden + self._row_reduce(F.linear(_swiglu_input(norm2(hidden), fc1.weight), fc2.weight))
+            up_gate, up = torch.chunk(F.linear(norm2(hidden), fc1.weight), 2, dim=-1)
+            hidden = hidden + self._row_reduce(F.linear(F.silu(up_gate) * up, fc2.weight))
         return self._exit_norm(hidden)
-
-
-def _swiglu_input(x: torch.Tensor, fc1_weight: torch.Tensor) -> torch.Tensor:
-    """``silu(x W_gate^T) * (x W_up^T)``, ``fc1_weight`` being ``[W_gate; W_up]`` (on every TP rank).
-
-    One row (a single token decoding): one product with the fused weight, a matrix-vector
-    product that reads it once. Several rows: the two halves as two products. On the
-    development CPU (MKL, fp32) two products were 10-23 % faster per decoding step at batch 8
-    and 32, both shapes, and the fused one 3-11 % faster at batch 1 (``docs/performance.md``);
-    each output element is the same dot product either way (tests compare with megatron's MLP).
-    """
-    if x.shape[0] * x.shape[1] == 1:
-        gate, up = torch.chunk(F.linear(x, fc1_weight), 2, dim=-1)
-    else:
-        w_gate, w_up = torch.chunk(fc1_weight, 2, dim=0)  # row blocks: views, no copy
-        gate, up = F.linear(x, w_gate), F.linear(x, w_up)
-    return F.silu(gate) * up
 
 
 def fast_stacks(model) -> tuple[FastStack, FastStack] | None:

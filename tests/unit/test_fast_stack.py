@@ -78,17 +78,3 @@ def test_megatrons_layers_raise_no_tp_group_warning(model, batch):
         warnings.simplefilter("always")
         model(batch)
     assert not [w for w in caught if "tp_group" in str(w.message)]
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("rows", [(1, 1), (1, 8), (12, 3)])
-def test_swiglu_input_equals_megatrons_mlp_activation(model, rows):
-    """One row takes the fused product, several rows the two halves' products: both give the bits
-    of megatron's path (the fused fc1 product, then the SwiGLU of the training MLP)."""
-    from mimir_megatron.inference.fast_stack import _swiglu_input
-    from mimir_megatron.model.swiglu import swiglu
-
-    mlp = model.L.layers[0].mlp
-    x = torch.randn(*rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
-    expected = swiglu(mlp.linear_fc1(x)[0])
-    assert torch.equal(_swiglu_input(x, mlp.linear_fc1.weight), expected)
