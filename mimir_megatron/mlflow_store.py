@@ -24,8 +24,18 @@ log = logging.getLogger(__name__)
 _SQLITE = "sqlite:///"
 
 
-def mlflow_client(uri: str) -> Any:
-    """An ``MlflowClient`` on ``uri``; a new sqlite store starts from the migrated template."""
+def mlflow_client(uri: str, request_timeout_s: int | None = None) -> Any:
+    """An ``MlflowClient`` on ``uri``; a new sqlite store starts from the migrated template.
+
+    ``request_timeout_s`` (training, evaluation): MLflow's defaults for a run that must not stall
+    on an unreachable server, unless the environment sets them: that HTTP timeout, no request
+    retries (the callers retry on their own schedule), and MLflow's logging at WARNING (no
+    migration chatter). Set before MLflow is imported, which reads them then.
+    """
+    if request_timeout_s is not None:
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(request_timeout_s))
     from mlflow.tracking import MlflowClient
 
     seed_sqlite_store(uri)

@@ -56,15 +56,12 @@ class EvalRun:
 
     def __init__(self, target: TrackingTarget, run_name: str, params: dict[str, Any],
                  parent_run_id: str | None = None, tags: dict[str, str] | None = None):
-        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self.run_id: str | None = None
         self.target = target
         try:
             from mimir_megatron.mlflow_store import mlflow_client
 
-            self.client = mlflow_client(target.uri)
+            self.client = mlflow_client(target.uri, request_timeout_s=10)
             exp = self.client.get_experiment_by_name(target.experiment)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(
                 target.experiment, artifact_location=target.artifact_root)

@@ -10,7 +10,6 @@ retries so an unreachable server costs one failed request per retry period, not 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import subprocess
 import time
@@ -53,12 +52,9 @@ class Tracker:
         self._last_attempt = 0.0
         self._warned = False
         if enabled:
-            os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # no DB-migration chatter
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
             from mimir_megatron.mlflow_store import mlflow_client
 
-            self._client = mlflow_client(self.uri)
+            self._client = mlflow_client(self.uri, request_timeout_s=5)
 
     # -- public --------------------------------------------------------------------------------
 
