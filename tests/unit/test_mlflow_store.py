@@ -57,13 +57,14 @@ def test_only_new_sqlite_files_are_seeded(tmp_path, cache):
     assert not list((tmp_path / "new").glob(".*partial"))
 
 
-def test_request_defaults_are_set_only_when_asked_and_never_over_the_environment(tmp_path, cache, monkeypatch):
+def test_request_defaults_are_set_only_when_asked_and_never_over_the_environment(monkeypatch):
     names = ("MLFLOW_LOGGING_LEVEL", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
     for name in names:  # set, then deleted: monkeypatch restores what was there before
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
-    mlflow_store.mlflow_client(f"sqlite:///{tmp_path / 'audit.db'}")  # audits: MLflow's own defaults
+    server = "http://127.0.0.1:9"  # never contacted: opening a client sends no request
+    mlflow_store.mlflow_client(server)  # audits: MLflow's own defaults
     assert not any(name in os.environ for name in names)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
-    mlflow_store.mlflow_client(f"sqlite:///{tmp_path / 'train.db'}", request_timeout_s=5)
+    mlflow_store.mlflow_client(server, request_timeout_s=5)
     assert [os.environ[name] for name in names] == ["WARNING", "0", "60"]
