@@ -14,10 +14,9 @@ import pytest
 LONGEST_FIRST = (
     "tests/system/test_readme_results.py",  # trains the demo (~5 min), then `mimir sweep`
     "tests/system/test_slurm.py",  # one- and two-node clusters, ~4 min
-    "tests/integration/test_train_parallel.py",  # 2-rank gloo runs, ~2 min
+    "tests/integration/test_train_parallel.py",  # four 2-rank gloo runs, ~1 min
     "tests/integration/test_checkpoint_reliability.py",
     "tests/integration/test_checkpoint_signals.py",
-    "tests/integration/test_trainer_catches.py",
     "tests/integration/test_audit_canaries.py",
     "tests/integration/test_checkpoint_commands.py",
     "tests/integration/test_serve.py",

@@ -1,16 +1,30 @@
-"""Data and tensor parallel training against one process, and checkpoints across TP layouts.
+"""Data- and tensor-parallel training against one process, ZeRO-1 shards, and checkpoints that
+change layout on resume.
+
+Every run here has clipping off: with clipping on every step and Adam cancelling a constant
+factor, neither the losses nor the Adam moments of a run whose parallel gradients are off by a
+factor would differ. So each 2-rank run is compared with one process on its losses, on the
+gradient norms the trainer logs to MLflow (the norm clipping would use), and, for data
+parallelism, on the whole state (weights, EMA, Adam moments). ZeRO-1 is checked by what each
+rank owns: disjoint halves of the parameters, with Adam state for those only.
+
+A 2-rank launch costs ~10 s of process start-up, so each layout runs once (6 steps, checkpoints
+at 3 and 6) and serves several tests; a layout change is a resume of another run's step-3
+checkpoint (`checkpoint.resume`), whose steps 4-6 must be the one-process run's.
 
 Tolerance: DP and TP change only the order of fp32 reductions, so losses agree to ~1e-6
-relative; we allow 2e-5 over six steps. Data parallelism is compared with clipping off and on the
-whole state (weights, EMA, Adam moments): with clipping on (every step clips) and Adam cancelling a
-constant factor, losses alone would not notice gradients off by a factor; Adam's moments would.
+relative; we allow 2e-5 over six steps.
 """
 
+from __future__ import annotations
+
 import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
-from conftest import REPO, train_overrides
 from checkpoint_states import assert_close_states
+from conftest import REPO, train_overrides
 from distributed import run_ranks
 
 from mimir_megatron.train.config import load_train_config
@@ -18,64 +32,107 @@ from mimir_megatron.train.loop import train
 
 pytestmark = pytest.mark.multiprocess
 RTOL = 2e-5
+UNCLIPPED = ("optim.clip_grad=0",)  # 6 steps, checkpoints at 3 and 6 (train_overrides)
+DATA_PARALLEL = ("train.micro_batch_size=1",)  # DP=2 x micro-batch 1 x accumulation 2: the same global batches
+TENSOR_PARALLEL = ("model.parallel.tensor_parallel_size=2",)
+STEP_3, STEP_6 = "checkpoints/step_0000003", "checkpoints/step_0000006"
 
 
-def losses(run_dir, final_step=6):
-    return json.loads((run_dir / f"losses_{final_step}.json").read_text())
+@dataclass(frozen=True)
+class Run:
+    run_dir: Path
+    losses: list[float]
+    grad_norms: list[float]
 
 
-UNCLIPPED = ("optim.clip_grad=0", "train.steps=3")
+def grad_norms(run_dir: Path) -> list[float]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("mimir-demo").experiment_id])
+    return [m.value for m in sorted(client.get_metric_history(run.info.run_id, "grad_norm"),
+                                    key=lambda m: m.step)]
+
+
+def two_ranks(demo_data: Path, run_dir: Path, *overrides: str) -> Run:
+    """A 2-rank run of tests/workers/numerics_worker.py (losses, ZeRO-1 shards, MLflow)."""
+    run_ranks("numerics_worker.py", 2, str(demo_data), str(run_dir), *UNCLIPPED, *overrides)
+    return Run(run_dir, json.loads((run_dir / "losses.json").read_text()), grad_norms(run_dir))
+
+
+def resumed_in_one_process(demo_data: Path, checkpoint: Path, run_dir: Path) -> list[float]:
+    cfg = load_train_config(REPO / "configs/train/demo.yaml",
+                            train_overrides(demo_data, run_dir, *UNCLIPPED, f"checkpoint.resume={checkpoint}"))
+    return train(cfg).losses
+
+
+def resumed_on_two_ranks(demo_data: Path, checkpoint: Path, run_dir: Path, *overrides: str) -> list[float]:
+    run_ranks("train_worker.py", 2, str(demo_data), str(run_dir), "none", *UNCLIPPED,
+              f"checkpoint.resume={checkpoint}", *overrides)
+    return json.loads((run_dir / "losses_6.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def reference(reference_run):
+def one_process(demo_data, tmp_path_factory) -> Run:
     """One process, micro-batch 2 x accumulation 2 = global batch 4."""
-    return reference_run[1].losses
+    run_dir = tmp_path_factory.mktemp("one")
+    result = train(load_train_config(REPO / "configs/train/demo.yaml",
+                                     train_overrides(demo_data, run_dir, *UNCLIPPED)))
+    return Run(run_dir, result.losses, grad_norms(run_dir))
 
 
-def test_data_parallel_matches_one_process(demo_data, tmp_path):
-    # DP=2, micro-batch 1 x accumulation 2: the same global batches, split differently.
-    one = tmp_path / "one"
-    expected = train(load_train_config(REPO / "configs/train/demo.yaml",
-                                       train_overrides(demo_data, one, *UNCLIPPED))).losses
-    run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path / "dp"), "none",
-              "train.micro_batch_size=1", *UNCLIPPED)
-    assert losses(tmp_path / "dp", 3) == pytest.approx(expected, rel=RTOL)
-    step = "checkpoints/step_0000003"
-    assert_close_states(tmp_path / "dp" / step, one / step, rtol=1e-4)
+@pytest.fixture(scope="module")
+def data_parallel(demo_data, tmp_path_factory) -> Run:
+    return two_ranks(demo_data, tmp_path_factory.mktemp("dp"), *DATA_PARALLEL)
 
 
-def test_tensor_parallel_matches_one_process(demo_data, tmp_path, reference):
-    run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path), "none",
-              "model.parallel.tensor_parallel_size=2")
-    assert losses(tmp_path) == pytest.approx(reference, rel=RTOL)
+@pytest.fixture(scope="module")
+def tensor_parallel(demo_data, tmp_path_factory) -> Run:
+    return two_ranks(demo_data, tmp_path_factory.mktemp("tp"), *TENSOR_PARALLEL)
 
 
-def test_tp2_checkpoint_resumes_at_tp1(demo_data, tmp_path, reference):
-    run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path), "3", "model.parallel.tensor_parallel_size=2")
-    first = losses(tmp_path, 3)
-    cfg = load_train_config(REPO / "configs/train/demo.yaml", train_overrides(demo_data, tmp_path))
-    second = train(cfg).losses
-    assert first + second == pytest.approx(reference, rel=RTOL)
+def test_data_parallel_matches_one_process(data_parallel, one_process):
+    assert len(one_process.losses) == len(one_process.grad_norms) == 6
+    assert data_parallel.losses == pytest.approx(one_process.losses, rel=RTOL)
+    assert data_parallel.grad_norms == pytest.approx(one_process.grad_norms, rel=RTOL)
+    for step in (STEP_3, STEP_6):
+        assert_close_states(data_parallel.run_dir / step, one_process.run_dir / step, rtol=1e-4)
 
 
-def test_tp1_checkpoint_resumes_at_tp2(demo_data, tmp_path, reference):
-    cfg = load_train_config(REPO / "configs/train/demo.yaml", train_overrides(demo_data, tmp_path))
-    first = train(cfg, stop_at_step=3).losses
-    run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path), "none", "model.parallel.tensor_parallel_size=2")
-    assert first + losses(tmp_path) == pytest.approx(reference, rel=RTOL)
+def test_zero1_gives_each_rank_the_adam_state_of_half_the_parameters(data_parallel):
+    shards = [json.loads((data_parallel.run_dir / f"shard_rank{r}.json").read_text()) for r in (0, 1)]
+    everything = shards[0]["all"]
+    owned = [set(s["owned"]) for s in shards]
+    assert not owned[0] & owned[1], "a parameter's Adam state is on both ranks"
+    assert owned[0] | owned[1] == set(everything)
+    sizes = [sum(everything[k] for k in o) for o in owned]
+    total, largest = sum(everything.values()), max(everything.values())
+    assert abs(sizes[0] - sizes[1]) <= largest, f"unbalanced shards {sizes} of {total}"
+    for shard, size in zip(shards, sizes):
+        assert shard["state_elements"] == size  # moments of the owned parameters only
 
 
-def test_sharded_optimizer_checkpoint_resumes_at_dp1(demo_data, tmp_path, reference):
-    """ZeRO-1 at DP=2 (each rank owns half the Adam state) -> one process, and the reverse."""
-    run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path), "3", "train.micro_batch_size=1")
-    first = losses(tmp_path, 3)
-    cfg = load_train_config(REPO / "configs/train/demo.yaml", train_overrides(demo_data, tmp_path))
-    assert first + train(cfg).losses == pytest.approx(reference, rel=RTOL)
+def test_tensor_parallel_matches_one_process(tensor_parallel, one_process):
+    assert tensor_parallel.losses == pytest.approx(one_process.losses, rel=RTOL)
+    assert tensor_parallel.grad_norms == pytest.approx(one_process.grad_norms, rel=RTOL)
 
 
-def test_dp1_checkpoint_resumes_with_a_sharded_optimizer(demo_data, tmp_path, reference):
-    cfg = load_train_config(REPO / "configs/train/demo.yaml", train_overrides(demo_data, tmp_path))
-    first = train(cfg, stop_at_step=3).losses
-    run_ranks("train_worker.py", 2, str(demo_data), str(tmp_path), "none", "train.micro_batch_size=1")
-    assert first + losses(tmp_path) == pytest.approx(reference, rel=RTOL)
+def test_tp2_checkpoint_resumes_at_tp1(demo_data, tmp_path, tensor_parallel, one_process):
+    resumed = resumed_in_one_process(demo_data, tensor_parallel.run_dir / STEP_3, tmp_path)
+    assert resumed == pytest.approx(one_process.losses[3:], rel=RTOL)
+
+
+def test_sharded_optimizer_checkpoint_resumes_at_dp1(demo_data, tmp_path, data_parallel, one_process):
+    """ZeRO-1 at DP=2 (each rank owns half the Adam state) -> one process."""
+    resumed = resumed_in_one_process(demo_data, data_parallel.run_dir / STEP_3, tmp_path)
+    assert resumed == pytest.approx(one_process.losses[3:], rel=RTOL)
+
+
+def test_tp1_checkpoint_resumes_at_tp2(demo_data, tmp_path, one_process):
+    resumed = resumed_on_two_ranks(demo_data, one_process.run_dir / STEP_3, tmp_path, *TENSOR_PARALLEL)
+    assert resumed == pytest.approx(one_process.losses[3:], rel=RTOL)
+
+
+def test_dp1_checkpoint_resumes_with_a_sharded_optimizer(demo_data, tmp_path, one_process):
+    resumed = resumed_on_two_ranks(demo_data, one_process.run_dir / STEP_3, tmp_path, *DATA_PARALLEL)
+    assert resumed == pytest.approx(one_process.losses[3:], rel=RTOL)
