@@ -36,8 +36,9 @@ def trained(demo_data, tmp_path_factory):
     rng = np.random.default_rng(0)
     write_prepared(root / "canary", random_documents(rng, N_CANARIES))
     write_prepared(root / "control", random_documents(rng, N_CANARIES))
-    # a third of the demo data per epoch: the canaries get most of a short run's steps
-    demo_lines = [line.replace("repeat: 1}", "repeat: 0.3}")
+    # a tenth of the demo data per epoch: the canaries get most of a short run's steps (at 100 steps
+    # every canary comes back whole, 80 of 80 tokens, at 1, 2 and 4 threads; at 80 steps one does not)
+    demo_lines = [line.replace("repeat: 1}", "repeat: 0.1}")
                   for line in (demo_data / "mixture.yaml").read_text().splitlines()[2:]]
     trained_on = ["name: canary-train", "datasets:", *demo_lines,
                   f"  - {{name: canary, path: {root / 'canary'}, category: x, language: en, repeat: 40}}"]
@@ -49,9 +50,9 @@ def trained(demo_data, tmp_path_factory):
     (root / "index.yaml").write_text("\n".join(indexed) + "\n")
 
     cfg = load_train_config(REPO / "configs" / "train" / "demo.yaml", train_overrides(
-        demo_data, root / "run", f"data.mixture={root / 'train.yaml'}", "train.steps=150", "optim.lr=3e-3",
+        demo_data, root / "run", f"data.mixture={root / 'train.yaml'}", "train.steps=100", "optim.lr=3e-3",
         "data.seq_len=256", "train.global_batch_size=8", "train.micro_batch_size=8", "optim.warmup_steps=10",
-        "optim.ema_decay=0.0", "optim.weight_decay=0.0", "checkpoint.interval=150", "window.ramp_fraction=0.2"))
+        "optim.ema_decay=0.0", "optim.weight_decay=0.0", "checkpoint.interval=100", "window.ramp_fraction=0.2"))
     result = train(cfg)
     index = AuditIndex(build_index(resolve_sources(mixture=str(root / "index.yaml")), root / "idx", progress=False))
     model = EngineAuditModel(load_engine(checkpoint=result.checkpoint))
