@@ -21,7 +21,6 @@ LONGEST_FIRST = (
     "tests/integration/test_checkpoint_commands.py",
     "tests/integration/test_serve.py",
     "tests/system/test_launchers.py",
-    "tests/integration/test_tracking_outage.py",
     "tests/integration/test_mlflow_server.py",
     "tests/integration/test_cli.py",
 )

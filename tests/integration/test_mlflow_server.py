@@ -1,5 +1,6 @@
-"""MLflow browsing: a real MLflow server, a short `mimir train` logging to it, read back over REST;
-and `mimir ui` serving a run's sqlite store on 127.0.0.1 only.
+"""MLflow browsing: a real MLflow server, a short `mimir train` logging to it through an outage
+(training goes on and delivers every metric when the server returns), read back over REST; and
+`mimir ui` serving a run's sqlite store on 127.0.0.1 only.
 
 Skipped when the full `mlflow` package (the server) is not installed.
 """
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from mimir_megatron.ops.mlflow_server import (
     wait_healthy,
 )
 
-STEPS = 6
+STEPS = 40  # long enough for the outage to fall inside the run
 
 
 def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -50,45 +52,72 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
-def test_training_logs_to_a_server_and_reads_back_over_rest(demo_data, tmp_path):
-    with MlflowServer(tmp_path / "store") as server:
-        proc = subprocess.run(
-            [sys.executable, "-m", "mimir_megatron.cli", "train", "--config",
-             "configs/train/demo.yaml",
-             *train_overrides(demo_data, tmp_path / "run", f"train.steps={STEPS}",
-                              f"tracking.uri={server.uri}", "tracking.experiment=server-test")],
-            cwd=REPO, capture_output=True, text=True, timeout=600,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.5)
 
-        experiment = server.api("experiments/get-by-name", experiment_name="server-test")
-        experiment_id = experiment["experiment"]["experiment_id"]
-        runs = post_json(f"{server.uri}/api/2.0/mlflow/runs/search",
-                         {"experiment_ids": [experiment_id]}).get("runs", [])
-        assert len(runs) == 1
-        run = runs[0]
-        assert run["info"]["status"] == "FINISHED"
-        params = {p["key"]: p["value"] for p in run["data"]["params"]}
-        assert params["train.steps"] == str(STEPS)
-        assert params["model.hidden_size"] == "64"
-        assert params["tracking.experiment"] == "server-test"
 
-        run_id = run["info"]["run_id"]
-        steps = list(range(1, STEPS + 1))
-        loss = history(server.uri, run_id, "loss")
-        assert [s for s, _ in loss] == steps
-        assert all(0 < v < 20 for _, v in loss)
-        assert [s for s, _ in history(server.uri, run_id, "lr/L")] == steps
-        # The demo config ramps the window k from 2 to 5 (the exact schedule is test_train's).
-        window = history(server.uri, run_id, "window_k")
-        assert [s for s, _ in window] == steps
-        k = [v for _, v in window]
-        assert k == sorted(k) and (k[0], k[-1]) == (2, 5)
-        # The latest run values (runs/search) agree with the last point of each history.
-        latest = {m["key"]: m["value"] for m in run["data"]["metrics"]}
-        assert latest["loss"] == pytest.approx(loss[-1][1])
-    assert server.process is None
+def loss_steps(server: MlflowServer) -> list[int]:
+    """The steps of the logged losses of the server's one run so far ([] before it exists)."""
+    runs = server.api("runs/search", {"experiment_ids": ["0", "1", "2"], "max_results": 5}).get("runs")
+    return [s for s, _ in history(server.uri, runs[0]["info"]["run_id"], "loss")] if runs else []
+
+
+def test_training_logs_through_a_server_outage_and_reads_back_over_rest(demo_data, tmp_path):
+    """The server is stopped mid-run and started again on its port: training goes on, warns once,
+    and delivers every metric when the server returns; the run then reads back over REST."""
+    store = tmp_path / "store"
+    server = MlflowServer(store).start()
+    log = tmp_path / "train.log"
+    cmd = [sys.executable, "-m", "mimir_megatron.cli", "train", "--config", "configs/train/demo.yaml",
+           *train_overrides(demo_data, tmp_path / "run", f"train.steps={STEPS}", "checkpoint.interval=1000",
+                            f"tracking.uri={server.uri}", "tracking.experiment=server-test",
+                            "tracking.retry_seconds=1", "window.schedule=constant", "window.k=2")]
+    with open(log, "w") as out:
+        train = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        wait_for(lambda: len(loss_steps(server)) >= 3, 240, "the first metrics")
+        server.stop()
+        wait_for(lambda: "unreachable" in log.read_text() or train.poll() is not None, 120,
+                 "the trainer to notice the outage")
+        assert train.poll() is None, "training ended before the outage was noticed:\n" + log.read_text()[-3000:]
+        time.sleep(3)  # a few steps while the server is down
+        with MlflowServer(store, port=server.port) as server:
+            assert train.wait(timeout=300) == 0, log.read_text()[-3000:]
+            text = log.read_text()
+            assert text.count("unreachable") == 1  # warned once
+            assert "reachable again" in text
+
+            experiment = server.api("experiments/get-by-name", experiment_name="server-test")
+            runs = post_json(f"{server.uri}/api/2.0/mlflow/runs/search",
+                             {"experiment_ids": [experiment["experiment"]["experiment_id"]]}).get("runs", [])
+            assert len(runs) == 1
+            run = runs[0]
+            assert run["info"]["status"] == "FINISHED"
+            params = {p["key"]: p["value"] for p in run["data"]["params"]}
+            assert params["train.steps"] == str(STEPS)
+            assert params["model.hidden_size"] == "64"
+            assert params["tracking.experiment"] == "server-test"
+
+            run_id = run["info"]["run_id"]
+            steps = list(range(1, STEPS + 1))
+            loss = history(server.uri, run_id, "loss")
+            assert [s for s, _ in loss] == steps  # every step, those of the outage too
+            assert all(0 < v < 20 for _, v in loss)
+            assert [s for s, _ in history(server.uri, run_id, "lr/L")] == steps
+            assert history(server.uri, run_id, "window_k") == [(s, 2.0) for s in steps]
+            # The latest run values (runs/search) agree with the last point of each history.
+            latest = {m["key"]: m["value"] for m in run["data"]["metrics"]}
+            assert latest["loss"] == pytest.approx(loss[-1][1])
+        assert server.process is None
+    finally:
+        if train.poll() is None:
+            train.kill()
+        server.stop()
 
 
 def stop_group(process: subprocess.Popen) -> None:
