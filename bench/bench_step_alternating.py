@@ -1,6 +1,7 @@
-"""Usage: python bench/bench_step_alternating.py SHAPE SEQ_LEN MICRO_BATCH ROUNDS [WINDOWS]
+"""Usage: python bench/bench_step_alternating.py SHAPE SEQ_LEN MICRO_BATCH ROUNDS [WINDOWS [KEY=VALUE ...]]
 
-e.g. `tiny 256 4 4 5,8` (WINDOWS defaults to 5,8).
+e.g. `tiny 256 4 4 5,8` (WINDOWS defaults to 5,8); model overrides follow the windows, e.g. the
+demo's model: `tiny 256 8 5 2,5 num_layers_L=1 num_layers_H=1`.
 
 Ours (the trainer's train_step) and the transformers peer, steps alternating, in one process:
 on a shared machine the load changes between two sequential runs, alternation exposes both to it.
@@ -28,7 +29,7 @@ from mimir_megatron.train.step import build_trainer, train_step
 
 shape, seq, mb, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 windows = [int(k) for k in sys.argv[5].split(",")] if len(sys.argv) > 5 else [5, 8]
-cfg = model_config(shape, None)
+cfg = model_config(shape, None, sys.argv[6:])
 dev = torch.device("cpu")
 optim = OptimSection(lr=1e-4, warmup_steps=0, clip_grad=1.0, ema_decay=0.9999, shard_state=False)
 weights = SharedWeights()

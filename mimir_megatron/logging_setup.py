@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 
 
@@ -32,11 +33,20 @@ def setup_logging(verbose: bool = False) -> None:
     logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").setLevel(logging.ERROR)
 
 
-# Known start-up noise, dropped by exact message: megatron's warning on every import without
-# Transformer Engine and Apex (CPU machines, bare PyTorch images), and torch's log line on a
-# machine that has a CUDA toolkit but no GPU. Every other warning is kept.
+# Known noise, dropped by exact message: megatron's warning on every import without Transformer
+# Engine and Apex (CPU machines, bare PyTorch images); torch's log line on a machine that has a
+# CUDA toolkit but no GPU; and the three warnings torch's distributed checkpointing raises when
+# megatron's dist_checkpointing loads a checkpoint in one process (every resume, `mimir generate`,
+# `serve`, `eval`, `export`): about megatron's call (positional arguments, ShardedTensor) or a
+# single-process load that is intended here. Every other warning is kept.
 _MEGATRON_NO_TE_APEX = "Transformer Engine and Apex are not installed"
 _TORCH_NO_CUDA_RUNTIME = "No CUDA runtime is found"
+_CHECKPOINT_LOAD_NOISE = (
+    (UserWarning, "The argument order of load has been changed"),
+    (UserWarning, "torch.distributed is disabled, unavailable or uninitialized, assuming the intent "
+                  "is to load in a single process"),
+    (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor"),
+)
 
 
 def _not_no_cuda_runtime(record: logging.LogRecord) -> bool:
@@ -44,8 +54,10 @@ def _not_no_cuda_runtime(record: logging.LogRecord) -> bool:
 
 
 def quiet_known_noise() -> None:
-    """Filter exactly those two messages (before torch and megatron are imported)."""
+    """Filter exactly those messages (before torch and megatron are imported)."""
     warnings.filterwarnings("ignore", message=_MEGATRON_NO_TE_APEX, category=UserWarning)
+    for category, message in _CHECKPOINT_LOAD_NOISE:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
     cpp_extension = logging.getLogger("torch.utils.cpp_extension")
     if _not_no_cuda_runtime not in cpp_extension.filters:
         cpp_extension.addFilter(_not_no_cuda_runtime)

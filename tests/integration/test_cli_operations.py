@@ -28,6 +28,12 @@ quiet_known_noise()
 logging.basicConfig(stream=sys.stdout, format="%(name)s: %(message)s")
 warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
 warnings.warn("another UserWarning stays")
+# what torch's distributed checkpointing says on every single-process load through megatron
+warnings.warn("The argument order of load has been changed. Please check the document to avoid future breakages.")
+warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+              "load in a single process.")
+warnings.warn("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning)
+warnings.warn("another FutureWarning stays", FutureWarning)
 ext = logging.getLogger("torch.utils.cpp_extension")
 ext.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local/cuda")
 ext.warning("another cpp_extension warning stays")
@@ -41,6 +47,9 @@ def test_known_start_up_noise_is_filtered_and_nothing_else():
     assert done.returncode == 0, done.stderr
     output = done.stdout + done.stderr
     assert "another UserWarning stays" in output
+    assert "another FutureWarning stays" in output
+    for dropped in ("argument order of load", "torch.distributed is disabled", "ShardedTensor"):
+        assert dropped not in output
     assert "another cpp_extension warning stays" in output
     assert "Transformer Engine and Apex" not in output
     assert "No CUDA runtime" not in output
