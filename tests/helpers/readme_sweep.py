@@ -5,7 +5,7 @@ compare with README.md, or rewrite README.md's table (with the commit it was mea
     .venv/bin/python tests/helpers/readme_sweep.py --update   # re-measure and rewrite the table in README.md
 
 The demo command runs first (bash launchers/demo_cpu.sh: ~6 min on 2 cores when runs/demo has no
-finished run, else ~1 min of re-evaluation), and its exact match is compared with the one README.md
+finished run, else ~20 s of re-evaluation), and its exact match is compared with the one README.md
 quotes; the sweep itself takes ~1.5 min. The check in tests/system/test_readme_results.py uses
 the same functions, so the README and what the code produces cannot drift apart unnoticed.
 """

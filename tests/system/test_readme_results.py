@@ -2,7 +2,7 @@
 
 The demo command's exact match and the schedule sweep on its checkpoint (README "Demo results"):
 runs launchers/demo_cpu.sh (~6 min on 2 cores to train when runs/demo has no finished run, else
-~1 min to re-evaluate it), then ~1.5 min of `mimir sweep`.
+~20 s to re-evaluate it), then ~1.5 min of `mimir sweep`.
 On a difference, re-measure and rewrite the table: .venv/bin/python tests/helpers/readme_sweep.py --update
 """
 
