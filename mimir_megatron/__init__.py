@@ -5,7 +5,7 @@ Public API (imported lazily so that ``import mimir_megatron`` stays light):
 - :func:`load_config` (path, overrides) -> ModelConfig
 - :func:`build_model` (config) -> HRMTextModel; sets up a one-rank process group when needed
 - :func:`export_hf` (model, output_dir) and :func:`import_hf` (hf_dir) -> HRMTextModel
-- :func:`load_model` (training checkpoint: ``step_N`` or a checkpoints directory, ``ema``) -> HRMTextModel
+- :func:`load_model` (checkpoint: ``step_N``, a checkpoints or run directory; ``ema``) -> HRMTextModel
 - :class:`Batch`, the batch contract shared by data, model and trainer
 """
 

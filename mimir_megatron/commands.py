@@ -7,6 +7,8 @@ import json
 import logging
 from pathlib import Path
 
+from mimir_megatron.checkpoint import FORMS_HELP
+
 log = logging.getLogger("mimir")
 
 
@@ -22,8 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--seed", type=int, help="initialise from this seed")
     src.add_argument("--checkpoint",
-                     help="project weights (from `mimir import`), or a training checkpoint: a step_N "
-                          "directory or a run's checkpoints directory (its latest)")
+                     help=f"project weights (from `mimir import`), or a training checkpoint: {FORMS_HELP}")
     p.add_argument("--ema", action="store_true", help="with a training checkpoint: export the EMA weights")
     p.add_argument("--output", required=True, help="directory to write")
     p.add_argument("--tokenizer", help="tokenizer directory to copy alongside")

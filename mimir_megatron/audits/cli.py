@@ -6,6 +6,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from mimir_megatron.checkpoint import FORMS_HELP
+
 log = logging.getLogger("mimir.audit")
 
 
@@ -68,7 +70,8 @@ def _add_sources(p: argparse.ArgumentParser, allow_index: bool = False) -> None:
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
-                   help="training checkpoint, transformers hrm_text directory, or `mimir import` weights")
+                   help=f"training checkpoint ({FORMS_HELP}), transformers hrm_text directory, or "
+                        "`mimir import` weights")
     p.add_argument("--ema", action="store_true", help="with a training checkpoint: the EMA weights")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the one found with the model)")
     p.add_argument("--batch-size", type=int, default=32)

@@ -76,7 +76,7 @@ class EngineAuditModel:
 
 def load_audit_model(model: str, *, ema: bool = False, tokenizer: str | None = None,
                      batch_size: int = 32) -> EngineAuditModel:
-    """A training checkpoint (a step_N directory or a run's checkpoints directory), a
+    """A training checkpoint (a step_N directory, a run's checkpoints directory or the run), a
     transformers hrm_text directory (has config.json) or `mimir import` weights."""
     from mimir_megatron.checkpoint import is_checkpoint_source
     from mimir_megatron.inference import load_engine

@@ -10,9 +10,9 @@ Layout of a run's checkpoints directory (``<run.dir>/checkpoints``)::
     latest                   name of the newest complete checkpoint (replaced atomically)
     abandoned/               checkpoints of a timeline given up by resuming from an older one
 
-Every command that takes a checkpoint accepts both forms: a ``step_N`` directory, or a
-checkpoints directory (its ``latest`` is followed; a ``latest`` naming a missing checkpoint is an
-error, never a silent fresh start). The modules, each with one job:
+Every command that takes a checkpoint accepts three forms: a ``step_N`` directory, a checkpoints
+directory (its ``latest`` is followed; a ``latest`` naming a missing checkpoint is an error, never
+a silent fresh start), or the run directory that holds it as ``checkpoints/``. The modules, each with one job:
 
 - :mod:`.layout`: names, ``latest``, the resolver (:func:`resolve`), the trainer state file.
 - :mod:`.compat`: layout version and model-shape checks; :mod:`.resume`: may training go on.
@@ -22,7 +22,8 @@ error, never a silent fresh start). The modules, each with one job:
 - :mod:`.write`: :class:`CheckpointWriter` (synchronous or asynchronous); :mod:`.prune`.
 
 This package imports the model, never the trainer: inference, evaluation and audits use it.
-The writer and loaders (megatron-core) are imported on first use, so reading the layout is cheap.
+The compatibility checks (omegaconf), writer and loaders (megatron-core) are imported on first
+use, so reading the layout is cheap.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .compat import check_compatible, check_format
 from .layout import (
     FORMAT,
+    FORMS_HELP,
+    RUN_CHECKPOINTS,
     find,
     is_checkpoint,
     is_checkpoint_source,
@@ -41,18 +43,19 @@ from .layout import (
     resolve,
     step_dir_name,
 )
-from .resume import check_resumable, config_changes
 
+# Imported on first use: the layout alone is what a command's --help needs (no omegaconf, no torch).
 _LAZY = {
+    "check_compatible": "compat", "check_format": "compat",
+    "check_resumable": "resume", "config_changes": "resume",
     "load_checkpoint": "load", "load_model": "load", "execution_overrides": "load",
     "CheckpointWriter": "write", "CheckpointWriteError": "write", "check_writable": "write",
     "optimizer_group_steps": "state", "prune_checkpoints": "prune", "set_aside_newer": "prune",
 }
 
 __all__ = [
-    "FORMAT", "check_compatible", "check_format", "check_resumable", "config_changes", "find",
-    "is_checkpoint", "is_checkpoint_source", "latest_checkpoint", "read_trainer_state", "resolve",
-    "step_dir_name", *_LAZY,
+    "FORMAT", "FORMS_HELP", "RUN_CHECKPOINTS", "find", "is_checkpoint", "is_checkpoint_source",
+    "latest_checkpoint", "read_trainer_state", "resolve", "step_dir_name", *_LAZY,
 ]
 
 

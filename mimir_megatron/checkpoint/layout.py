@@ -20,6 +20,10 @@ FORMAT = 1
 """Layout version of the sharded state; bumped whenever its keys change."""
 LATEST = "latest"
 ABANDONED = "abandoned"
+RUN_CHECKPOINTS = "checkpoints"
+"""A run directory's checkpoints directory (where training writes unless ``checkpoint.dir`` is set)."""
+FORMS_HELP = "a step_N directory, a run's checkpoints directory (its latest) or the run directory"
+"""The path forms :func:`resolve` takes, as every command's ``--help`` names them."""
 
 
 def step_dir_name(step: int) -> str:
@@ -92,19 +96,25 @@ def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
     return path
 
 
+def _holds_checkpoints(path: Path) -> bool:
+    """Whether ``path`` looks like a checkpoints directory: a ``latest`` or ``step_N`` entries."""
+    return (path / LATEST).is_file() or any(p.name[5:].isdigit() for p in path.glob("step_*"))
+
+
 def is_checkpoint_source(path: str | Path) -> bool:
-    """Whether ``path`` is meant as a training checkpoint: a ``step_N`` directory or a run's
-    checkpoints directory (it has a ``latest`` or ``step_N`` entries), complete or not."""
+    """Whether ``path`` is meant as a training checkpoint: a ``step_N`` directory, a run's
+    checkpoints directory, or the run directory holding it (``<run.dir>``, as `mimir ui
+    --run-dir` takes it), complete or not."""
     path = Path(path)
     if not path.is_dir():
         return False
-    return is_checkpoint(path) or (path / LATEST).is_file() or any(
-        p.name[5:].isdigit() for p in path.glob("step_*"))
+    return is_checkpoint(path) or _holds_checkpoints(path) or _holds_checkpoints(path / RUN_CHECKPOINTS)
 
 
 def resolve(path: str | Path) -> Path:
     """The one checkpoint ``path`` stands for: ``path`` itself when it is a ``step_N`` checkpoint,
-    else (a run's checkpoints directory) the one its ``latest`` names, else its newest written.
+    else (a run's checkpoints directory, or the run directory holding it as ``checkpoints/``) the
+    one its ``latest`` names, else its newest written.
 
     Anything else, a dangling ``latest`` included, is a one-line :class:`UserError`.
     """
@@ -113,10 +123,12 @@ def resolve(path: str | Path) -> Path:
         return path
     if not path.is_dir():
         raise UserError(f"checkpoint not found: {path}")
+    if not _holds_checkpoints(path) and _holds_checkpoints(path / RUN_CHECKPOINTS):
+        path = path / RUN_CHECKPOINTS  # a run directory
     found = latest_checkpoint(path)
     if found is None:
         raise UserError(f"{path} is not a training checkpoint (no {STATE_FILE}, no {LATEST}, "
-                        "no complete step_N checkpoint)")
+                        f"no complete step_N checkpoint, no {RUN_CHECKPOINTS}/ holding them)")
     return found
 
 

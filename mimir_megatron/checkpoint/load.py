@@ -55,8 +55,9 @@ def execution_overrides(tensor_parallel_size: int = 1) -> list[str]:
 
 
 def load_model(path: str | Path, *, ema: bool = False, tensor_parallel_size: int = 1):
-    """The model of a training checkpoint (``step_N``, or a run's checkpoints directory through
-    its ``latest``) with its trained or (``ema``) EMA weights, for this process's TP rank.
+    """The model of a training checkpoint (``step_N``, or through ``latest`` a run's checkpoints
+    directory or the run directory) with its trained or (``ema``) EMA weights, for this process's
+    TP rank.
 
     Only the model is read: the process's RNG state is left as it was (building a model seeds
     torch's generator; that is undone here).

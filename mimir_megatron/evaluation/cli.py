@@ -9,13 +9,15 @@ import logging
 import time
 from pathlib import Path
 
+from mimir_megatron.checkpoint import FORMS_HELP
+
 log = logging.getLogger("mimir")
 
 
 def _add_model_source(p: argparse.ArgumentParser) -> None:
     """Where the model comes from: a directory `mimir serve` is started for, or a running server."""
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="training checkpoint (step_N, or a run's checkpoint directory)")
+    src.add_argument("--checkpoint", help=f"training checkpoint: {FORMS_HELP}")
     src.add_argument("--hf", help="transformers hrm_text directory")
     src.add_argument("--weights", help="project weights directory (`mimir import` output)")
     src.add_argument("--base-url", help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
@@ -100,13 +102,13 @@ def _suite(args: argparse.Namespace):
 def _source_name(args: argparse.Namespace) -> str:
     if args.base_url:
         return getattr(args, "model_name", None) or "server"
+    from mimir_megatron.checkpoint import RUN_CHECKPOINTS, resolve
+
     path = Path(args.checkpoint or args.hf or args.weights)
     if args.checkpoint:
-        from mimir_megatron.checkpoint import resolve
-
-        path = resolve(path)  # a checkpoints directory names the step its latest points at
+        path = resolve(path)  # a run or checkpoints directory names the step its latest points at
     path = path.resolve()
-    name = path.parent.parent.name + "-" + path.name if path.parent.name == "checkpoints" else path.name
+    name = path.parent.parent.name + "-" + path.name if path.parent.name == RUN_CHECKPOINTS else path.name
     return name + ("-ema" if args.ema else "")
 
 

@@ -32,13 +32,13 @@ class TrackingTarget:
 def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path | None = None,
                     experiment: str | None = None) -> TrackingTarget:
     """Where an evaluation's MLflow run goes (see the module docstring)."""
-    from mimir_megatron.checkpoint import find
+    from mimir_megatron.checkpoint import RUN_CHECKPOINTS, find
 
     found = find(checkpoint) if checkpoint else None
     if found is not None and not uri:
         path, state = found
         config = state.get("config", {})
-        run_dir = path.parent.parent if path.parent.name == "checkpoints" else \
+        run_dir = path.parent.parent if path.parent.name == RUN_CHECKPOINTS else \
             Path(config.get("run", {}).get("dir") or Path("runs") / config.get("run", {}).get("name", ""))
         tracking = config.get("tracking", {})
         return TrackingTarget(

@@ -16,13 +16,15 @@ import json
 import logging
 from pathlib import Path
 
+from mimir_megatron.checkpoint import FORMS_HELP
+
 log = logging.getLogger("mimir")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The model-source flags shared by the inference commands."""
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="training checkpoint (step_N, or a checkpoint dir with `latest`)")
+    src.add_argument("--checkpoint", help=f"training checkpoint: {FORMS_HELP}")
     src.add_argument("--weights", help="project weights directory (`mimir import` output)")
     src.add_argument("--hf", help="transformers hrm_text directory")
     p.add_argument("--ema", action="store_true", help="with --checkpoint: use the EMA weights")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from mimir_megatron.checkpoint import FORMS_HELP
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -12,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "/v1/models, /v1/stats, /health. Extra body fields h_cycles / l_cycles choose the "
                     "recurrence schedule per request.")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="training checkpoint (step_N, or a run's checkpoints/)")
+    source.add_argument("--checkpoint", help=f"training checkpoint: {FORMS_HELP}")
     source.add_argument("--weights", help="project weights directory (`mimir import` output)")
     source.add_argument("--hf", help="transformers hrm_text directory")
     p.add_argument("--ema", action="store_true", help="serve the checkpoint's EMA weights")

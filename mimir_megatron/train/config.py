@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 from omegaconf import OmegaConf
 
+from mimir_megatron.checkpoint.layout import RUN_CHECKPOINTS
 from mimir_megatron.config import (
     ModelConfig,
     ParamsDtype,
@@ -238,7 +239,7 @@ class TrainConfig(RunSections):
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / RUN_CHECKPOINTS
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(asdict(self))

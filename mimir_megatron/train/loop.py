@@ -327,7 +327,7 @@ def _resume_path(cfg: TrainConfig, ckpt_dir: Path) -> Path | None:
         return None
     if mode == "auto":
         return ckpt.latest_checkpoint(ckpt_dir)
-    return ckpt.resolve(mode)  # a step_N directory, or a checkpoints directory's latest
+    return ckpt.resolve(mode)  # a step_N directory, or a checkpoints (or run) directory's latest
 
 
 def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> str | None:

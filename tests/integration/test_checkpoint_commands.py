@@ -1,5 +1,5 @@
-"""Every command that takes a training checkpoint, on both path forms: a ``step_N`` directory and a
-run's checkpoints directory (through ``latest``). One small trained run is shared; the commands
+"""Every command that takes a training checkpoint, on its three path forms: a ``step_N`` directory,
+a run's checkpoints directory (through ``latest``) and the run directory itself. One small trained run is shared; the commands
 run in-process (``mimir_megatron.cli.main``), except `mimir eval`'s real `mimir serve` (slow tier).
 
 The reference for "the same model" is the step directory's own dist_checkpointing tensors, read
@@ -21,7 +21,7 @@ from conftest import REPO, train_overrides
 from mimir_megatron.cli import main
 
 STEP = "step_0000003"
-FORMS = ("step", "checkpoints")
+FORMS = ("step", "checkpoints", "run")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def trained(demo_data, tmp_path_factory) -> Path:
 
 
 def source(run_dir: Path, form: str) -> Path:
-    return run_dir / "checkpoints" / (STEP if form == "step" else "")
+    return {"step": run_dir / "checkpoints" / STEP, "checkpoints": run_dir / "checkpoints", "run": run_dir}[form]
 
 
 def assert_holds_the_checkpoint(model, run_dir: Path, ema: bool = False) -> None:
