@@ -32,10 +32,12 @@ _REGISTRARS = (
     "mimir_megatron.evaluation.cli",
 )
 # Commands that run megatron-core in this process: the CPU backend is set up (explicitly, once)
-# before their handler imports the model. The others (data, ui, eval's client side, ...) never
-# import megatron-core; a command missing here is still covered by parallel.init_distributed.
-_MEGATRON_COMMANDS = frozenset({"info", "export", "import", "train", "bench", "generate", "serve",
-                                "audit", "lm-eval"})
+# before their handler imports the model. `train` sets it up itself once its config is read, so
+# that a config mistake is reported before torch loads. The others (data, ui, eval's client side,
+# ...) never import megatron-core; a command missing here is still covered by
+# parallel.init_distributed.
+_MEGATRON_COMMANDS = frozenset({"info", "export", "import", "bench", "generate", "serve", "audit",
+                                "lm-eval"})
 
 # Entry points ``NAME = "module:register"`` of installed packages that add subcommands.
 COMMAND_GROUP = "mimir.commands"

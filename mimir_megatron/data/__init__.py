@@ -4,12 +4,21 @@ Offline preparation (``mimir prepare``, ``mimir data ...``) lives in ``data_prep
 this package; nothing here imports it.
 """
 
-from .config import DataConfig
-from .eval import EvalSample, load_eval_samples
-from .loader import PackedMixture, build_train_loader, collate, mixture_fingerprint
-from .mixture import Mixture, MixtureEntry, load_mixture
-from .packing import EpochIndex, build_epoch_index, epoch_plan, pack, padding_fraction
-from .prepared import PreparedDataset, read_manifest
+from mimir_megatron.lazy import lazy_exports
+
+# Imported on first use: reading a training config (``data.config``) must not import torch (the
+# loader), so that `mimir train` can report a config mistake before torch and megatron load.
+_EXPORTS = {
+    "DataConfig": ".config",
+    "EvalSample": ".eval", "load_eval_samples": ".eval",
+    "PackedMixture": ".loader", "build_train_loader": ".loader", "collate": ".loader",
+    "mixture_fingerprint": ".loader",
+    "Mixture": ".mixture", "MixtureEntry": ".mixture", "load_mixture": ".mixture",
+    "EpochIndex": ".packing", "build_epoch_index": ".packing", "epoch_plan": ".packing", "pack": ".packing",
+    "padding_fraction": ".packing",
+    "PreparedDataset": ".prepared", "read_manifest": ".prepared",
+}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "DataConfig",

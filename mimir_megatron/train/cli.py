@@ -33,12 +33,18 @@ def overrides_from(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from mimir_megatron.train.config import load_train_config
+
+    # The config first: it imports neither torch nor megatron-core, so a mistake in it is reported
+    # in well under a second; then the backend, explicitly, before the trainer imports the model.
+    cfg = load_train_config(args.config, overrides_from(args))
+    from mimir_megatron import backend
+
+    backend.setup()
     import torch.distributed as dist
 
-    from mimir_megatron.train.config import load_train_config
     from mimir_megatron.train.loop import train
 
-    cfg = load_train_config(args.config, overrides_from(args))
     try:
         result = train(cfg)
     finally:

@@ -66,3 +66,18 @@ def test_the_cli_installs_its_filter_before_importing_megatron():
                           cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert "Transformer Engine and Apex" not in done.stdout + done.stderr
+
+
+def test_a_train_config_mistake_is_reported_before_torch_is_imported(tmp_path):
+    """`mimir train` reads and checks its config first: a mistake costs no torch or megatron import."""
+    code = ("import sys\n"
+            "from mimir_megatron.cli import main\n"
+            "codes = [main(['train', '--config', sys.argv[1]]),\n"
+            "         main(['train', '--config', 'configs/train/demo.yaml', 'train.stepz=3'])]\n"
+            "print(codes, sorted(m for m in ('torch', 'megatron') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nope.yaml")], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[2, 2] []", done.stdout + done.stderr
+    assert f"config file not found: {tmp_path / 'nope.yaml'}" in done.stderr
+    assert "train.stepz is not a setting" in done.stderr
