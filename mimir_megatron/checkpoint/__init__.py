@@ -12,7 +12,8 @@ Layout of a run's checkpoints directory (``<run.dir>/checkpoints``)::
 
 Every command that takes a checkpoint accepts three forms: a ``step_N`` directory, a checkpoints
 directory (its ``latest`` is followed; a ``latest`` naming a missing checkpoint is an error, never
-a silent fresh start), or the run directory that holds it as ``checkpoints/``. The modules, each with one job:
+a silent fresh start), or the run directory that holds it as ``checkpoints/``. The modules, each
+with one job:
 
 - :mod:`.layout`: names, ``latest``, the resolver (:func:`resolve`), the trainer state file.
 - :mod:`.compat`: layout version and model-shape checks; :mod:`.resume`: may training go on.

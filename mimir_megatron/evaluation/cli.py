@@ -9,7 +9,7 @@ import logging
 import time
 from pathlib import Path
 
-from mimir_megatron.checkpoint import FORMS_HELP
+from mimir_megatron.checkpoint import FORMS_HELP, RUN_CHECKPOINTS, resolve
 
 log = logging.getLogger("mimir")
 
@@ -102,8 +102,6 @@ def _suite(args: argparse.Namespace):
 def _source_name(args: argparse.Namespace) -> str:
     if args.base_url:
         return getattr(args, "model_name", None) or "server"
-    from mimir_megatron.checkpoint import RUN_CHECKPOINTS, resolve
-
     path = Path(args.checkpoint or args.hf or args.weights)
     if args.checkpoint:
         path = resolve(path)  # a run or checkpoints directory names the step its latest points at
