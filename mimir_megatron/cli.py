@@ -19,6 +19,7 @@ import logging
 import re
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 # Modules of this package that add their own subcommands.
 _REGISTRARS = (
@@ -38,6 +39,11 @@ _REGISTRARS = (
 # parallel.init_distributed.
 _MEGATRON_COMMANDS = frozenset({"info", "export", "import", "bench", "generate", "serve", "audit",
                                 "lm-eval"})
+
+# The input paths those commands take, checked before the backend loads torch and megatron-core
+# (~5 s): a mistyped path is one line at once, not after the imports.
+_INPUT_PATHS = {"config": "config file", "checkpoint": "checkpoint", "weights": "model directory",
+                "hf": "model directory", "model": "model", "input": "input file"}
 
 # Entry points ``NAME = "module:register"`` of installed packages that add subcommands.
 COMMAND_GROUP = "mimir.commands"
@@ -105,6 +111,16 @@ def _install_hint(extra: str) -> str:
     return f"pip install 'mimir-megatron[{extra}]'"
 
 
+def check_input_paths(args: argparse.Namespace) -> None:
+    """One :class:`UserError` line for the first input path of :data:`_INPUT_PATHS` that does not exist."""
+    from mimir_megatron.errors import UserError
+
+    for name, what in _INPUT_PATHS.items():
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value and not Path(value).exists():
+            raise UserError(f"{what} not found: {value}")
+
+
 def _command(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
@@ -129,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.command, extra, ", ".join(missing), _install_hint(extra))
             return 2
         if args.command in _MEGATRON_COMMANDS:
+            check_input_paths(args)
             from mimir_megatron import backend
 
             backend.setup()

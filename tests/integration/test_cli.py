@@ -57,7 +57,7 @@ def test_export_then_import(tmp_path):
     [
         (["info", "--config", "nope.yaml"], "config file not found: nope.yaml"),
         (["info", "--config", str(TINY), "h_cycles=0"], "model.h_cycles must be >= 1, got 0"),
-        (["import", "--hf", "/nonexistent", "--output", "/tmp/x"], "not a transformers model directory"),
+        (["import", "--hf", "/nonexistent", "--output", "/tmp/x"], "model directory not found: /nonexistent"),
     ],
 )
 def test_user_errors_are_one_clear_message(args, message):

@@ -1,5 +1,6 @@
 """The CLI as an operator meets it: signals during start-up, and no known start-up noise."""
 
+import json
 import os
 import subprocess
 import sys
@@ -68,16 +69,25 @@ def test_the_cli_installs_its_filter_before_importing_megatron():
     assert "Transformer Engine and Apex" not in done.stdout + done.stderr
 
 
-def test_a_train_config_mistake_is_reported_before_torch_is_imported(tmp_path):
-    """`mimir train` reads and checks its config first: a mistake costs no torch or megatron import."""
-    code = ("import sys\n"
+def test_input_mistakes_are_reported_before_torch_is_imported(tmp_path):
+    """A missing input path (any megatron command) or a train config mistake is one line and exit 2
+    before torch or megatron-core is imported (they take ~5 s to import)."""
+    missing = str(tmp_path / "nope")
+    commands = {
+        "config file not found": ["train", "--config", missing],
+        "train.stepz is not a setting": ["train", "--config", "configs/train/demo.yaml", "train.stepz=3"],
+        "config file not found: " + missing: ["info", "--config", missing],
+        "checkpoint not found: " + missing: ["generate", "--checkpoint", missing, "--input", "x", "--output", "y"],
+        "input file not found: " + missing: ["generate", "--hf", ".", "--input", missing, "--output", "y"],
+        "model directory not found: " + missing: ["serve", "--weights", missing],
+    }
+    code = ("import json, sys\n"
             "from mimir_megatron.cli import main\n"
-            "codes = [main(['train', '--config', sys.argv[1]]),\n"
-            "         main(['train', '--config', 'configs/train/demo.yaml', 'train.stepz=3'])]\n"
+            "codes = [main(argv) for argv in json.loads(sys.argv[1])]\n"
             "print(codes, sorted(m for m in ('torch', 'megatron') if m in sys.modules))\n")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nope.yaml")], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(list(commands.values()))], capture_output=True,
                           text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[2, 2] []", done.stdout + done.stderr
-    assert f"config file not found: {tmp_path / 'nope.yaml'}" in done.stderr
-    assert "train.stepz is not a setting" in done.stderr
+    assert done.stdout.strip() == f"{[2] * len(commands)} []", done.stdout + done.stderr
+    for message in commands:
+        assert message in done.stderr, (message, done.stderr)

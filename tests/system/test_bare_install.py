@@ -156,6 +156,6 @@ def test_an_optional_import_a_command_reaches_is_one_line(monkeypatch, caplog):
         raise ModuleNotFoundError("No module named 'httpx'", name="httpx")
 
     monkeypatch.setattr(commands, "cmd_import", needs_httpx)
-    assert cli.main(["import", "--hf", "x", "--output", "y"]) == 2
+    assert cli.main(["import", "--hf", ".", "--output", "y"]) == 2
     assert caplog.messages == ["mimir import needs the Python package httpx, which is not installed: "
                                "pip install 'mimir-megatron[eval]'"]
