@@ -20,22 +20,4 @@ _EXPORTS = {
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 
-__all__ = [
-    "DataConfig",
-    "EpochIndex",
-    "EvalSample",
-    "Mixture",
-    "MixtureEntry",
-    "PackedMixture",
-    "PreparedDataset",
-    "build_epoch_index",
-    "build_train_loader",
-    "collate",
-    "epoch_plan",
-    "load_eval_samples",
-    "load_mixture",
-    "mixture_fingerprint",
-    "pack",
-    "padding_fraction",
-    "read_manifest",
-]
+__all__ = sorted(_EXPORTS)

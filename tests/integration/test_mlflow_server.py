@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, train_overrides
+from polling import wait_for
 
 pytest.importorskip("mlflow", reason="the MLflow server tests need `pip install mlflow`")
 pytest.importorskip("flask", reason="the MLflow server needs the full mlflow, not mlflow-skinny")
@@ -52,14 +53,6 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
-
-
 def loss_steps(server: MlflowServer) -> list[int]:
     """The steps of the logged losses of the server's one run so far ([] before it exists)."""
     runs = server.api("runs/search", {"experiment_ids": ["0", "1", "2"], "max_results": 5}).get("runs")
@@ -80,10 +73,10 @@ def test_training_logs_through_a_server_outage_and_reads_back_over_rest(demo_dat
         train = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        wait_for(lambda: len(loss_steps(server)) >= 3, 240, "the first metrics")
+        wait_for(lambda: len(loss_steps(server)) >= 3, "the first metrics", timeout=240, interval=0.5)
         server.stop()
-        wait_for(lambda: "unreachable" in log.read_text() or train.poll() is not None, 120,
-                 "the trainer to notice the outage")
+        wait_for(lambda: "unreachable" in log.read_text() or train.poll() is not None,
+                 "the trainer to notice the outage", timeout=120, interval=0.5)
         assert train.poll() is None, "training ended before the outage was noticed:\n" + log.read_text()[-3000:]
         time.sleep(3)  # a few steps while the server is down
         with MlflowServer(store, port=server.port) as server:
