@@ -9,6 +9,10 @@ A batch is a set of ``[batch, seq]`` tensors describing packed PrefixLM samples:
   within their sample's prefix.
 - ``labels``       (int64): next-token targets, ``IGNORE_INDEX`` (-100) where no loss is taken.
 
+A batch from the training loader also carries ``sources``, host-side counts per dataset of the
+mixture (documents, tokens, response tokens) of the documents packed into it: the trainer adds
+them up into the checkpoint's data lineage. They never go to the device.
+
 Attention rule for query q and key k of one row: allowed iff
 ``segment[q] == segment[k] != 0`` and (``k <= q`` or (``prefix[q]`` and ``prefix[k]``)).
 The mask is built from these fields in one place: :func:`mimir_kernels.prefix_lm_mask`.
@@ -16,13 +20,15 @@ The mask is built from these fields in one place: :func:`mimir_kernels.prefix_lm
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 IGNORE_INDEX = -100
 
 _INT_FIELDS = ("input_ids", "position_ids", "segment_ids", "labels")
+_TENSOR_FIELDS = ("input_ids", "position_ids", "segment_ids", "prefix_mask", "labels")
 
 
 class BatchError(ValueError):
@@ -36,17 +42,20 @@ class Batch:
     segment_ids: torch.Tensor
     prefix_mask: torch.Tensor
     labels: torch.Tensor | None = None
+    sources: np.ndarray | None = None
+    """``[datasets, 3]`` int64 on the host: documents, tokens and response tokens of each
+    dataset of the mixture in this batch (the training loader's; None elsewhere)."""
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.input_ids.shape)  # type: ignore[return-value]
 
     def to(self, device: torch.device | str) -> "Batch":
-        return Batch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
+        return replace(self, **{name: _to(getattr(self, name), device) for name in _TENSOR_FIELDS})
 
     def pin_memory(self) -> "Batch":
         """A copy in page-locked host memory, so that ``to(cuda)`` copies asynchronously."""
-        return Batch(**{f.name: _pin(getattr(self, f.name)) for f in fields(self)})
+        return replace(self, **{name: _pin(getattr(self, name)) for name in _TENSOR_FIELDS})
 
     def num_supervised(self) -> torch.Tensor:
         """Number of tokens that carry a loss (labels != IGNORE_INDEX)."""
@@ -62,23 +71,23 @@ class Batch:
                 f"input_ids must be a 2-D [batch, seq] tensor, got "
                 f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}"
             )
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name in _TENSOR_FIELDS:
+            value = getattr(self, name)
             if value is None:
-                if f.name == "labels":
+                if name == "labels":
                     continue
-                raise BatchError(f"{f.name} is missing")
+                raise BatchError(f"{name} is missing")
             if not isinstance(value, torch.Tensor):
-                raise BatchError(f"{f.name} must be a torch.Tensor, got {type(value).__name__}")
+                raise BatchError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
             if tuple(value.shape) != tuple(ids.shape):
                 raise BatchError(
-                    f"{f.name} has shape {tuple(value.shape)}, expected {tuple(ids.shape)} "
+                    f"{name} has shape {tuple(value.shape)}, expected {tuple(ids.shape)} "
                     "(the shape of input_ids)"
                 )
             if value.device != ids.device:
-                raise BatchError(f"{f.name} is on {value.device}, input_ids on {ids.device}")
-            if f.name in _INT_FIELDS and value.dtype != torch.long:
-                raise BatchError(f"{f.name} must be int64 (torch.long), got {value.dtype}")
+                raise BatchError(f"{name} is on {value.device}, input_ids on {ids.device}")
+            if name in _INT_FIELDS and value.dtype != torch.long:
+                raise BatchError(f"{name} must be int64 (torch.long), got {value.dtype}")
         if self.prefix_mask.dtype != torch.bool:
             raise BatchError(f"prefix_mask must be bool, got {self.prefix_mask.dtype}")
         if (self.segment_ids < 0).any():

@@ -28,6 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ema", action="store_true", help="with a training checkpoint: export the EMA weights")
     p.add_argument("--output", required=True, help="directory to write")
     p.add_argument("--tokenizer", help="tokenizer directory to copy alongside")
+    card = p.add_argument_group(
+        "model card", "README.md (a Hugging Face model card) and training_data_summary.md/.json are "
+        "written beside the weights; from a training checkpoint they hold its data lineage")
+    card.add_argument("--name", help="the model's name in the card (default: the output directory's name)")
+    card.add_argument("--license", help="the model's licence, an SPDX id (default: 'other', unspecified)")
+    card.add_argument("--provider", help="who places the model on the market (the EU summary's provider)")
+    card.add_argument("--base-model", help="Hub id of the weights training started from (default: the "
+                      "init_from path the checkpoint records)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the model config")
     p.set_defaults(handler=cmd_export, extra="hf")
 
@@ -65,12 +73,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mimir_megatron.checkpoint import is_checkpoint_source, load_model
+    from mimir_megatron.checkpoint import find, is_checkpoint_source, load_model
     from mimir_megatron.config import load_config
     from mimir_megatron.errors import UserError
     from mimir_megatron.interop import export_hf, load_weights
     from mimir_megatron.model import build_model
 
+    found = None
     if args.seed is not None:
         if not args.config:
             raise UserError("--seed needs --config (the model shape to initialise)")
@@ -78,14 +87,49 @@ def cmd_export(args: argparse.Namespace) -> int:
     elif not Path(args.checkpoint).is_dir():
         raise UserError(f"checkpoint directory not found: {args.checkpoint}")
     elif is_checkpoint_source(args.checkpoint):
+        found = find(args.checkpoint)
         model = load_model(args.checkpoint, ema=args.ema)
     else:
         if args.ema:
             raise UserError("--ema needs a training checkpoint (project weights hold no EMA)")
         model = load_weights(args.checkpoint, args.overrides)
-    export_hf(model, args.output, tokenizer_dir=args.tokenizer)
+    files = _release_files(args, model, found)
+    export_hf(model, args.output, tokenizer_dir=args.tokenizer, extra_files=files)
     print(f"exported to {args.output}")
     return 0
+
+
+def _release_files(args: argparse.Namespace, model, found) -> dict[str, str]:
+    """The model card and the training-data summary (from the checkpoint's lineage, if any)."""
+    from mimir_megatron.model import count_parameters
+    from mimir_megatron.release.card import hf_license, model_card
+    from mimir_megatron.release.summary import summary_markdown, training_data_summary
+
+    hf_license(args.license)  # a bad --license is refused before anything is written
+    name = args.name or Path(args.output).resolve().name
+    cfg = model.cfg
+    info = {"layers_l": cfg.num_layers_L, "layers_h": cfg.num_layers_H, "hidden": cfg.hidden_size,
+            "schedule": "".join(("L" * cfg.l_cycles + "H") * cfg.h_cycles),
+            "parameters": f"{count_parameters(model).total:,}"}
+    files: dict[str, str] = {}
+    summary, base_model = None, args.base_model
+    if found is None:
+        origin = (f"freshly initialised weights (seed {args.seed})" if args.seed is not None
+                  else f"project weights ({args.checkpoint})")
+        info["training"] = f"Not recorded: exported from {origin}."
+    else:
+        path, state = found
+        summary = training_data_summary(state, model_name=name, provider=args.provider, checkpoint=str(path))
+        files["training_data_summary.json"] = json.dumps(summary, indent=2, ensure_ascii=False) + "\n"
+        files["training_data_summary.md"] = summary_markdown(summary)
+        if base_model is None and state.base_model is not None:
+            base_model = state.base_model.source
+        weights = "the EMA of the weights" if args.ema else "the trained weights"
+        info["training"] = (f"{state.step:,} optimizer steps ({state.consumed_samples:,} packed contexts); "
+                            f"exported from {path.name} ({weights}).")
+    files["README.md"] = model_card(model_name=name, model_info=info, summary=summary, license=args.license,
+                                    base_model=base_model)
+    return files
 
 
 def cmd_import(args: argparse.Namespace) -> int:

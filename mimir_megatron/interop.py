@@ -243,8 +243,9 @@ def load_weights(weights_dir: str | Path, overrides: list[str] | tuple[str, ...]
 
 
 def export_hf(model: torch.nn.Module, output_dir: str | Path,
-              tokenizer_dir: str | Path | None = None) -> Path:
-    """Write a transformers ``hrm_text`` directory; all TP ranks call, rank 0 writes."""
+              tokenizer_dir: str | Path | None = None, extra_files: dict[str, str] | None = None) -> Path:
+    """Write a transformers ``hrm_text`` directory; all TP ranks call, rank 0 writes.
+    ``extra_files`` (name -> text: the model card, ...) appear with the weights, atomically."""
     from mimir_megatron.model.state import gather_full_state
 
     output_dir = Path(output_dir)
@@ -268,6 +269,8 @@ def export_hf(model: torch.nn.Module, output_dir: str | Path,
         for name in copied:
             shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
         log.info("copied tokenizer files %s from %s", copied, tokenizer_dir)
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text, encoding="utf-8")
     _publish(tmp, output_dir)
     log.info("exported transformers hrm_text model to %s", output_dir)
     return output_dir

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: cores)")
     p.add_argument("--shard-mb", type=float, default=64.0, help="JSONL shard size in MiB")
     p.add_argument("--no-progress", action="store_true")
+    _add_provenance_flags(p)
     p.set_defaults(handler=_prepare)
 
     data = sub.add_parser("data", help="demo data, mixture reports, packing index")
@@ -87,6 +89,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(handler=_demo_tokenizer)
 
+    v = dsub.add_parser(
+        "declare", help="record the provenance of raw data files (a sidecar that prepare and synth read)",
+        description="Write FILE.provenance.json beside each file: the provenance `mimir prepare`, "
+        "`mimir synth tools` and `mimir synth run` take for data made from it (docs/data-governance.md).")
+    v.add_argument("files", nargs="+", help="JSONL or Parquet files")
+    _add_provenance_flags(v)
+    v.set_defaults(handler=_declare)
+
     k = dsub.add_parser("pack", help="build and cache the packing index ahead of training")
     k.add_argument("--mixture", "-m", required=True)
     k.add_argument("--seq-len", type=int, default=4096)
@@ -97,6 +107,59 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.set_defaults(handler=_pack)
 
     register_synth_group(sub)
+
+
+# --flag -> ProvenanceDeclaration field (docs/data-governance.md explains each).
+PROVENANCE_FLAGS = {
+    "provenance_id": "id", "source": "source", "source_location": "location",
+    "source_revision": "revision", "retrieved": "retrieved", "license": "license", "basis": "basis",
+    "form": "form", "audit_group": "audit_group", "language": "languages",
+    "derived_from": "derived_from", "generator": "generator",
+}
+
+
+def _add_provenance_flags(p: argparse.ArgumentParser) -> None:
+    from mimir_megatron.data.provenance import BASES, FORMS
+
+    g = p.add_argument_group(
+        "provenance", "where the data came from and on which basis it may be used (stored in the "
+        "manifest; without it the dataset's provenance is 'unknown', which the default data policy "
+        "refuses to train on). With --config: a provenance section per dataset instead")
+    g.add_argument("--provenance-id",
+                   help="the id other datasets' --derived-from name (default: the output name)")
+    g.add_argument("--source", help="the source's name, e.g. OpenMathInstruct-2")
+    g.add_argument("--source-location", help="a URL, or a Hugging Face Hub repo id (owner/name)")
+    g.add_argument("--source-revision", help="the revision or version retrieved")
+    g.add_argument("--retrieved", help="the retrieval date, YYYY-MM-DD")
+    g.add_argument("--license", help="an SPDX expression (CC-BY-4.0, Apache-2.0 AND MIT), public-domain "
+                   "or proprietary-agreement; inherited from --derived-from when omitted")
+    g.add_argument("--basis", choices=tuple(BASES), help="the permission basis")
+    g.add_argument("--form", choices=tuple(FORMS), help="the form the data entered the corpus in (Table 6)")
+    g.add_argument("--audit-group",
+                   help="memorisation-audit group by opt-out status (the paper's A-D, or yours)")
+    g.add_argument("--language", action="append", help="an ISO 639 code; repeat for several")
+    g.add_argument("--derived-from", action="append", metavar="PATH",
+                   help="a prepared dataset, or a file with a provenance sidecar, this data was made from; "
+                   "repeat")
+    g.add_argument("--generator", help="the models or programs that generated synthetic data")
+
+
+def provenance_from_flags(args: argparse.Namespace, default_id: str):
+    """The resolved provenance of ``mimir prepare``'s flags; None when none was given."""
+    from mimir_megatron.config import raise_errors
+    from mimir_megatron.data.provenance import ProvenanceDeclaration, resolve_declaration
+
+    given = {field: getattr(args, flag) for flag, field in PROVENANCE_FLAGS.items() if getattr(args, flag)}
+    if not given:
+        return None
+    errors: list[str] = []
+    provenance = resolve_declaration(ProvenanceDeclaration(**given), "provenance", default_id=default_id,
+                                     base=Path.cwd(), errors=errors)
+    # Name the flag a mistake is in: "provenance.license: ..." -> "--license: ...".
+    flag_of = {field: f"--{flag.replace('_', '-')}" for flag, field in PROVENANCE_FLAGS.items()}
+    raise_errors([re.sub(r"^provenance\.([a-z_]+)", lambda m: flag_of.get(m.group(1), m.group(0)), e)
+                  for e in errors], "invalid provenance")
+    return provenance
 
 
 def register_synth_group(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -114,6 +177,10 @@ def _prepare(args: argparse.Namespace) -> int:
     if args.config:
         if args.input or args.output or args.tokenizer:
             raise UserError("--config names inputs, outputs and the tokenizer; drop -i/-o/-t")
+        flags = [f"--{flag.replace('_', '-')}" for flag in PROVENANCE_FLAGS if getattr(args, flag)]
+        if flags:
+            raise UserError("--config declares provenance per dataset (a provenance section); "
+                            f"drop {', '.join(flags)}")
         from .prepare_config import run_prepare_config
 
         run_prepare_config(args.config, progress=not args.no_progress, workers=args.workers)
@@ -123,6 +190,7 @@ def _prepare(args: argparse.Namespace) -> int:
     ]
     if missing:
         raise UserError(f"mimir prepare needs {', '.join(missing)} (or --config FILE.yaml)")
+    provenance = provenance_from_flags(args, default_id=Path(args.output).name)
     from .prepare import prepare
 
     prepare(
@@ -139,7 +207,24 @@ def _prepare(args: argparse.Namespace) -> int:
         workers=args.workers,
         shard_bytes=max(1, int(args.shard_mb * 1024 * 1024)),
         progress=not args.no_progress,
+        provenance=provenance,
     )
+    return 0
+
+
+def _declare(args: argparse.Namespace) -> int:
+    from mimir_megatron.data.provenance import write_sidecar
+    from mimir_megatron.errors import UserError
+
+    missing = [f for f in args.files if not Path(f).is_file()]
+    if missing:
+        raise UserError(f"input file not found: {missing[0]}")
+    for path in args.files:
+        provenance = provenance_from_flags(args, default_id=Path(path).name.split(".")[0])
+        if provenance is None:
+            raise UserError("mimir data declare needs the provenance flags "
+                            "(--source, --license, --basis, --form)")
+        print(f"{path}: {write_sidecar(path, provenance)}")
     return 0
 
 
@@ -159,6 +244,7 @@ def _demo(args: argparse.Namespace) -> int:
     log.info("wrote %d train files and %s", len(train_paths), eval_path)
     if args.no_prepare:
         return 0
+    from .demo_data import demo_provenance
     from .prepare import prepare
 
     tokenizer = args.tokenizer or DEMO_TOKENIZER_DIR
@@ -170,6 +256,7 @@ def _demo(args: argparse.Namespace) -> int:
             seq_len=args.seq_len,
             workers=args.workers or 1,
             progress=False,
+            provenance=demo_provenance(path.stem),
         )
     return 0
 

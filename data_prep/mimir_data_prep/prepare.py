@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -28,6 +29,15 @@ from mimir_megatron.data.prepared import (
     REJECTS_NAME,
     SEQUENCES_PER_DOCUMENT,
     SHARDS_DIR,
+    manifest_digest,
+    sha256_file,
+)
+from mimir_megatron.data.provenance import (
+    Provenance,
+    provenance_from_record,
+    read_provenance,
+    record_problem,
+    stored_record,
 )
 from mimir_megatron.errors import UserError
 
@@ -90,14 +100,6 @@ class ShardStats:
     rejects: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REJECT_REASONS})
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     sizes: dict[str, int] = field(default_factory=dict)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def tokenizer_hash(tokenizer_dir: str | Path) -> str:
@@ -333,8 +335,12 @@ def prepare(
     workers: int | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool = True,
+    provenance: Provenance | None = None,
 ) -> dict:
-    """Prepare ``inputs`` into ``output_dir`` and return the manifest (also written to disk)."""
+    """Prepare ``inputs`` into ``output_dir`` and return the manifest (also written to disk).
+
+    ``provenance`` is the dataset's declared record (:mod:`mimir_megatron.data.provenance`);
+    without one, the record the inputs' sidecars agree on, else ``unknown``."""
     if too_long not in TOO_LONG_POLICIES:
         raise UserError(f"--too-long must be one of {TOO_LONG_POLICIES}, got {too_long!r}")
     if seq_len < 2:
@@ -364,6 +370,8 @@ def prepare(
         control_chars=control_chars,
     )
     renderer = ChatRenderer(tokenizer_dir)  # fail early, in the driver, on a bad tokenizer
+    if provenance is None:
+        provenance = _sidecar_provenance(paths, out)
     tasks = plan_shards(paths, shard_bytes)
     formats = _decide_layouts(tasks, input_format, column_map)
     tasks = [replace(t, layout=formats[t.path]["format"]) for t in tasks]
@@ -379,8 +387,12 @@ def prepare(
         workers,
     )
     started = time.perf_counter()
-    done.update(_run(todo, settings, out, workers, progress))
-    manifest = _write_manifest(tasks, done, settings, renderer, paths, out, formats)
+    # The inputs' sha256 (recorded for the data policy's check) is read beside the workers.
+    with ThreadPoolExecutor(max_workers=min(4, len(paths))) as hashing:
+        input_hashes = hashing.map(sha256_file, paths)
+        done.update(_run(todo, settings, out, workers, progress))
+        sources = [_source_record(p, digest) for p, digest in zip(paths, input_hashes)]
+    manifest = _write_manifest(tasks, done, settings, renderer, sources, out, formats, provenance)
     elapsed = time.perf_counter() - started
     log.info(
         "%s: %d documents, %d tokens, %d rejected of %d lines (%.1f s)",
@@ -392,6 +404,28 @@ def prepare(
         elapsed,
     )
     return manifest
+
+
+def _sidecar_provenance(paths: list[Path], out: Path) -> Provenance | None:
+    """The record the inputs' provenance sidecars agree on (a pipeline's output), else None."""
+    records = [read_provenance(p) for p in paths]
+    digests = {r.get("digest") for r in records}
+    if len(digests) == 1 and None not in digests:
+        problem = record_problem(records[0])
+        if problem:
+            raise UserError(f"{paths[0]}: {problem}")
+        log.info("%s: provenance from the inputs' sidecar (%s)", out, records[0]["id"])
+        return provenance_from_record(records[0])
+    log.warning("%s: no provenance declared (--source/--license/--basis/--form, or a provenance "
+                "section in the prepare YAML): the dataset's provenance is unknown, and the default "
+                "data policy refuses to train on it", out)
+    return None
+
+
+def _source_record(path: Path, sha256: str) -> dict:
+    stat = path.stat()
+    return {"path": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "sha256": sha256}
 
 
 def _decide_layouts(tasks: list[ShardTask], input_format: str, columns: dict[str, str]) -> dict[str, dict]:
@@ -473,9 +507,10 @@ def _write_manifest(
     stats: dict[int, ShardStats],
     settings: PrepareSettings,
     renderer: ChatRenderer,
-    paths: list[Path],
+    sources: list[dict],
     out: Path,
     formats: dict[str, dict],
+    provenance: Provenance | None,
 ) -> dict:
     rejects = {r: 0 for r in REJECT_REASONS}
     totals = {"lines": 0, "documents": 0, "prefix": 0, "response": 0, "truncated": 0, "stripped": 0}
@@ -515,7 +550,8 @@ def _write_manifest(
     manifest = {
         "format": FORMAT,
         "layout": f"{SEQUENCES_PER_DOCUMENT} sequences per document: prefix, then response",
-        "sources": [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in paths],
+        "sources": sources,
+        "provenance": stored_record(provenance),
         "tokenizer": {
             "path": settings.tokenizer_dir,
             "sha256": settings.tokenizer_sha256,
@@ -551,5 +587,6 @@ def _write_manifest(
         "shards": shards,
         "outputs": dict(sorted(outputs.items())),
     }
+    manifest["digest"] = manifest_digest(manifest)
     _write_json_atomic(out / MANIFEST_NAME, manifest)
     return manifest

@@ -8,9 +8,20 @@ datasets:
     output: prepared/openmath
     input_format: columns                   # auto | messages | sharegpt | alpaca | columns
     columns: {prompt: problem, completion: generated_solution}
+    provenance:                             # mimir_megatron.data.provenance (docs/data-governance.md)
+      source: OpenMathInstruct-2
+      location: nvidia/OpenMathInstruct-2   # a Hub repo id or a URL
+      revision: main
+      retrieved: 2026-10-01
+      license: CC-BY-4.0
+      basis: open-licence
+      form: reformatted
+      audit_group: C
+      languages: [en]
   - name: hermes-chat
     input: [raw/hermes.parquet]
     output: prepared/hermes-chat            # input_format defaults to auto
+    provenance: {source: ..., derived_from: [openmath], ...}   # names a dataset above, or a path
 
 Every mistake in the file is listed, one line each, before anything is prepared.
 """
@@ -25,10 +36,15 @@ from omegaconf import OmegaConf
 
 from mimir_megatron.errors import ConfigError
 
-from .layouts import INPUT_FORMATS, parse_columns
-from .records import CONTROL_CHAR_POLICIES
+from mimir_megatron.data.provenance import (
+    Provenance,
+    declaration_from_mapping,
+    resolve_declaration,
+)
 
-TOO_LONG_POLICIES = ("drop", "truncate-prefix")
+from .layouts import INPUT_FORMATS, parse_columns
+from .prepare import TOO_LONG_POLICIES
+from .records import CONTROL_CHAR_POLICIES
 
 
 @dataclass
@@ -41,6 +57,7 @@ class DatasetJob:
     input_format: str = "auto"
     columns: dict[str, str] = field(default_factory=dict)  # target -> column, for `columns`
     control_chars: str | None = None  # default: the file-level setting
+    provenance: Any = None  # a mapping: mimir_megatron.data.provenance.ProvenanceDeclaration
 
 
 @dataclass
@@ -68,6 +85,7 @@ def load_prepare_config(path: str | Path) -> PrepareJob:
     except Exception as exc:  # YAML syntax, unknown keys, wrong types: OmegaConf says which
         raise ConfigError(f"{source}: {str(exc).splitlines()[0]}") from None
     errors = _errors(job)
+    errors += _provenance_errors(job, source.parent)
     if errors:
         raise ConfigError(f"invalid prepare config {source}:\n  - " + "\n  - ".join(errors))
     base = source.parent
@@ -119,15 +137,43 @@ def _errors(job: PrepareJob) -> list[str]:
     return errs
 
 
+def _provenance_errors(job: PrepareJob, base: Path) -> list[str]:
+    """Every provenance mistake of the file; a derived_from may name a dataset listed above."""
+    errors: list[str] = []
+    for i, d in enumerate(job.datasets):
+        if d.provenance is not None:
+            dataset_provenance(d, f"datasets[{i}]", base, job, i, errors)
+    return errors
+
+
+def dataset_provenance(d: DatasetJob, where: str, base: Path, job: PrepareJob, index: int,
+                       errors: list[str], prepared: bool = False) -> Provenance | None:
+    """The resolved provenance of dataset ``index`` (None when it declares none). Before
+    anything is prepared (``prepared`` False), the datasets above it are accepted by name."""
+    if d.provenance is None:
+        return None
+    where = f"{where} ({d.name})" if d.name else where
+    earlier = {e.name: Path(e.output) for e in job.datasets[:index] if e.name}
+    decl = declaration_from_mapping(d.provenance, f"{where}.provenance", errors)
+    return resolve_declaration(decl, f"{where}.provenance", default_id=d.name or Path(d.output).name,
+                               base=base, siblings=earlier if prepared else None,
+                               pending=() if prepared else earlier, errors=errors)
+
+
 def run_prepare_config(
     path: str | Path, *, progress: bool = True, workers: int | None = None
 ) -> list[dict[str, Any]]:
     """Prepare every dataset of the file in order; returns their manifests."""
     from .prepare import prepare
 
+    from mimir_megatron.config import raise_errors
+
     job = load_prepare_config(path)
     manifests = []
-    for d in job.datasets:
+    for i, d in enumerate(job.datasets):
+        errors: list[str] = []
+        provenance = dataset_provenance(d, f"datasets[{i}]", Path(path).parent, job, i, errors, prepared=True)
+        raise_errors(errors, f"invalid provenance in {path}")
         manifests.append(
             prepare(
                 d.input,
@@ -141,6 +187,7 @@ def run_prepare_config(
                 control_chars=d.control_chars or job.control_chars,
                 workers=workers or job.workers,
                 progress=progress,
+                provenance=provenance,
             )
         )
     return manifests

@@ -1,17 +1,21 @@
-"""`mimir data report`: token accounting of a mixture in the layout of the paper's Tables 1 and 8.
+"""`mimir data report`: token accounting of a mixture in the layout of the paper's Tables 1, 6, 7
+and 8 (categories, forms, languages, top datasets), with licences, permission bases and audit
+groups from each dataset's provenance, and the data policy's verdict.
 
 Tokens per epoch of a dataset = its prepared tokens (prefix + response, from the manifest) times
 its repeat factor. A dataset that is not prepared yet may declare ``tokens`` in the YAML instead,
-which lets a planned mixture be reported before any data is tokenized.
+which lets a planned mixture be reported before any data is tokenized. A dataset prepared without
+a provenance declaration shows ``unknown`` in every provenance table.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mimir_megatron.data.mixture import Mixture, MixtureEntry, load_mixture
 from mimir_megatron.data.prepared import MANIFEST_NAME, read_manifest
+from mimir_megatron.data.provenance import FORMS, UNKNOWN, provenance_from_record
 from mimir_megatron.errors import UserError
 
 
@@ -24,6 +28,10 @@ class DatasetRow:
     tokens: int  # one copy
     tokens_per_epoch: int
     declared: bool  # size taken from the YAML, not from a manifest
+    form: str = UNKNOWN
+    license: str = UNKNOWN
+    basis: str = UNKNOWN
+    audit_group: str = UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,10 @@ def dataset_rows(mixture: Mixture) -> list[DatasetRow]:
     rows = []
     for e in mixture.entries:
         tokens, declared = _tokens(e)
+        provenance = None if declared else provenance_from_record(read_manifest(e.path).get("provenance"))
+        known = {}
+        if provenance is not None:
+            known = {"form": FORMS[provenance.form], "license": provenance.license, "basis": provenance.basis}
         rows.append(
             DatasetRow(
                 e.name,
@@ -48,6 +60,8 @@ def dataset_rows(mixture: Mixture) -> list[DatasetRow]:
                 tokens,
                 int(round(tokens * e.repeat)),
                 declared,
+                audit_group=e.audit_group_of(provenance),
+                **known,
             )
         )
     return rows
@@ -65,7 +79,7 @@ def _tokens(entry: MixtureEntry) -> tuple[int, bool]:
 
 
 def group_rows(rows: list[DatasetRow], by: str) -> list[GroupRow]:
-    """Rows grouped by ``category`` or ``language``, largest first."""
+    """Rows grouped by a field (``category``, ``language``, ``form``, ...), largest first."""
     total = sum(r.tokens_per_epoch for r in rows)
     groups: dict[str, list[DatasetRow]] = {}
     for r in rows:
@@ -113,7 +127,11 @@ def format_report(mixture: Mixture, top: int = 10) -> str:
         "",
     ]
     out += _group_table("Category", group_rows(rows, "category"), rows) + [""]
+    out += _group_table("Form", group_rows(rows, "form"), rows) + [""]
     out += _group_table("Language", group_rows(rows, "language"), rows) + [""]
+    out += _group_table("Licence", group_rows(rows, "license"), rows) + [""]
+    out += _group_table("Basis", group_rows(rows, "basis"), rows) + [""]
+    out += _group_table("Audit group", group_rows(rows, "audit_group"), rows) + [""]
     ranked = sorted(rows, key=lambda r: (-r.tokens_per_epoch, r.name))[:top]
     width = max([7] + [len(r.name) for r in ranked])
     cat_w = max([8] + [len(r.category) for r in ranked])
@@ -131,7 +149,24 @@ def format_report(mixture: Mixture, top: int = 10) -> str:
         )
     if any(r.declared for r in rows):
         out += ["", "* size declared in the mixture file (dataset not prepared yet)"]
+    out += ["", *_policy_lines(mixture, rows)]
     return "\n".join(out)
+
+
+def _policy_lines(mixture: Mixture, rows: list[DatasetRow]) -> list[str]:
+    """The data policy's verdict on the prepared datasets (what `mimir train` checks first)."""
+    from mimir_megatron.data.policy import training_data_problems
+
+    unknown = [r.name for r in rows if r.basis == UNKNOWN and not r.declared]
+    lines = [f"Provenance unknown (prepared without a declaration): {', '.join(unknown)}"] if unknown else []
+    prepared = [e for e, r in zip(mixture.entries, rows) if not r.declared]
+    problems = training_data_problems(replace(mixture, entries=tuple(prepared)))
+    if problems:
+        lines += [f"Data policy: {len(problems)} problem(s); `mimir train` refuses this mixture:"]
+        lines += [f"  - {p}" for p in problems]
+    else:
+        lines.append(f"Data policy: the {len(prepared)} prepared dataset(s) may be trained on")
+    return lines
 
 
 def report(mixture_path: str | Path, top: int = 10) -> str:

@@ -15,7 +15,8 @@ class AuditSource:
     name: str
     path: Path
     category: str
-    """The audit group (the mixture's ``audit_category``, else its ``category``)."""
+    """The audit group (the mixture's ``audit_category``, else the group the dataset's provenance
+    declares, else its ``category``)."""
 
 
 def resolve_sources(mixture: str | None = None, data: list[str] | None = None) -> list[AuditSource]:
@@ -25,12 +26,14 @@ def resolve_sources(mixture: str | None = None, data: list[str] | None = None) -
     """
     from mimir_megatron.data.mixture import load_mixture
     from mimir_megatron.data.prepared import read_manifest
+    from mimir_megatron.data.provenance import provenance_from_record
 
     if bool(mixture) == bool(data):
         raise UserError("give exactly one of --mixture MIX.yaml or --data [CATEGORY=]PREPARED_DIR ...")
     if mixture:
         mix = load_mixture(mixture)
-        sources = [AuditSource(e.name, e.path, e.audit_group) for e in mix.entries]
+        sources = [AuditSource(e.name, e.path, e.audit_group_of(
+            provenance_from_record(read_manifest(e.path).get("provenance")))) for e in mix.entries]
     else:
         sources, names = [], set()
         for item in data or []:

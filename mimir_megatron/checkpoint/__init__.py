@@ -4,8 +4,9 @@ Layout of a run's checkpoints directory (``<run.dir>/checkpoints``)::
 
     step_0000200/            one checkpoint, visible only once complete
         (dist_checkpointing files: model, optimizer moments, EMA; resharding-capable)
-        trainer_state.json   step, consumed samples, window, group steps, data fingerprint,
-                             model shape, MLflow run id, layout version
+        trainer_state.json   the typed TrainerState: step, consumed samples, window, group
+                             steps, data fingerprint and lineage, model shape, MLflow run id,
+                             layout version
         rng_rank<r>.safetensors  each rank's RNG state
     latest                   name of the newest complete checkpoint (replaced atomically)
     abandoned/               checkpoints of a timeline given up by resuming from an older one
@@ -15,8 +16,10 @@ directory (its ``latest`` is followed; a ``latest`` naming a missing checkpoint 
 a silent fresh start), or the run directory that holds it as ``checkpoints/``. The modules, each
 with one job:
 
-- :mod:`.layout`: names, ``latest``, the resolver (:func:`resolve`), the trainer state file.
-- :mod:`.compat`: layout version and model-shape checks; :mod:`.resume`: may training go on.
+- :mod:`.layout`: names, ``latest``, the resolver (:func:`resolve`).
+- :mod:`.trainer_state`: :class:`TrainerState`, its one reader and one writer.
+- :mod:`.compat`: layout version and model-shape checks (whether training may go on from a
+  checkpoint is the trainer's policy: ``mimir_megatron.train.resume``).
 - :mod:`.state`: the sharded model/optimizer/EMA state and the per-rank RNG state.
 - :mod:`.load`: :func:`load_checkpoint` (training state into a built model) and
   :func:`load_model` (a model on its own: export, generate, serve, eval, audits).
@@ -40,23 +43,23 @@ from .layout import (
     is_checkpoint,
     is_checkpoint_source,
     latest_checkpoint,
-    read_trainer_state,
     resolve,
     step_dir_name,
 )
+from .trainer_state import BaseModel, DatasetLineage, TrainerState, read_trainer_state
 
 # Imported on first use: the layout alone is what a command's --help needs (no omegaconf, no torch).
 _LAZY = {
     "check_compatible": "compat", "check_format": "compat",
-    "check_resumable": "resume", "config_changes": "resume",
     "load_checkpoint": "load", "load_model": "load", "execution_overrides": "load",
     "CheckpointWriter": "write", "CheckpointWriteError": "write", "check_writable": "write",
     "optimizer_group_steps": "state", "prune_checkpoints": "prune", "set_aside_newer": "prune",
 }
 
 __all__ = [
-    "FORMAT", "FORMS_HELP", "RUN_CHECKPOINTS", "find", "is_checkpoint", "is_checkpoint_source",
-    "latest_checkpoint", "read_trainer_state", "resolve", "step_dir_name", *_LAZY,
+    "FORMAT", "FORMS_HELP", "RUN_CHECKPOINTS", "BaseModel", "DatasetLineage", "TrainerState", "find",
+    "is_checkpoint", "is_checkpoint_source", "latest_checkpoint", "read_trainer_state", "resolve",
+    "step_dir_name", *_LAZY,
 ]
 
 

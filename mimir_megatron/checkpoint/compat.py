@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from mimir_megatron.config import ModelConfig
 from mimir_megatron.errors import UserError
 
 from .layout import FORMAT
+from .trainer_state import TrainerState
 
 # Shape fields the weights do not depend on: the recurrence schedule and metadata may change
 # between save and load (execution and parallel settings are not part of the shape at all).
@@ -16,26 +16,27 @@ FREE_SHAPE_FIELDS = {"bp_window", "window_policy", "tokenizer", "seed", "h_cycle
                      "max_position_embeddings"}
 
 
-def check_format(saved: dict[str, Any], path: Path) -> None:
+def check_format(saved: TrainerState, path: Path) -> None:
     """Refuse a checkpoint written with another layout version of the sharded state."""
-    if saved.get("format") != FORMAT:
-        raise UserError(f"checkpoint {path} has layout version {saved.get('format', 'none')}; this "
+    if saved.format != FORMAT:
+        version = "none" if saved.format is None else saved.format
+        raise UserError(f"checkpoint {path} has layout version {version}; this "
                         f"version of mimir-megatron reads version {FORMAT}")
 
 
-def check_compatible(saved: dict[str, Any], cfg: ModelConfig, path: Path) -> None:
+def check_compatible(saved: TrainerState, cfg: ModelConfig, path: Path) -> None:
     """Refuse a checkpoint of another layout version or model shape, naming what differs."""
     check_format(saved, path)
     current = cfg.shape_dict()
     diffs = [
         f"{key}: checkpoint {value!r}, config {current[key]!r}"
-        for key, value in saved["model"].items()
+        for key, value in saved.model.items()
         # Records written before the shape/execution split also hold execution and layout keys.
         if key in current and key not in FREE_SHAPE_FIELDS and current[key] != value
     ]
-    if saved.get("padded_vocab_size") != cfg.padded_vocab_size and not diffs:
+    if saved.padded_vocab_size != cfg.padded_vocab_size and not diffs:
         diffs.append(
-            f"padded vocabulary: checkpoint {saved.get('padded_vocab_size')}, this TP layout "
+            f"padded vocabulary: checkpoint {saved.padded_vocab_size}, this TP layout "
             f"{cfg.padded_vocab_size} (set model.make_vocab_size_divisible_by so both agree)"
         )
     if diffs:

@@ -5,17 +5,16 @@ This module is the only place that knows a checkpoint's file names; everything e
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 from mimir_megatron.errors import UserError
 
+from .trainer_state import STATE_FILE, TrainerState, read_trainer_state
+
 log = logging.getLogger(__name__)
 
-STATE_FILE = "trainer_state.json"
 FORMAT = 1
 """Layout version of the sharded state; bumped whenever its keys change."""
 LATEST = "latest"
@@ -50,8 +49,8 @@ def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
 
     def written(path: Path) -> tuple[float, int]:
         try:
-            at = float(json.loads((path / STATE_FILE).read_text()).get("written_at", 0.0))
-        except (OSError, ValueError):
+            at = float(read_trainer_state(path).written_at)
+        except UserError:
             at = 0.0  # unreadable: oldest, pruned first
         return at, step_of(path)
 
@@ -132,19 +131,7 @@ def resolve(path: str | Path) -> Path:
     return found
 
 
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    """The trainer state of the checkpoint ``path`` (a ``step_N`` directory)."""
-    state_file = Path(path) / STATE_FILE
-    if not state_file.is_file():
-        raise UserError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
-    return json.loads(state_file.read_text())
-
-
-def write_trainer_state(path: Path, state: dict[str, Any]) -> None:
-    (Path(path) / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
-
-
-def find(path: str | Path) -> tuple[Path, dict[str, Any]] | None:
+def find(path: str | Path) -> tuple[Path, TrainerState] | None:
     """(checkpoint, its trainer state) when ``path`` is a training checkpoint in either form;
     None when it is something else (project weights, a transformers directory)."""
     if not is_checkpoint_source(path):

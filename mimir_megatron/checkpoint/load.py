@@ -9,7 +9,6 @@ Load only your own checkpoints; third-party weights go through ``mimir import`` 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,11 +19,12 @@ from mimir_megatron import backend
 from mimir_megatron.errors import UserError
 
 from .compat import check_compatible, check_format
-from .layout import read_trainer_state, resolve, rng_file
+from .layout import resolve, rng_file
 from .state import restore_optimizer, set_rng_state, sharded_state
+from .trainer_state import TrainerState, read_trainer_state
 
 
-def load_checkpoint(path: Path, model, optimizer, ema, *, restore_rng: bool = True) -> dict[str, Any]:
+def load_checkpoint(path: Path, model, optimizer, ema, *, restore_rng: bool = True) -> TrainerState:
     """Load model (and optimizer, EMA when given) from the checkpoint ``path`` into a built model;
     returns the trainer state. ``restore_rng`` (a resume) also sets this rank's saved RNG state."""
     trainer_state = read_trainer_state(path)
@@ -33,7 +33,7 @@ def load_checkpoint(path: Path, model, optimizer, ema, *, restore_rng: bool = Tr
     loaded = dist_checkpointing.load(sharded, str(path))
     model.load_state_dict(loaded["model"], strict=False)
     if optimizer is not None:
-        restore_optimizer(model, optimizer, loaded["optimizer"], trainer_state["optimizer_group_steps"])
+        restore_optimizer(model, optimizer, loaded["optimizer"], trainer_state.optimizer_group_steps)
     if ema is not None:
         with torch.no_grad():
             for name, tensor in loaded["ema"].items():
@@ -68,9 +68,9 @@ def load_model(path: str | Path, *, ema: bool = False, tensor_parallel_size: int
     path = resolve(path)
     state = read_trainer_state(path)
     check_format(state, path)
-    if ema and state["config"]["optim"]["ema_decay"] == 0:
+    if ema and not state.has_ema:
         raise UserError(f"{path} was trained without an EMA (optim.ema_decay = 0)")
-    cfg = model_config_from_record(state["model"], execution_overrides(tensor_parallel_size))
+    cfg = model_config_from_record(state.model, execution_overrides(tensor_parallel_size))
     devices = list(range(torch.cuda.device_count())) if backend.has_gpu() else []
     with torch.random.fork_rng(devices=devices):
         model = build_model(cfg)

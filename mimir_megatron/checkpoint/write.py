@@ -15,9 +15,10 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,12 +29,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mimir_megatron import backend
 from mimir_megatron.errors import UserError
 
-from .layout import FORMAT, latest_name, rng_file, step_dir_name, step_of, write_trainer_state
+from .layout import FORMAT, latest_name, rng_file, step_dir_name, step_of
 from .layout import write_latest as _write_latest
 from .prune import prune_checkpoints as _prune
 from .signal_safe import start_shielded, write_results_queue
 from .state import rng_state as _rng_state
 from .state import sharded_state
+from .trainer_state import TrainerState, write_trainer_state
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class CheckpointWriter:
         # An asynchronous writer's helper process starts now, not inside the first save.
         write_results_queue(cross_process=asynchronous)
 
-    def save(self, step: int, model, optimizer, ema, trainer_state: dict[str, Any]) -> Path:
+    def save(self, step: int, model, optimizer, ema, trainer_state: TrainerState) -> Path:
         self.wait()
         _writer_error_log().drain()  # only this write's errors explain its failure
         rank = dist.get_rank()
@@ -106,7 +108,7 @@ class CheckpointWriter:
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - it wraps the OSError
             error = exc
         self._agree(step, tmp, error)
-        commit = partial(self._commit, step, tmp, final, dict(trainer_state))
+        commit = partial(self._commit, step, tmp, final, trainer_state)
         if request is None:
             commit()
             return final
@@ -150,13 +152,12 @@ class CheckpointWriter:
         if not self._queue.get_num_unfinalized_calls():
             self.pending = None
 
-    def _commit(self, step: int, tmp: Path, final: Path, trainer_state: dict[str, Any]) -> None:
+    def _commit(self, step: int, tmp: Path, final: Path, trainer_state: TrainerState) -> None:
         """Rank 0 makes the written checkpoint visible; run once every rank's write is done."""
         error: BaseException | None = None
         if dist.get_rank() == 0:
             try:
-                state = {**trainer_state, "format": FORMAT, "written_at": time.time()}
-                write_trainer_state(tmp, state)
+                write_trainer_state(tmp, replace(trainer_state, format=FORMAT, written_at=time.time()))
                 if final.exists():
                     shutil.rmtree(final)
                 tmp.rename(final)

@@ -14,6 +14,8 @@ _EXPORTS = {
     "PackedMixture": ".loader", "build_train_loader": ".loader", "collate": ".loader",
     "mixture_fingerprint": ".loader",
     "Mixture": ".mixture", "MixtureEntry": ".mixture", "load_mixture": ".mixture",
+    "DataPolicy": ".policy", "training_data_problems": ".policy",
+    "Provenance": ".provenance",
     "EpochIndex": ".packing", "build_epoch_index": ".packing", "epoch_plan": ".packing", "pack": ".packing",
     "padding_fraction": ".packing",
     "PreparedDataset": ".prepared", "read_manifest": ".prepared",

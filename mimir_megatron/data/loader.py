@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator
 
@@ -78,6 +79,23 @@ class PackedMixture:
             ]
             self._sample_lengths = np.concatenate(parts) if parts else np.zeros(0, np.int32)
         return self._sample_lengths
+
+    @cached_property
+    def _response_lengths(self) -> np.ndarray:
+        parts = [d.response_lengths.astype(np.int64) for d in self.datasets]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def source_counts(self, docs: np.ndarray) -> np.ndarray:
+        """``[datasets, 3]`` int64: documents, tokens (prefix + response) and response tokens of
+        each dataset among the global document ids ``docs`` (the data lineage of a batch)."""
+        n = len(self.datasets)
+        dataset = np.searchsorted(self.doc_starts, docs, side="right") - 1
+        tokens = self.sample_lengths[docs].astype(np.int64) + 1
+        counts = np.zeros((n, 3), dtype=np.int64)
+        np.add.at(counts[:, 0], dataset, 1)
+        np.add.at(counts[:, 1], dataset, tokens)
+        np.add.at(counts[:, 2], dataset, self._response_lengths[docs])
+        return counts
 
     def _cache_paths(self, epoch: int) -> tuple[Path, Path]:
         stem = f"{self.mixture.name}-{self.fingerprint[:16]}-e{epoch:04d}"
@@ -202,6 +220,9 @@ def build_train_loader(
 def _iterate(stream: PackedMixture, mbs: int, first: int, step: int) -> Iterator[Batch]:
     sample = first
     while True:
-        rows = [stream.context(sample + i) for i in range(mbs)]
-        yield collate(rows, stream.cfg.seq_len, stream.cfg.pad_token_id)
+        docs = [stream.context_documents(sample + i) for i in range(mbs)]
+        rows = [[stream.document(int(d)) for d in row] for row in docs]
+        batch = collate(rows, stream.cfg.seq_len, stream.cfg.pad_token_id)
+        batch.sources = stream.source_counts(np.concatenate(docs))
+        yield batch
         sample += step

@@ -9,22 +9,29 @@ datasets:
     repeat: 4                      # copies per epoch; 0.5 = a seeded half of the documents
     tokens: 123456                 # optional: declared size, used by the report when the
                                    # dataset is not prepared (planning a mixture)
-    audit_category: B              # optional: the memorisation-audit group (`mimir audit`),
-                                   # e.g. the paper's A-D by licence status; default: category
+    audit_category: B              # optional: overrides the memorisation-audit group the
+                                   # dataset's provenance declares (`mimir audit`); default:
+                                   # that group, else the category
+data_policy:                       # optional: which datasets may be trained on directly
+  allow_bases: [open-licence, public-domain, synthetic]   # (mimir_megatron.data.policy)
+
+Every mistake in the file is reported at once, one line each.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mimir_megatron.errors import UserError
 
+from .policy import DataPolicy, parse_policy
 from .prepared import read_manifest
 
 _KEYS = {"name", "path", "category", "language", "repeat", "tokens", "audit_category"}
+_TOP_KEYS = {"name", "datasets", "data_policy"}
 
 
 @dataclass(frozen=True)
@@ -38,9 +45,15 @@ class MixtureEntry:
     audit_category: str | None = None
     """The memorisation-audit group; None means the same as ``category``."""
 
-    @property
-    def audit_group(self) -> str:
-        return self.audit_category if self.audit_category is not None else self.category
+    def audit_group_of(self, provenance) -> str:
+        """The memorisation-audit group: this entry's ``audit_category``, else the one the
+        dataset's provenance (a :class:`~.provenance.Provenance` or None) declares, else the
+        category."""
+        if self.audit_category is not None:
+            return self.audit_category
+        if provenance is not None and provenance.audit_group:
+            return provenance.audit_group
+        return self.category
 
 
 @dataclass(frozen=True)
@@ -48,10 +61,12 @@ class Mixture:
     name: str
     source: Path
     entries: tuple[MixtureEntry, ...]
+    policy: DataPolicy = field(default_factory=DataPolicy)
 
 
 def load_mixture(path: str | Path) -> Mixture:
-    """Parse and validate a mixture YAML; UserError naming the file and entry on any mistake."""
+    """Parse and validate a mixture YAML; one UserError listing every mistake, each naming the
+    file and the entry."""
     import yaml
 
     source = Path(path)
@@ -65,43 +80,58 @@ def load_mixture(path: str | Path) -> Mixture:
         raise UserError(f"{where}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
     if not isinstance(data, dict) or not isinstance(data.get("datasets"), list):
         raise UserError(f"{source}: expected a mapping with a 'datasets' list")
+    errors: list[str] = []
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        errors.append(f"unknown key(s) {sorted(unknown)}; allowed {sorted(_TOP_KEYS)}")
     if not data["datasets"]:
-        raise UserError(f"{source}: 'datasets' is empty")
+        errors.append("'datasets' is empty")
+    policy = parse_policy(data.get("data_policy"), "data_policy", errors)
     entries, names = [], set()
     for i, item in enumerate(data["datasets"]):
-        where = f"{source}: datasets[{i}]"
-        if not isinstance(item, dict):
-            raise UserError(f"{where}: expected a mapping")
-        unknown = set(item) - _KEYS
-        if unknown:
-            raise UserError(f"{where}: unknown key(s) {sorted(unknown)}; allowed {sorted(_KEYS)}")
-        if not item.get("path"):
-            raise UserError(f"{where}: 'path' is required")
-        ds_path = Path(item["path"])
-        if not ds_path.is_absolute():
-            ds_path = (source.parent / ds_path).resolve()
-        repeat = item.get("repeat", 1)
-        if isinstance(repeat, bool) or not isinstance(repeat, (int, float)) or repeat < 0:
-            raise UserError(f"{where}: 'repeat' must be a number >= 0, got {repeat!r}")
-        tokens = item.get("tokens")
-        if tokens is not None and (not isinstance(tokens, int) or tokens < 0):
-            raise UserError(f"{where}: 'tokens' must be a non-negative integer, got {tokens!r}")
-        name = str(item.get("name") or ds_path.name)
-        if name in names:
-            raise UserError(f"{where}: duplicate dataset name {name!r}")
-        names.add(name)
-        entries.append(
-            MixtureEntry(
-                name=name,
-                path=ds_path,
-                category=str(item.get("category", "uncategorised")),
-                language=str(item.get("language", "unknown")),
-                repeat=float(repeat),
-                tokens=tokens,
-                audit_category=None if item.get("audit_category") is None else str(item["audit_category"]),
-            )
-        )
-    return Mixture(str(data.get("name") or source.stem), source, tuple(entries))
+        entry = _entry(item, f"datasets[{i}]", source, errors)
+        if entry is None:
+            continue
+        if entry.name in names:
+            errors.append(f"datasets[{i}]: duplicate dataset name {entry.name!r}")
+        names.add(entry.name)
+        entries.append(entry)
+    if errors:
+        raise UserError(f"invalid mixture {source}:\n  - " + "\n  - ".join(errors))
+    return Mixture(str(data.get("name") or source.stem), source, tuple(entries), policy)
+
+
+def _entry(item, where: str, source: Path, errors: list[str]) -> MixtureEntry | None:
+    """One dataset entry; its mistakes go to ``errors`` (then None)."""
+    if not isinstance(item, dict):
+        errors.append(f"{where}: expected a mapping")
+        return None
+    before = len(errors)
+    unknown = set(item) - _KEYS
+    if unknown:
+        errors.append(f"{where}: unknown key(s) {sorted(unknown)}; allowed {sorted(_KEYS)}")
+    if not item.get("path"):
+        errors.append(f"{where}: 'path' is required")
+    repeat = item.get("repeat", 1)
+    if isinstance(repeat, bool) or not isinstance(repeat, (int, float)) or repeat < 0:
+        errors.append(f"{where}: 'repeat' must be a number >= 0, got {repeat!r}")
+    tokens = item.get("tokens")
+    if tokens is not None and (not isinstance(tokens, int) or tokens < 0):
+        errors.append(f"{where}: 'tokens' must be a non-negative integer, got {tokens!r}")
+    if len(errors) > before:
+        return None
+    ds_path = Path(item["path"])
+    if not ds_path.is_absolute():
+        ds_path = (source.parent / ds_path).resolve()
+    return MixtureEntry(
+        name=str(item.get("name") or ds_path.name),
+        path=ds_path,
+        category=str(item.get("category", "uncategorised")),
+        language=str(item.get("language", "unknown")),
+        repeat=float(repeat),
+        tokens=tokens,
+        audit_category=None if item.get("audit_category") is None else str(item["audit_category"]),
+    )
 
 
 def mixture_digest(mixture: Mixture, extra: dict | None = None) -> str:

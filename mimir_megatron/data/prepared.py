@@ -2,7 +2,9 @@
 
 On-disk layout of one prepared dataset (a directory)::
 
-    manifest.json          counts, tokenizer hash, rejects per reason, sha256 of every output
+    manifest.json          counts, tokenizer hash, rejects per reason, sha256 of every input and
+                           output, the provenance record (mimir_megatron.data.provenance), and
+                           the manifest's own digest (an edited manifest is refused for training)
     rejects.jsonl          one line per rejected input line: file, line, reason, detail
     shards/00000.bin|.idx  megatron-core indexed datasets, one per input shard
     shards/00000.json      shard statistics; written last, so its presence marks the shard done
@@ -15,6 +17,7 @@ cannot drift from the token ids; ``document_indices`` is ``[0, 2, 4, ...]``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from functools import cached_property
@@ -49,6 +52,28 @@ def read_manifest(path: str | Path) -> dict:
     if manifest.get("format") != FORMAT:
         raise UserError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
     return manifest
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's content (everything but its ``digest`` field)."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def manifest_problem(manifest: dict) -> str | None:
+    """Why a manifest cannot be trusted (edited after ``mimir prepare`` wrote it), or None.
+    Manifests written before digests were recorded have none to check."""
+    if "digest" in manifest and manifest["digest"] != manifest_digest(manifest):
+        return "edited after mimir prepare wrote it (its digest does not match its content)"
+    return None
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 class PreparedDataset:

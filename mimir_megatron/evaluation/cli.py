@@ -122,7 +122,7 @@ def _tokenizer_dir(args: argparse.Namespace) -> str | None:
 
         found = find(args.checkpoint)
         if found:
-            return found[1].get("model", {}).get("tokenizer") or None
+            return found[1].model.get("tokenizer") or None
     return None
 
 

@@ -168,7 +168,7 @@ def trained_schedule(checkpoint: str | None = None, hf: str | None = None) -> Sc
     if checkpoint:
         found = find(checkpoint)
         if found:
-            model = found[1].get("model", {})
+            model = found[1].model
             return int(model["h_cycles"]), int(model["l_cycles"])
     if hf and (Path(hf) / "config.json").is_file():
         config = json.loads((Path(hf) / "config.json").read_text())

@@ -37,7 +37,7 @@ def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path
     found = find(checkpoint) if checkpoint else None
     if found is not None and not uri:
         path, state = found
-        config = state.get("config", {})
+        config = state.config
         run_dir = path.parent.parent if path.parent.name == RUN_CHECKPOINTS else \
             Path(config.get("run", {}).get("dir") or Path("runs") / config.get("run", {}).get("name", ""))
         tracking = config.get("tracking", {})
@@ -45,10 +45,10 @@ def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path
             uri=tracking.get("uri") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}",
             experiment=experiment or tracking.get("experiment", DEFAULT_EXPERIMENT),
             artifact_root=(run_dir / "mlartifacts").resolve().as_uri(),
-            parent_run_id=state.get("mlflow_run_id"), checkpoint_step=state.get("step"))
+            parent_run_id=state.mlflow_run_id, checkpoint_step=state.step)
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(output / 'mlflow.db').resolve()}"
     return TrackingTarget(uri, experiment or DEFAULT_EXPERIMENT, (output / "mlartifacts").resolve().as_uri(),
-                          checkpoint_step=found[1].get("step") if found else None)
+                          checkpoint_step=found[1].step if found else None)
 
 
 class EvalRun:

@@ -19,10 +19,12 @@ from omegaconf import OmegaConf
 
 from mimir_megatron import backend, parallel
 from mimir_megatron import checkpoint as ckpt
-from mimir_megatron.errors import NonFiniteTraining
+from mimir_megatron.errors import NonFiniteTraining, UserError
 from mimir_megatron.stop_signals import STOP_SIGNALS, take_early
 from mimir_megatron.train.config import TrainConfig, flatten
 from mimir_megatron.train.flops import flops_per_token
+from mimir_megatron.train.lineage import LineageCounter
+from mimir_megatron.train.resume import check_resumable, resume_path
 from mimir_megatron.train.schedules import StepPlan, plan_step
 from mimir_megatron.train.step import StepHooks, StepOutcome, Trainer, build_trainer, train_step
 from mimir_megatron.train.tracking import SystemMetrics, Tracker, host_tags
@@ -103,21 +105,29 @@ class _Run:
     """Optimizer steps done (0 at the start of a run, the checkpoint's step on resume)."""
     consumed: int
     """Samples consumed by the steps done."""
+    lineage: LineageCounter
+    """What of each dataset the steps done consumed."""
+    base_model: ckpt.BaseModel | None
+    """The weights the run started from (``checkpoint.init_from``), kept across resumes."""
 
     def save(self, at_step: int) -> None:
-        """Checkpoint the current state as that after ``at_step`` steps."""
+        """Checkpoint the current state as that after ``at_step`` steps (collective)."""
         cfg, t = self.cfg, self.trainer
-        trainer_state = {
-            "step": at_step,
-            "consumed_samples": self.consumed,
-            "window_k": plan_step(at_step - 1, cfg).window.k if at_step else None,
-            "optimizer_group_steps": ckpt.optimizer_group_steps(t.optimizer, t.dp_group),
-            "data_fingerprint": self.fingerprint,
-            "model": cfg.model.shape_dict(),
-            "padded_vocab_size": cfg.model.padded_vocab_size,
-            "mlflow_run_id": self.tracker.run_id,
-            "config": cfg.to_dict(),
-        }
+        trainer_state = ckpt.TrainerState(
+            step=at_step,
+            consumed_samples=self.consumed,
+            window_k=plan_step(at_step - 1, cfg).window.k if at_step else None,
+            optimizer_group_steps=ckpt.optimizer_group_steps(t.optimizer, t.dp_group),
+            data_fingerprint=self.fingerprint,
+            model=cfg.model.shape_dict(),
+            padded_vocab_size=cfg.model.padded_vocab_size,
+            has_ema=t.ema is not None,
+            mlflow_run_id=self.tracker.run_id,
+            config=cfg.to_dict(),
+            lineage=self.lineage.snapshot(t.dp_group),
+            base_model=self.base_model,
+            data_policy=self.lineage.policy,
+        )
         self.writer.save(at_step, t.model, t.optimizer, t.ema, trainer_state)
 
     def evaluate(self) -> float | None:
@@ -134,13 +144,21 @@ def _set_up(cfg: TrainConfig) -> _Run:
         PackedMixture,
         build_train_loader,
         load_eval_samples,
+        load_mixture,
         mixture_fingerprint,
+        training_data_problems,
     )
     from mimir_megatron.data.prefetch import DevicePrefetcher
     from mimir_megatron.model import build_model
 
     env = parallel.init_distributed(timeout_s=cfg.train.collective_timeout_s)
     cfg.validate(world_size=env.world_size)
+    # The data policy and the manifests' integrity, before anything is built: every offending
+    # dataset at once (each rank reads the same files and comes to the same verdict).
+    mixture = load_mixture(cfg.data.mixture)
+    problems = training_data_problems(mixture)
+    if problems:
+        raise UserError(f"refusing to train on {mixture.source}:\n  - " + "\n  - ".join(problems))
     parallel.init_model_parallel(cfg.model.parallel.tensor_parallel_size)
     rank, device = env.rank, backend.device()
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -160,18 +178,20 @@ def _set_up(cfg: TrainConfig) -> _Run:
     model, optimizer, ema = trainer.model, trainer.optimizer, trainer.ema
     fingerprint = mixture_fingerprint(cfg.data)
 
-    step, consumed, run_id, parent_run_id, config_changes = 0, 0, None, None, []
-    resume_from = _resume_path(cfg, ckpt_dir)
+    step, consumed, run_id, parent_run_id, config_changes, resumed_lineage = 0, 0, None, None, [], ()
+    base_model: ckpt.BaseModel | None = None
+    resume_from = resume_path(cfg)
     if resume_from is not None:
-        config_changes = ckpt.check_resumable(ckpt.read_trainer_state(resume_from), cfg, resume_from,
-                                              fingerprint)
+        config_changes = check_resumable(ckpt.read_trainer_state(resume_from), cfg, resume_from, fingerprint)
         state = ckpt.load_checkpoint(resume_from, model, optimizer, ema)
-        step, consumed, run_id = state["step"], state["consumed_samples"], state.get("mlflow_run_id")
+        step, consumed, run_id = state.step, state.consumed_samples, state.mlflow_run_id
+        resumed_lineage, base_model = state.lineage, state.base_model
         log.info("resumed from %s at step %d", resume_from, step)
         if config_changes:
             log.warning("resuming with a changed configuration (allowed): %s", "; ".join(config_changes))
     elif cfg.checkpoint.init_from:
-        parent_run_id = _init_weights(cfg, model, optimizer, ema)
+        base_model = _init_weights(cfg, model, optimizer, ema)
+        parent_run_id = base_model.mlflow_run_id
     if rank == 0:  # checkpoints after the start step belong to an abandoned timeline
         ckpt.set_aside_newer(ckpt_dir, step, resume_from)
     dist.barrier()
@@ -216,7 +236,8 @@ def _set_up(cfg: TrainConfig) -> _Run:
     writer = ckpt.CheckpointWriter(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, on_saved)
     return _Run(cfg=cfg, trainer=trainer, loader=loader, eval_samples=eval_samples, tracker=tracker,
                 system=system, writer=writer, result=result, fingerprint=fingerprint, dp_rank=dp_rank,
-                dp_size=dp_size, accumulation=accumulation, step=step, consumed=consumed)
+                dp_size=dp_size, accumulation=accumulation, step=step, consumed=consumed,
+                lineage=LineageCounter(mixture, resumed_lineage), base_model=base_model)
 
 
 def _loop(run: _Run, stop: _StopFlag, stop_at_step: int | None, hooks: StepHooks | None) -> TrainResult:
@@ -233,6 +254,8 @@ def _loop(run: _Run, stop: _StopFlag, stop_at_step: int | None, hooks: StepHooks
             started = time.perf_counter()
             plan = plan_step(run.step, cfg)
             micro_batches = [next(run.loader).to(device) for _ in range(run.accumulation)]
+            for batch in micro_batches:
+                run.lineage.add(batch.sources)
             # The loader's batches are checked on this process's first step only: the checks
             # (token ranges) cost host syncs that a GPU step should not pay.
             outcome = train_step(run.trainer, micro_batches, plan, step=run.step,
@@ -321,16 +344,7 @@ def _start_system_metrics(cfg: TrainConfig, tracker: Tracker, local_rank: int) -
                          node_id=socket.gethostname() if nodes > 1 else None)
 
 
-def _resume_path(cfg: TrainConfig, ckpt_dir: Path) -> Path | None:
-    mode = cfg.checkpoint.resume
-    if mode == "never":
-        return None
-    if mode == "auto":
-        return ckpt.latest_checkpoint(ckpt_dir)
-    return ckpt.resolve(mode)  # a step_N directory, or a checkpoints (or run) directory's latest
-
-
-def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> str | None:
+def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> ckpt.BaseModel:
     """Continued training: weights from a checkpoint or from project weights (`mimir import`)."""
     from mimir_megatron.interop import CONFIG_FILE, read_safetensors_dir
     from mimir_megatron.model.state import load_full_state
@@ -338,17 +352,18 @@ def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> str | None:
     source = Path(cfg.checkpoint.init_from)
     if (source / CONFIG_FILE).is_file():
         load_full_state(model, read_safetensors_dir(source), source=str(source))
-        parent = None
+        base = ckpt.BaseModel(source=str(source.resolve()))
     else:  # a new run: its own seed decides the RNG, not the source run's
-        state = ckpt.load_checkpoint(ckpt.resolve(source), model,
-                                     optimizer if cfg.checkpoint.keep_optimizer else None, ema,
+        path = ckpt.resolve(source)
+        state = ckpt.load_checkpoint(path, model, optimizer if cfg.checkpoint.keep_optimizer else None, ema,
                                      restore_rng=False)
-        parent = state.get("mlflow_run_id")
-    if ema is not None and not (cfg.checkpoint.keep_optimizer and parent is not None):
+        base = ckpt.BaseModel(source=str(path.resolve()), step=state.step, mlflow_run_id=state.mlflow_run_id,
+                              lineage=state.lineage, base_model=state.base_model)
+    if ema is not None and not (cfg.checkpoint.keep_optimizer and base.mlflow_run_id is not None):
         ema.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     log.info("initialised weights from %s (optimizer %s)", source,
              "kept" if cfg.checkpoint.keep_optimizer else "reset")
-    return parent
+    return base
 
 
 def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan: StepPlan, outcome: StepOutcome,

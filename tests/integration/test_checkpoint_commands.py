@@ -136,12 +136,12 @@ def test_evaluation_reads_the_checkpoint(trained, form, tmp_path):
     state = read_trainer_state(trained / "checkpoints" / STEP)
     path = str(source(trained, form))
     target = tracking_target(tmp_path, checkpoint=path)
-    assert (target.parent_run_id, target.checkpoint_step) == (state["mlflow_run_id"], 3)
+    assert (target.parent_run_id, target.checkpoint_step) == (state.mlflow_run_id, 3)
     assert target.uri == f"sqlite:///{(trained / 'mlflow.db').resolve()}"
-    assert trained_schedule(path) == (state["model"]["h_cycles"], state["model"]["l_cycles"])
+    assert trained_schedule(path) == (state.model["h_cycles"], state.model["l_cycles"])
     args = argparse.Namespace(checkpoint=path, hf=None, weights=None, base_url=None, tokenizer=None,
                               ema=False)
-    assert _tokenizer_dir(args) == state["model"]["tokenizer"]
+    assert _tokenizer_dir(args) == state.model["tokenizer"]
     assert _source_name(args) == f"{trained.name}-{STEP}"
 
 
@@ -197,7 +197,7 @@ def test_train_init_from_and_resume(trained, demo_data, form, tmp_path):
     from mimir_megatron.checkpoint import read_trainer_state
 
     logged = MlflowClient(f"sqlite:///{tmp_path / 'resumed' / 'mlflow.db'}").get_run(resumed.run_id)
-    assert logged.data.tags["mimir.resumed_from_run_id"] == read_trainer_state(trained / "checkpoints" / STEP)["mlflow_run_id"]
+    assert logged.data.tags["mimir.resumed_from_run_id"] == read_trainer_state(trained / "checkpoints" / STEP).mlflow_run_id
     assert logged.info.status == "FINISHED" and "loss" in logged.data.metrics
     continued = run(tmp_path / "continued", f"checkpoint.init_from={path}", "train.steps=1")
     assert continued.final_step == 1

@@ -27,7 +27,7 @@ from mimir_megatron.checkpoint import (
     prune_checkpoints,
     read_trainer_state,
 )
-from mimir_megatron.checkpoint.layout import write_trainer_state
+from mimir_megatron.checkpoint.trainer_state import TrainerState, write_trainer_state
 from mimir_megatron.errors import UserError
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
@@ -90,7 +90,7 @@ def test_a_rollback_keeps_the_new_timeline(demo_data, tmp_path, reference):
 def make_checkpoint(checkpoint_dir: Path, step: int, written_at: float) -> None:
     path = checkpoint_dir / f"step_{step:07d}"
     path.mkdir(parents=True)
-    write_trainer_state(path, {"step": step, "written_at": written_at})
+    write_trainer_state(path, TrainerState(step=step, written_at=written_at))
 
 
 def test_pruning_keeps_the_newest_written_and_the_one_latest_names(tmp_path):
@@ -242,7 +242,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint_and_ends_the_job(demo_data
                                   "are intact")
     assert latest(tmp_path) == "step_0000001"
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_0000001"]
-    assert read_trainer_state(ckpts / "step_0000001")["step"] == 1
+    assert read_trainer_state(ckpts / "step_0000001").step == 1
 
 
 # -- kill -9 at random moments ---------------------------------------------------------------------

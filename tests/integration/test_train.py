@@ -183,12 +183,12 @@ def test_adam_atan2_trains(demo_data, tmp_path):
 
 
 def test_checkpoint_of_another_layout_version_is_refused(demo_data, tmp_path):
-    from mimir_megatron.checkpoint.layout import read_trainer_state, write_trainer_state
+    from dataclasses import replace
+
+    from mimir_megatron.checkpoint.trainer_state import read_trainer_state, write_trainer_state
 
     run(demo_data, tmp_path, stop_at_step=3)
     path = tmp_path / "checkpoints" / "step_0000003"
-    state = read_trainer_state(path)
-    state.pop("format")
-    write_trainer_state(path, state)
+    write_trainer_state(path, replace(read_trainer_state(path), format=None))
     with pytest.raises(UserError, match="layout version none; this version of mimir-megatron reads version 1"):
         run(demo_data, tmp_path)

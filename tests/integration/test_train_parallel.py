@@ -136,3 +136,14 @@ def test_tp1_checkpoint_resumes_at_tp2(demo_data, tmp_path, one_process):
 def test_dp1_checkpoint_resumes_with_a_sharded_optimizer(demo_data, tmp_path, one_process):
     resumed = resumed_on_two_ranks(demo_data, one_process.run_dir / STEP_3, tmp_path, *DATA_PARALLEL)
     assert resumed == pytest.approx(one_process.losses[3:], rel=RTOL)
+
+
+@pytest.mark.parametrize("layout", ["data_parallel", "tensor_parallel"])
+def test_the_data_lineage_is_the_one_process_runs(layout, one_process, request):
+    """Counted per rank, summed over data-parallel ranks only (TP peers see the same batches)."""
+    from mimir_megatron.checkpoint import read_trainer_state
+
+    run = request.getfixturevalue(layout)
+    for step in (STEP_3, STEP_6):
+        got, want = (read_trainer_state(r.run_dir / step).lineage for r in (run, one_process))
+        assert sum(e.tokens for e in want) > 0 and got == want

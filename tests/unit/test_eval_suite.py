@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mimir_megatron.checkpoint.layout import write_trainer_state
+from mimir_megatron.checkpoint.trainer_state import TrainerState, write_trainer_state
 from mimir_megatron.errors import ConfigError, UserError
 from mimir_megatron.evaluation.fixtures import write_fixtures
 from mimir_megatron.evaluation.prompts import build_items
@@ -158,8 +158,9 @@ def test_training_checkpoint_evaluations_go_under_the_training_run(tmp_path):
     ckpts = tmp_path / "runs" / "demo" / "checkpoints"
     (ckpts / "step_0000400").mkdir(parents=True)
     (ckpts / "latest").write_text("step_0000400\n")
-    state = {"step": 400, "mlflow_run_id": "abc123", "model": {"h_cycles": 2, "l_cycles": 3},
-             "config": {"run": {"name": "demo", "dir": ""}, "tracking": {"uri": None, "experiment": "mimir-demo"}}}
+    state = TrainerState(step=400, mlflow_run_id="abc123", model={"h_cycles": 2, "l_cycles": 3},
+                         config={"run": {"name": "demo", "dir": ""},
+                                 "tracking": {"uri": None, "experiment": "mimir-demo"}})
     write_trainer_state(ckpts / "step_0000400", state)
     target = tracking_target(tmp_path / "out", checkpoint=ckpts)
     assert target.uri == f"sqlite:///{(tmp_path / 'runs' / 'demo' / 'mlflow.db').resolve()}"

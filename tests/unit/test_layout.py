@@ -5,7 +5,8 @@
 - mimir_megatron never imports mimir_data_prep (data preparation builds on the model side, and
   adds its `mimir` commands through an entry point);
 - mimir_kernels imports neither project package;
-- the model, inference, evaluation and audits import no trainer and no CLI entry point.
+- the model, checkpoints, data, inference, evaluation and audits import no trainer and no CLI
+  entry point.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def test_kernels_import_neither_project_package():
     assert _violations("mimir_kernels", ("mimir_megatron", "mimir_data_prep"), names=True) == []
 
 
-@pytest.mark.parametrize("under", ["model", "inference", "evaluation", "audits"])
-def test_model_inference_evaluation_audits_import_no_trainer_or_cli(under):
+@pytest.mark.parametrize("under", ["model", "checkpoint", "data", "inference", "evaluation", "audits"])
+def test_model_checkpoint_data_inference_evaluation_audits_import_no_trainer_or_cli(under):
     forbidden = ("mimir_megatron.train", "mimir_megatron.cli", "mimir_megatron.commands")
     assert _violations("mimir_megatron", forbidden, under) == []
 

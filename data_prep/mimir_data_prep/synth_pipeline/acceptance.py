@@ -89,6 +89,7 @@ def finalize(pipeline: Any, state: StateFile, out: Path, stopped: str | None = N
                                                       "input_sha256": rec["input_sha256"]}})
     accepted.commit()
     verdicts.commit()
+    _write_provenance(pipeline, out / ACCEPTED_NAME)
     decided = sum(status.values())
     kept_or_accepted = status["kept"] + status["accepted"]
     report = {
@@ -175,3 +176,15 @@ def log_to_mlflow(report: dict[str, Any], pipeline: Any, out: Path) -> str | Non
     except Exception as exc:  # noqa: BLE001 - tracking must never lose the produced rows
         log.warning("could not log the acceptance report to MLflow: %s", exc)
         return None
+
+
+def _write_provenance(pipeline: Any, accepted: Path) -> None:
+    """The accepted rows' provenance sidecar: derived from the source file's record (its licence
+    and languages inherited), synthetic, made by the generator and auditor models."""
+    from mimir_megatron.data.provenance import derived_provenance, write_sidecar
+
+    cfg = pipeline.config
+    models = {stage: cfg.endpoints[getattr(cfg, stage).endpoint].model for stage in ("generate", "audit")}
+    write_sidecar(accepted, derived_provenance(
+        [pipeline.source_path], id=cfg.name, source=f"mimir synth run {cfg.name}", form=cfg.output.form,
+        basis="synthetic", generator=f"generator {models['generate']}, auditor {models['audit']}"))

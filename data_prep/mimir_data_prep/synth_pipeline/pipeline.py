@@ -160,6 +160,9 @@ class OutputConfig:
     """Expression for the `tools` list, if any."""
     dir: str | None = None
     """Output/state directory (relative to the YAML); `--output` overrides it."""
+    form: str = "synthetic-audited"
+    """How the accepted data enters the corpus (Table 6; recorded in its provenance sidecar):
+    synthetic-audited, translated-audited, derived-task, ..."""
 
 
 @dataclass
@@ -387,6 +390,10 @@ def _value_errors(cfg: PipelineConfig) -> list[str]:
     for i, msg in enumerate(out.messages):
         if msg.role not in ROLES:
             errs.append(f"output.messages[{i}].role must be one of {', '.join(ROLES)}, got {msg.role!r}")
+    from mimir_megatron.data.provenance import FORMS
+
+    if out.form not in FORMS:
+        errs.append(f"output.form must be one of {', '.join(FORMS)}, got {out.form!r}")
     if out.messages and out.messages[-1].role != "assistant":
         errs.append("output.messages: the last message must have role assistant (it is trained on)")
     if cfg.max_generations < 1:

@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
+from mimir_megatron.data.provenance import derived_provenance, write_sidecar
 from mimir_megatron.errors import UserError
 
 from ..shards import CorruptRowGroup, iter_parquet, plan_shards
@@ -168,6 +169,10 @@ def convert_files(
         "notes": dict(sorted(notes.items())),
     }
     report_path(out).write_text(json.dumps(report, indent=2) + "\n")
+    # A conversion keeps its inputs' basis and licences; the sidecar records them for `mimir prepare`.
+    write_sidecar(out, derived_provenance(paths, id=out.name.removesuffix(".jsonl"),
+                                          source=f"mimir synth tools ({', '.join(sorted(formats)) or fmt})",
+                                          form="tool-call-formatted"))
     log.info(
         "%s: %d lines: %d accepted, %d repaired, %d rejected %s",
         out,

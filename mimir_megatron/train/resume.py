@@ -1,16 +1,15 @@
-"""May training go on from this checkpoint with this configuration? The resume checks."""
+"""May training go on from this checkpoint with this configuration? Where to resume from, and the
+resume checks. Training policy: the checkpoint package only reads and writes the state."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
+from mimir_megatron import checkpoint as ckpt
+from mimir_megatron.checkpoint.compat import check_compatible
+from mimir_megatron.checkpoint.trainer_state import TrainerState
 from mimir_megatron.errors import UserError
-
-from .compat import check_compatible
-
-if TYPE_CHECKING:  # annotations only: this package never imports the trainer
-    from mimir_megatron.train.config import TrainConfig
+from mimir_megatron.train.config import TrainConfig
 
 # What may change between save and resume without --allow-config-change: the layout of the same
 # computation (how the global batch is split, whether Adam state is sharded) and reporting.
@@ -20,12 +19,23 @@ _COMPARED_SECTIONS = ("train", "window", "optim")
 _COMPARED_MODEL_FIELDS = ("h_cycles", "l_cycles", "window_policy")
 
 
-def config_changes(saved: dict[str, Any], cfg: "TrainConfig") -> list[str]:
+def resume_path(cfg: TrainConfig) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` asks for: none (``never``), the run's own latest
+    (``auto``; None when there is none yet), or a given checkpoint in any of its forms."""
+    mode = cfg.checkpoint.resume
+    if mode == "never":
+        return None
+    if mode == "auto":
+        return ckpt.latest_checkpoint(cfg.checkpoint_dir)
+    return ckpt.resolve(mode)  # a step_N directory, or a checkpoints (or run) directory's latest
+
+
+def config_changes(saved: TrainerState, cfg: TrainConfig) -> list[str]:
     """One line per training setting that differs from the checkpoint's: the trajectory changes."""
-    before, now = saved.get("config", {}), cfg.to_dict()
+    before, now = saved.config, cfg.to_dict()
     pairs = [(f"{section}.{key}", before.get(section, {}), key, value)
              for section in _COMPARED_SECTIONS for key, value in now[section].items()]
-    pairs += [(f"model.{key}", saved.get("model", {}), key, now["model"][key])
+    pairs += [(f"model.{key}", saved.model, key, now["model"][key])
               for key in _COMPARED_MODEL_FIELDS]
     return [
         f"{name}: checkpoint {old[key]!r}, config {value!r}"
@@ -35,14 +45,14 @@ def config_changes(saved: dict[str, Any], cfg: "TrainConfig") -> list[str]:
     ]
 
 
-def check_resumable(saved: dict[str, Any], cfg: "TrainConfig", path: Path, fingerprint: str) -> list[str]:
+def check_resumable(saved: TrainerState, cfg: TrainConfig, path: Path, fingerprint: str) -> list[str]:
     """Refuse a changed data mixture or training configuration unless allowed; returns the
     accepted configuration changes (to be recorded)."""
     check_compatible(saved, cfg.model, path)
-    if saved["data_fingerprint"] != fingerprint and not cfg.checkpoint.allow_data_change:
+    if saved.data_fingerprint != fingerprint and not cfg.checkpoint.allow_data_change:
         raise UserError(
             f"the data mixture changed since {path} was written "
-            f"(fingerprint {saved['data_fingerprint'][:12]} -> {fingerprint[:12]}); "
+            f"(fingerprint {saved.data_fingerprint[:12]} -> {fingerprint[:12]}); "
             "pass checkpoint.allow_data_change=true to resume anyway"
         )
     changes = config_changes(saved, cfg)

@@ -1,0 +1,162 @@
+"""The data policy: which datasets a mixture may train on directly, checked before step 1.
+
+A mixture YAML may carry a ``data_policy`` section; without one the paper's rule applies::
+
+    data_policy:
+      allow_bases: [open-licence, public-domain, synthetic]   # agreement data only through a
+                                                              # dataset derived from it
+      allow_licenses: null        # null: any licence on the SPDX list (or public-domain,
+                                  # proprietary-agreement); else a list of licence ids
+      deny_licenses: []           # licence ids never trained on (e.g. CC-BY-NC-4.0)
+      allow_groups: null          # null: any audit group; else e.g. [A, C, D]
+      allow_unknown: false        # datasets (or parents) with no declared provenance
+
+:func:`training_data_problems` lists every dataset that breaks the policy, whose manifest or
+provenance record was edited, or whose input files changed since it was prepared (when they are
+still on disk): one line each, the dataset and the field named. ``mimir train`` trains nothing
+while the list is not empty.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .prepared import sha256_file
+from .provenance import BASES, UNKNOWN, normalise_license, provenance_from_record, record_problem
+
+log = logging.getLogger(__name__)
+
+PAPER_BASES = ["open-licence", "public-domain", "synthetic"]
+
+
+@dataclass
+class DataPolicy:
+    allow_bases: list[str] = field(default_factory=lambda: list(PAPER_BASES))
+    """Permission bases that may be trained on directly."""
+    allow_licenses: list[str] | None = None
+    """Licence ids that may be trained on (an OR needs one allowed branch, an AND all its
+    operands); None: any known licence."""
+    deny_licenses: list[str] = field(default_factory=list)
+    """Licence ids that may never be trained on."""
+    allow_groups: list[str] | None = None
+    """Audit groups that may be trained on; None: any."""
+    allow_unknown: bool = False
+    """Train on datasets (or datasets derived from data) whose provenance nobody declared."""
+
+    def errors(self, where: str) -> list[str]:
+        errors = [f"{where}.allow_bases: unknown basis {b!r} (one of {', '.join(BASES)})"
+                  for b in self.allow_bases if b not in BASES]
+        for name in ("allow_licenses", "deny_licenses"):
+            for i, key in enumerate(getattr(self, name) or []):
+                _, problem = normalise_license(str(key))
+                if problem:
+                    errors.append(f"{where}.{name}[{i}]: {problem}")
+        return errors
+
+
+def parse_policy(values: Any, where: str, errors: list[str]) -> DataPolicy:
+    """The typed policy of a mixture's ``data_policy`` section (the paper's rule when absent)."""
+    from mimir_megatron.config import typed_section
+
+    policy = typed_section(DataPolicy, values, where, errors)
+    errors += policy.errors(where)
+    return policy
+
+
+def policy_problems(name: str, record: dict[str, Any] | None, policy: DataPolicy,
+                    audit_group: str | None) -> list[str]:
+    """Why the policy forbids training on dataset ``name`` with provenance ``record``."""
+    from .provenance import license_allowed
+
+    where = f"dataset {name}"
+    provenance = provenance_from_record(record)
+    if provenance is None:
+        if policy.allow_unknown:
+            return []
+        return [f"{where}: provenance unknown (prepared without a declaration): declare it "
+                "(mimir prepare --source/--license/--basis/--form) or set data_policy.allow_unknown"]
+    problems = []
+    if provenance.basis not in policy.allow_bases:
+        hint = " (agreement data is trained on only through a dataset derived from it)" \
+            if provenance.basis == "agreement" else ""
+        problems.append(f"{where}: basis {provenance.basis} is not in data_policy.allow_bases "
+                        f"{policy.allow_bases}{hint}")
+    if provenance.license == UNKNOWN:
+        if not policy.allow_unknown:
+            parents = ", ".join(provenance.unknown_ancestors())
+            problems.append(f"{where}: license unknown (inherited from {parents}, which declared none)")
+    else:
+        allowed = None if policy.allow_licenses is None else {_key(k) for k in policy.allow_licenses}
+        denied = {_key(k) for k in policy.deny_licenses}
+        if not license_allowed(provenance.license, allowed, denied):
+            problems.append(f"{where}: license {provenance.license} is not allowed by data_policy "
+                            f"(allow_licenses {policy.allow_licenses}, deny_licenses {policy.deny_licenses})")
+    unknown_parents = provenance.unknown_ancestors()
+    if unknown_parents and not policy.allow_unknown and provenance.license != UNKNOWN:
+        problems.append(f"{where}: derived_from {', '.join(unknown_parents)}, whose provenance is unknown")
+    if policy.allow_groups is not None and audit_group not in policy.allow_groups:
+        problems.append(f"{where}: audit group {audit_group} is not in data_policy.allow_groups "
+                        f"{policy.allow_groups}")
+    return problems
+
+
+def _key(license_id: str) -> str:
+    normalised, _ = normalise_license(license_id)
+    return normalised or license_id
+
+
+def changed_inputs(manifest: dict[str, Any]) -> list[str]:
+    """Input files of a prepared dataset that are on disk but no longer what was prepared.
+
+    A file whose size and modification time are as recorded is taken as unchanged (reading
+    100s of GB at every start would cost minutes); otherwise its sha256 decides. Files that are
+    gone are not reported (inputs are often deleted once prepared)."""
+    changed = []
+    for source in manifest.get("sources", []):
+        path = Path(source["path"])
+        if "sha256" not in source or not path.is_file():
+            continue
+        stat = path.stat()
+        if stat.st_size == source.get("bytes") and stat.st_mtime_ns == source.get("mtime_ns"):
+            continue
+        if stat.st_size != source.get("bytes") or sha256_file(path) != source["sha256"]:
+            changed.append(str(path))
+    return changed
+
+
+def training_data_problems(mixture) -> list[str]:
+    """Every reason not to train on ``mixture`` (a :class:`~mimir_megatron.data.mixture.Mixture`):
+    unreadable or edited manifests, changed inputs, policy violations; one line each."""
+    from mimir_megatron.errors import UserError
+
+    from .prepared import manifest_problem, read_manifest
+
+    problems: list[str] = []
+    for entry in mixture.entries:
+        if entry.repeat == 0:
+            continue  # listed, never trained on
+        try:
+            manifest = read_manifest(entry.path)
+        except UserError as exc:
+            problems.append(f"dataset {entry.name}: {exc}")
+            continue
+        for problem in (manifest_problem(manifest), record_problem(manifest.get("provenance"))):
+            if problem:
+                problems.append(f"dataset {entry.name}: {entry.path / 'manifest.json'}: {problem}")
+        for path in changed_inputs(manifest):
+            problems.append(f"dataset {entry.name}: input {path} changed since it was prepared "
+                            "(its sha256 differs from the manifest's); prepare it again")
+        record = manifest.get("provenance")
+        problems += policy_problems(entry.name, record, mixture.policy,
+                                    entry.audit_group_of(provenance_from_record(record)))
+    return problems
+
+
+def stat_signature(path: Path) -> dict[str, int]:
+    """What :func:`changed_inputs` compares first: size and modification time."""
+    stat = os.stat(path)
+    return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}

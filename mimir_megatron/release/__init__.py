@@ -1,0 +1,1 @@
+"""Release artefacts written next to exported weights: the model card and the training-data summary."""

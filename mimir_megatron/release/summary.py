@@ -1,0 +1,216 @@
+"""The training-data summary of a checkpoint, organised after the EU AI Office's public summary
+template for general-purpose AI models (Art. 53(1)(d) AI Act; template of 24 July 2025).
+
+Every figure comes from the checkpoint's lineage (what each dataset contributed, counted by the
+loader, and each dataset's provenance as its manifest declared it) and, where they are still on
+disk, the datasets' manifests (tokenisation and rejects). Nothing is typed in by hand. The three
+sections of the template:
+
+1. general information: provider, model, modalities, training data size, languages;
+2. the list of data sources by kind: public datasets, private datasets licensed from third
+   parties (agreement-supplied data, which this project trains on only through data derived from
+   it), crawled data, user data, synthetic data (and what made it), other (undeclared);
+3. relevant processing: the data policy applied, opt-out handling by audit group, tokenisation
+   and rejects, synthetic generation and its audits, decontamination.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from mimir_megatron.checkpoint import BaseModel, DatasetLineage, TrainerState
+from mimir_megatron.data.provenance import BASES, FORMS, UNKNOWN, provenance_from_record
+
+TEMPLATE = ("EU AI Office, Template for the Public Summary of Training Content for general-purpose "
+            "AI models (24 July 2025)")
+
+
+def _provenance_row(entry: DatasetLineage, total: int) -> dict[str, Any]:
+    p = provenance_from_record(entry.provenance)
+    row = {
+        "dataset": entry.name, "category": entry.category, "audit_group": entry.audit_group,
+        "tokens": entry.tokens, "documents": entry.documents, "response_tokens": entry.response_tokens,
+        "share": entry.tokens / total if total else 0.0,
+    }
+    if p is None:
+        return row | {"provenance": UNKNOWN, "license": UNKNOWN, "basis": UNKNOWN, "form": UNKNOWN,
+                      "languages": [entry.language], "source": UNKNOWN}
+    return row | {
+        "provenance": entry.provenance_digest, "id": p.id, "source": p.source, "location": p.location,
+        "revision": p.revision, "retrieved": p.retrieved, "license": p.license, "basis": p.basis,
+        "form": p.form, "languages": list(p.languages) or [entry.language], "generator": p.generator,
+        "derived_from": [{"id": d.id, "source": d.source, "license": d.license, "basis": d.basis}
+                         for d in p.derived_from],
+    }
+
+
+def _tally(rows: list[dict[str, Any]], key: str) -> dict[str, int]:
+    tally: dict[str, int] = defaultdict(int)
+    for row in rows:
+        values = row[key] if isinstance(row[key], list) else [row[key]]
+        for value in values:  # a bilingual dataset's tokens count under each of its languages
+            tally[str(value)] += row["tokens"]
+    return dict(sorted(tally.items(), key=lambda kv: -kv[1]))
+
+
+def _base_models(base: BaseModel | None) -> list[dict[str, Any]]:
+    chain = []
+    while base is not None:
+        tokens = sum(e.tokens for e in base.lineage) if base.lineage is not None else None
+        chain.append({"source": base.source, "step": base.step, "mlflow_run_id": base.mlflow_run_id,
+                      "tokens": tokens, "lineage": "recorded" if base.lineage is not None else UNKNOWN})
+        base = base.base_model
+    return chain
+
+
+def _manifest_processing(entry: DatasetLineage) -> dict[str, Any]:
+    manifest_path = Path(entry.path) / "manifest.json"
+    if not manifest_path.is_file():
+        return {"dataset": entry.name, "manifest": "not available at export"}
+    manifest = json.loads(manifest_path.read_text())
+    return {"dataset": entry.name, "lines_read": manifest.get("lines_read"),
+            "documents": manifest.get("documents"), "rejected": manifest.get("rejected"),
+            "rejects": {k: v for k, v in (manifest.get("rejects") or {}).items() if v},
+            "tokenizer_sha256": (manifest.get("tokenizer") or {}).get("sha256"),
+            "seq_len": (manifest.get("settings") or {}).get("seq_len")}
+
+
+def training_data_summary(state: TrainerState, *, model_name: str, provider: str | None = None,
+                          checkpoint: str | None = None,
+                          contamination: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The summary of what the checkpoint in ``state`` was trained on, as a JSON-ready dict."""
+    lineage = [e for e in state.lineage if e.tokens or e.documents]
+    total = sum(e.tokens for e in lineage)
+    rows = [_provenance_row(e, total) for e in lineage]
+    by_basis: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        by_basis[row["basis"]].append(row)
+    agreement_sources = {d["id"]: d for row in rows for d in row.get("derived_from", [])
+                         if d["basis"] == "agreement"}
+    return {
+        "template": TEMPLATE,
+        "general": {
+            "provider": provider or UNKNOWN,
+            "model": model_name,
+            "modalities": ["text"],
+            "checkpoint": checkpoint, "step": state.step,
+            "datasets": len(rows),
+            "training_tokens": total,
+            "training_documents": sum(e.documents for e in lineage),
+            "supervised_tokens": sum(e.response_tokens for e in lineage),
+            "languages": _tally(rows, "languages"),
+            "base_models": _base_models(state.base_model),
+        },
+        "sources": {
+            "public_datasets": by_basis["open-licence"] + by_basis["public-domain"],
+            "licensed_private_datasets": {
+                "trained_on_directly": by_basis["agreement"],
+                "used_only_to_derive_synthetic_data": sorted(agreement_sources.values(),
+                                                             key=lambda d: d["id"]),
+            },
+            "crawled_data": "none: this project trains on prepared datasets only and runs no crawler",
+            "user_data": "none",
+            "synthetic_data": by_basis["synthetic"],
+            "other_undeclared": by_basis[UNKNOWN],
+        },
+        "tables": {
+            "by_category": _tally(rows, "category"),
+            "by_language": _tally(rows, "languages"),
+            "by_license": _tally(rows, "license"),
+            "by_basis": _tally(rows, "basis"),
+            "by_form": _tally(rows, "form"),
+            "by_audit_group": _tally(rows, "audit_group"),
+        },
+        "processing": {
+            "data_policy": state.data_policy,
+            "opt_outs": "datasets are grouped by opt-out status into audit groups (by_audit_group); "
+                        "the memorisation audits (mimir audit) report per group",
+            "tokenisation": [_manifest_processing(e) for e in lineage],
+            "synthetic_generation": [
+                {"dataset": r["dataset"], "form": r["form"], "generator": r.get("generator"),
+                 "audited": r["form"] in ("synthetic-audited", "translated-audited")}
+                for r in by_basis["synthetic"]],
+            "decontamination": contamination or "no contamination report given (mimir audit contamination)",
+        },
+    }
+
+
+def _table(title: str, tally: dict[str, int], total: int, labels: dict[str, str] | None = None) -> list[str]:
+    lines = [f"| {title} | tokens | share |", "| --- | ---: | ---: |"]
+    for key, tokens in tally.items():
+        lines.append(f"| {(labels or {}).get(key, key)} | {tokens:,} | {100 * tokens / total:.1f} % |"
+                     if total else f"| {key} | {tokens:,} | - |")
+    return lines
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    """The summary as a Markdown document (the JSON beside it holds the same figures)."""
+    g, s, t = summary["general"], summary["sources"], summary["tables"]
+    total = g["training_tokens"]
+    out = [f"# Training data summary: {g['model']}", "",
+           f"Organised after the {summary['template']}. Every figure comes from the checkpoint's data "
+           "lineage and the datasets' manifests.", "",
+           "## 1. General information", "",
+           f"- Provider: {g['provider']}",
+           f"- Model: {g['model']} (checkpoint {g['checkpoint']}, step {g['step']:,})",
+           "- Modalities: text",
+           f"- Training data: {total:,} tokens in {g['training_documents']:,} documents as sampled "
+           f"(repeats counted), {g['supervised_tokens']:,} of them supervised (responses)",
+           "- Languages: " + ", ".join(f"{k} ({100 * v / total:.1f} %)" for k, v in g["languages"].items())
+           if total else "- Languages: none"]
+    for base in g["base_models"]:
+        tokens = "unknown data" if base["tokens"] is None else f"{base['tokens']:,} tokens"
+        out.append(f"- Started from {base['source']} (step {base['step']}; {tokens})")
+    out += ["", "## 2. Data sources", ""]
+    columns = ["dataset", "source", "license", "basis", "form", "languages", "audit_group", "tokens",
+               "share"]
+    for title, rows in (("Publicly available datasets", s["public_datasets"]),
+                        ("Synthetic data", s["synthetic_data"]),
+                        ("Private datasets licensed from third parties, trained on directly",
+                         s["licensed_private_datasets"]["trained_on_directly"]),
+                        ("Other (provenance not declared)", s["other_undeclared"])):
+        out += [f"### {title}", ""]
+        if not rows:
+            out += ["None.", ""]
+            continue
+        out += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+        for r in rows:
+            cells = [r["dataset"], r["source"], r["license"], r["basis"], r["form"],
+                     ", ".join(r["languages"]), str(r["audit_group"]), f"{r['tokens']:,}",
+                     f"{100 * r['share']:.1f} %"]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    derived = s["licensed_private_datasets"]["used_only_to_derive_synthetic_data"]
+    out += ["### Data supplied under agreement, used only to derive synthetic data", ""]
+    out += [f"- {d['id']}: {d['source']} ({d['license']})" for d in derived] or ["None."]
+    out += ["", f"Crawled data: {s['crawled_data']}. User data: {s['user_data']}.", ""]
+    out += ["### Tokens by form (Table 6), language (Table 7), licence, basis and audit group", ""]
+    out += _table("form", t["by_form"], total, FORMS) + [""]
+    out += _table("language", t["by_language"], total) + [""]
+    out += _table("licence", t["by_license"], total) + [""]
+    out += _table("basis", t["by_basis"], total, BASES) + [""]
+    out += _table("audit group", t["by_audit_group"], total) + [""]
+    out += _table("category", t["by_category"], total) + [""]
+    p = summary["processing"]
+    out += ["## 3. Processing", "",
+            f"- Data policy checked before training: `{json.dumps(p['data_policy'])}`",
+            f"- Opt-outs: {p['opt_outs']}"]
+    for step in p["tokenisation"]:
+        if "manifest" in step:
+            out.append(f"- {step['dataset']}: manifest {step['manifest']}")
+        else:
+            out.append(f"- {step['dataset']}: {step['documents']:,} documents kept of {step['lines_read']:,} "
+                       f"lines, {step['rejected']:,} rejected {step['rejects'] or ''} (tokenizer "
+                       f"{str(step['tokenizer_sha256'])[:12]}, seq_len {step['seq_len']})")
+    for gen in p["synthetic_generation"]:
+        made_by = gen["generator"] or UNKNOWN
+        out.append(f"- {gen['dataset']}: {FORMS.get(gen['form'], gen['form'])} by {made_by}"
+                   + (", audited" if gen["audited"] else ""))
+    decontamination = p["decontamination"]
+    if not isinstance(decontamination, str):
+        decontamination = json.dumps(decontamination)
+    out.append(f"- Decontamination: {decontamination}")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,65 @@
+"""The data lineage of a run: what of each dataset went into the weights, counted from the batches.
+
+Every batch of the training loader carries the counts of the documents packed into it, per
+dataset of the mixture (``Batch.sources``). Each rank adds up the micro-batches it trains on; a
+checkpoint sums them over the data-parallel group (tensor-parallel peers see the same batches and
+are not added twice) onto the counts the run resumed with. A resume after a kill therefore
+continues from the checkpoint's counts, and the steps replayed after it are counted once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mimir_megatron.checkpoint import DatasetLineage
+from mimir_megatron.data.mixture import Mixture
+from mimir_megatron.data.prepared import read_manifest
+from mimir_megatron.data.provenance import UNKNOWN_RECORD, provenance_from_record
+
+
+def mixture_lineage(mixture: Mixture) -> list[DatasetLineage]:
+    """One zero-count entry per dataset of ``mixture``, in its order, with its provenance."""
+    entries = []
+    for entry in mixture.entries:
+        record = read_manifest(entry.path).get("provenance") or dict(UNKNOWN_RECORD)
+        provenance = provenance_from_record(record)
+        entries.append(DatasetLineage(
+            name=entry.name, path=str(entry.path), category=entry.category, language=entry.language,
+            audit_group=entry.audit_group_of(provenance), provenance=record,
+            provenance_digest=provenance.digest if provenance else None,
+        ))
+    return entries
+
+
+class LineageCounter:
+    """Per-dataset documents, tokens and response tokens consumed, for one rank."""
+
+    def __init__(self, mixture: Mixture, resumed: tuple[DatasetLineage, ...] = ()) -> None:
+        self.entries = mixture_lineage(mixture)
+        self.policy = asdict(mixture.policy)
+        before = {e.name: e for e in resumed}
+        self.base = np.array([[getattr(before[e.name], k, 0) if e.name in before else 0
+                               for k in ("documents", "tokens", "response_tokens")]
+                              for e in self.entries], dtype=np.int64).reshape(-1, 3)
+        # Datasets the run trained on before and no longer has in its mixture stay on record.
+        current = {e.name for e in self.entries}
+        self.retired = tuple(e for e in resumed if e.name not in current)
+        self.local = np.zeros_like(self.base)
+
+    def add(self, sources: np.ndarray | None) -> None:
+        """Count one micro-batch's ``Batch.sources``."""
+        if sources is None:
+            raise ValueError("a training batch without its source counts (Batch.sources)")
+        self.local += sources
+
+    def snapshot(self, dp_group) -> tuple[DatasetLineage, ...]:
+        """The run's lineage so far; collective over ``dp_group``."""
+        summed = torch.from_numpy(self.local.copy())
+        dist.all_reduce(summed, group=dp_group)
+        totals = self.base + summed.numpy()
+        return tuple(replace(e, documents=int(d), tokens=int(t), response_tokens=int(r))
+                     for e, (d, t, r) in zip(self.entries, totals)) + self.retired

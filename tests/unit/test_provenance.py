@@ -1,0 +1,158 @@
+"""Provenance declarations, licence expressions, the data policy and the checks `mimir train` runs
+before step 1 (mimir_megatron.data.provenance and .policy), on tiny prepared datasets."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from mimir_megatron.cli import main
+from mimir_megatron.data.policy import DataPolicy, policy_problems, training_data_problems
+from mimir_megatron.data.provenance import (
+    ProvenanceDeclaration,
+    combine_licenses,
+    license_allowed,
+    read_provenance,
+    resolve_declaration,
+    stored_record,
+)
+from mimir_megatron.errors import UserError
+
+TOK = str(Path(__file__).resolve().parents[2] / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer")
+OPEN = ["--source", "Open set", "--license", "CC-BY-4.0", "--basis", "open-licence", "--form", "reformatted",
+        "--language", "en", "--audit-group", "C"]
+
+
+def _raw(path: Path, n: int = 4) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"Say {i}.", "completion": f"Number {i} said."}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def _prepare(tmp_path: Path, name: str, *flags: str, raw: Path | None = None) -> Path:
+    raw = raw or _raw(tmp_path / f"{name}.jsonl")
+    out = tmp_path / name
+    assert main(["prepare", "-i", str(raw), "-t", TOK, "-o", str(out), "--seq-len", "64", "--workers", "1",
+                 "--no-progress", *flags]) == 0
+    return out
+
+
+def _mixture(tmp_path: Path, *names: str, policy: str = "") -> Path:
+    lines = ["name: gov", "datasets:"] + [f"  - {{name: {n}, path: {tmp_path / n}, category: c}}" for n in names]
+    path = tmp_path / "mix.yaml"
+    path.write_text("\n".join(lines) + "\n" + policy)
+    return path
+
+
+def _problems(mixture: Path) -> list[str]:
+    from mimir_megatron.data.mixture import load_mixture
+
+    return training_data_problems(load_mixture(mixture))
+
+
+def test_every_mistake_of_a_declaration_is_one_line_naming_its_field(tmp_path):
+    decl = ProvenanceDeclaration(source="", license="CC-BY-9.9", basis="licensed", form="scraped",
+                                 languages=["English"], retrieved="2026-13-01", location="not a place",
+                                 derived_from=["missing-dataset"])
+    errors: list[str] = []
+    assert resolve_declaration(decl, "ds", default_id="ds", base=tmp_path, errors=errors) is None
+    fields = sorted(e.split(":")[0] for e in errors)
+    assert fields == ["ds.basis", "ds.derived_from[0]", "ds.form", "ds.languages[0]", "ds.license",
+                      "ds.location", "ds.retrieved", "ds.source"], errors
+    assert any("'CC-BY-9.9'" in e and "SPDX" in e for e in errors)
+
+
+def test_prepare_records_the_declaration_and_the_inputs_sha256(tmp_path):
+    import hashlib
+
+    out = _prepare(tmp_path, "open", *OPEN, "--source-location", "org/open-set", "--retrieved", "2026-10-01")
+    manifest = json.loads((out / "manifest.json").read_text())
+    record = manifest["provenance"]
+    assert (record["id"], record["license"], record["basis"], record["location"]) == \
+        ("open", "CC-BY-4.0", "open-licence", "org/open-set")
+    source = manifest["sources"][0]
+    assert source["sha256"] == hashlib.sha256(Path(source["path"]).read_bytes()).hexdigest()
+    assert _problems(_mixture(tmp_path, "open")) == []
+
+
+def test_undeclared_data_is_unknown_and_refused_unless_allowed(tmp_path):
+    out = _prepare(tmp_path, "plain")
+    assert read_provenance(out) == {"status": "unknown"}
+    problems = _problems(_mixture(tmp_path, "plain"))
+    assert len(problems) == 1 and "dataset plain: provenance unknown" in problems[0]
+    assert _problems(_mixture(tmp_path, "plain", policy="data_policy: {allow_unknown: true}\n")) == []
+
+
+def test_agreement_data_only_through_a_derived_dataset(tmp_path):
+    """The paper's rule: agreement-supplied data is refused, synthetic data derived from it is not;
+    a conversion of it (same basis) is still agreement data. Every offender is listed at once."""
+    agreed = _raw(tmp_path / "agreed.jsonl")
+    assert main(["data", "declare", str(agreed), "--source", "Partner corpus", "--license",
+                 "proprietary-agreement", "--basis", "agreement", "--form", "agreement-supplied",
+                 "--language", "da"]) == 0
+    _prepare(tmp_path, "agreed", raw=agreed)  # provenance from the sidecar
+    _prepare(tmp_path, "plain")
+    synthetic = _prepare(tmp_path, "synthetic", "--source", "generated from the partner corpus",
+                         "--basis", "synthetic", "--form", "synthetic-audited", "--derived-from", str(agreed))
+    record = read_provenance(synthetic)
+    assert record["license"] == "proprietary-agreement" and record["languages"] == ["da"]  # inherited
+    assert record["derived_from"][0]["basis"] == "agreement"
+
+    problems = _problems(_mixture(tmp_path, "agreed", "plain", "synthetic"))
+    assert [p.split(":")[0] for p in problems] == ["dataset agreed", "dataset plain"], problems
+    assert "basis agreement is not in data_policy.allow_bases" in problems[0]
+    assert _problems(_mixture(tmp_path, "synthetic")) == []
+
+
+def test_licence_expressions_and_the_policy_licence_rules():
+    assert combine_licenses(["CC-BY-4.0", "MIT", "CC-BY-4.0"]) == "CC-BY-4.0 AND MIT"
+    assert combine_licenses(["CC-BY-4.0", "unknown"]) == "unknown"
+    assert license_allowed("MIT OR GPL-3.0-only", {"MIT"}, set())
+    assert not license_allowed("MIT AND GPL-3.0-only", {"MIT"}, set())
+    assert not license_allowed("CC-BY-NC-4.0", None, {"CC-BY-NC-4.0"})
+    record = stored_record(resolve_declaration(
+        ProvenanceDeclaration(source="s", license="CC-BY-NC-4.0", basis="open-licence", form="reformatted"),
+        "x", default_id="x", base=Path("."), errors=[]))
+    policy = DataPolicy(deny_licenses=["CC-BY-NC-4.0"], allow_groups=["A"])
+    problems = policy_problems("x", record, policy, audit_group="C")
+    assert len(problems) == 2 and "license CC-BY-NC-4.0" in problems[0] and "audit group C" in problems[1]
+
+
+def test_a_policy_naming_an_unknown_basis_or_licence_is_refused(tmp_path):
+    from mimir_megatron.data.mixture import load_mixture
+
+    _prepare(tmp_path, "open", *OPEN)
+    bad = "data_policy: {allow_bases: [open-licence, scraped], deny_licenses: [NOT-A-LICENCE], allow: 1}\n"
+    with pytest.raises(UserError) as caught:
+        load_mixture(_mixture(tmp_path, "open", policy=bad))
+    lines = str(caught.value).splitlines()[1:]
+    assert len(lines) == 3, lines
+    assert any("allow_bases: unknown basis 'scraped'" in line for line in lines)
+    assert any("deny_licenses[0]" in line for line in lines)
+    assert any("data_policy.allow is not a setting" in line for line in lines)
+
+
+def test_an_edited_manifest_and_a_changed_input_are_reported(tmp_path):
+    out = _prepare(tmp_path, "open", *OPEN)
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["provenance"]["license"] = "CC0-1.0"  # a hand edit of the record
+    manifest_path.write_text(json.dumps(manifest))
+    source = Path(manifest["sources"][0]["path"])
+    source.write_text(source.read_text().replace("Say 0", "Say 9"))  # same size, other bytes
+    os.utime(source, ns=(0, 0))
+    problems = _problems(_mixture(tmp_path, "open"))
+    assert len(problems) == 3, problems
+    assert "edited after mimir prepare wrote it" in problems[0]
+    assert "provenance record was edited" in problems[1]
+    assert f"input {source} changed since it was prepared" in problems[2]
+
+
+def test_a_derived_from_naming_nothing_is_refused_before_anything_is_written(tmp_path):
+    raw = _raw(tmp_path / "x.jsonl")
+    assert main(["prepare", "-i", str(raw), "-t", TOK, "-o", str(tmp_path / "out"), "--source", "s",
+                 "--basis", "synthetic", "--form", "synthetic-audited", "--derived-from", "nowhere"]) == 2
+    assert not (tmp_path / "out").exists()
