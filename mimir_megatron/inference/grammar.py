@@ -246,6 +246,8 @@ class GrammarConstraint:
 
     def _still_finishes(self, tokens: list[int]) -> bool:
         """Whether ``tokens`` (the completion before the last token) still finish the grammar."""
+        if self._matcher.validate_tokens(tokens) < len(tokens):  # checked first: no error state, no log
+            return False
         m = self._matcher.deep_copy()
         return m.consume_tokens(tokens) and m.is_stopped() and not m.is_error()
 

@@ -179,7 +179,9 @@ class ResponseBuilder:
 
     def whole(self, result: GenerationResult) -> dict:
         text, calls = self._split(result.text or "")
-        output = ([_message_item(text, _new_id("msg"))] if text else []) + [_call_item(c) for c in calls]
+        # A reply without calls is a message, even an empty one (a client looks for it).
+        message = [_message_item(text or "", _new_id("msg"))] if text or not calls else []
+        output = message + [_call_item(c) for c in calls]
         self._finish(text, calls)
         status = "incomplete" if result.finish_reason == "length" else "completed"
         return self._object(status, output, len(result.token_ids), result.finish_reason)
@@ -222,7 +224,10 @@ class ResponseBuilder:
                             delta=delta, logprobs=[])
             if token_event.finished:
                 finish = token_event.finish_reason
-                if text:
+                if not text and not calls:  # a reply without calls is a message, even an empty one
+                    for e in open_message():
+                        yield e
+                if text or not calls:
                     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
                     yield event("response.output_text.done", item_id=message_id, output_index=0,
                                 content_index=0,
