@@ -1,4 +1,5 @@
-"""Forced tool calls finish within max_tokens: replies that parse and validate, and what the budget check costs.
+"""Forced tool calls finish within max_tokens: replies that parse and validate, and what the
+budget check costs.
 
 For each parameter type users send (a plain string, a number, an array, a nested object), a
 forced call (``tool_choice: required``) is sampled with ``--seeds`` seeds at a budget of the
@@ -31,7 +32,8 @@ PARAMETERS = {
               "required": ["tags"]},
     "nested": {"type": "object", "required": ["where"], "properties": {"where": {
         "type": "object", "required": ["city", "days"],
-        "properties": {"city": {"type": "string"}, "days": {"type": "array", "items": {"type": "integer"}}}}}},
+        "properties": {"city": {"type": "string"},
+                       "days": {"type": "array", "items": {"type": "integer"}}}}}},
 }
 TOKENIZER = "data_prep/mimir_data_prep/demo/tokenizer"
 
@@ -69,8 +71,10 @@ class _Timer:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="a training checkpoint (default: the tiny model, random weights)")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint",
+                        help="a training checkpoint (default: the tiny model, random weights)")
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--extra", type=int, default=24, help="tokens above the shortest call")
     args = parser.parse_args()
@@ -85,8 +89,9 @@ def main() -> None:
         prompt = engine.render_chat([{"role": "user", "content": f"Call get_{kind}."}], [tool])
         shortest = grammar.min_tokens(engine.max_context)
         budget = shortest + args.extra
-        requests = [GenerationRequest(prompt, SamplingParams(max_new_tokens=budget, temperature=1.0, seed=s),
-                                      constraint=grammar) for s in range(args.seeds)]
+        sampling = [SamplingParams(max_new_tokens=budget, temperature=1.0, seed=s) for s in range(args.seeds)]
+        requests = [GenerationRequest(prompt, p,
+                                      constraint=grammar) for p in sampling]
         results = engine.generate(requests)
         valid, lengths = 0, []
         for r in results:
@@ -98,9 +103,8 @@ def main() -> None:
             lengths.append(len(r.token_ids))
         rows.append((kind, shortest, budget, valid, len(results), min(lengths), max(lengths)))
     # The budget check's own time: accept() minus llguidance's consume_token, timed alone.
-    consume = 0.0
-    probe = grammars.tool_calls([{"type": "function", "function": {"name": "f", "parameters":
-                                                                   PARAMETERS["string"]}}], False).start(10_000)
+    plain = {"type": "function", "function": {"name": "f", "parameters": PARAMETERS["string"]}}
+    probe = grammars.tool_calls([plain], False).start(10_000)
     tokens = engine.encode('<tool_call>{"name": "f", "arguments": {"city": "' + "Aarhus " * 40)
     start = time.perf_counter()
     for t in tokens:
@@ -115,8 +119,9 @@ def main() -> None:
         print(f"| {kind} | {shortest} | {budget} | {valid}/{total} | {low}-{high} |")
     step_row = engine.stats.decode_seconds / max(1, engine.stats.decode_tokens)
     check = accept.seconds / steps - consume
-    print(f"per step and row: budget check {check * 1e6:.0f} us (accept {accept.seconds / steps * 1e6:.0f} us "
-          f"- consume_token {consume * 1e6:.0f} us), grammar mask {allowed.seconds / allowed.calls * 1e6:.0f} us, "
+    mask = allowed.seconds / allowed.calls
+    print(f"per step and row: budget check {check * 1e6:.0f} us (accept {accept.seconds / steps * 1e6:.0f} "
+          f"us - consume_token {consume * 1e6:.0f} us), grammar mask {mask * 1e6:.0f} us, "
           f"decoding step {step_row * 1e6:.0f} us per row ({steps} accepted tokens)")
 
 
