@@ -77,15 +77,19 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def prompt_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
-    """The template rendered for ``messages`` with the generation prompt appended."""
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+def prompt_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """The template rendered for ``messages`` with the generation prompt appended;
+    ``template_kwargs`` are further variables the template reads (``enable_thinking``, ...)."""
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt ids of a conversation: the template up to and including the generation prompt,
     tokenized on its own, as the prefix of a training sample is."""
-    return encode(tokenizer, prompt_text(tokenizer, messages, tools))
+    return encode(tokenizer, prompt_text(tokenizer, messages, tools, template_kwargs))
 
 
 class ChatRenderer:

@@ -26,7 +26,7 @@ from mimir_megatron.batch import single_sample_batch
 from mimir_megatron.chat import encode, render_chat
 from mimir_megatron.inference.fast_stack import fast_stacks
 from mimir_megatron.inference.kv_cache import KVCache
-from mimir_megatron.inference.sampling import next_tokens
+from mimir_megatron.inference.sampling import LOGPROBS_MODES, History, needs_processing, next_tokens
 from mimir_megatron.inference.text import StreamingText, default_stop_ids
 from mimir_megatron.inference.types import (
     GenerationRequest,
@@ -89,6 +89,7 @@ class InferenceEngine:
         seed: int = 0,
         megatron_layers: bool = False,
         compile_decode: bool = False,
+        logprobs_mode: str = "raw",
     ) -> None:
         self.model = model.eval()
         # The stacks without megatron's per-call machinery (fast_stack.py) unless asked for
@@ -99,6 +100,12 @@ class InferenceEngine:
         self._compiled_recurrence = (
             torch.compile(self.model.recurrence, dynamic=False) if compile_decode else None
         )
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                             f"got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+        """``raw``: returned log-probs are the model's; ``processed``: after penalties, the
+        grammar's mask and the sampling filters (see :mod:`.sampling`)."""
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -126,8 +133,13 @@ class InferenceEngine:
     def decode(self, ids: list[int]) -> str:
         return self._need_tokenizer().decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
-        return render_chat(self._need_tokenizer(), messages, tools)
+    def render_chat(self, messages: list[dict], tools: list | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        return render_chat(self._need_tokenizer(), messages, tools, template_kwargs)
+
+    def budget(self, request: GenerationRequest) -> int:
+        """Tokens a request may generate: max_new_tokens, or less where the context ends first."""
+        return min(request.params.max_new_tokens, self.max_context - len(request.prompt_ids))
 
     # -- checks ----------------------------------------------------------------------------------
 
@@ -153,6 +165,18 @@ class InferenceEngine:
                 "context_length_exceeded",
             )
         self.schedule(request.h_cycles, request.l_cycles)
+        bias_ids = [t for t, _ in request.params.logit_bias]
+        if bias_ids:
+            self.check_ids(bias_ids, "logit_bias")
+        if request.constraint is not None:
+            budget = self.budget(request)
+            if request.constraint.min_tokens(budget) is None:
+                need = request.constraint.min_tokens(self.max_context)
+                shortest = f"{need} tokens" if need is not None else "more tokens than the context holds"
+                raise RequestError(
+                    f"max_new_tokens allows {budget} tokens (with the prompt, within the context), fewer "
+                    f"than the shortest reply the grammar (response format or forced tool call) "
+                    f"allows: {shortest}", "max_new_tokens")
 
     def check_pair(self, context: list[int], continuation: list[int],
                    bidirectional_tokens: int | None = None) -> None:
@@ -414,8 +438,12 @@ class DecodeSession:
             generator = torch.Generator().manual_seed(
                 p.seed if p.seed is not None else engine._seeds.getrandbits(63)
             )
-        text = StreamingText(engine.tokenizer, p.stop_strings) if engine.tokenizer is not None else None
-        constraint = request.constraint.start() if request.constraint is not None else None
+        text = None
+        if engine.tokenizer is not None:
+            text = StreamingText(engine.tokenizer, p.stop_strings, p.skip_special_tokens)
+        constraint = None
+        if request.constraint is not None:
+            constraint = request.constraint.start(engine.budget(request))
         row = _Row(self._next_handle, request, stops, generator, text, constraint)
         self._next_handle += 1
         self._pending.append(row)
@@ -461,6 +489,10 @@ class DecodeSession:
         return events
 
     def _emit(self, rows: list[_Row], logits: torch.Tensor) -> list[TokenEvent]:
+        params = [r.request.params for r in rows]
+        generators = [r.generator for r in rows]
+        histories = [History(r.request.prompt_ids, r.tokens, r.stops) if needs_processing(r.request.params)
+                     else None for r in rows]
         allowed = None
         if any(r.constraint is not None for r in rows):  # per-row Python only when a grammar is there
             allowed = torch.ones(logits.shape, dtype=torch.bool)
@@ -468,9 +500,31 @@ class DecodeSession:
                 if row.constraint is not None:
                     row.constraint.allowed(allowed[i])
             allowed = allowed.to(logits.device)
-        chosen, all_logprobs = next_tokens(
-            logits, [r.request.params for r in rows], [r.generator for r in rows], allowed
-        )
+        mode = self.engine.logprobs_mode
+        chosen, all_logprobs = next_tokens(logits, params, generators, allowed, histories, mode)
+        # A grammar refuses a token that would leave its reply unfinishable within the budget: the
+        # row chooses again without it (after three refusals, the completion's next token).
+        refused = [i for i, r in enumerate(rows) if r.constraint is not None
+                   and not r.constraint.accept(int(chosen[i]))]
+        for attempt in range(4):
+            if not refused:
+                break
+            for i in refused:
+                allowed[i, chosen[i]] = False
+                fallback = rows[i].constraint.fallback
+                if (attempt == 2 or not allowed[i].any()) and fallback is not None:
+                    allowed[i] = False
+                    allowed[i, fallback] = True
+            sub = torch.tensor(refused, device=logits.device)
+            again, again_logprobs = next_tokens(logits[sub], [params[i] for i in refused],
+                                                [generators[i] for i in refused], allowed[sub],
+                                                [histories[i] for i in refused], mode)
+            chosen[sub] = again
+            if mode == "processed":
+                all_logprobs[sub] = again_logprobs
+            refused = [i for i in refused if not rows[i].constraint.accept(int(chosen[i]))]
+        for i in refused:  # never expected: a fallback is always accepted
+            raise RuntimeError(f"the grammar of row {rows[i].handle} accepts no token")
         logprobs = all_logprobs.gather(1, chosen[:, None])[:, 0]
         k = max(r.request.params.top_logprobs for r in rows)
         top = None
@@ -485,13 +539,12 @@ class DecodeSession:
             if row.request.params.top_logprobs:
                 row_top = top[i][: row.request.params.top_logprobs]
                 row.top_logprobs.append(row_top)
-            if row.constraint is not None:
-                row.constraint.accept(token)
             reason = self._finish_reason(row, token)
             delta = None
             if row.text is not None:
                 ids = row.tokens[:-1] if token in row.stops else row.tokens
-                delta = row.text.update(ids, final=reason is not None)
+                searching = len(row.tokens) >= row.request.params.min_tokens  # vLLM: stop strings too
+                delta = row.text.update(ids, final=reason is not None, search=searching)
                 if row.text.stopped:
                     reason = "stop"
             result = None

@@ -1,25 +1,45 @@
-"""Structured output: a grammar per request masks the logits of its row at every decoding step.
+"""Structured output: a grammar per request masks the logits of its row at every decoding step,
+and the reply always finishes, well-formed, within the row's token budget.
 
 Built on llguidance (what vLLM and SGLang use; the ``serve`` extra), imported only when a request
 asks for a grammar. :class:`Grammars` compiles JSON schemas and tool-call grammars for one
 tokenizer; a compiled :class:`Grammar` is shared by a request's ``n`` choices, and each row decodes
 with its own :class:`GrammarConstraint` (the per-row state the engine's decoding step consults).
+
+The finishing guarantee. llguidance masks tokens the grammar forbids, but nothing in it bounds a
+reply's length: a JSON string may run on until ``max_tokens`` cuts it. So each row keeps a
+*completion*: token ids that finish the grammar from the row's current state (close the open
+string, give the required keys their smallest values, close the arrays and objects, write the
+tool-call end tag), found by :func:`completion` with the matcher itself. The invariant is
+``len(completion) <= tokens left``. A token that would break it is refused (the engine chooses
+again without it; after a few refusals it takes the completion's next token), and when the
+budget left equals the completion, the row follows the completion. A request whose budget is
+smaller than the completion from the start is refused before decoding.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from mimir_megatron.inference.engine import RequestError
 from mimir_megatron.inference.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
 log = logging.getLogger(__name__)
 
 # Compact, deterministic JSON (what ``json.dumps`` writes): no free whitespace a model could loop in.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Keys of a JSON schema whose value is a schema, a list of schemas, or a {name: schema} map.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+              "additionalItems", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_NEVER = np.iinfo(np.int64).max
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def _llguidance():
@@ -32,25 +52,204 @@ def _llguidance():
     return llguidance
 
 
-class GrammarConstraint:
-    """One row's grammar state: which tokens may come next, and the tokens taken so far."""
+def strict_schema(schema: Any) -> Any:
+    """The schema in OpenAI's strict sense: every object schema that does not say otherwise gets
+    ``additionalProperties: false`` (no keys beyond its ``properties``), at every depth."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA:
+            out[key] = strict_schema(value)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [strict_schema(v) for v in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: strict_schema(v) for name, v in value.items()}
+        else:
+            out[key] = copy.deepcopy(value)
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+
+class _JsonLexState:
+    """Whether the bytes so far end inside a JSON string (the completion search prefers ``"``
+    there, and closers ``}`` / ``]`` outside, where inside a string they would be content)."""
+
+    __slots__ = ("in_string", "escape")
+
+    def __init__(self) -> None:
+        self.in_string, self.escape = False, False
+
+    def copy(self) -> "_JsonLexState":
+        out = _JsonLexState()
+        out.in_string, out.escape = self.in_string, self.escape
+        return out
+
+    def feed(self, data: bytes) -> None:
+        for byte in data:
+            if self.escape:
+                self.escape = False
+            elif self.in_string and byte == 0x5C:  # backslash
+                self.escape = True
+            elif byte == 0x22:  # double quote
+                self.in_string = not self.in_string
+
+
+class Vocabulary:
+    """One tokenizer's tokens as the completion search ranks them (built once per tokenizer)."""
+
+    def __init__(self, lltokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> None:
+        self.size = vocab_size
+        self.stop_ids = tuple(stop_ids)
+        self.bytes = [b"" if lltokenizer.is_special_token(i) else lltokenizer.decode_bytes([i])
+                      for i in range(vocab_size)]
+        lengths = np.array([len(b) if b else 1 << 20 for b in self.bytes])
+        ids = np.arange(vocab_size)
+
+        def ranks(first: list[int]) -> np.ndarray:
+            """rank[token]: the preferred tokens in ``first`` order, then every other token,
+            shortest text first (lowest rank is chosen)."""
+            rank = lengths.astype(np.int64) * vocab_size + ids + len(first) + 1
+            for r, token in enumerate(first):
+                rank[token] = r
+            return rank
+
+        def matching(predicate) -> list[int]:
+            found = [i for i, b in enumerate(self.bytes) if b and predicate(b)]
+            return sorted(found, key=lambda i: (-len(self.bytes[i]), i))  # longest first
+
+        closes_string = matching(lambda b: b[:1] == b'"' and all(c in b'}]' for c in b[1:]))
+        closers = matching(lambda b: all(c in b'}]' for c in b))
+        small_values = [b for b in (b"0", b"1", b'""', b"[]", b"{}", b"2", b"3", b"4", b"5", b"6", b"7",
+                                    b"8", b"9", b'"', b"[", b"{", b"null", b"true", b"false", b"n", b"t",
+                                    b"f", b"-")]
+        by_bytes: dict[bytes, int] = {}
+        for i, b in enumerate(self.bytes):
+            by_bytes.setdefault(b, i)
+        values = [by_bytes[b] for b in small_values if b in by_bytes]
+        separators = [by_bytes[b] for b in (b",", b", ") if b in by_bytes]
+        self.rank_in_string = ranks(closes_string)
+        self.rank_outside = ranks(closers + separators + values)
+
+
+def _allowed_bits(matcher, size: int) -> np.ndarray:
+    """``[size]`` uint8: 1 where the grammar allows the token next."""
+    return np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:size]
+
+
+def completion(matcher, lex: _JsonLexState, vocab: Vocabulary, limit: int) -> list[int] | None:
+    """Token ids that finish the grammar from ``matcher``'s state (the last one a stop id when
+    the grammar ends by one), at most ``limit`` of them; None when none is found within it.
+
+    Greedy with the grammar's own mask: forced tokens as llguidance computes them; a stop token
+    as soon as the grammar accepts; else the allowed token ranked first: inside a string, one that
+    closes it (``"``, ``"}``, ...); outside, closers (``}}``, ``]``), then a separator, then the
+    smallest values (``0``, ``""``, ``[]``, ``{}``, ...). This is the shortest completion for
+    strings, numbers, booleans, null, arrays and objects (optional keys are left out, required
+    ones get the smallest value); where an enum or ``anyOf`` offers several branches it takes the
+    first by the same ranking, so the length is an upper bound there."""
+    m, lex, path = matcher.deep_copy(), lex.copy(), []
+    while len(path) <= limit:
+        if m.is_error():
+            return None
+        if m.is_stopped():
+            return path
+        forced = m.compute_ff_tokens()
+        if forced:
+            if not m.consume_tokens(forced):
+                return None
+            for t in forced:
+                lex.feed(vocab.bytes[t])
+            path += forced
+            continue
+        bits = _allowed_bits(m, vocab.size)
+        stops = [s for s in vocab.stop_ids if s < len(bits) and bits[s]]
+        if stops:
+            return path + [stops[0]] if len(path) < limit else None
+        if not bits.any():
+            return None
+        rank = vocab.rank_in_string if lex.in_string else vocab.rank_outside
+        token = int(np.where(bits, rank, _NEVER).argmin())
+        if not m.consume_token(token):
+            return None
+        lex.feed(vocab.bytes[token])
+        path.append(token)
+    return None
+
+
+class GrammarConstraint:
+    """One row's grammar state: which tokens may come next, the tokens taken so far, and a
+    completion that fits the tokens left (see the module docstring)."""
+
+    def __init__(self, matcher, vocab: Vocabulary, budget: int, finish: list[int]) -> None:
         self._matcher = matcher
-        self._vocab_size = vocab_size
+        self._vocab = vocab
+        self._lex = _JsonLexState()
+        self.budget = budget
+        """Tokens this row may still generate."""
+        self.finish = list(finish)
+        """Token ids that finish the grammar from here; ``len(finish) <= budget`` always."""
 
     def allowed(self, out: torch.Tensor) -> None:
-        """Fill a ``[vocab]`` bool row with the tokens the grammar allows next."""
+        """Fill a ``[vocab]`` bool row with the tokens the grammar allows next (only the
+        completion's next token when the budget left is the completion's length)."""
+        if self.finish and len(self.finish) >= self.budget:
+            out.zero_()
+            out[self.finish[0]] = True
+            return
         bias = torch.frombuffer(bytearray(self._matcher.compute_logit_bias()), dtype=torch.uint8)
-        n = min(len(bias), self._vocab_size)
+        n = min(len(bias), self._vocab.size, len(out))
         out.zero_()
         out[:n] = bias[:n] > 0
         if not out.any():  # the matcher failed (never expected): let the row end instead of the batch
             log.warning("grammar admits no token (%s); ending the row", self._matcher.get_error())
             out.fill_(True)
 
-    def accept(self, token: int) -> None:
+    @property
+    def fallback(self) -> int | None:
+        """A token that is always accepted: the completion's next one."""
+        return self.finish[0] if self.finish else None
+
+    def accept(self, token: int) -> bool:
+        """Take ``token``; or refuse it (False, the state unchanged) when the reply could no
+        longer finish within the budget left after it."""
+        vocab, left = self._vocab, self.budget - 1
+        if self.finish and token == self.finish[0]:
+            self._take(token)
+            self.finish = self.finish[1:]
+            return True
+        lex = self._lex.copy()
+        if not self._matcher.consume_token(token):
+            self.budget = left  # the mask allowed it, so never expected: the row ends as done
+            return True
+        self._lex.feed(vocab.bytes[token])
+        if self._matcher.is_stopped():
+            self.budget, self.finish = left, []
+            return True
+        finish = self.finish if self.finish and self._still_finishes(self.finish) else None
+        if finish is None or len(finish) > left:
+            finish = completion(self._matcher, self._lex, vocab, left)
+        if finish is None or len(finish) > left:
+            self._matcher.rollback(1)
+            self._lex = lex
+            return False
+        self.budget, self.finish = left, finish
+        return True
+
+    def _take(self, token: int) -> None:
         self._matcher.consume_token(token)
+        self._lex.feed(self._vocab.bytes[token])
+        self.budget -= 1
+
+    def _still_finishes(self, tokens: list[int]) -> bool:
+        """Whether ``tokens`` (the completion before the last token) still finish the grammar."""
+        if self._matcher.validate_tokens(tokens) < len(tokens):  # checked first: no error state, no log
+            return False
+        m = self._matcher.deep_copy()
+        return m.consume_tokens(tokens) and m.is_stopped() and not m.is_error()
 
     @property
     def done(self) -> bool:
@@ -61,11 +260,30 @@ class GrammarConstraint:
 class Grammar:
     """A compiled grammar; :meth:`start` gives a fresh per-row state."""
 
-    def __init__(self, lib, tokenizer, text: str, vocab_size: int) -> None:
-        self._lib, self._tokenizer, self.text, self._vocab_size = lib, tokenizer, text, vocab_size
+    def __init__(self, lib, tokenizer, text: str, vocab: Vocabulary) -> None:
+        self._lib, self._tokenizer, self.text, self._vocab = lib, tokenizer, text, vocab
+        self._shortest: list[int] | None = None
+        self._searched_to = -1
 
-    def start(self) -> GrammarConstraint:
-        return GrammarConstraint(self._lib.LLMatcher(self._tokenizer, self.text), self._vocab_size)
+    def shortest(self, budget: int) -> list[int] | None:
+        """The completion from the grammar's start (None: none within ``budget`` tokens)."""
+        if self._shortest is None and budget > self._searched_to:
+            matcher = self._lib.LLMatcher(self._tokenizer, self.text)
+            self._shortest = completion(matcher, _JsonLexState(), self._vocab, budget)
+            self._searched_to = budget
+        if self._shortest is not None and len(self._shortest) <= budget:
+            return self._shortest
+        return None
+
+    def min_tokens(self, budget: int) -> int | None:
+        """Tokens the shortest reply takes (None: more than ``budget``)."""
+        found = self.shortest(budget)
+        return None if found is None else len(found)
+
+    def start(self, budget: int) -> GrammarConstraint:
+        """A fresh row state for a row that may generate ``budget`` tokens."""
+        finish = self.shortest(budget) or []
+        return GrammarConstraint(self._lib.LLMatcher(self._tokenizer, self.text), self._vocab, budget, finish)
 
 
 class Grammars:
@@ -74,6 +292,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> None:
         self._hf_tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
         self._tokenizer = None
+        self._vocab: Vocabulary | None = None
 
     def _compile(self, text: str, field: str) -> Grammar:
         lib = _llguidance()
@@ -82,14 +301,19 @@ class Grammars:
         if self._tokenizer is None:
             self._tokenizer = lib.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
                                                     eos_token=list(self.stop_ids) or None)
+            self._vocab = Vocabulary(self._tokenizer, self.vocab_size, self.stop_ids)
         failed, messages = lib.LLMatcher.validate_grammar_with_warnings(text, self._tokenizer)
         if failed:
             raise RequestError(f"{field} cannot be compiled: {messages[0]}", field)
-        return Grammar(lib, self._tokenizer, text, self.vocab_size)
+        return Grammar(lib, self._tokenizer, text, self._vocab)
 
-    def json(self, schema: dict[str, Any] | None, field: str = "response_format") -> Grammar:
-        """Any JSON object (``schema`` None), or JSON valid under ``schema``."""
+    def json(self, schema: dict[str, Any] | None, field: str = "response_format",
+             strict: bool = True) -> Grammar:
+        """Any JSON object (``schema`` None), or JSON valid under ``schema`` (``strict``: in
+        OpenAI's strict sense, :func:`strict_schema`; else as written, JSON Schema's defaults)."""
         lib = _llguidance()
+        if schema is not None and strict:
+            schema = strict_schema(schema)
         try:
             text = lib.LLMatcher.grammar_from_json_schema(
                 {"type": "object"} if schema is None else schema, defaults=_JSON_STYLE)
@@ -99,13 +323,16 @@ class Grammars:
 
     def tool_calls(self, tools: list[dict[str, Any]], parallel: bool, field: str = "tool_choice") -> Grammar:
         """One call (or, ``parallel``, one or more) of the given tools, in the chat template's
-        syntax: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+        syntax: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. Each tool's
+        parameters are compiled in OpenAI's strict sense unless the tool says ``strict: false``."""
         calls = []
         for tool in tools:
             fn = tool.get("function", tool)
+            parameters = fn.get("parameters") or {"type": "object", "properties": {}}
+            if fn.get("strict") is not False:
+                parameters = strict_schema(parameters)
             calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                          "properties": {"name": {"const": fn["name"]},
-                                         "arguments": fn.get("parameters") or {"type": "object"}}})
+                          "properties": {"name": {"const": fn["name"]}, "arguments": parameters}})
         schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": _JSON_STYLE}
         repeat = "+" if parallel else ""
         call = f"{json.dumps(TOOL_CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_CLOSE)}"

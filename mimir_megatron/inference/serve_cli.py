@@ -10,7 +10,8 @@ from mimir_megatron.checkpoint import FORMS_HELP
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API (127.0.0.1:8000 by default)",
-        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/score, "
+        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/responses, "
+                    "/v1/score, "
                     "/v1/models, /v1/stats, /health. Extra body fields h_cycles / l_cycles choose the "
                     "recurrence schedule per request.")
     source = p.add_mutually_exclusive_group(required=True)
@@ -29,6 +30,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="largest max_tokens a request may ask (default: min(4096, the context))")
     p.add_argument("--max-context", type=int, default=None,
                    help="prompt + generated tokens per request (default: the model's position limit)")
+    p.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
+                   help="returned log-probs: raw (the model's, temperature 1; default) or processed (of the "
+                        "distribution the token was drawn from: after penalties, logit_bias, the "
+                        "structured-output "
+                        "mask and the sampling filters, vLLM's processed_logprobs)")
+    p.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="responses kept in memory for /v1/responses previous_response_id (oldest dropped)")
     p.set_defaults(handler=_serve, extra="serve")
 
 
@@ -39,7 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mimir_megatron.inference.loading import load_engine
     from mimir_megatron.inference.server import serve
 
-    for name in ("max_batch_size", "max_queue", "max_tokens_limit", "max_context"):
+    for name in ("max_batch_size", "max_queue", "max_tokens_limit", "max_context", "max_stored_responses"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -50,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine = load_engine(checkpoint=args.checkpoint, ema=args.ema, weights=args.weights, hf=args.hf,
                          tokenizer=args.tokenizer, max_batch_size=args.max_batch_size,
                          max_context=args.max_context)
+    engine.logprobs_mode = args.logprobs_mode
     serve(engine, host=args.host, port=args.port, max_tokens_limit=args.max_tokens_limit,
-          max_queue=args.max_queue)
+          max_queue=args.max_queue, max_stored_responses=args.max_stored_responses)
     return 0

@@ -25,18 +25,25 @@ class StreamingText:
     character, and not the tail that could still become the start of a stop string.
     """
 
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings
+        self.skip_special_tokens = skip_special_tokens
+        self._search_from = 0
         self._hold = max((len(s) for s in stop_strings), default=1) - 1
         self.released = 0
         self.text = ""
         self.stopped = False
 
-    def update(self, token_ids: list[int], final: bool = False) -> str:
-        """Feed all ids so far; returns the newly released text. Sets ``stopped`` on a stop string."""
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+    def update(self, token_ids: list[int], final: bool = False, search: bool = True) -> str:
+        """Feed all ids so far; returns the newly released text. Sets ``stopped`` on a stop string
+        (looked for only while ``search``, in the text from where searching began)."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        if not search:
+            self._search_from = max(0, len(text) - self._hold)
+        start = self._search_from
+        found = (text.find(s, start) for s in self.stop_strings) if search else ()
+        cut = min((i for i in found if i >= 0), default=-1)
         if cut >= 0:
             text, final, self.stopped = text[:cut], True, True
         self.text = text

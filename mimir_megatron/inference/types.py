@@ -27,6 +27,20 @@ class SamplingParams:
     """Whether the engine's default stop ids apply."""
     top_logprobs: int = 0
     """Also return the k most likely tokens and their log-probabilities at each step (k <= 20)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's (vLLM's)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it occurs in the output so far."""
+    presence_penalty: float = 0.0
+    """Subtracted from a token's logit once if it occurs in the output so far."""
+    repetition_penalty: float = 1.0
+    """Tokens of the prompt and output so far: positive logits divided by it, negative multiplied."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits."""
+    min_tokens: int = 0
+    """Stop tokens and stop strings take effect only after this many generated tokens."""
+    skip_special_tokens: bool = True
+    """Whether the returned text leaves out special tokens."""
 
     def errors(self) -> list[str]:
         """One message per invalid field (empty when valid)."""
@@ -43,6 +57,18 @@ class SamplingParams:
             out.append("stop strings must not be empty")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
             out.append(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
+        if not 0 <= self.min_p <= 1:
+            out.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                out.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not self.repetition_penalty > 0:
+            out.append(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            out.append("logit_bias values must be in [-100, 100]")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            out.append(f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
+                       f"got {self.min_tokens!r}")
         return out
 
 
@@ -53,7 +79,13 @@ class RowConstraint(Protocol):
     def allowed(self, out: torch.Tensor) -> None:
         """Fill a ``[vocab]`` bool tensor: True where a token may come next."""
 
-    def accept(self, token: int) -> None: ...
+    def accept(self, token: int) -> bool:
+        """Take the chosen token, or refuse it (False: state unchanged; the engine chooses again
+        without it) when the row could no longer finish within its budget."""
+
+    @property
+    def fallback(self) -> int | None:
+        """A token :meth:`accept` never refuses (None: any allowed token will do)."""
 
     @property
     def done(self) -> bool:
@@ -63,7 +95,11 @@ class RowConstraint(Protocol):
 class Constraint(Protocol):
     """What a request carries: a fresh :class:`RowConstraint` per decoded row."""
 
-    def start(self) -> RowConstraint: ...
+    def start(self, budget: int) -> RowConstraint:
+        """The state of a row that may generate at most ``budget`` tokens."""
+
+    def min_tokens(self, budget: int) -> int | None:
+        """Tokens the shortest constrained reply takes; None when more than ``budget``."""
 
 
 @dataclass(frozen=True)

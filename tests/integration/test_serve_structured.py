@@ -158,8 +158,16 @@ def test_json_schema_rows_validate_and_free_rows_are_unaffected(served, client):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
-    ({"store": True}, "store"),
-    ({"min_tokens": 3}, "min_tokens"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),  # changes the output: refused
+    ({"modalities": ["audio"]}, "modalities"),
+    ({"min_tokens": 3}, "min_tokens"),  # more than max_tokens (2)
+    ({"logit_bias": {"1024": 5}}, "logit_bias"),  # outside the vocabulary
+    ({"logit_bias": {"five": 5}}, "logit_bias"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"temperature": "warm"}, "temperature"),
 ])
 def test_unimplemented_or_invalid_fields_are_400_naming_them(served, change, param):
     url, _ = served
@@ -283,3 +291,229 @@ def test_score_passes_bidirectional_tokens_per_item_to_the_engine(engine, served
     single = httpx.post(f"{url}/score", json={**pair, "bidirectional_tokens": 0}, timeout=120)
     assert single.status_code == 200
     assert seen == [[None, 2, None], None, [0]]
+
+
+# -- a forced call or a schema always finishes within max_tokens ------------------------------------------
+
+PARAMETERS = {  # what users send: plain types, not enums (no additionalProperties: strict by default)
+    "string": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    "number": {"type": "object", "properties": {"celsius": {"type": "number"}}, "required": ["celsius"]},
+    "array": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["tags"]},
+    "nested": {"type": "object", "required": ["where"], "properties": {"where": {
+        "type": "object", "required": ["city", "days"],
+        "properties": {"city": {"type": "string"}, "days": {"type": "array", "items": {"type": "integer"}}}}}},
+}
+
+
+def _tool(kind: str) -> dict:
+    return {"type": "function", "function": {"name": f"get_{kind}", "parameters": PARAMETERS[kind]}}
+
+
+def _strict(schema: dict) -> dict:
+    from mimir_megatron.inference.grammar import strict_schema
+
+    return strict_schema(schema)
+
+
+def test_forced_calls_and_schemas_finish_within_max_tokens_as_valid_json(engine, served, client):
+    """Random weights, sampled: without the budget a plain string runs on until max_tokens cuts
+    it (the reply then has no tool call). Every reply here parses and validates, at the smallest
+    budget the server accepts and at a few tokens more; one token less is a 400 naming the field."""
+    import jsonschema
+
+    _, server = served
+    smallest = {}
+    for kind in PARAMETERS:
+        response = httpx.post(f"{served[0]}/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": ASK, "tools": [_tool(kind)], "tool_choice": "required", "max_tokens": 1})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+        smallest[kind] = int(response.json()["error"]["message"].rsplit("allows: ", 1)[1].split(" ")[0])
+        below = httpx.post(f"{served[0]}/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": ASK, "tools": [_tool(kind)], "tool_choice": "required",
+            "max_completion_tokens": smallest[kind] - 1})
+        assert below.status_code == 400 and below.json()["error"]["param"] == "max_completion_tokens"
+
+    def forced(kind, seed, extra):
+        return kind, client.chat.completions.create(
+            model="tiny", messages=ASK, tools=[_tool(kind)], tool_choice="required", temperature=1.0, seed=seed,
+            max_tokens=smallest[kind] + extra).choices[0]
+
+    def schema_reply(kind, seed):
+        format_ = {"type": "json_schema", "json_schema": {"name": kind, "schema": PARAMETERS[kind]}}
+        return kind, client.chat.completions.create(
+            model="tiny", messages=ASK, temperature=1.0, seed=seed, max_tokens=smallest[kind] - 30,
+            response_format=format_).choices[0]
+
+    jobs = [(forced, (kind, seed, extra)) for kind in PARAMETERS for seed, extra in ((1, 0), (2, 9), (3, 25))]
+    jobs += [(schema_reply, (kind, seed)) for kind in PARAMETERS for seed in (4, 5)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        with server.scheduler.paused():  # one shared batch
+            futures = [pool.submit(fn, *args) for fn, args in jobs]
+            deadline = __import__("time").monotonic() + 120
+            while server.scheduler.queue_depth < len(jobs):
+                assert __import__("time").monotonic() < deadline
+        replies = [f.result() for f in futures]
+    for (fn, _), (kind, reply) in zip(jobs, replies):
+        if fn is forced:
+            assert reply.finish_reason == "tool_calls", reply.message
+            (call,) = reply.message.tool_calls
+            jsonschema.validate(json.loads(call.function.arguments), _strict(PARAMETERS[kind]))
+        else:
+            assert reply.finish_reason == "stop", reply.message.content
+            jsonschema.validate(json.loads(reply.message.content), _strict(PARAMETERS[kind]))
+    lengths = {len(json.loads(r.message.tool_calls[0].function.arguments)["city"])
+               for (fn, _), (kind, r) in zip(jobs, replies) if fn is forced and kind == "string"}
+    assert len(lengths) > 1 and max(lengths) > 0  # the string ran as long as the budget let it
+
+
+def test_strict_by_default_and_strict_false_as_written(engine):
+    """No additionalProperties: strict (no other keys), as OpenAI compiles strict tools;
+    ``strict: false`` compiles the schema as written (JSON Schema: other keys allowed)."""
+    from mimir_megatron.inference.grammar import Grammars
+
+    grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.default_stop_ids)
+    text = '<tool_call>{"name": "get_string", "arguments": {"city": "Oslo", "extra": 1}}</tool_call>'
+
+    def accepts(tool) -> bool:
+        matcher = grammars.tool_calls([tool], False).start(100)._matcher
+        return matcher.consume_tokens(engine.encode(text)) and matcher.is_stopped()
+
+    assert not accepts(_tool("string"))
+    loose = _tool("string")
+    loose["function"]["strict"] = False
+    assert accepts(loose)
+    both = {**_tool("string")["function"]["parameters"], "additionalProperties": True}
+    assert accepts({"type": "function", "function": {"name": "get_string", "parameters": both}})
+
+
+# -- sampling fields, null values, platform fields ----------------------------------------------------------
+
+
+def _penalized_greedy(model, prompt: list[int], steps: int, params) -> list[int]:
+    """Greedy tokens from the PrefixLM forward, each step's logits processed by hand (vLLM's
+    formulas, written out here independently of sampling.py)."""
+    generated: list[int] = []
+    for _ in range(steps):
+        batch = single_sample_batch([prompt], [[*generated, 0]])
+        with torch.no_grad():
+            logits = model(batch).logits[0, len(prompt) - 1 + len(generated)].float()
+        for token, bias in params["logit_bias"].items():
+            logits[int(token)] += bias
+        for token in set(prompt) | set(generated):
+            value = logits[token]
+            logits[token] = value / params["repetition_penalty"] if value > 0 else value * params["repetition_penalty"]
+        for token in set(generated):
+            logits[token] -= params["frequency_penalty"] * generated.count(token) + params["presence_penalty"]
+        generated.append(int(logits.argmax()))
+    return generated
+
+
+def test_penalties_apply_per_row_and_other_rows_decode_exactly_as_alone(engine, served, client):
+    _, server = served
+    prompt = engine.encode("The cat sat on")
+    fields = {"frequency_penalty": 0.9, "presence_penalty": 0.6, "repetition_penalty": 1.7,
+              "logit_bias": {str(engine.encode(" the")[0]): 4.0}}
+
+    def complete(text_or_ids, **kw):
+        choice = client.completions.create(model="tiny", prompt=text_or_ids, max_tokens=8, temperature=0,
+                                           logprobs=1, **kw).choices[0]
+        return choice.logprobs.tokens, choice.logprobs.token_logprobs
+
+    plain_prompts = ["Once upon", "Data", "Hello there"]
+    alone = [complete(p) for p in plain_prompts]
+
+    def batch(**busy_fields):
+        with ThreadPoolExecutor(4) as pool:
+            with server.scheduler.paused():  # one shared batch of four rows
+                busy = pool.submit(complete, prompt, **busy_fields)
+                plain = [pool.submit(complete, p) for p in plain_prompts]
+                deadline = __import__("time").monotonic() + 120
+                while server.scheduler.queue_depth < 4:
+                    assert __import__("time").monotonic() < deadline
+            return busy.result(), [f.result() for f in plain]
+
+    (tokens, _), together = batch(frequency_penalty=fields["frequency_penalty"],
+                                  presence_penalty=fields["presence_penalty"], logit_bias=fields["logit_bias"],
+                                  extra_body={"repetition_penalty": fields["repetition_penalty"]})
+    _, without = batch()
+    assert together == without  # bit for bit: the penalised row changes nothing in the others
+    for (t_tokens, t_lp), (a_tokens, a_lp) in zip(together, alone):  # and they decode as alone
+        assert t_tokens == a_tokens and t_lp == pytest.approx(a_lp, abs=1e-4)
+    expected = _penalized_greedy(engine.model, prompt, 8, {**fields, "logit_bias": {
+        int(k): v for k, v in fields["logit_bias"].items()}})
+    assert [engine.tokenizer.decode([t]) for t in expected] == tokens
+    assert expected != _greedy_forward(engine.model, prompt, 8)[0]  # the fields changed the reply
+
+
+def test_min_tokens_holds_the_stop_tokens_back(engine, client, monkeypatch):
+    first = engine.encode(client.completions.create(model="tiny", prompt="Stop", max_tokens=1,
+                                                    temperature=0).choices[0].text)[0]
+    monkeypatch.setattr(engine, "default_stop_ids", (first,))
+    held = client.completions.create(model="tiny", prompt="Stop", max_tokens=6, temperature=0,
+                                     extra_body={"min_tokens": 3}).choices[0]
+    assert held.finish_reason in ("stop", "length") and len(engine.encode(held.text)) >= 3
+
+
+def test_null_means_the_default_and_platform_fields_are_accepted_and_logged_once(served, caplog):
+    url, _ = served
+    base = {"model": "tiny", "messages": ASK, "max_tokens": 4, "temperature": 0}
+    nulls = {name: None for name in ("top_p", "n", "logprobs", "top_logprobs", "stop", "seed", "stream",
+                                     "frequency_penalty", "presence_penalty", "logit_bias", "response_format",
+                                     "tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens",
+                                     "stream_options", "user", "min_p", "top_k", "min_tokens",
+                                     "repetition_penalty", "skip_special_tokens", "chat_template_kwargs")}
+    plain = httpx.post(f"{url}/chat/completions", json=base, timeout=120).json()
+    nulled = httpx.post(f"{url}/chat/completions", json={**base, **nulls}, timeout=120)
+    assert nulled.status_code == 200, nulled.text
+    assert nulled.json()["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert httpx.post(f"{url}/chat/completions", json={**base, "temperature": None}, timeout=120).status_code == 200
+
+    platform = {"store": True, "metadata": {"run": "a"}, "service_tier": "auto", "prompt_cache_key": "k",
+                "safety_identifier": "u1", "verbosity": "low", "user": "u1"}
+    with caplog.at_level("WARNING", logger="mimir_megatron.inference.server.translation"):
+        for _ in range(2):
+            response = httpx.post(f"{url}/chat/completions", json={**base, **platform}, timeout=120)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["message"] == plain["choices"][0]["message"]
+    logged = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    for name in platform:
+        assert sum(f"'{name}'" in m for m in logged) <= 1  # at most once per field and process
+
+
+def test_chat_template_kwargs_and_reasoning_effort_reach_the_template(engine, client, monkeypatch):
+    template = engine.tokenizer.chat_template
+    monkeypatch.setattr(engine.tokenizer, "chat_template",
+                        "{{ 'effort ' ~ reasoning_effort if reasoning_effort is defined }}"
+                        "{{ 'depth ' ~ depth if depth is defined }}" + template)
+    plain = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1)
+    both = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1, reasoning_effort="high",
+                                          extra_body={"chat_template_kwargs": {"depth": 3}})
+    expected = engine.render_chat(ASK, None, {"depth": 3, "reasoning_effort": "high"})
+    assert both.usage.prompt_tokens == len(expected) > plain.usage.prompt_tokens
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(engine, client):
+    special = engine.tokenizer.convert_tokens_to_ids("<start_of_turn>")
+    kw = dict(model="tiny", prompt="Hi", max_tokens=2, temperature=0, logit_bias={str(special): 100})
+    skipped = client.completions.create(**kw).choices[0].text
+    kept = client.completions.create(**kw, extra_body={"skip_special_tokens": False}).choices[0].text
+    assert "<start_of_turn>" not in skipped and kept.count("<start_of_turn>") == 2
+
+
+def test_logprobs_mode_processed_reports_the_masked_distribution(engine, client, monkeypatch):
+    """EuroEval reads a label from top_logprobs: raw ones come from before the grammar's mask,
+    processed ones only hold tokens the schema allows (the label's first tokens)."""
+    format_ = {"type": "json_schema", "json_schema": {"name": "l", "schema": SCHEMA}}
+    kw = dict(model="tiny", messages=ASK, max_tokens=160, temperature=0, logprobs=True, top_logprobs=5,
+              response_format=format_)
+    raw = client.chat.completions.create(**kw).choices[0]
+    monkeypatch.setattr(engine, "logprobs_mode", "processed")
+    processed = client.chat.completions.create(**kw).choices[0]
+    assert processed.message.content == raw.message.content
+    first = processed.logprobs.content[0]  # '{' is forced: probability 1 after the mask
+    assert first.logprob == pytest.approx(0.0, abs=1e-6) and raw.logprobs.content[0].logprob < -0.01
+    label_step = next(i for i, t in enumerate(processed.logprobs.content) if t.token in ("p", "n", "po", "ne"))
+    alternatives = [a.token for a in processed.logprobs.content[label_step].top_logprobs if a.logprob > -9999]
+    assert all(any(label.startswith(a) or a.startswith(label[:1]) for label in ("positiv", "neutral", "negativ"))
+               for a in alternatives)

@@ -82,3 +82,83 @@ def test_greedy_takes_the_argmax_and_reports_its_log_probability():
     assert chosen.tolist() == [0]
     assert logprobs.shape == (1, LOGITS.numel())  # every token's log-prob (for top_logprobs)
     assert logprobs[0, chosen[0]].item() == pytest.approx(math.log(0.5), abs=1e-6)
+
+
+# -- vLLM's per-row processors, against the logits they must produce (computed here token by token) --
+
+from mimir_megatron.inference.sampling import History, processed_logits  # noqa: E402
+
+
+def _by_hand(logits: list[float], prompt: list[int], output: list[int], stops: set[int], *, rep=1.0, freq=0.0,
+             pres=0.0, bias=(), min_tokens=0) -> list[float]:
+    """vLLM's order, one token at a time: min_tokens, logit_bias, repetition, frequency, presence."""
+    out = list(logits)
+    for t in range(len(out)):
+        if min_tokens and len(output) < min_tokens and t in stops:
+            out[t] = float("-inf")
+            continue
+        out[t] += sum(b for token, b in bias if token == t)
+        if t in prompt or t in output:
+            out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+        out[t] -= freq * output.count(t) + pres * (1 if t in output else 0)
+    return out
+
+
+CASES = {
+    "frequency": dict(freq=0.7), "presence": dict(pres=1.3), "repetition": dict(rep=1.8),
+    "logit_bias": dict(bias=((2, 5.0), (9, -100.0))), "min_tokens": dict(min_tokens=6),
+    "all": dict(freq=-0.4, pres=0.5, rep=0.6, bias=((0, 2.5),), min_tokens=6),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_penalties_bias_and_min_tokens_give_vllms_logits(case):
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(12, generator=g) * 3  # positive and negative logits
+    prompt, output, stops = [1, 3, 3, 8], [3, 5, 5, 5, 11], {11, 6}
+    kw = CASES[case]
+    params = SamplingParams(frequency_penalty=kw.get("freq", 0.0), presence_penalty=kw.get("pres", 0.0),
+                            repetition_penalty=kw.get("rep", 1.0), logit_bias=kw.get("bias", ()),
+                            min_tokens=kw.get("min_tokens", 0))
+    got = processed_logits(logits, params, History(prompt, output, frozenset(stops)))
+    expected = torch.tensor(_by_hand(logits.tolist(), prompt, output, stops, **kw))
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    torch.testing.assert_close(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
+    assert not torch.equal(got, logits)  # each case changes something
+
+    # processed log-probs are those of the processed logits; raw ones the model's
+    chosen, raw = next_tokens(logits[None], [params], [None], None, [History(prompt, output, frozenset(stops))])
+    _, processed = next_tokens(logits[None], [params], [None], None, [History(prompt, output, frozenset(stops))],
+                               "processed")
+    assert chosen.item() == int(expected.argmax())
+    torch.testing.assert_close(raw[0], torch.log_softmax(logits, -1))
+    torch.testing.assert_close(processed[0], torch.log_softmax(expected, -1))
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_most_likely():
+    """.5 / .3 / .15 / .05 with min_p .25: the bar is .125, so token 3 goes; at T = 2 the
+    probabilities flatten (.38 .29 .20 .12 ... recomputed here) before the bar applies."""
+    kept = filtered_logits(LOGITS, SamplingParams(temperature=1.0, min_p=0.25))
+    assert torch.isfinite(kept).tolist() == [True, True, True, False]
+    flat = by_hand(PROBS.tolist(), 2.0, keep=[0, 1, 2, 3])
+    bar = 0.4 * flat.max()
+    kept = filtered_logits(LOGITS, SamplingParams(temperature=2.0, min_p=0.4))
+    assert torch.isfinite(kept).tolist() == (flat >= bar).tolist()
+    got = frequencies(LOGITS, SamplingParams(temperature=1.0, min_p=0.25))
+    assert got[3] == 0 and (got - by_hand(PROBS.tolist(), 1.0, [0, 1, 2])).abs().max() < 0.03
+
+
+def test_rows_without_processors_are_bit_for_bit_as_alone():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g)
+    plain = [SamplingParams(), SamplingParams(temperature=0.8, seed=1)]
+    busy = SamplingParams(frequency_penalty=2.0, repetition_penalty=1.5, logit_bias=((7, 30.0),), min_tokens=2)
+    history = History([1, 2], [7, 7], frozenset({3}))
+    params = [plain[0], busy, plain[1], busy]
+    gens = [None, None, torch.Generator().manual_seed(9), None]
+    chosen, logprobs = next_tokens(logits, params, gens, None, [None, history, None, history])
+    for row, p in ((0, plain[0]), (2, plain[1])):
+        gen = torch.Generator().manual_seed(9) if p.temperature else None
+        alone, alone_lp = next_tokens(logits[row:row + 1], [p], [gen])
+        assert chosen[row] == alone[0] and torch.equal(logprobs[row], alone_lp[0])
+    assert chosen[1] != logits[1].argmax() or chosen[3] != logits[3].argmax()  # the busy rows did change

@@ -1,8 +1,8 @@
 """``mimir serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the inference engine.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/score``,
-``GET /v1/models``, ``GET /v1/stats``, ``GET /health``. A request travels through one module per
-job:
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``,
+``POST /v1/score``, ``GET /v1/models``, ``GET /v1/stats``, ``GET /health``. A request travels
+through one module per job:
 
 - :mod:`.protocol`: the request bodies (OpenAI's field names) and the error object;
 - :mod:`.translation`: body -> engine requests for every endpoint; the engine validates them
@@ -14,10 +14,14 @@ job:
 - :mod:`.app`: the routes and the ways to run the app.
 
 Extra body fields (beyond OpenAI's): ``h_cycles`` / ``l_cycles`` (the recurrence schedule of this
-request; default: the trained one), ``top_k`` and ``ignore_eos``. ``response_format`` and forced
-tool calls (``tool_choice`` ``required`` or named) are grammars (:mod:`..grammar`) that mask their
-own row's logits. Refused with 400 when set: ``echo``, ``suffix``, ``best_of`` > 1, ``logit_bias``,
-non-zero frequency/presence penalties, and any field the server does not know.
+request; default: the trained one), vLLM's ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``skip_special_tokens``, ``chat_template_kwargs`` and ``ignore_eos``.
+``response_format`` and forced tool calls (``tool_choice`` ``required`` or named) are grammars
+(:mod:`..grammar`) that mask their own row's logits and always finish within ``max_tokens``.
+Refused with 400 when set: ``echo``, ``suffix``, ``best_of`` > 1, and any field the server does
+not know; platform fields that cannot change the output (``store``, ``metadata``, ...) are
+accepted and logged once. :mod:`.responses_api` serves the Responses API. Reference:
+``docs/serving.md``.
 """
 
 from mimir_megatron.inference.server.app import (

@@ -11,7 +11,8 @@ from typing import Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mimir_megatron.inference.engine import InferenceEngine
 from mimir_megatron.inference.server.dispatch import Server
@@ -19,10 +20,12 @@ from mimir_megatron.inference.server.protocol import (
     ApiError,
     ChatBody,
     CompletionBody,
+    ResponsesBody,
     ScoreBody,
     bad_request,
 )
 from mimir_megatron.inference.server.responses import stream
+from mimir_megatron.inference.server.responses_api import ResponseBuilder, conversation, sse_events
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ def _head(prefix: str, kind: str, engine: InferenceEngine) -> dict:
 
 def build_app(engine: InferenceEngine, **limits) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the scheduler thread.
-    ``limits``: ``max_tokens_limit``, ``max_queue``, ``max_batch_size``."""
+    ``limits``: ``max_tokens_limit``, ``max_queue``, ``max_batch_size``, ``max_stored_responses``."""
     server = Server(engine, **limits)
 
     @asynccontextmanager
@@ -54,6 +57,18 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        # 404, 405, ... in OpenAI's error object (FastAPI's own is {"detail": ...}).
+        if exc.status_code == 404:
+            message, code = f"{request.method} {request.url.path} is not served here", "not_found"
+        elif exc.status_code == 405:
+            message, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        error = ApiError(exc.status_code, message, None, code=code)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -107,6 +122,20 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
                           server.respond.chat_chunks(head, body, generation))
         results = await server.results(queue, works)
         return server.respond.chat(head, body, results, generation)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesBody):
+        messages, remembered = conversation(body, server.stored_responses)
+        generation = server.translate.responses(body, messages)
+        builder = ResponseBuilder(body, engine.model_name, generation.prompt_tokens,
+                                  generation.parse_tool_calls,
+                                  server.stored_responses, remembered)
+        queue, works = server.generation_works(generation.requests)
+        if body.stream:
+            return StreamingResponse(sse_events(builder.events(server.events(queue, works))),
+                                     media_type="text/event-stream")
+        (result,) = await server.results(queue, works)
+        return builder.whole(result)
 
     @app.post("/v1/score")
     async def score(body: ScoreBody):

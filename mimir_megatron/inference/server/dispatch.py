@@ -11,6 +11,7 @@ from mimir_megatron.inference.engine import InferenceEngine, RequestError
 from mimir_megatron.inference.scheduler import GenerationWork, QueueFull, Scheduler, ScoreWork
 from mimir_megatron.inference.server.protocol import DEFAULT_MAX_TOKENS_LIMIT, ApiError, bad_request
 from mimir_megatron.inference.server.responses import Responses
+from mimir_megatron.inference.server.responses_api import DEFAULT_STORED_RESPONSES, ResponseStore
 from mimir_megatron.inference.server.translation import Limits, Scoring, Translator
 from mimir_megatron.inference.types import GenerationRequest, GenerationResult, ScoreResult, TokenEvent
 
@@ -49,7 +50,8 @@ class Server:
     """The app's state: engine, scheduler, limits, and the pieces that translate and respond."""
 
     def __init__(self, engine: InferenceEngine, *, max_tokens_limit: int | None = None, max_queue: int = 256,
-                 max_batch_size: int | None = None) -> None:
+                 max_batch_size: int | None = None,
+                 max_stored_responses: int = DEFAULT_STORED_RESPONSES) -> None:
         if max_batch_size is not None:
             engine.max_batch_size = max_batch_size
         limit = max_tokens_limit or min(DEFAULT_MAX_TOKENS_LIMIT, engine.max_context)
@@ -58,6 +60,8 @@ class Server:
         self.translate = Translator(engine, self.limits)
         self.respond = Responses(engine)
         self.scheduler = Scheduler(engine, max_queue=max_queue)
+        self.stored_responses = ResponseStore(max_stored_responses)
+        """Conversations of earlier responses, for ``previous_response_id`` (in memory, bounded)."""
         self.created = int(time.time())
 
     def submit(self, works: list) -> None:

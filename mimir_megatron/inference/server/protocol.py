@@ -41,36 +41,62 @@ class Body(BaseModel):
     l_cycles: int | None = Field(None, ge=1)
 
 
+PLATFORM_FIELDS = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity",
+                   "user")
+"""OpenAI platform fields that cannot change the output: accepted, logged once per field (vLLM
+accepts them with a warning). ``verbosity`` and ``service_tier`` are hints this server has no use for."""
+
+
 class SamplingBody(Body):
+    """The fields every generation endpoint shares. ``null`` is the default for every optional
+    field (the openai SDK sends null for a parameter passed as None)."""
+
     max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0)
+    """Default 1 (OpenAI's)."""
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    """vLLM's: 0 or -1 = off."""
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: dict[str, Any] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = None
+    """{token id as a string: bias in [-100, 100]} (OpenAI's form)."""
+    min_tokens: int | None = Field(None, ge=0)
+    skip_special_tokens: bool | None = None
     response_format: dict[str, Any] | None = None
     """``{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}``."""
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
     """vLLM's extra field: generate past the end-of-turn / eos tokens (benchmarks)."""
+    # Platform fields (PLATFORM_FIELDS): no effect on the output.
     user: str | None = None
-    """An end-user id for the client's records; it has no effect on the output."""
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    @property
+    def choices(self) -> int:
+        return 1 if self.n is None else self.n
 
 
 class CompletionBody(SamplingBody):
     prompt: Any
     """str, list of str, list of token ids, or list of lists of token ids (checked by hand)."""
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -85,13 +111,37 @@ class ChatMessage(BaseModel):
 class ChatBody(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     """``none`` (tools not offered), ``auto`` (default with tools), ``required``, or
     ``{"type": "function", "function": {"name": ...}}``."""
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: further variables for the chat template (``enable_thinking``, ...)."""
+    reasoning_effort: str | None = None
+    """Passed to the chat template as the variable ``reasoning_effort`` (as vLLM does)."""
+
+
+class ResponsesBody(SamplingBody):
+    """``POST /v1/responses``: OpenAI's Responses API (the fields this server implements)."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+    """``{"format": {"type": "text" | "json_object" | "json_schema", ...}}``."""
+    reasoning: dict[str, Any] | None = None
+    """``{"effort": ...}``: passed to the chat template as ``reasoning_effort``."""
+    include: list[str] | None = None
+    truncation: str | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class ScoreItem(BaseModel):

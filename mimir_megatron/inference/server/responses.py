@@ -42,7 +42,8 @@ class Responses:
             offsets.append(at)
             at += len(t)
         top = None if tops is None else [self._top_dict(step) for step in tops]
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [_finite(lp) for lp in logprobs], "top_logprobs": top,
+                "text_offset": offsets}
 
     def _top_dict(self, step: TopLogprobs) -> dict[str, float]:
         """{token text: log-prob}, most likely first; a token whose text an earlier one already has
@@ -50,12 +51,12 @@ class Responses:
         out: dict[str, float] = {}
         for token_id, logprob in step:
             text = self.token_text(token_id)
-            out[text if text not in out else f"token_id:{token_id}"] = logprob
+            out[text if text not in out else f"token_id:{token_id}"] = _finite(logprob)
         return out
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list[float],
                       tops: list[TopLogprobs] | None) -> dict:
@@ -137,8 +138,9 @@ class Responses:
                                              "finish_reason": finish}]})
 
         async def chunks(events: Events):
-            tool_streams = {i: ToolCallStream() for i in range(body.n)} if generation.parse_tool_calls else {}
-            for i in range(body.n):
+            tool_streams = ({i: ToolCallStream() for i in range(body.choices)}
+                            if generation.parse_tool_calls else {})
+            for i in range(body.choices):
                 yield chunk(i, {"role": "assistant", "content": ""})
             completion_tokens = 0
             async for index, event in events:
@@ -170,6 +172,11 @@ class Responses:
                 yield sse({**head, "choices": [], "usage": total})
 
         return chunks
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a token the processed distribution excludes is reported as -9999 (vLLM's)."""
+    return max(logprob, -9999.0)
 
 
 def _tool_finish(finish: str) -> str:

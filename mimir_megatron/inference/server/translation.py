@@ -7,6 +7,7 @@ body's field. Nothing here touches engine state: safe on the HTTP thread.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,11 +15,13 @@ from mimir_megatron.inference.engine import InferenceEngine, RequestError
 from mimir_megatron.inference.grammar import Grammar, Grammars
 from mimir_megatron.inference.server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
+    PLATFORM_FIELDS,
     ApiError,
     Body,
     ChatBody,
     ChatMessage,
     CompletionBody,
+    ResponsesBody,
     SamplingBody,
     ScoreBody,
     bad_request,
@@ -26,8 +29,22 @@ from mimir_megatron.inference.server.protocol import (
 from mimir_megatron.inference.tool_calls import template_supports_tools
 from mimir_megatron.inference.types import GenerationRequest, SamplingParams
 
+log = logging.getLogger(__name__)
+
 # Engine field names -> the body's names.
 _BODY_FIELD = {"max_new_tokens": "max_tokens"}
+# Variables the chat template gets from the server itself, never from chat_template_kwargs.
+_RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "tokenize", "add_generation_prompt", "conversation")
+_logged_platform_fields: set[str] = set()
+
+
+def note_platform_fields(body: SamplingBody) -> None:
+    """Log, once per field and process, that a platform field has no effect here."""
+    for name in PLATFORM_FIELDS:
+        if getattr(body, name, None) is not None and name not in _logged_platform_fields:
+            _logged_platform_fields.add(name)
+            log.warning("request field %r is accepted and has no effect on this server "
+                        "(logged once)", name)
 
 
 @dataclass
@@ -77,7 +94,7 @@ class Translator:
         self._unsupported(body)
         prompts = self._prompts(body.prompt)
         max_tokens = self._max_tokens(body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens")
-        grammar = self._response_format(body)
+        grammar = self._response_format(body.response_format)
         requests = self._requests(body, prompts, max_tokens, "prompt", body.logprobs or 0, grammar)
         return Generation(requests, sum(len(p) for p in prompts))
 
@@ -86,18 +103,67 @@ class Translator:
         self._unsupported(body)
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        tools, tool_grammar = self._tools(body)
-        grammar = self._response_format(body)
-        if grammar is not None and tool_grammar is not None:
-            raise bad_request("response_format cannot be combined with a required tool call",
-                              "response_format")
-        prompt = self._chat_prompt(body, tools)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self._max_tokens(asked, max(1, self.engine.max_context - len(prompt)), param)
+        messages = [self._message(m) for m in body.messages]
+        kwargs = self._template_kwargs(body.chat_template_kwargs, body.reasoning_effort,
+                                       "chat_template_kwargs")
         top = (body.top_logprobs or 0) if body.logprobs else 0
-        requests = self._requests(body, [prompt], max_tokens, "messages", top, grammar or tool_grammar)
-        return Generation(requests, len(prompt) * body.n, parse_tool_calls=tools is not None)
+        return self.conversation(body, messages, body.tools, body.tool_choice, body.parallel_tool_calls,
+                                 body.response_format, kwargs, asked, param, top)
+
+    def responses(self, body: ResponsesBody, messages: list[dict]) -> Generation:
+        """A Responses API body whose input is already ``messages`` (chat form, see
+        :mod:`.responses_api`)."""
+        self._check_model(body)
+        self._unsupported(body)
+        if body.choices != 1:
+            raise bad_request("n must be 1 for /v1/responses", "n")
+        effort = (body.reasoning or {}).get("effort") if isinstance(body.reasoning, dict) else None
+        kwargs = self._template_kwargs(body.chat_template_kwargs, effort, "chat_template_kwargs")
+        tools = None
+        if body.tools:
+            tools = []
+            for i, tool in enumerate(body.tools):
+                if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+                    raise bad_request('each tool must be {"type": "function", "name": ..., '
+                                      '"parameters": ...} '
+                                      "(only function tools are served here)", f"tools[{i}]")
+                fn = {k: v for k, v in tool.items() if k != "type"}
+                tools.append({"type": "function", "function": fn})
+        choice = body.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        response_format = None
+        text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
+        if text_format is not None:
+            if not isinstance(text_format, dict):
+                raise bad_request("text.format must be an object", "text.format")
+            if text_format.get("type") == "json_schema":
+                inner = {k: v for k, v in text_format.items() if k != "type"}
+                response_format = {"type": "json_schema", "json_schema": inner}
+            else:
+                response_format = text_format
+        top = body.top_logprobs or 0
+        return self.conversation(body, messages, tools, choice, body.parallel_tool_calls, response_format,
+                                 kwargs, body.max_output_tokens, "max_output_tokens", top,
+                                 tools_param="tools", format_param="text.format")
+
+    def conversation(self, body: SamplingBody, messages: list[dict], tools: list[dict] | None, choice,
+                     parallel: bool | None, response_format: dict | None, template_kwargs: dict,
+                     asked: int | None, param: str, top_logprobs: int, *, tools_param: str = "tools",
+                     format_param: str = "response_format") -> Generation:
+        """What chat completions and responses share: tools, grammar, prompt, requests."""
+        offered, tool_grammar = self._tools(tools, choice, parallel, tools_param)
+        grammar = self._response_format(response_format, format_param)
+        if grammar is not None and tool_grammar is not None:
+            raise bad_request(f"{format_param} cannot be combined with a required tool call", format_param)
+        prompt = self._chat_prompt(messages, offered, template_kwargs)
+        max_tokens = self._max_tokens(asked, max(1, self.engine.max_context - len(prompt)), param)
+        requests = self._requests(body, [prompt], max_tokens, "messages", top_logprobs,
+                                  grammar or tool_grammar,
+                                  budget_param=param)
+        return Generation(requests, len(prompt) * body.choices, parse_tool_calls=offered is not None)
 
     def score(self, body: ScoreBody) -> Scoring:
         self._check_model(body)
@@ -161,10 +227,20 @@ class Translator:
         raise bad_request("prompt must be a non-empty string, list of strings, list of token ids "
                           "or list of lists of token ids", "prompt")
 
-    def _chat_prompt(self, body: ChatBody, tools: list[dict[str, Any]] | None) -> list[int]:
-        messages = [self._message(m) for m in body.messages]
+    @staticmethod
+    def _template_kwargs(kwargs: dict | None, reasoning_effort: str | None, param: str) -> dict:
+        out = dict(kwargs or {})
+        reserved = sorted(set(out) & set(_RESERVED_TEMPLATE_VARIABLES))
+        if reserved:
+            raise bad_request(f"{param} must not set {reserved[0]!r} (the server renders it)", param)
+        if reasoning_effort is not None:
+            out.setdefault("reasoning_effort", reasoning_effort)
+        return out
+
+    def _chat_prompt(self, messages: list[dict], tools: list[dict[str, Any]] | None,
+                     template_kwargs: dict | None = None) -> list[int]:
         try:
-            return self.engine.render_chat(messages, tools)
+            return self.engine.render_chat(messages, tools, template_kwargs)
         except RequestError as exc:
             raise bad_request(str(exc), "messages") from exc
         except Exception as exc:  # noqa: BLE001 - the template refuses the conversation (jinja raise)
@@ -183,11 +259,7 @@ class Translator:
         return out
 
     def _unsupported(self, body: SamplingBody) -> None:
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(body, name):
-                raise bad_request(f"{name} is not supported", name)
-        if body.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+        note_platform_fields(body)
         if isinstance(body, CompletionBody):
             if body.echo:
                 raise bad_request("echo is not supported: a PrefixLM scores a continuation only with its "
@@ -211,52 +283,55 @@ class Translator:
         except RequestError as exc:
             raise _api_error(exc) from exc
 
-    def _response_format(self, body: SamplingBody) -> Grammar | None:
-        """The grammar ``response_format`` asks for (None: free text)."""
-        spec = body.response_format
+    def _response_format(self, spec: dict | None, param: str = "response_format") -> Grammar | None:
+        """The grammar ``response_format`` asks for (None: free text). A ``json_schema`` is
+        compiled in OpenAI's strict sense unless it says ``strict: false`` (then as written)."""
         if spec is None or spec.get("type") == "text":
             return None
         if spec.get("type") == "json_object":
-            return self._grammar(self.grammars.json, None)
+            return self._grammar(self.grammars.json, None, param)
         if spec.get("type") == "json_schema":
             inner = spec.get("json_schema")
             schema = inner.get("schema") if isinstance(inner, dict) else None
             if not isinstance(schema, dict):
-                raise bad_request("response_format.json_schema.schema must be a JSON schema object",
-                                  "response_format")
-            return self._grammar(self.grammars.json, schema)
-        raise bad_request(f"response_format type {spec.get('type')!r} is not one of text, json_object, "
-                          "json_schema", "response_format")
+                raise bad_request(f"{param}.json_schema.schema must be a JSON schema object"
+                                  if param == "response_format"
+                                  else f"{param}.schema must be a JSON schema object",
+                                  param)
+            return self._grammar(self.grammars.json, schema, param, inner.get("strict") is not False)
+        raise bad_request(f"{param} type {spec.get('type')!r} is not one of text, json_object, "
+                          "json_schema", param)
 
-    def _tools(self, body: ChatBody) -> tuple[list[dict[str, Any]] | None, Grammar | None]:
+    def _tools(self, tools: list[dict] | None, choice, parallel: bool | None, param: str = "tools"
+               ) -> tuple[list[dict[str, Any]] | None, Grammar | None]:
         """(the tools the prompt offers, the grammar that enforces a call) for ``tool_choice``."""
-        choice = body.tool_choice
-        if not body.tools:
+        parallel = True if parallel is None else parallel
+        if not tools:
             if choice not in (None, "none"):
                 raise bad_request("tool_choice needs tools", "tool_choice")
             return None, None
         if not template_supports_tools(self.engine.tokenizer):
-            raise bad_request("this model's chat template does not render tools", "tools")
+            raise bad_request("this model's chat template does not render tools", param)
         names = []
-        for i, tool in enumerate(body.tools):
+        for i, tool in enumerate(tools):
             fn = tool.get("function") if tool.get("type") == "function" else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise bad_request('each tool must be {"type": "function", "function": {"name": ..., '
-                                  '"parameters": ...}}', f"tools[{i}]")
+                                  '"parameters": ...}}', f"{param}[{i}]")
             names.append(fn["name"])
         if choice == "none":
             return None, None
         if choice in (None, "auto"):
-            return body.tools, None
+            return tools, None
         if choice == "required":
-            return body.tools, self._grammar(self.grammars.tool_calls, body.tools, body.parallel_tool_calls)
+            return tools, self._grammar(self.grammars.tool_calls, tools, parallel)
         is_named = isinstance(choice, dict) and choice.get("type") == "function"
         named = choice.get("function") if is_named else None
         if isinstance(named, dict):
             name = named.get("name")
             if name not in names:
                 raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-            return body.tools, self._grammar(self.grammars.tool_calls, [body.tools[names.index(name)]], False)
+            return tools, self._grammar(self.grammars.tool_calls, [tools[names.index(name)]], False)
         raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", '
                           '"function": {"name": ...}}', "tool_choice")
 
@@ -270,27 +345,54 @@ class Translator:
             raise bad_request(f"{param} is {value}; this server allows at most {limit}", param)
         return value
 
+    @staticmethod
+    def _logit_bias(body: SamplingBody) -> tuple[tuple[int, float], ...]:
+        out = []
+        for key, bias in (body.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            out.append((token, float(bias)))
+        return tuple(out)
+
     def _requests(self, body: SamplingBody, prompts: list[list[int]], max_tokens: int, prompt_param: str,
-                  top_logprobs: int, grammar: Grammar | None) -> list[GenerationRequest]:
+                  top_logprobs: int, grammar: Grammar | None, budget_param: str = "max_tokens"
+                  ) -> list[GenerationRequest]:
         """``n`` requests per prompt (seeds seed, seed + 1, ... in choice order), each checked by
-        the engine."""
+        the engine. A field left out or sent as null takes its default."""
         h, low = self._schedule(body)
-        if len(prompts) * body.n > self.limits.max_queue:
-            raise bad_request(f"{len(prompts)} prompts x n={body.n} requests cannot fit the queue of "
+        n = body.choices
+        if len(prompts) * n > self.limits.max_queue:
+            raise bad_request(f"{len(prompts)} prompts x n={n} requests cannot fit the queue of "
                               f"{self.limits.max_queue}", "n")
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        shared = dict(
+            max_new_tokens=max_tokens, temperature=_or(body.temperature, 1.0),
+            top_k=max(0, _or(body.top_k, 0)),
+            top_p=_or(body.top_p, 1.0), min_p=_or(body.min_p, 0.0), stop_strings=stops,
+            use_default_stops=not body.ignore_eos, top_logprobs=top_logprobs,
+            frequency_penalty=_or(body.frequency_penalty, 0.0),
+            presence_penalty=_or(body.presence_penalty, 0.0),
+            repetition_penalty=_or(body.repetition_penalty, 1.0), logit_bias=self._logit_bias(body),
+            min_tokens=_or(body.min_tokens, 0), skip_special_tokens=_or(body.skip_special_tokens, True))
         out = []
         for p, prompt in enumerate(prompts):
             where = prompt_param if len(prompts) == 1 else f"{prompt_param}[{p}]"
-            for j in range(body.n):
-                seed = None if body.seed is None else body.seed + p * body.n + j
-                params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature,
-                                        top_k=body.top_k, top_p=body.top_p, seed=seed, stop_strings=stops,
-                                        use_default_stops=not body.ignore_eos, top_logprobs=top_logprobs)
-                request = GenerationRequest(prompt, params, h, low, grammar)
+            for j in range(n):
+                seed = None if body.seed is None else body.seed + p * n + j
+                request = GenerationRequest(prompt, SamplingParams(seed=seed, **shared), h, low, grammar)
                 try:
                     self.engine.check_request(request)
                 except RequestError as exc:
+                    if exc.field == "max_new_tokens":
+                        message = str(exc).replace("max_new_tokens", budget_param, 1)
+                        raise bad_request(message, budget_param) from exc
                     raise _api_error(exc, field=where if exc.field == "prompt" else None) from exc
                 out.append(request)
         return out
+
+
+def _or(value, default):
+    """``value``, or ``default`` where the body left it out or sent null."""
+    return default if value is None else value

@@ -1,0 +1,265 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat path.
+
+A request's ``input`` (a text, or a list of items: messages, the model's earlier
+``function_call`` items and the client's ``function_call_output`` items) becomes a chat
+conversation, rendered by the chat template like any chat request (``instructions`` first, as a
+system message). The reply becomes output items: a ``message`` with ``output_text``, and one
+``function_call`` item per tool call. ``previous_response_id`` continues a conversation kept in
+memory (:class:`ResponseStore`: the newest ``capacity`` responses; older ids are answered with a
+400 naming the field); ``store: false`` keeps nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from mimir_megatron.inference.server.protocol import ApiError, ResponsesBody, bad_request
+from mimir_megatron.inference.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from mimir_megatron.inference.types import GenerationResult, TokenEvent
+
+DEFAULT_STORED_RESPONSES = 1024
+
+
+class ResponseStore:
+    """The conversations behind the newest ``capacity`` responses (chat messages, the reply
+    included), for ``previous_response_id``. Thread-safe; oldest dropped first."""
+
+    def __init__(self, capacity: int = DEFAULT_STORED_RESPONSES) -> None:
+        self.capacity = capacity
+        self._items: collections.OrderedDict[str, list[dict]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, response_id: str) -> list[dict]:
+        with self._lock:
+            found = self._items.get(response_id)
+        if found is None:
+            raise ApiError(400, f"previous response {response_id!r} is not known here (this server keeps the "
+                                f"newest {self.capacity} responses, in memory)", "previous_response_id",
+                           code="previous_response_not_found")
+        return [dict(m) for m in found]
+
+    def put(self, response_id: str, messages: list[dict]) -> None:
+        with self._lock:
+            self._items[response_id] = messages
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _text(content: Any, where: str) -> str:
+    """The text of an item's ``content``: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                    or not isinstance(part.get("text"), str):
+                raise bad_request("only text content parts (input_text, output_text) are supported", where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request("content must be a string or a list of text parts", where)
+
+
+def input_messages(body: ResponsesBody) -> list[dict]:
+    """``input`` as chat messages (without ``instructions``)."""
+    if isinstance(body.input, str):
+        return [{"role": "user", "content": body.input}]
+    messages: list[dict] = []
+    for i, item in enumerate(body.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad_request(f"role must be user, assistant, system or developer, got {role!r}", where)
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+                raise bad_request("a function_call item needs name and arguments (a JSON string)", where)
+            call = {"id": item.get("call_id") or item.get("id") or "", "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                output = json.dumps(output) if output is not None else ""
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""), "content": output})
+        elif kind == "reasoning":
+            continue  # this server produces none; a client replaying another model's is served without it
+        else:
+            raise bad_request(f"input item type {kind!r} is not supported (message, function_call, "
+                              "function_call_output)", where)
+    if not messages:
+        raise bad_request("input must hold at least one message", "input")
+    return messages
+
+
+def conversation(body: ResponsesBody, store: ResponseStore) -> tuple[list[dict], list[dict]]:
+    """(the messages to render, instructions first; the conversation to remember, without them)."""
+    history = store.get(body.previous_response_id) if body.previous_response_id else []
+    kept = history + input_messages(body)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    return system + kept, kept
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _message_item(text: str, item_id: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(call: ToolCall, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": _new_id("fc"), "call_id": call.id, "name": call.name,
+            "arguments": call.arguments, "status": status}
+
+
+def _assistant_message(text: str | None, calls: list[ToolCall]) -> dict:
+    message: dict = {"role": "assistant", "content": text or ""}
+    if calls:
+        message["tool_calls"] = [c.as_dict() for c in calls]
+    return message
+
+
+class ResponseBuilder:
+    """One response's object, whole or as stream events."""
+
+    def __init__(self, body: ResponsesBody, model: str, prompt_tokens: int, parse_tool_calls: bool,
+                 store: ResponseStore, remembered: list[dict]) -> None:
+        self.body, self.model, self.prompt_tokens = body, model, prompt_tokens
+        self.parse_tool_calls, self.store, self.remembered = parse_tool_calls, store, remembered
+        self.id = _new_id("resp")
+        self.created = int(time.time())
+
+    def _object(self, status: str, output: list[dict], completion_tokens: int, finish: str | None) -> dict:
+        b = self.body
+        text_format = (b.text or {}).get("format") if isinstance(b.text, dict) else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": output, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+            "previous_response_id": b.previous_response_id,
+            "parallel_tool_calls": b.parallel_tool_calls is not False,
+            "temperature": 1.0 if b.temperature is None else b.temperature,
+            "top_p": 1.0 if b.top_p is None else b.top_p,
+            "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
+            "text": {"format": text_format or {"type": "text"}}, "reasoning": b.reasoning,
+            "store": b.store is not False, "truncation": b.truncation or "disabled",
+            "metadata": b.metadata or {}, "user": b.user,
+            "usage": {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": self.prompt_tokens + completion_tokens},
+        }
+
+    def _finish(self, text: str | None, calls: list[ToolCall]) -> None:
+        if self.body.store is not False:
+            self.store.put(self.id, [*self.remembered, _assistant_message(text, calls)])
+
+    def _split(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if not self.parse_tool_calls:
+            return text, []
+        content, calls = parse_tool_calls(text)
+        return (content, calls) if calls else (text, [])
+
+    def whole(self, result: GenerationResult) -> dict:
+        text, calls = self._split(result.text or "")
+        # A reply without calls is a message, even an empty one (a client looks for it).
+        message = [_message_item(text or "", _new_id("msg"))] if text or not calls else []
+        output = message + [_call_item(c) for c in calls]
+        self._finish(text, calls)
+        status = "incomplete" if result.finish_reason == "length" else "completed"
+        return self._object(status, output, len(result.token_ids), result.finish_reason)
+
+    async def events(self, events: AsyncIterator[tuple[int, TokenEvent]]) -> AsyncIterator[dict]:
+        """OpenAI's stream events: created, in_progress, the output items with their deltas,
+        completed (or incomplete)."""
+        sequence = iter(range(1 << 30))
+
+        def event(kind: str, **fields) -> dict:
+            return {"type": kind, "sequence_number": next(sequence), **fields}
+
+        yield event("response.created", response=self._object("in_progress", [], 0, None))
+        yield event("response.in_progress", response=self._object("in_progress", [], 0, None))
+        stream = ToolCallStream() if self.parse_tool_calls else None
+        message_id, text, tokens, finish, output = _new_id("msg"), "", 0, None, []
+
+        def open_message():
+            item = _message_item("", message_id, "in_progress")
+            item["content"] = []
+            yield event("response.output_item.added", output_index=0, item=item)
+            yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+
+        async for _, token_event in events:
+            tokens += 1
+            delta = token_event.text or ""
+            calls: list[ToolCall] = []
+            if stream is not None:
+                delta = stream.feed(delta)
+                if token_event.finished:
+                    rest, calls = stream.finish()
+                    delta += rest
+            if delta:
+                if not text:
+                    for e in open_message():
+                        yield e
+                text += delta
+                yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
+                            delta=delta, logprobs=[])
+            if token_event.finished:
+                finish = token_event.finish_reason
+                if not text and not calls:  # a reply without calls is a message, even an empty one
+                    for e in open_message():
+                        yield e
+                if text or not calls:
+                    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                    yield event("response.output_text.done", item_id=message_id, output_index=0,
+                                content_index=0,
+                                text=text, logprobs=[])
+                    yield event("response.content_part.done", item_id=message_id, output_index=0,
+                                content_index=0, part=part)
+                    output.append(_message_item(text, message_id))
+                    yield event("response.output_item.done", output_index=0, item=output[-1])
+                for call in calls:
+                    index = len(output)
+                    item = _call_item(call, "in_progress")
+                    yield event("response.output_item.added", output_index=index,
+                                item={**item, "arguments": ""})
+                    yield event("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=index,
+                                delta=call.arguments)
+                    yield event("response.function_call_arguments.done", item_id=item["id"],
+                                output_index=index,
+                                arguments=call.arguments)
+                    output.append({**item, "status": "completed"})
+                    yield event("response.output_item.done", output_index=index, item=output[-1])
+                self._finish(text or None, calls)
+        status = "incomplete" if finish == "length" else "completed"
+        yield event(f"response.{status}", response=self._object(status, output, tokens, finish))
+
+
+async def sse_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's form (``event:`` names the type); an error after the 200
+    header travels as an ``error`` event."""
+    try:
+        async for e in events:
+            yield f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
+    except ApiError as exc:
+        error = {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param}
+        yield f"event: error\ndata: {json.dumps(error)}\n\n"

@@ -1,0 +1,200 @@
+"""Real OpenAI clients and agent frameworks against `mimir serve`, as their users call them.
+
+One server for the module (the tiny random model, the demo tokenizer); every client runs
+against it: the openai SDK (chat, a forced tool call with a plain string parameter, ``parse``
+with a Pydantic model, the Responses API), langchain-openai (``bind_tools``,
+``with_structured_output`` with each method), litellm, and the OpenAI Agents SDK running a tool
+loop to its end. Random weights: only the grammar makes a call well-formed, which is the point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+from inference_workloads import served_engine
+from pydantic import BaseModel
+
+pytest.importorskip("llguidance")
+pytestmark = pytest.mark.timeout(600)
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "Current weather in a city",
+                                            "parameters": CITY}}
+ASK = [{"role": "user", "content": "Do I need an umbrella in Aarhus?"}]
+MAX = 90  # above the shortest forced call (~60 tokens of the demo tokenizer), small enough to be quick
+
+
+class Forecast(BaseModel):
+    city: str
+    rain_mm: float
+
+
+@pytest.fixture(scope="module")
+def served():
+    from mimir_megatron.inference.server import app_server, build_app, serve_app_in_thread
+
+    app = build_app(served_engine(), max_queue=32, max_tokens_limit=128, max_stored_responses=4)
+    with serve_app_in_thread(app) as url:
+        yield url, app_server(app)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    from openai import OpenAI
+
+    return OpenAI(base_url=served[0], api_key="x", max_retries=0, timeout=300)
+
+
+# -- the openai SDK ----------------------------------------------------------------------------------------
+
+
+def test_openai_chat_forced_call_with_a_plain_string_and_parse(client):
+    plain = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4)
+    assert plain.choices[0].message.content and plain.usage.completion_tokens == 4
+
+    for seed in range(3):
+        reply = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                               max_tokens=MAX, temperature=1.0, seed=seed).choices[0]
+        assert reply.finish_reason == "tool_calls", reply.message
+        assert isinstance(json.loads(reply.message.tool_calls[0].function.arguments)["city"], str)
+
+    parsed = client.chat.completions.parse(model="tiny", messages=ASK, response_format=Forecast, max_tokens=MAX,
+                                           temperature=1.0, seed=1)
+    assert isinstance(parsed.choices[0].message.parsed, Forecast)
+
+
+def test_openai_responses_text_messages_tools_and_streaming(client, served):
+    from openai import BadRequestError
+
+    _, server = served
+    first = client.responses.create(model="tiny", input="Hello", instructions="Answer briefly.",
+                                    max_output_tokens=4, temperature=None)
+    assert first.output_text and first.status == "incomplete" and first.usage.output_tokens == 4
+    assert first.incomplete_details.reason == "max_output_tokens"
+    follow = client.responses.create(model="tiny", input=[{"role": "user", "content": "And then?"}],
+                                     previous_response_id=first.id, max_output_tokens=4)
+    # the earlier turn (without its instructions) and its reply come back as the conversation's start
+    assert follow.usage.input_tokens > first.usage.input_tokens - 8
+
+    tool = {"type": "function", "name": "weather", "parameters": CITY}
+    called = client.responses.create(model="tiny", input=ASK, tools=[tool], tool_choice="required",
+                                     max_output_tokens=MAX, temperature=1.0)
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert isinstance(json.loads(call.arguments)["city"], str) and call.call_id
+    answered = client.responses.create(
+        model="tiny", previous_response_id=called.id, tools=[tool], max_output_tokens=4,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"rain_mm": 4}'}])
+    assert answered.output[0].type == "message"
+
+    events = list(client.responses.create(model="tiny", input="Hi", max_output_tokens=4, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text
+
+    schema = {"type": "json_schema", "name": "forecast", "schema": Forecast.model_json_schema(), "strict": True}
+    structured = client.responses.create(model="tiny", input="Forecast?", text={"format": schema},
+                                         max_output_tokens=MAX, temperature=1.0)
+    Forecast.model_validate_json(structured.output_text)
+
+    for _ in range(4):  # the store keeps the newest 4: the first response is gone
+        client.responses.create(model="tiny", input="x", max_output_tokens=1)
+    with pytest.raises(BadRequestError) as caught:
+        client.responses.create(model="tiny", input="y", previous_response_id=first.id, max_output_tokens=1)
+    assert caught.value.body["param"] == "previous_response_id" and len(server.stored_responses) == 4
+
+
+def test_every_error_is_openais_error_object(served):
+    url, _ = served
+    root = url.removesuffix("/v1")
+    for method, path, status in (("GET", "/v1/nothing", 404), ("POST", "/v2/chat", 404),
+                                 ("GET", "/v1/chat/completions", 405), ("DELETE", "/v1/responses", 405)):
+        response = httpx.request(method, root + path, timeout=60)
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert error["message"] and "detail" not in response.json() and set(error) == {"message", "type", "param",
+                                                                                        "code"}
+    bad = httpx.post(url + "/responses", json={"model": "tiny", "input": "x", "max_output_tokens": 2,
+                                               "text": {"format": {"type": "yaml"}}}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format"
+
+
+# -- langchain-openai, litellm -------------------------------------------------------------------------------
+
+
+def test_langchain_bind_tools_and_structured_output_with_each_method(served):
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="tiny", base_url=served[0], api_key="x", max_tokens=MAX, temperature=1.0, seed=3,
+                     max_retries=0)
+    message = llm.bind_tools([WEATHER], tool_choice="required").invoke("Umbrella in Aarhus?")
+    assert message.tool_calls and isinstance(message.tool_calls[0]["args"]["city"], str)
+
+    # function_calling sends no additionalProperties: the strict default keeps other keys out
+    for method in ("function_calling", "json_schema"):
+        forecast = llm.with_structured_output(Forecast, method=method).invoke("Forecast for Oslo?")
+        assert isinstance(forecast, Forecast), method
+    loose = {"title": "anything", "type": "object", "properties": {}}
+    assert isinstance(llm.with_structured_output(loose, method="json_mode").invoke("JSON please"), dict)
+
+
+def test_litellm_chat_and_forced_tool_call(served):
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of the price list
+    litellm = pytest.importorskip("litellm")
+
+    kw = dict(model="openai/tiny", api_base=served[0], api_key="x", max_tokens=MAX)
+    text = litellm.completion(messages=ASK, **{**kw, "max_tokens": 4})
+    assert text.choices[0].message.content and text.usage.completion_tokens == 4
+    called = litellm.completion(messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=2,
+                                **kw)
+    assert called.choices[0].finish_reason == "tool_calls"
+    assert isinstance(json.loads(called.choices[0].message.tool_calls[0].function.arguments)["city"], str)
+
+
+# -- the OpenAI Agents SDK --------------------------------------------------------------------------------
+
+
+def test_agents_sdk_runs_a_tool_loop_to_its_final_message(served):
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @agents.function_tool
+    def weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append(city)
+        return json.dumps({"city": city, "rain_mm": 4})
+
+    model = agents.OpenAIResponsesModel(model="tiny", openai_client=AsyncOpenAI(base_url=served[0], api_key="x",
+                                                                                max_retries=0))
+    # Random weights never end a free reply by themselves: the end-of-turn token gets a bias (the
+    # forced call's grammar forbids it until the call is complete, so the call is unchanged).
+    end_of_turn = served[1].engine.default_stop_ids[0]
+    settings = agents.ModelSettings(tool_choice="required", max_tokens=MAX, temperature=1.0,
+                                    extra_body={"logit_bias": {str(end_of_turn): 12}})
+    agent = agents.Agent(name="forecaster", instructions="Use the weather tool, then answer.", tools=[weather],
+                         model=model, model_settings=settings)
+    result = agents.Runner.run_sync(agent, "Do I need an umbrella in Aarhus?", max_turns=4)
+    kinds = [item.type for item in result.new_items]
+    assert calls and isinstance(calls[0], str)  # the tool ran with the model's argument
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+    assert isinstance(result.final_output, str)  # the model's final message after the tool's output
+
+
+def test_the_serve_extra_brings_what_serving_a_chat_model_imports():
+    """`pip install 'mimir-megatron[serve]'` must serve a chat model: the HTTP server, the grammar
+    library and the chat templates' renderer (transformers), nothing from another extra."""
+    import tomllib
+
+    from conftest import REPO
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    serve = {Requirement(r).name for r in extras["serve"]}
+    assert {"fastapi", "uvicorn", "llguidance", "transformers"} <= serve
