@@ -4,7 +4,8 @@ the step's one host synchronisation, exactly as `mimir train` runs them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from mimir_megatron.bench.measure import (
     BenchResult,
@@ -19,11 +20,16 @@ from mimir_megatron.bench.measure import (
 
 if TYPE_CHECKING:
     from mimir_megatron.config import ModelConfig
+    from mimir_megatron.model.window import WindowPlan
 
 
-def bench_ours(name: str, cfg: ModelConfig, setup: BenchSetup, weights: SharedWeights) -> list[BenchResult]:
+StepFor = Callable[[int], tuple[Callable[[], None], "WindowPlan"]]
+"""``step_for(k)``: one training step with window k, as a callable, and the window's plan."""
+
+
+def our_steps(cfg: ModelConfig, setup: BenchSetup, weights: SharedWeights) -> tuple[StepFor, dict[str, Any]]:
+    """The trainer on ``setup``'s batch: ``(step_for, settings)``. Raises what building it raises."""
     from mimir_megatron.train.config import OptimSection, TrainConfig, WindowSection
-    from mimir_megatron.train.flops import flops_per_token
     from mimir_megatron.train.schedules import plan_step
     from mimir_megatron.train.step import build_trainer, train_step
 
@@ -31,31 +37,41 @@ def bench_ours(name: str, cfg: ModelConfig, setup: BenchSetup, weights: SharedWe
     optim = OptimSection(optimizer=s.optimizer, lr=s.lr, warmup_steps=0, clip_grad=s.clip_grad,
                          ema_decay=s.ema_decay, shard_state=False)
     if setup.precision == "bf16" and setup.device.type == "cpu":
-        error = ValueError("the trainer computes in bf16 on GPU only (train.precision); use --precision auto")
-        return [failed(name, error, setup.device, k) for k in setup.windows]
+        raise ValueError("the trainer computes in bf16 on GPU only (train.precision); use --precision auto")
     release(setup.device)
-    try:
-        trainer = build_trainer(weights.model(cfg, setup.device), optim, device=setup.device,
-                                precision=setup.precision)
-    except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
-        return [failed(name, exc, setup.device, k) for k in setup.windows]
+    trainer = build_trainer(weights.model(cfg, setup.device), optim, device=setup.device,
+                            precision=setup.precision)
     model = trainer.model
     settings = {"attention": model.attention_backend, "layers": model.layer_backend,
                 "fp8": str(cfg.execution.fp8), "compile": cfg.execution.compile,
                 "recompute": str(cfg.execution.recompute),
                 "loss_chunk_tokens": cfg.execution.loss_chunk_tokens, "optimizer": s.optimizer,
                 "clip_grad": s.clip_grad, "ema_decay": s.ema_decay}
+    batches = [setup.batch]
 
-    def measure(k: int) -> BenchResult:
-        train_cfg = TrainConfig(model=cfg, window=WindowSection(schedule="constant", k=k), optim=optim)
-        plan = plan_step(0, train_cfg)
-        batches = [setup.batch]
+    def step_for(k: int):
+        window = WindowSection(schedule="constant", k=k)
+        plan = plan_step(0, TrainConfig(model=cfg, window=window, optim=optim))
 
         def step() -> None:
             train_step(trainer, batches, plan, step=0)
 
+        return step, plan.window
+
+    return step_for, settings
+
+
+def bench_ours(name: str, cfg: ModelConfig, setup: BenchSetup, weights: SharedWeights) -> list[BenchResult]:
+    from mimir_megatron.train.flops import flops_per_token
+
+    try:
+        step_for, settings = our_steps(cfg, setup, weights)
+    except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
+        return [failed(name, exc, setup.device, k) for k in setup.windows]
+
+    def measure(k: int) -> BenchResult:
+        step, w = step_for(k)
         times = time_steps(step, setup.warmup, setup.steps, setup.device)
-        w = plan.window
         fpt = flops_per_token(cfg, w.k_L, w.k_H, setup.seq_len, attended_keys=setup.attended_keys)
         return result(name, times, setup, fpt, w.describe(), settings, k)
 

@@ -24,7 +24,7 @@ from mimir_megatron.model.init import lecun_normal_, vocab_rows_init, z_l_init_
 from mimir_megatron.model.attention import RotaryLayout
 from mimir_megatron.model.rope import RotaryTable, rotary_angles
 from mimir_megatron.model.spec import block_spec
-from mimir_megatron.model.window import WindowPlan, plan_window
+from mimir_megatron.model.window import WindowPlan, plan_window, schedule
 
 
 @dataclass
@@ -140,7 +140,7 @@ class HRMTextModel(MegatronModule):
         self,
         batch: Batch,
         *,
-        window: int | None = None,
+        window: WindowPlan | int | None = None,
         h_cycles: int | None = None,
         l_cycles: int | None = None,
         num_supervised: torch.Tensor | None = None,
@@ -151,7 +151,8 @@ class HRMTextModel(MegatronModule):
 
         Args:
             batch: the packed PrefixLM batch (see :mod:`mimir_megatron.batch`).
-            window: bp window k (default: ``cfg.bp_window``, clipped to the schedule's depth).
+            window: the bp window: a plan (the trainer's, for this step), or its size k (default:
+                ``cfg.bp_window``, clipped to the schedule's depth).
             h_cycles, l_cycles: schedule for this call (default: the config's); any values work,
                 whatever the weights were trained with.
             num_supervised: denominator of the loss, e.g. the supervised-token count of the whole
@@ -234,10 +235,15 @@ class HRMTextModel(MegatronModule):
         return self._gather_logits(self._mask_vocab_padding(logits_parallel))
 
     def window_plan(
-        self, window: int | None = None, h_cycles: int | None = None, l_cycles: int | None = None
+        self, window: WindowPlan | int | None = None, h_cycles: int | None = None, l_cycles: int | None = None
     ) -> WindowPlan:
         h = h_cycles or self.cfg.h_cycles
         low = l_cycles or self.cfg.l_cycles
+        if isinstance(window, WindowPlan):
+            if window.schedule != schedule(h, low):
+                raise ValueError(f"a window plan for {''.join(window.schedule)} on the schedule "
+                                 f"{''.join(schedule(h, low))}")
+            return window
         k = window if window is not None else min(self.cfg.bp_window, h * (low + 1))
         return plan_window(h, low, k, self.cfg.window_policy)
 

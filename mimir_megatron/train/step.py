@@ -121,7 +121,7 @@ def train_step(trainer: Trainer, micro_batches: Sequence[Batch], plan: StepPlan,
     loss_sum = torch.zeros((), device=t.device)
     for mb in micro_batches:
         with t.autocast():
-            out = t.ddp(mb, window=plan.window.k, num_supervised=supervised, return_logits=False,
+            out = t.ddp(mb, window=plan.window, num_supervised=supervised, return_logits=False,
                         validate=validate)
         out.loss.backward()
         loss_sum += out.loss.detach().float()
