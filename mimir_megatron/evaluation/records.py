@@ -85,10 +85,6 @@ def render(template: str, row: dict[str, Any]) -> str:
     return _FORMATTER.format(template, **row)
 
 
-def template_fields(template: str) -> list[str]:
-    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
-
-
 def matches_filter(row: dict[str, Any], wanted: dict[str, Any]) -> bool:
     """True when every ``wanted`` column equals its value (always, for an empty filter)."""
     try:
