@@ -2,6 +2,7 @@
 
 tokenizer: ../../data_prep/mimir_data_prep/demo/tokenizer   # paths are relative to this file
 seq_len: 4096
+denylist: contamination/denylist.json   # optional: drop documents holding benchmark text
 datasets:
   - name: openmath
     input: [raw/openmath.jsonl]
@@ -53,6 +54,7 @@ class PrepareJob:
     min_response_tokens: int = 2
     control_chars: str = "reject"
     workers: int | None = None
+    denylist: str = ""  # `mimir audit contamination --denylist` output, applied to every dataset
     datasets: list[DatasetJob] = field(default_factory=list)
 
 
@@ -72,6 +74,7 @@ def load_prepare_config(path: str | Path) -> PrepareJob:
         raise ConfigError(f"invalid prepare config {source}:\n  - " + "\n  - ".join(errors))
     base = source.parent
     job.tokenizer = str(_resolve(base, job.tokenizer))
+    job.denylist = str(_resolve(base, job.denylist)) if job.denylist else ""
     for d in job.datasets:
         d.input = [str(_resolve(base, p)) for p in d.input]
         d.output = str(_resolve(base, d.output))
@@ -120,12 +123,15 @@ def _errors(job: PrepareJob) -> list[str]:
 
 
 def run_prepare_config(
-    path: str | Path, *, progress: bool = True, workers: int | None = None
+    path: str | Path, *, progress: bool = True, workers: int | None = None, denylist: str | None = None
 ) -> list[dict[str, Any]]:
-    """Prepare every dataset of the file in order; returns their manifests."""
-    from .prepare import prepare
+    """Prepare every dataset of the file in order; returns their manifests. ``denylist`` (the
+    command line's) replaces the file's."""
+    from .prepare import check_denylist, prepare
 
     job = load_prepare_config(path)
+    job.denylist = denylist or job.denylist
+    check_denylist(job.denylist, job.tokenizer)  # before the first dataset is written
     manifests = []
     for d in job.datasets:
         manifests.append(
@@ -141,6 +147,7 @@ def run_prepare_config(
                 control_chars=d.control_chars or job.control_chars,
                 workers=workers or job.workers,
                 progress=progress,
+                denylist=job.denylist or None,
             )
         )
     return manifests
