@@ -170,25 +170,29 @@ def test_report_is_logged_to_mlflow(planted):
 
 
 def test_denylist_drops_exactly_the_planted_documents_and_the_reindexed_data_is_clean(planted):
+    """The workflow in place: the same prepare again, now with the denylist (finished shards of the
+    run without it must not be reused), then index -> contamination again."""
     root = planted["root"]
+    before = documents(root / "train")
     config = root / "prepare.yaml"
     config.write_text(f"tokenizer: {TOKENIZER}\ndenylist: denylist.json\nworkers: 1\n"
-                      f"datasets:\n  - {{input: [{planted['train']}], output: clean}}\n")
+                      f"datasets:\n  - {{input: [{planted['train']}], output: train}}\n")
     assert main(["prepare", "--config", str(config), "--no-progress"]) == 0
-    before, after = documents(root / "train"), documents(root / "clean")
+    after = documents(root / "train")
     assert set(after) <= set(before) and len(after) == len(before) - len(planted["planted"])
     assert set(before) - set(after) == {before[d] for d in planted["planted"]}
-    manifest = json.loads((root / "clean" / "manifest.json").read_text())
+    manifest = json.loads((root / "train" / "manifest.json").read_text())
     assert manifest["rejects"]["benchmark_overlap"] == len(planted["planted"]) == manifest["rejected"]
     assert manifest["settings"]["denylist"]["path"] == str((root / "denylist.json").resolve())
-    rejects = [json.loads(line) for line in (root / "clean" / "rejects.jsonl").open()]
+    rejects = [json.loads(line) for line in (root / "train" / "rejects.jsonl").open()]
     assert sorted(r["line"] for r in rejects) == [d + 1 for d in planted["planted"]]
     for r in rejects:
         benchmark, item = planted["planted"][r["line"] - 1]
         assert f"benchmark {benchmark} item {item} " in r["detail"]
-    build_index([AuditSource("clean", root / "clean", "A")], root / "idx-clean", progress=False)
+    build_index([AuditSource("train", root / "train", "A")], root / "idx-clean", progress=False)
     assert main(["audit", "contamination", "--suite", str(planted["suite"]), "--index", str(root / "idx-clean"),
-                 "--output", str(root / "report-clean"), "--workers", "1", "--no-progress"]) == 0
+                 "--output", str(root / "report-clean"), "--workers", "1", "--no-progress",
+                 "--tracking-uri", f"sqlite:///{planted['out']}/mlflow.db"]) == 0
     clean = json.loads((root / "report-clean" / "planted.json").read_text())
     assert {b: s["contaminated"] for b, s in clean["benchmarks"].items()} == {"gen": 0, "mc": 0}
     assert all(s["longest_span"]["tokens"] < NGRAM for s in clean["benchmarks"].values())
