@@ -42,7 +42,8 @@ import numpy as np
 
 from mimir_megatron.errors import UserError
 
-from .contamination_report import FORMAT, MARK, data_sha256, report_file
+from mimir_megatron.evaluation.contamination import FORMAT, MARK, data_sha256, report_file
+
 from .index import AuditIndex, Hit
 
 log = logging.getLogger("mimir.audit")

@@ -19,6 +19,7 @@ sequence, ``window == len(ids)``). Numpy only: prepare's workers import this.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -27,8 +28,6 @@ from pathlib import Path
 import numpy as np
 
 from mimir_megatron.errors import UserError
-
-from .contamination_report import data_sha256
 
 FORMAT = "mimir-denylist-v1"
 
@@ -82,7 +81,7 @@ class Denylist:
                 f"{tokenizer_sha256[:12]}...: the denylist was written for another tokenizer"
             )
         self.ngram = body.get("ngram")
-        self.sha256 = data_sha256(self.path)
+        self.sha256 = hashlib.sha256(self.path.read_bytes()).hexdigest()
         self._sequences: dict[tuple[int, ...], tuple[str, str]] = {}
         for i, entry in enumerate(body.get("entries") if isinstance(body.get("entries"), list) else [None]):
             ids, window = self._checked(entry, i)

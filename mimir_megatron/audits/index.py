@@ -405,7 +405,8 @@ class AuditIndex:
 
         depth = {} if prefetch else {"ds_prefetch_depth": 0, "sa_prefetch_depth": 0, "od_prefetch_depth": 0}
         self._engine = InfiniGramEngine(
-            index_dir=str(self.path), eos_token_id=0, vocab_size=SEPARATOR, version=4, token_dtype="u16", **depth
+            index_dir=str(self.path), eos_token_id=0, vocab_size=SEPARATOR, version=4, token_dtype="u16",
+            **depth,
         )
 
     @property

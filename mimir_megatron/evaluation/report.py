@@ -11,8 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mimir_megatron.audits.contamination_report import MARK, BenchmarkMark
-
+from .contamination import MARK, BenchmarkMark
 from .runner import SuiteResult
 
 Marks = dict[str, BenchmarkMark | None]

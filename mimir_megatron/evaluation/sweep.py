@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mimir_megatron.audits.contamination_report import BenchmarkMark
 from mimir_megatron.errors import UserError
 
+from .contamination import BenchmarkMark
 from .runner import SuiteResult, TaskResult
 from .stats import McNemar, mcnemar_exact
 from .suite import SuiteSpec, TaskSpec

@@ -67,7 +67,7 @@ def _script(suite, data_dir: Path) -> tuple[Script, dict[str, list]]:
 def _contamination_report(suite, data_dir: Path, path: Path) -> Path:
     """A `mimir audit contamination` report: MMLU 1 of 4 items contaminated, GEC none, HellaSwag
     checked on other data (stale); the other tasks not checked."""
-    from mimir_megatron.audits.contamination_report import FORMAT, data_sha256
+    from mimir_megatron.evaluation.contamination import FORMAT, data_sha256
 
     tasks = {t.name: t for t in suite.tasks}
 
