@@ -124,7 +124,8 @@ def find_report(explicit: str | None, suite_name: str,
 
         found = find(checkpoint)
         if found:
-            candidate = report_file(run_directory(*found) / RUN_SUBDIR, suite_name)
+            path, state = found
+            candidate = report_file(run_directory(path, state.get("config", {})) / RUN_SUBDIR, suite_name)
             if candidate.is_file():
                 log.info("contamination report of the training run: %s", candidate)
                 return ContaminationReport(candidate)

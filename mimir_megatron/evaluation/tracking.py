@@ -38,7 +38,7 @@ def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path
     if found is not None and not uri:
         path, state = found
         config = state.get("config", {})
-        run_dir = run_directory(path, state)
+        run_dir = run_directory(path, config)
         tracking = config.get("tracking", {})
         return TrackingTarget(
             uri=tracking.get("uri") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}",
@@ -50,14 +50,14 @@ def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path
                           checkpoint_step=found[1].get("step") if found else None)
 
 
-def run_directory(checkpoint: Path, state: dict[str, Any]) -> Path:
+def run_directory(checkpoint: Path, config: dict[str, Any]) -> Path:
     """The training run directory of a checkpoint (its ``checkpoints/`` folder's parent, else the
-    run directory its config names)."""
+    run directory its training ``config`` names)."""
     from mimir_megatron.checkpoint import RUN_CHECKPOINTS
 
     if checkpoint.parent.name == RUN_CHECKPOINTS:
         return checkpoint.parent.parent
-    run = state.get("config", {}).get("run", {})
+    run = config.get("run", {})
     return Path(run.get("dir") or Path("runs") / run.get("name", ""))
 
 
