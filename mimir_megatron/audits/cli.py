@@ -13,7 +13,7 @@ log = logging.getLogger("mimir.audit")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    audit = sub.add_parser("audit", help="memorisation audits against the training data")
+    audit = sub.add_parser("audit", help="memorisation and contamination audits of the training data")
     asub = audit.add_subparsers(dest="audit_command", required=True, metavar="AUDIT")
 
     p = asub.add_parser("index", help="build the exact-match index (suffix arrays) of the training data")
