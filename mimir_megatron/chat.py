@@ -42,6 +42,19 @@ def load_tokenizer(tokenizer_dir: str | Path):
     return tokenizer
 
 
+def tokenizer_sha256(tokenizer_dir: str | Path) -> str:
+    """sha256 over the names and bytes of every file in the tokenizer directory: what prepared
+    manifests, audit indices and denylists record to tell tokenizers apart."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(tokenizer_dir).iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
 _PROBE = "\u2063mimir-end-of-turn-probe\u2063"  # text no template rewrites or contains
 
 
@@ -74,7 +87,12 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
 def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` with no special tokens added (special tokens come from the text);
     the Rust tokenizer directly, without Hugging Face's per-call overhead."""
-    return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    return encoding(tokenizer, text).ids
+
+
+def encoding(tokenizer: Any, text: str):
+    """The ``tokenizers.Encoding`` behind :func:`encode` (ids and each token's character offsets)."""
+    return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
 
 
 def prompt_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None = None,

@@ -58,6 +58,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="reject",
         help="lines with NUL or other control characters: reject them (default) or strip the characters",
     )
+    p.add_argument(
+        "--denylist",
+        default=None,
+        metavar="FILE",
+        help="drop documents holding benchmark text that `mimir audit contamination --denylist` found "
+        "(rejected as benchmark_overlap; docs/contamination.md)",
+    )
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: cores)")
     p.add_argument("--shard-mb", type=float, default=64.0, help="JSONL shard size in MiB")
@@ -183,7 +190,8 @@ def _prepare(args: argparse.Namespace) -> int:
                             f"drop {', '.join(flags)}")
         from .prepare_config import run_prepare_config
 
-        run_prepare_config(args.config, progress=not args.no_progress, workers=args.workers)
+        run_prepare_config(args.config, progress=not args.no_progress, workers=args.workers,
+                           denylist=args.denylist)
         return 0
     missing = [
         flag for flag, value in (("-i", args.input), ("-t", args.tokenizer), ("-o", args.output)) if not value
@@ -208,6 +216,7 @@ def _prepare(args: argparse.Namespace) -> int:
         shard_bytes=max(1, int(args.shard_mb * 1024 * 1024)),
         progress=not args.no_progress,
         provenance=provenance,
+        denylist=args.denylist,
     )
     return 0
 

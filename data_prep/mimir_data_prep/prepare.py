@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 
 from mimir_megatron.chat import ChatRenderer, ChatTemplateError
+from mimir_megatron.chat import tokenizer_sha256 as tokenizer_hash
 from mimir_megatron.data.prepared import (
     FORMAT,
     MANIFEST_NAME,
@@ -83,6 +84,13 @@ class PrepareSettings:
     input_format: str = "auto"
     columns: tuple[tuple[str, str], ...] = ()  # (target, column) pairs of the columns layout
     control_chars: str = "reject"
+    denylist: str = ""  # `--denylist` file: documents holding one of its sequences are rejected
+    denylist_sha256: str = ""
+
+
+# Settings added after datasets were prepared: left out of the shard key while unset, so that a
+# rerun of an older preparation still finds its finished shards.
+_KEY_WHEN_SET = ("denylist", "denylist_sha256")
 
 
 @dataclass
@@ -102,23 +110,14 @@ class ShardStats:
     sizes: dict[str, int] = field(default_factory=dict)
 
 
-def tokenizer_hash(tokenizer_dir: str | Path) -> str:
-    """sha256 over the names and bytes of every file in the tokenizer directory."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in Path(tokenizer_dir).iterdir() if p.is_file()):
-        digest.update(path.name.encode() + b"\0")
-        digest.update(path.read_bytes())
-        digest.update(b"\0")
-    return digest.hexdigest()
-
-
 def shard_key(task: ShardTask, settings: PrepareSettings) -> str:
     stat = os.stat(task.path)
     payload = {
         "task": task.to_dict(),
         "size": stat.st_size,
         "mtime_ns": stat.st_mtime_ns,
-        "settings": {k: v for k, v in asdict(settings).items() if k != "strict"},
+        "settings": {k: v for k, v in asdict(settings).items()
+                     if k != "strict" and (v or k not in _KEY_WHEN_SET)},
         "format": FORMAT,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -144,6 +143,7 @@ def fit_to_context(
 
 _renderer: ChatRenderer | None = None
 _progress: Callable[[int, int, int], None] | None = None
+_denylists: dict[tuple[str, str], object] = {}
 
 
 def _init_worker(tokenizer_dir: str, progress_queue) -> None:
@@ -177,6 +177,21 @@ def _records(task: ShardTask, settings: PrepareSettings):
                 yield row, convert(record), None
             except RecordError as exc:
                 yield row, exc, None
+
+
+def _denylist(settings: PrepareSettings):
+    """The settings' denylist (read once per process), or None."""
+    if not settings.denylist:
+        return None
+    key = (settings.denylist, settings.denylist_sha256)
+    if key not in _denylists:
+        from mimir_megatron.audits.denylist import Denylist
+
+        denylist = Denylist(settings.denylist, settings.tokenizer_sha256)
+        if denylist.sha256 != settings.denylist_sha256:
+            raise UserError(f"{settings.denylist}: changed while `mimir prepare` was running")
+        _denylists[key] = denylist
+    return _denylists[key]
 
 
 def process_shard(task: ShardTask, settings: PrepareSettings, out_dir: str) -> ShardStats:
@@ -219,6 +234,7 @@ def _fill_shard(
 ) -> None:
     """Tokenize every record of the shard into ``builder``; rejects go to ``rejects_path``."""
     pending = [0, 0, 0]
+    denylist = _denylist(settings)
     with rejects_path.open("w") as rejects:
         for line, conv, raw in _records(task, settings):
             if isinstance(conv, CorruptRowGroup):
@@ -241,6 +257,8 @@ def _fill_shard(
                         f"{len(response)} response tokens, need >= {settings.min_response_tokens}",
                     )
                 prefix, truncated = fit_to_context(prefix, response, settings)
+                if denylist is not None and (hit := denylist.first_hit(prefix + response)) is not None:
+                    raise RecordError("benchmark_overlap", hit.describe(settings.denylist))
             except RecordError as exc:
                 stats.rejects[exc.reason] += 1
                 where = f"{task.path}:{line}"
@@ -336,11 +354,14 @@ def prepare(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool = True,
     provenance: Provenance | None = None,
+    denylist: str | Path | None = None,
 ) -> dict:
     """Prepare ``inputs`` into ``output_dir`` and return the manifest (also written to disk).
 
     ``provenance`` is the dataset's declared record (:mod:`mimir_megatron.data.provenance`);
-    without one, the record the inputs' sidecars agree on, else ``unknown``."""
+    without one, the record the inputs' sidecars agree on, else ``unknown``. ``denylist``: a file
+    from ``mimir audit contamination --denylist``; documents holding one of its token sequences
+    are rejected as ``benchmark_overlap``."""
     if too_long not in TOO_LONG_POLICIES:
         raise UserError(f"--too-long must be one of {TOO_LONG_POLICIES}, got {too_long!r}")
     if seq_len < 2:
@@ -356,6 +377,7 @@ def prepare(
         raise UserError("--input-format columns needs --columns TARGET=COLUMN,...")
     paths = [Path(p) for p in inputs]
     out = Path(output_dir)
+    checked_denylist = check_denylist(denylist, tokenizer_dir)  # before anything is written
     (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
     tokenizer_dir = str(Path(tokenizer_dir).resolve())
     settings = PrepareSettings(
@@ -368,6 +390,8 @@ def prepare(
         input_format=input_format,
         columns=tuple(sorted(column_map.items())),
         control_chars=control_chars,
+        denylist=str(checked_denylist.path.resolve()) if checked_denylist else "",
+        denylist_sha256=checked_denylist.sha256 if checked_denylist else "",
     )
     renderer = ChatRenderer(tokenizer_dir)  # fail early, in the driver, on a bad tokenizer
     if provenance is None:
@@ -426,6 +450,19 @@ def _source_record(path: Path, sha256: str) -> dict:
     stat = path.stat()
     return {"path": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
             "sha256": sha256}
+
+
+def check_denylist(denylist: str | Path | None, tokenizer_dir: str | Path):
+    """The denylist, read and checked against the tokenizer (one-line UserError otherwise)."""
+    if not denylist:
+        return None
+    from mimir_megatron.audits.denylist import Denylist
+
+    if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        return None  # ChatRenderer names the bad tokenizer directory
+    checked = Denylist(denylist, tokenizer_hash(tokenizer_dir))
+    log.info("denylist %s: %d token sequences (%s-gram overlaps)", denylist, len(checked), checked.ngram)
+    return checked
 
 
 def _decide_layouts(tasks: list[ShardTask], input_format: str, columns: dict[str, str]) -> dict[str, dict]:
@@ -570,6 +607,8 @@ def _write_manifest(
             "input_format": settings.input_format,
             "columns": dict(settings.columns),
             "control_chars": settings.control_chars,
+            "denylist": ({"path": settings.denylist, "sha256": settings.denylist_sha256}
+                         if settings.denylist else None),
         },
         "input_formats": {path: formats[path] for path in dict.fromkeys(t.path for t in tasks)},
         "lines_read": totals["lines"],

@@ -2,6 +2,7 @@
 
 tokenizer: ../../data_prep/mimir_data_prep/demo/tokenizer   # paths are relative to this file
 seq_len: 4096
+denylist: contamination/denylist.json   # optional: drop documents holding benchmark text
 datasets:
   - name: openmath
     input: [raw/openmath.jsonl]
@@ -34,13 +35,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from mimir_megatron.errors import ConfigError
-
 from mimir_megatron.data.provenance import (
     Provenance,
     declaration_from_mapping,
     resolve_declaration,
 )
+from mimir_megatron.errors import ConfigError
 
 from .layouts import INPUT_FORMATS, parse_columns
 from .prepare import TOO_LONG_POLICIES
@@ -70,6 +70,7 @@ class PrepareJob:
     min_response_tokens: int = 2
     control_chars: str = "reject"
     workers: int | None = None
+    denylist: str = ""  # `mimir audit contamination --denylist` output, applied to every dataset
     datasets: list[DatasetJob] = field(default_factory=list)
 
 
@@ -90,6 +91,7 @@ def load_prepare_config(path: str | Path) -> PrepareJob:
         raise ConfigError(f"invalid prepare config {source}:\n  - " + "\n  - ".join(errors))
     base = source.parent
     job.tokenizer = str(_resolve(base, job.tokenizer))
+    job.denylist = str(_resolve(base, job.denylist)) if job.denylist else ""
     for d in job.datasets:
         d.input = [str(_resolve(base, p)) for p in d.input]
         d.output = str(_resolve(base, d.output))
@@ -161,14 +163,17 @@ def dataset_provenance(d: DatasetJob, where: str, base: Path, job: PrepareJob, i
 
 
 def run_prepare_config(
-    path: str | Path, *, progress: bool = True, workers: int | None = None
+    path: str | Path, *, progress: bool = True, workers: int | None = None, denylist: str | None = None
 ) -> list[dict[str, Any]]:
-    """Prepare every dataset of the file in order; returns their manifests."""
-    from .prepare import prepare
-
+    """Prepare every dataset of the file in order; returns their manifests. ``denylist`` (the
+    command line's) replaces the file's."""
     from mimir_megatron.config import raise_errors
 
+    from .prepare import check_denylist, prepare
+
     job = load_prepare_config(path)
+    job.denylist = denylist or job.denylist
+    check_denylist(job.denylist, job.tokenizer)  # before the first dataset is written
     manifests = []
     for i, d in enumerate(job.datasets):
         errors: list[str] = []
@@ -188,6 +193,7 @@ def run_prepare_config(
                 workers=workers or job.workers,
                 progress=progress,
                 provenance=provenance,
+                denylist=job.denylist or None,
             )
         )
     return manifests

@@ -25,6 +25,7 @@ REJECT_REASONS = (
     "response_too_short",
     "too_long",
     "corrupt_row_group",
+    "benchmark_overlap",  # contains benchmark text of a `--denylist` (mimir audit contamination)
 )
 
 CONTROL_CHAR_POLICIES = ("reject", "strip")

@@ -2,7 +2,9 @@
 
 ``mimir audit index`` builds the index, ``mimir audit prefix`` runs the prefix attack (longest
 verbatim span of greedy outputs in any training document) and ``mimir audit continuation`` the
-64+64 exact-continuation protocol. Imports the model, data and inference halves, never the trainer.
+64+64 exact-continuation protocol; ``mimir audit contamination`` checks the evaluation suites'
+items against the same index and writes the denylist `mimir prepare` applies. Imports the model,
+data, inference and evaluation halves, never the trainer.
 """
 
 from mimir_megatron.lazy import lazy_exports

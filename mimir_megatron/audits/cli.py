@@ -1,4 +1,5 @@
-"""`mimir audit index | prefix | continuation`: the memorisation audits."""
+"""`mimir audit index | prefix | continuation | contamination`: the memorisation and
+contamination audits."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ log = logging.getLogger("mimir.audit")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    audit = sub.add_parser("audit", help="memorisation audits against the training data")
+    audit = sub.add_parser("audit", help="memorisation and contamination audits of the training data")
     asub = audit.add_subparsers(dest="audit_command", required=True, metavar="AUDIT")
 
     p = asub.add_parser("index", help="build the exact-match index (suffix arrays) of the training data")
@@ -58,6 +59,39 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "also score each window with the mask it had in training (bidirectional only where "
                    "it lay in its document's prompt) and report both rates side by side")
     p.set_defaults(handler=cmd_continuation, extra="audit")
+
+
+    p = asub.add_parser(
+        "contamination", help="benchmark items against the training data's index (n-gram overlap; denylist)",
+        description="Checks every item of an evaluation suite (the row values its prompt shows and its "
+        "reference answers, tokenised as `mimir prepare` tokenises text) against the index: an item is "
+        "contaminated when --ngram consecutive tokens of it occur in one training document, exactly or "
+        "with other whitespace between the words. Writes OUTPUT/<suite>.json (read by `mimir eval` and "
+        "`mimir sweep`), .md, .csv and <suite>_items.jsonl, logs to MLflow, and with --denylist writes the "
+        "file `mimir prepare --denylist` drops the overlapping documents with (docs/contamination.md).")
+    p.add_argument("--suite", required=True, help="suite YAML, e.g. configs/eval/mimir_en.yaml")
+    p.add_argument("--index", required=True, help="index directory from `mimir audit index`")
+    p.add_argument("--output", required=True,
+                   help="directory for the report (a training run's RUN/contamination is where eval and "
+                        "sweep of its checkpoints look)")
+    p.add_argument("--data-dir", help="directory the tasks' files are under (default: the suite's data_dir)")
+    p.add_argument("--tasks", help="comma-separated subset of the suite's tasks")
+    p.add_argument("--limit", type=int,
+                   help="first N items of each task after the seeded shuffle (default: all)")
+    p.add_argument("--tokenizer", help="the training data's tokenizer (default: the one the index records); "
+                   "checked against the index")
+    p.add_argument("--ngram", type=int, default=13,
+                   help="overlap length in tokens that makes an item contaminated (default 13: GPT-3's 13, "
+                        "later work 8-13; shorter flags boilerplate, longer misses paraphrase)")
+    p.add_argument("--max-hits", type=int, default=1000,
+                   help="training documents listed per overlap, at most (the denylist drops them all)")
+    p.add_argument("--denylist", help="also write this denylist for `mimir prepare --denylist`")
+    p.add_argument("--workers", type=int, help="lookup threads (default: all cores)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--tracking-uri",
+                   help="MLflow store (default: sqlite:///OUTPUT/mlflow.db, artifacts in OUTPUT/mlartifacts)")
+    p.add_argument("--experiment", default="mimir-audit", help="MLflow experiment")
+    p.set_defaults(handler=cmd_contamination, extra="audit")
 
 
 def _add_sources(p: argparse.ArgumentParser, allow_index: bool = False) -> None:
@@ -176,3 +210,67 @@ def cmd_continuation(args: argparse.Namespace) -> int:
                   {**{k: v for k, v in vars(args).items() if k != "handler"}, "model_name": model.name},
                   metrics, files)
     return 0
+
+
+def cmd_contamination(args: argparse.Namespace) -> int:
+    import os
+
+    from mimir_megatron.errors import UserError
+    from mimir_megatron.evaluation.suite import load_suite
+
+    from .contamination import (
+        ContaminationSettings,
+        check_ngram,
+        check_tokenizer,
+        denylist_entries,
+        run_contamination,
+        write_report,
+    )
+    from .denylist import write_denylist
+    from .index import AuditIndex
+    from .report import log_to_mlflow
+
+    # every check before anything is written
+    suite = load_suite(args.suite)
+    if args.tasks:
+        suite = suite.select([t.strip() for t in args.tasks.split(",") if t.strip()])
+    if not Path(args.index).is_dir():
+        raise UserError(f"index not found: {args.index}")
+    index = AuditIndex(args.index)
+    check_ngram(args.ngram, index)
+    if args.max_hits < 1:
+        raise UserError(f"--max-hits must be >= 1, got {args.max_hits}")
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {args.limit}")
+    tokenizer_dir, tokenizer = check_tokenizer(index, args.tokenizer)
+    data_dir = Path(args.data_dir or suite.data_dir)
+    settings = ContaminationSettings(ngram=args.ngram, max_hits=args.max_hits, limit=args.limit,
+                                     workers=args.workers or max(1, len(os.sched_getaffinity(0))))
+    results = run_contamination(index, suite, data_dir, tokenizer_dir, settings,
+                                progress=not args.no_progress)
+    out = Path(args.output)
+    files = write_report(results, out, suite, index, tokenizer, settings)
+    print(files[1].read_text())
+    if args.denylist:
+        entries = denylist_entries(results, args.ngram)
+        source = {"suite": suite.name, "suite_file": suite.source, "index": str(index.path.resolve()),
+                  "report": str(files[0].resolve())}
+        files.append(write_denylist(args.denylist, tokenizer, args.ngram, entries, source))
+        log.info("denylist %s: %d entries from %d contaminated items", args.denylist, len(entries),
+                 len({(e["benchmark"], e["item"]) for e in entries}))
+    n = args.ngram
+    metrics = {}
+    for b in results:
+        if b.error:
+            continue
+        dirty = [r for r in b.items if r.contaminated(n)]
+        longest = max((r.longest.tokens for r in b.items if r.longest), default=0)
+        documents = {(h.source, h.document) for r in dirty for h in r.hits}
+        metrics.update({f"{b.name}/contaminated items": len(dirty),
+                        f"{b.name}/contaminated fraction": len(dirty) / len(b.items) if b.items else 0.0,
+                        f"{b.name}/longest span": longest, f"{b.name}/documents hit": len(documents)})
+    log_to_mlflow(*_tracking(args, out), args.experiment, "contamination-audit",
+                  {**{k: v for k, v in vars(args).items() if k != "handler"}, "suite_name": suite.name,
+                   "tokenizer_sha256": tokenizer["sha256"], "index_documents": index.num_documents,
+                   "index_tokens": index.num_tokens}, metrics, files)
+    return 1 if any(b.error for b in results) else 0

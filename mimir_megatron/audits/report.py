@@ -10,20 +10,26 @@ from pathlib import Path
 log = logging.getLogger("mimir.audit")
 
 
-def write_table(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
-    """``stem``.md / .csv / .json with the same rows; returns the paths."""
+def write_table(rows: list[dict], out_dir: Path, stem: str, title: str, json_rows: bool = True,
+                notes: list[str] | None = None) -> list[Path]:
+    """``stem``.md / .csv / .json with the same rows (no .json when ``json_rows`` is False: the
+    caller writes a richer one); ``notes`` are lines under the Markdown table. Returns the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     columns = list(rows[0]) if rows else []
     md = [f"# {title}", "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for row in rows:
         md.append("| " + " | ".join(_fmt(row[c]) for c in columns) + " |")
-    paths = [out_dir / f"{stem}.md", out_dir / f"{stem}.csv", out_dir / f"{stem}.json"]
+    if notes:
+        md += ["", *notes]
+    paths = [out_dir / f"{stem}.md", out_dir / f"{stem}.csv"]
     paths[0].write_text("\n".join(md) + "\n")
     with paths[1].open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    paths[2].write_text(json.dumps(rows, indent=1))
+    if json_rows:
+        paths.append(out_dir / f"{stem}.json")
+        paths[2].write_text(json.dumps(rows, indent=1))
     return paths
 
 

@@ -39,6 +39,10 @@ def _add_source(p: argparse.ArgumentParser) -> None:
                    help="run HumanEval's generated code (limited subprocess, no network); off by default")
     p.add_argument("--tracking-uri", help="MLflow store (default: the training run's, else OUTPUT/mlflow.db)")
     p.add_argument("--experiment", help="MLflow experiment (default: the training run's, else mimir-eval)")
+    p.add_argument("--contamination", metavar="PATH",
+                   help="`mimir audit contamination` report (its <suite>.json, or the directory holding it): "
+                        "tables mark benchmarks with contaminated items (default with --checkpoint: "
+                        "RUN/contamination/<suite>.json of its training run, if present)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -146,6 +150,19 @@ def _score_client(args: argparse.Namespace, base_url: str, model_name: str):
     return ScoreClient(base_url, model_name, render, encode)
 
 
+def _marks(args: argparse.Namespace, suite):
+    """Contamination marks per task (None without a report), read before anything runs."""
+    from .contamination import benchmark_marks, find_report
+
+    report = find_report(args.contamination, suite.name, args.checkpoint)
+    return benchmark_marks(report, suite, args.data_dir), (str(report.path) if report else None)
+
+
+def _contamination_metrics(marks) -> dict[str, float]:
+    return {f"contamination/{name}": mark.fraction for name, mark in (marks or {}).items()
+            if mark is not None and not mark.stale}
+
+
 def _params(args: argparse.Namespace, suite, model_name: str) -> dict:
     return {"suite": suite.name, "suite_file": suite.source, "model": model_name,
             "source": args.checkpoint or args.hf or args.weights or args.base_url,
@@ -159,6 +176,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .tracking import EvalRun, tracking_target
 
     suite = _suite(args)
+    marks, report = _marks(args, suite)
     schedule = "" if args.h_cycles is None and args.l_cycles is None else f"-h{args.h_cycles}l{args.l_cycles}"
     output = Path(args.output or Path("evals") / suite.name / (_source_name(args) + schedule))
     started = time.perf_counter()
@@ -169,13 +187,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
                            model_name=model_name, score_client=_score_client(args, base_url, model_name),
                            allow_code_execution=args.allow_code_execution, mc_scoring=args.mc_scoring)
     seconds = time.perf_counter() - started
-    tables = write_tables(result, output, model_name)
-    print(markdown(result, f"{suite.name} — {model_name}"))
+    tables = write_tables(result, output, model_name, marks)
+    print(markdown(result, f"{suite.name} — {model_name}", marks))
     target = tracking_target(output, args.tracking_uri, args.checkpoint, args.experiment)
     run = EvalRun(target, f"eval {suite.name}" + (f" step {target.checkpoint_step}"
                                                   if target.checkpoint_step is not None else ""),
-                  {**_params(args, suite, model_name), "h_cycles": args.h_cycles, "l_cycles": args.l_cycles})
-    run.log_metrics({**result.metrics(), "eval/seconds": seconds}, step=target.checkpoint_step or 0)
+                  {**_params(args, suite, model_name), "h_cycles": args.h_cycles, "l_cycles": args.l_cycles,
+                   "contamination_report": report})
+    run.log_metrics({**result.metrics(), **_contamination_metrics(marks), "eval/seconds": seconds},
+                    step=target.checkpoint_step or 0)
     for path in tables:
         run.log_artifact(path, "tables")
     if (output / "logs").is_dir():
@@ -195,6 +215,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from .tracking import EvalRun, tracking_target
 
     suite = _suite(args)
+    marks, report = _marks(args, suite)
     schedules = parse_schedules(args.schedules)
     trained = (tuple(parse_schedules(args.trained_schedule)[0]) if args.trained_schedule
                else trained_schedule(args.checkpoint, args.hf))
@@ -207,7 +228,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         client = _score_client(args, base_url, model_name)
         parent = EvalRun(target, f"sweep {suite.name}", {**_params(args, suite, model_name),
                                                           "schedules": args.schedules,
-                                                          "trained_schedule": trained})
+                                                          "trained_schedule": trained,
+                                                          "contamination_report": report})
         for schedule in schedules:
             name = schedule_name(schedule)
             log.info("schedule %s (H=%d, L=%d)", name, *schedule)
@@ -224,7 +246,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             parent.log_metrics({f"{name}/{k}": v for k, v in result.metrics("").items()})
     if not any(r.scores() for r in results.values()):
         raise UserError("no task produced a score under any schedule (see the messages above)")
-    sweep = SweepResult(suite, results, trained)
+    sweep = SweepResult(suite, results, trained, marks)
     paths = write_sweep(sweep, output)
     (output / "items.jsonl").write_text("".join(
         json.dumps({"schedule": schedule_name(s), "task": t.spec.name, "id": o.id, "correct": o.correct,
@@ -236,7 +258,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         prefix = f"mcnemar/{test['task']}/{test['a']}_vs_{test['b']}"
         parent.log_metrics({f"{prefix}/p_value": test["p_value"], f"{prefix}/only_a": test["only_a"],
                             f"{prefix}/only_b": test["only_b"]})
-    parent.log_metrics({"sweep/seconds": seconds})
+    parent.log_metrics({"sweep/seconds": seconds, **_contamination_metrics(marks)})
     for path in [*paths, output / "items.jsonl"]:
         parent.log_artifact(path, "sweep")
     parent.log_artifacts(output / "logs", "inspect_logs")

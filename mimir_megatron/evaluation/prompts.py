@@ -15,7 +15,7 @@ from typing import Any
 from mimir_megatron.errors import UserError
 
 from .metrics import LETTERS, extract
-from .records import load_rows, lookup, matches_filter, render
+from .records import load_rows, lookup, matches_filter, render, template_fields
 from .suite import TaskSpec
 
 MC_INSTRUCTION = "Answer with the letter of the correct option only."
@@ -97,13 +97,20 @@ def _shuffled(rows: list[dict[str, Any]], seed: int) -> list[tuple[int, dict[str
     return indexed
 
 
-def build_items(spec: TaskSpec, data_dir: Path, seed: int, limit: int | None = None) -> list[Item]:
-    """The task's items in evaluation order (shuffled with ``seed``, first ``limit``)."""
+def task_rows(spec: TaskSpec, data_dir: Path, seed: int, limit: int | None = None) -> list[tuple[int, dict]]:
+    """The task's rows in evaluation order: (number among the rows its ``filter`` keeps, which is
+    the item's id; the row), shuffled with ``seed``, the first ``limit``."""
     rows = load_rows(data_dir / spec.data, spec.name, spec.split)
     rows = [r for r in rows if matches_filter(r, spec.filter)]
     if not rows:
         raise RowError(f"task {spec.name}: no rows in {data_dir / spec.data}"
                        + (f" matching {dict(spec.filter)}" if spec.filter else ""))
+    return _shuffled(rows, seed)[:limit]
+
+
+def build_items(spec: TaskSpec, data_dir: Path, seed: int, limit: int | None = None) -> list[Item]:
+    """The task's items in evaluation order (shuffled with ``seed``, first ``limit``)."""
+    rows = task_rows(spec, data_dir, seed, limit)
     shots: list[dict[str, str]] = []
     if spec.shots:
         pool = load_rows(data_dir / spec.fewshot_data, spec.name, spec.fewshot_split)
@@ -111,12 +118,54 @@ def build_items(spec: TaskSpec, data_dir: Path, seed: int, limit: int | None = N
             text, reply, _, _ = _convert(spec, row, f"few-shot row {number}")
             shots += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
     items = []
-    for index, row in _shuffled(rows, seed)[:limit]:
+    for index, row in rows:
         text, reply, num_choices, extra = _convert(spec, row, f"row {index}")
         references = extra.pop("references", [reply])
         items.append(Item(str(index), [*shots, {"role": "user", "content": text}], references,
                           num_choices, extra))
     return items
+
+
+@dataclass
+class BenchmarkText:
+    """The benchmark's own text in one item, without this suite's wording (prompt template,
+    instruction, option letters, shots): what a copy of the benchmark in training data holds."""
+
+    id: str
+    prompt: list[str]
+    """The row's values the prompt shows, in order: the template's fields, then the options."""
+    references: list[str]
+    """Reference answers as the row writes them, before extraction (free-generation tasks)."""
+
+
+def benchmark_texts(spec: TaskSpec, data_dir: Path, seed: int,
+                    limit: int | None = None) -> list[BenchmarkText]:
+    """:class:`BenchmarkText` of the task's items, same rows, order and ids as :func:`build_items`."""
+    out = []
+    for index, row in task_rows(spec, data_dir, seed, limit):
+        try:
+            prompt = [text for name in template_fields(spec.prompt) for text in _strings(lookup(row, name))]
+            if spec.format == "multiple_choice" and not spec.choice_values:
+                prompt += _choices(spec, row)
+            references = _strings(lookup(row, spec.columns["target"])) if spec.format == "generate" else []
+        except KeyError as exc:
+            raise RowError(f"task {spec.name}: row {index} has no column {exc.args[0]!r} "
+                           f"(columns: {', '.join(sorted(row))})") from None
+        out.append(BenchmarkText(str(index), prompt, references))
+    return out
+
+
+def _strings(value: Any) -> list[str]:
+    """The text leaves of a row value (a list's items, a mapping's values); no booleans or nulls."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [text for v in value for text in _strings(v)]
+    if value is None or isinstance(value, bool):
+        return []
+    return [str(value)]
 
 
 def _convert(spec: TaskSpec, row: dict[str, Any], where: str):

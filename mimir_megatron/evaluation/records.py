@@ -85,6 +85,11 @@ def render(template: str, row: dict[str, Any]) -> str:
     return _FORMATTER.format(template, **row)
 
 
+def template_fields(template: str) -> list[str]:
+    """The ``{field}`` names a prompt template reads from a row, in order."""
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+
+
 def matches_filter(row: dict[str, Any], wanted: dict[str, Any]) -> bool:
     """True when every ``wanted`` column equals its value (always, for an empty filter)."""
     try:

@@ -1,5 +1,7 @@
 """Result tables in the layout of the paper's Tables 2-4: one row per task, grouped by category,
-each category closed by its average; scores x100. Written as Markdown, CSV and JSON."""
+each category closed by its average; scores x100. Written as Markdown, CSV and JSON. With a
+contamination report (:mod:`.contamination`) every row says how many of the benchmark's items
+share text with the training data, and a contaminated benchmark's name carries a mark."""
 
 from __future__ import annotations
 
@@ -9,40 +11,70 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .contamination import MARK, BenchmarkMark
 from .runner import SuiteResult
+
+Marks = dict[str, BenchmarkMark | None]
 
 METRIC_NAMES = {"accuracy": "acc", "exact_match": "EM", "f1": "F1", "macro_f1": "F1",
                 "rouge1": "ROUGE-1", "chrf": "chrF", "ifeval": "acc", "pass_at_1": "pass@1"}
 
 
-def table_rows(result: SuiteResult) -> list[dict[str, Any]]:
+def _contamination_cell(marks: Marks, task: str) -> str:
+    mark = marks.get(task)
+    return "not checked" if mark is None else mark.label()
+
+
+def marked_name(name: str, marks: Marks | None, task: str) -> str:
+    """The benchmark's name, with :data:`MARK` when the report found contaminated items."""
+    mark = (marks or {}).get(task)
+    return name + MARK if mark is not None and mark.flagged else name
+
+
+def contamination_note(marks: Marks | None) -> list[str]:
+    """The legend under a table with marks (nothing without a report)."""
+    known = [m for m in (marks or {}).values() if m is not None]
+    if not known:
+        return []
+    return [f"{MARK} contaminated: items share {known[0].ngram} consecutive tokens with the training data "
+            f"(report {known[0].report})"]
+
+
+def table_rows(result: SuiteResult, marks: Marks | None = None) -> list[dict[str, Any]]:
     """Rows of the table: tasks in suite order within categories (first-seen order), then the
-    category's average."""
+    category's average; with ``marks`` a ``contaminated`` column."""
     rows: list[dict[str, Any]] = []
     averages = result.category_averages()
     categories = list(dict.fromkeys(t.spec.category for t in result.tasks))
     for category in categories:
         for t in (t for t in result.tasks if t.spec.category == category):
-            rows.append({"category": category, "benchmark": t.spec.header, "task": t.spec.name,
-                         "metric": METRIC_NAMES[t.spec.metric],
+            rows.append({"category": category, "benchmark": marked_name(t.spec.header, marks, t.spec.name),
+                         "task": t.spec.name, "metric": METRIC_NAMES[t.spec.metric],
                          "score": None if t.score is None else round(100 * t.score, 2),
                          "n": len(t.outcomes), "note": t.error or ""})
+            if marks is not None:
+                rows[-1]["contaminated"] = _contamination_cell(marks, t.spec.name)
         if category in averages:
             rows.append({"category": category, "benchmark": "Average", "task": "", "metric": "",
                          "score": round(100 * averages[category], 2), "n": "", "note": ""})
+            if marks is not None:
+                rows[-1]["contaminated"] = ""
     return rows
 
 
-def markdown(result: SuiteResult, title: str = "") -> str:
+def markdown(result: SuiteResult, title: str = "", marks: Marks | None = None) -> str:
     lines = [f"### {title}", ""] if title else []
-    lines += ["| category | benchmark | metric | score | n |", "| --- | --- | --- | ---: | ---: |"]
-    for row in table_rows(result):
+    extra = marks is not None
+    lines += ["| category | benchmark | metric | score | n |" + (" contaminated |" if extra else ""),
+              "| --- | --- | --- | ---: | ---: |" + (" ---: |" if extra else "")]
+    for row in table_rows(result, marks):
         score = "n/a" if row["score"] is None else f"{row['score']:.1f}"
         name = f"**{row['benchmark']}**" if row["benchmark"] == "Average" else row["benchmark"]
-        lines.append(f"| {row['category']} | {name} | {row['metric']} | {score} | {row['n']} |")
-    notes = [r["note"] for r in table_rows(result) if r["note"]]
+        lines.append(f"| {row['category']} | {name} | {row['metric']} | {score} | {row['n']} |"
+                     + (f" {row['contaminated']} |" if extra else ""))
+    notes = [f"- {r['note']}" for r in table_rows(result) if r["note"]] + contamination_note(marks)
     if notes:
-        lines += ["", *[f"- {note}" for note in notes]]
+        lines += ["", *notes]
     return "\n".join(lines) + "\n"
 
 
@@ -54,25 +86,32 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
     return out.getvalue()
 
 
-def summary(result: SuiteResult, model: str = "") -> dict[str, Any]:
+def summary(result: SuiteResult, model: str = "", marks: Marks | None = None) -> dict[str, Any]:
+    tasks = {t.spec.name: {"score": t.score, "n": len(t.outcomes), "metric": t.spec.metric,
+                           "category": t.spec.category, "chance": t.chance, "error": t.error}
+             for t in result.tasks}
+    if marks is not None:
+        for name, task in tasks.items():
+            mark = marks.get(name)
+            task["contamination"] = mark.as_dict() if mark is not None else None
     return {
         "suite": result.suite.name, "model": model,
         "schedule": list(result.schedule) if result.schedule else None,
-        "tasks": {t.spec.name: {"score": t.score, "n": len(t.outcomes), "metric": t.spec.metric,
-                                "category": t.spec.category, "chance": t.chance, "error": t.error}
-                  for t in result.tasks},
+        "tasks": tasks,
         "category_averages": result.category_averages(),
     }
 
 
-def write_tables(result: SuiteResult, output: str | Path, model: str = "") -> list[Path]:
-    """results.md, results.csv, results.json and items.jsonl (every scored item) in ``output``."""
+def write_tables(result: SuiteResult, output: str | Path, model: str = "",
+                 marks: Marks | None = None) -> list[Path]:
+    """results.md, results.csv, results.json and items.jsonl (every scored item) in ``output``;
+    ``marks`` from a contamination report (:func:`.contamination.benchmark_marks`)."""
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     paths = {name: output / name for name in ("results.md", "results.csv", "results.json", "items.jsonl")}
-    paths["results.md"].write_text(markdown(result, f"{result.suite.name} — {model}".strip(" —")))
-    paths["results.csv"].write_text(to_csv(table_rows(result)))
-    paths["results.json"].write_text(json.dumps(summary(result, model), indent=2) + "\n")
+    paths["results.md"].write_text(markdown(result, f"{result.suite.name} — {model}".strip(" —"), marks))
+    paths["results.csv"].write_text(to_csv(table_rows(result, marks)))
+    paths["results.json"].write_text(json.dumps(summary(result, model, marks), indent=2) + "\n")
     with paths["items.jsonl"].open("w", encoding="utf-8") as f:
         for t in result.tasks:
             for o in t.outcomes:

@@ -16,6 +16,7 @@ from typing import Any
 
 from mimir_megatron.errors import UserError
 
+from .contamination import BenchmarkMark
 from .runner import SuiteResult, TaskResult
 from .stats import McNemar, mcnemar_exact
 from .suite import SuiteSpec, TaskSpec
@@ -60,6 +61,13 @@ class SweepResult:
     suite: SuiteSpec
     results: dict[Schedule, SuiteResult]
     trained: Schedule | None
+    marks: dict[str, BenchmarkMark | None] | None = None
+    """Per task, from a contamination report (None: no report)."""
+
+    def header(self, task: TaskSpec) -> str:
+        from .report import marked_name
+
+        return marked_name(task.header, self.marks, task.name)
 
     def rows(self) -> list[dict[str, Any]]:
         rows = []
@@ -97,7 +105,7 @@ def _correct(task: TaskResult) -> dict[str, bool]:
 
 def markdown(sweep: SweepResult) -> str:
     tasks = sweep.suite.tasks
-    lines = ["| D | H | L | schedule | " + " | ".join(t.header for t in tasks) + " |",
+    lines = ["| D | H | L | schedule | " + " | ".join(sweep.header(t) for t in tasks) + " |",
              "| ---: | ---: | ---: | --- | " + " | ".join("---:" for _ in tasks) + " |"]
     for row in sweep.rows():
         cells = []
@@ -107,7 +115,10 @@ def markdown(sweep: SweepResult) -> str:
             cells.append("n/a" if score is None else f"{score:.2f}{mark}")
         name = row["schedule"] + (" (trained)" if row["trained"] else "")
         lines.append(f"| {row['D']} | {row['H']} | {row['L']} | {name} | " + " | ".join(cells) + " |")
-    lines += ["", f"{DAGGER} collapsed: below chance (multiple choice) or under 2 points (generation)."]
+    from .report import contamination_note
+
+    lines += ["", f"{DAGGER} collapsed: below chance (multiple choice) or under 2 points (generation).",
+              *contamination_note(sweep.marks)]
     tests = sweep.mcnemar()
     if tests:
         lines += ["", "| task | A | B | n | right only under A | right only under B | p (exact McNemar) |",
@@ -129,7 +140,7 @@ def heatmap(sweep: SweepResult, path: Path) -> Path:
     values = np.array([[np.nan if r.get(t.name) is None else r[t.name] for t in tasks] for r in rows])
     fig, ax = plt.subplots(figsize=(1.4 * len(tasks) + 3, 0.55 * len(rows) + 1.5))
     image = ax.imshow(values, cmap="viridis", vmin=0, vmax=100, aspect="auto")
-    ax.set_xticks(range(len(tasks)), [t.header for t in tasks], rotation=30, ha="right")
+    ax.set_xticks(range(len(tasks)), [sweep.header(t) for t in tasks], rotation=30, ha="right")
     ax.set_yticks(range(len(rows)),
                   [f"{r['H']}x{r['L']} {r['schedule']}" + (" *" if r["trained"] else "") for r in rows])
     for i, r in enumerate(rows):
@@ -155,8 +166,11 @@ def write_sweep(sweep: SweepResult, output: Path) -> list[Path]:
     writer.writeheader()
     writer.writerows(rows)
     paths[1].write_text(buffer.getvalue())
+    contamination = None if sweep.marks is None else {
+        name: (mark.as_dict() if mark is not None else None) for name, mark in sweep.marks.items()}
     paths[2].write_text(json.dumps({"suite": sweep.suite.name, "trained": list(sweep.trained or ()),
-                                    "rows": rows, "mcnemar": sweep.mcnemar()}, indent=2) + "\n")
+                                    "rows": rows, "mcnemar": sweep.mcnemar(), "contamination": contamination},
+                                   indent=2) + "\n")
     heatmap(sweep, paths[3])
     return paths
 

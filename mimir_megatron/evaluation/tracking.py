@@ -32,14 +32,13 @@ class TrackingTarget:
 def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path | None = None,
                     experiment: str | None = None) -> TrackingTarget:
     """Where an evaluation's MLflow run goes (see the module docstring)."""
-    from mimir_megatron.checkpoint import RUN_CHECKPOINTS, find
+    from mimir_megatron.checkpoint import find
 
     found = find(checkpoint) if checkpoint else None
     if found is not None and not uri:
         path, state = found
         config = state.config
-        run_dir = path.parent.parent if path.parent.name == RUN_CHECKPOINTS else \
-            Path(config.get("run", {}).get("dir") or Path("runs") / config.get("run", {}).get("name", ""))
+        run_dir = run_directory(path, config)
         tracking = config.get("tracking", {})
         return TrackingTarget(
             uri=tracking.get("uri") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}",
@@ -49,6 +48,17 @@ def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(output / 'mlflow.db').resolve()}"
     return TrackingTarget(uri, experiment or DEFAULT_EXPERIMENT, (output / "mlartifacts").resolve().as_uri(),
                           checkpoint_step=found[1].step if found else None)
+
+
+def run_directory(checkpoint: Path, config: dict[str, Any]) -> Path:
+    """The training run directory of a checkpoint (its ``checkpoints/`` folder's parent, else the
+    run directory its training ``config`` names)."""
+    from mimir_megatron.checkpoint import RUN_CHECKPOINTS
+
+    if checkpoint.parent.name == RUN_CHECKPOINTS:
+        return checkpoint.parent.parent
+    run = config.get("run", {})
+    return Path(run.get("dir") or Path("runs") / run.get("name", ""))
 
 
 class EvalRun:

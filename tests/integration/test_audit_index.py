@@ -65,6 +65,9 @@ def test_longest_match_and_hits_equal_brute_force(a, b, queries, shard_tokens, w
                       shard_tokens=shard_tokens, docs_per_file=3)
         assert index.encoding == ("u16x2" if wide else "u16")
         assert index.num_documents == len(named)
+        assert index.longest_document == max(len(doc) for doc in flat)
+        for name, d, doc in named:  # documents read back from the index's own files
+            assert index.document_tokens(name, d).tolist() == [t + offset for t in doc]
         for q in queries:
             expected = brute_match_lengths(q, flat)
             got = index.match_lengths([t + offset for t in q]).tolist()
@@ -84,6 +87,15 @@ def test_hits_name_dataset_category_document_and_offset(tmp_path):
     assert index.locate([4, 5, 6]) == [Hit("x", "cat-x", 1, 3)]
     assert index.longest_match([0, 10, 11, 1, 2, 3]) == (3, 3)  # 10 11 ends doc 0; 1 2 3 starts doc 1
     assert index.documents_per_category() == {"cat-x": 2}
+
+
+def test_datasets_of_two_tokenizers_are_not_indexed_together(tmp_path):
+    write_prepared(tmp_path / "a", [([1], [2])])
+    write_prepared(tmp_path / "b", [([1], [2])], tokenizer={"sha256": "f" * 64, "path": "other"})
+    sources = [AuditSource("a", tmp_path / "a", "A"), AuditSource("b", tmp_path / "b", "B")]
+    with pytest.raises(UserError, match=r"different tokenizers: a \(\w{12}\), b \(ffffffffffff\)"):
+        build_index(sources, tmp_path / "idx", progress=False)
+    assert not (tmp_path / "idx").exists()
 
 
 def test_suffix_array_parts_merge_to_the_single_part_table(tmp_path):

@@ -1,7 +1,7 @@
 """`mimir eval` and `mimir sweep` end to end through InspectAI against a scripted
-OpenAI-compatible stand-in server: scores, per-item outcomes, request bodies, tables, McNemar and
-MLflow. One evaluation and one two-schedule sweep are shared by all tests (InspectAI start-up
-costs seconds)."""
+OpenAI-compatible stand-in server: scores, per-item outcomes, request bodies, tables, McNemar,
+contamination marks and MLflow. One evaluation and one two-schedule sweep are shared by all tests
+(InspectAI start-up costs seconds)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,23 @@ def _script(suite, data_dir: Path) -> tuple[Script, dict[str, list]]:
     return script, items_by_task
 
 
+def _contamination_report(suite, data_dir: Path, path: Path) -> Path:
+    """A `mimir audit contamination` report: MMLU 1 of 4 items contaminated, GEC none, HellaSwag
+    checked on other data (stale); the other tasks not checked."""
+    from mimir_megatron.evaluation.contamination import FORMAT, data_sha256
+
+    tasks = {t.name: t for t in suite.tasks}
+
+    def bench(name: str, dirty: int, sha: str | None = None) -> dict:
+        return {"items": LIMIT, "contaminated": dirty, "longest_span": {"tokens": 20 if dirty else 5},
+                "data_sha256": sha or data_sha256(data_dir / tasks[name].data), "error": None}
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": FORMAT, "suite": suite.name, "ngram": 13, "benchmarks": {
+        "mmlu": bench("mmlu", 1), "gec": bench("gec", 0), "hellaswag": bench("hellaswag", 2, "0" * 64)}}))
+    return path
+
+
 @pytest.fixture(scope="module")
 def stubbed(tmp_path_factory):
     from mimir_megatron.cli import main
@@ -74,19 +91,20 @@ def stubbed(tmp_path_factory):
     suite_path.write_text(SUITE)
     suite = load_suite(suite_path)
     script, items = _script(suite, data_dir)
+    report = _contamination_report(suite, data_dir, root / "contamination" / "stubbed.json")
     uri = f"sqlite:///{root / 'mlflow.db'}"
     logger = logging.getLogger()
     logging_before = (logger.level, list(logger.handlers))
     with serve_stub(script) as url:
         rc = main(["eval", "--base-url", url, "--suite", str(suite_path), "--data-dir", str(data_dir),
                    "--limit", str(LIMIT), "--h-cycles", "2", "--l-cycles", "3", "--output",
-                   str(root / "eval"), "--tracking-uri", uri])
+                   str(root / "eval"), "--tracking-uri", uri, "--contamination", str(report)])
         eval_requests = list(script.requests)
         script.requests.clear()
         sweep_rc = main(["sweep", "--base-url", url, "--suite", str(suite_path), "--tasks", "mmlu,gec",
                          "--data-dir", str(data_dir), "--limit", str(LIMIT), "--schedules", "2x3,1x3",
                          "--trained-schedule", "2x3", "--output", str(root / "sweep"),
-                         "--tracking-uri", uri])
+                         "--tracking-uri", uri, "--contamination", str(report.parent)])
     return {"root": root, "rc": rc, "sweep_rc": sweep_rc, "requests": eval_requests,
             "logging": (logging_before, (logger.level, list(logger.handlers))),
             "sweep_requests": script.requests, "items": items, "uri": uri}
@@ -114,7 +132,22 @@ def test_missing_data_is_reported_and_the_rest_runs(stubbed):
     assert "not_there/test.jsonl" in summary["tasks"]["daisy"]["error"]
     assert stubbed["rc"] == 1  # a task failed; everything else was still written
     table = (stubbed["root"] / "eval" / "results.md").read_text()
-    assert "| English | MMLU | acc | 50.0 | 4 |" in table and "| Danish | Daisy | EM | n/a | 0 |" in table
+    assert "| English | MMLU‡ | acc | 50.0 | 4 | 1/4 (25.0 %) |" in table
+    assert "| Danish | Daisy | EM | n/a | 0 | not checked |" in table
+
+
+def test_benchmarks_with_contaminated_items_are_marked(stubbed):
+    root = stubbed["root"]
+    table = (root / "eval" / "results.md").read_text()
+    assert "| Danish | GEC | EM | 50.0 | 4 | 0/4 |" in table  # checked, clean: no mark
+    assert "| English | HellaSwag | acc | 50.0 | 4 | stale report |" in table  # other data: not marked
+    assert f"‡ contaminated: items share 13 consecutive tokens with the training data (report {root}" in table
+    tasks = json.loads((root / "eval" / "results.json").read_text())["tasks"]
+    assert (tasks["mmlu"]["contamination"]["contaminated"], tasks["mmlu"]["contamination"]["fraction"]) == (1, 0.25)
+    assert tasks["gsm8k"]["contamination"] is None and tasks["hellaswag"]["contamination"]["stale"]
+    sweep = (root / "sweep" / "table5.md").read_text()
+    assert "| D | H | L | schedule | MMLU‡ | GEC |" in sweep and "‡ contaminated" in sweep
+    assert json.loads((root / "sweep" / "table5.json").read_text())["contamination"]["mmlu"]["contaminated"] == 1
 
 
 def test_requests_are_greedy_with_the_schedule(stubbed):
@@ -168,6 +201,8 @@ def test_mlflow_receives_the_metrics(stubbed):
     evaluation = runs["eval stubbed"]
     assert evaluation.data.metrics["eval/mmlu"] == pytest.approx(0.5)
     assert evaluation.data.metrics["eval/avg/english"] == pytest.approx(0.5)
+    assert evaluation.data.metrics["contamination/mmlu"] == 0.25 and "contamination/hellaswag" not in \
+        evaluation.data.metrics
     assert "eval/daisy" not in evaluation.data.metrics
     artifacts = {a.path for a in client.list_artifacts(evaluation.info.run_id, "tables")}
     assert "tables/results.md" in artifacts
