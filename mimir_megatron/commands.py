@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     card.add_argument("--provider", help="who places the model on the market (the EU summary's provider)")
     card.add_argument("--base-model", help="Hub id of the weights training started from (default: the "
                       "init_from path the checkpoint records)")
+    card.add_argument("--contamination", nargs="+", metavar="REPORT",
+                      help="`mimir audit contamination` reports (files or directories) for the summary's "
+                      "decontamination section (default: those in the training run's contamination/)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the model config")
     p.set_defaults(handler=cmd_export, extra="hf")
 
@@ -103,7 +106,7 @@ def _release_files(args: argparse.Namespace, model, found) -> dict[str, str]:
     """The model card and the training-data summary (from the checkpoint's lineage, if any)."""
     from mimir_megatron.model import count_parameters
     from mimir_megatron.release.card import hf_license, model_card
-    from mimir_megatron.release.summary import summary_markdown, training_data_summary
+    from mimir_megatron.release.summary import contamination_summary, summary_markdown, training_data_summary
 
     hf_license(args.license)  # a bad --license is refused before anything is written
     name = args.name or Path(args.output).resolve().name
@@ -119,7 +122,9 @@ def _release_files(args: argparse.Namespace, model, found) -> dict[str, str]:
         info["training"] = f"Not recorded: exported from {origin}."
     else:
         path, state = found
-        summary = training_data_summary(state, model_name=name, provider=args.provider, checkpoint=str(path))
+        contamination = contamination_summary(_contamination_reports(args.contamination, path, state))
+        summary = training_data_summary(state, model_name=name, provider=args.provider, checkpoint=str(path),
+                                        contamination=contamination)
         files["training_data_summary.json"] = json.dumps(summary, indent=2, ensure_ascii=False) + "\n"
         files["training_data_summary.md"] = summary_markdown(summary)
         if base_model is None and state.base_model is not None:
@@ -139,3 +144,20 @@ def cmd_import(args: argparse.Namespace) -> int:
     save_weights(model, args.output)
     print(f"imported {args.hf} -> {args.output}")
     return 0
+
+
+def _contamination_reports(given: list[str] | None, checkpoint: Path, state) -> list[Path]:
+    """The reports named on the command line (a directory: its ``*.json``), else the training
+    run's own (``RUN/contamination/*.json``)."""
+    from mimir_megatron.errors import UserError
+    from mimir_megatron.evaluation.contamination import RUN_SUBDIR
+    from mimir_megatron.evaluation.tracking import run_directory
+
+    if not given:
+        return sorted((run_directory(checkpoint, state.config) / RUN_SUBDIR).glob("*.json"))
+    reports: list[Path] = []
+    for item in map(Path, given):
+        if not item.exists():
+            raise UserError(f"contamination report not found: {item}")
+        reports += sorted(item.glob("*.json")) if item.is_dir() else [item]
+    return reports

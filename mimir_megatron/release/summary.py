@@ -78,6 +78,30 @@ def _manifest_processing(entry: DatasetLineage) -> dict[str, Any]:
             "seq_len": (manifest.get("settings") or {}).get("seq_len")}
 
 
+def contamination_summary(report_paths: list[Path]) -> dict[str, Any] | None:
+    """The decontamination result from ``mimir audit contamination`` reports: per suite and
+    benchmark, items checked, items found in the training data and the longest shared span."""
+    from mimir_megatron.evaluation.contamination import ContaminationReport
+
+    if not report_paths:
+        return None
+    suites: dict[str, Any] = {}
+    for path in report_paths:
+        report = ContaminationReport(path)
+        benchmarks = {}
+        for task, bench in sorted(report.body.get("benchmarks", {}).items()):
+            if bench.get("error"):
+                benchmarks[task] = {"error": bench["error"]}
+                continue
+            items, found = bench["items"], bench["contaminated"]
+            benchmarks[task] = {"items": items, "contaminated": found,
+                                "fraction": found / items if items else 0.0,
+                                "longest_span_tokens": bench["longest_span"]["tokens"]}
+        suites[report.suite or path.stem] = {"report": str(path), "ngram": report.ngram,
+                                             "benchmarks": benchmarks}
+    return {"suites": suites}
+
+
 def training_data_summary(state: TrainerState, *, model_name: str, provider: str | None = None,
                           checkpoint: str | None = None,
                           contamination: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -133,7 +157,7 @@ def training_data_summary(state: TrainerState, *, model_name: str, provider: str
                 {"dataset": r["dataset"], "form": r["form"], "generator": r.get("generator"),
                  "audited": r["form"] in ("synthetic-audited", "translated-audited")}
                 for r in by_basis["synthetic"]],
-            "decontamination": contamination or "no contamination report given (mimir audit contamination)",
+            "decontamination": contamination or "no contamination report (mimir audit contamination)",
         },
     }
 
@@ -210,7 +234,14 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         out.append(f"- {gen['dataset']}: {FORMS.get(gen['form'], gen['form'])} by {made_by}"
                    + (", audited" if gen["audited"] else ""))
     decontamination = p["decontamination"]
-    if not isinstance(decontamination, str):
-        decontamination = json.dumps(decontamination)
-    out.append(f"- Decontamination: {decontamination}")
+    if isinstance(decontamination, str):
+        out.append(f"- Decontamination: {decontamination}")
+    else:
+        out.append("- Decontamination (benchmark items found in the training data):")
+        for suite, checked in decontamination["suites"].items():
+            for task, b in checked["benchmarks"].items():
+                found = b.get("error") or (f"{b['contaminated']} of {b['items']} items "
+                                           f"({100 * b['fraction']:.1f} %), longest shared span "
+                                           f"{b['longest_span_tokens']} tokens")
+                out.append(f"  - {suite} / {task} ({checked['ngram']}-token n-grams): {found}")
     return "\n".join(out) + "\n"

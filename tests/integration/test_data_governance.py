@@ -106,8 +106,11 @@ def one_epoch(tmp_path_factory):
                             [*overrides, f"train.steps={contexts}", f"checkpoint.interval={contexts}"])
     train(cfg)
     out = root / "export"
+    report = root / "contamination.json"  # the fields the summary reads, as `mimir audit contamination` writes
+    report.write_text(json.dumps({"format": "mimir-contamination-v1", "suite": "demo", "ngram": 13, "benchmarks": {
+        "arith": {"items": 40, "contaminated": 2, "longest_span": {"tokens": 21}, "data_sha256": "x"}}}))
     assert main(["export", "--checkpoint", str(root / "run"), "--output", str(out), "--license", "Apache-2.0",
-                 "--provider", "Test Lab"]) == 0
+                 "--provider", "Test Lab", "--contamination", str(report)]) == 0
     return mixture, out
 
 
@@ -137,6 +140,7 @@ def test_one_epoch_summary_and_card_hold_the_data_reports_numbers(one_epoch):
         assert f"| {license_} | {tokens:,} | {100 * tokens / total:.1f} % |" in card.text
     markdown = (out / "training_data_summary.md").read_text()
     assert "Provider: Test Lab" in markdown and f"Training data: {total:,} tokens" in markdown
+    assert "demo / arith (13-token n-grams): 2 of 40 items (5.0 %), longest shared span 21 tokens" in markdown
 
 
 def test_train_refuses_data_the_policy_forbids_before_writing_anything(tmp_path, demo_data, caplog):
