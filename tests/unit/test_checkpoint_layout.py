@@ -1,6 +1,7 @@
 """Which checkpoint a path stands for, and which are pruned, on hand-made checkpoint directories
 (a ``step_N`` directory with its ``trainer_state.json``; no tensors): the ``latest`` pointer, the
-newest *written* checkpoint without one, a dangling pointer, unreadable or undated states."""
+newest *written* checkpoint without one, a dangling pointer, unreadable or undated states; and the
+trainer state's own round trip, an older writer's state included."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from conftest import REPO
 
 from mimir_megatron.checkpoint import latest_checkpoint, prune_checkpoints, resolve
 from mimir_megatron.checkpoint.layout import STATE_FILE, complete_checkpoints
-from mimir_megatron.checkpoint.trainer_state import TrainerState, write_trainer_state
+from mimir_megatron.checkpoint.trainer_state import (
+    BaseModel,
+    DatasetLineage,
+    TrainerState,
+    read_trainer_state,
+    write_trainer_state,
+)
 from mimir_megatron.errors import UserError
 
 
@@ -89,3 +96,34 @@ def test_a_dangling_latest_is_an_error_not_a_fresh_start(tmp_path):
         latest_checkpoint(tmp_path)
     (tmp_path / "latest").unlink()  # killed between the rename and the pointer update
     assert latest_checkpoint(tmp_path) == tmp_path / "step_0000003"
+
+
+def test_the_trainer_state_reads_back_as_written(tmp_path):
+    """Every field, the nested lineage and the chain of base models (dataclasses inside tuples)
+    included; the reader is the one resume, export and the audits use."""
+    lineage = (
+        DatasetLineage("a", "/data/a", "A", "en", "g", {"status": "declared", "license": "cc-by-4.0"},
+                       "ab" * 32, documents=3, tokens=40, response_tokens=12),
+        DatasetLineage("b", "/data/b", "B", "da", "g", {"status": "unknown"}, None),
+    )
+    base = BaseModel("/runs/v1/checkpoints/step_0000100", 100, "run-v1", lineage, BaseModel("/weights/imported"))
+    state = TrainerState(
+        step=7, consumed_samples=56, window_k=3, optimizer_group_steps={"L": 7, "H": 7},
+        data_fingerprint="f" * 64, model={"hidden_size": 64}, padded_vocab_size=256, has_ema=True,
+        mlflow_run_id="run-v15", config={"optim": {"ema_decay": 0.99}}, lineage=lineage[:1],
+        base_model=base, data_policy={"allowed_licenses": ["cc-by-4.0"]}, format=1, written_at=12.5,
+    )
+    write_trainer_state(tmp_path, state)
+    assert read_trainer_state(tmp_path) == state
+
+
+def test_an_older_writers_state_takes_defaults_and_a_newer_ones_extra_fields_are_ignored(tmp_path):
+    (tmp_path / STATE_FILE).write_text(
+        '{"step": 4, "config": {"optim": {"ema_decay": 0.99}}, "field_from_a_newer_writer": 1}')
+    state = read_trainer_state(tmp_path)
+    assert (state.step, state.has_ema, state.lineage, state.base_model, state.written_at) == (4, True, (), None, 0.0)
+    (tmp_path / STATE_FILE).write_text('{"step": 4, "config": {"optim": {"ema_decay": 0.0}}}')
+    assert read_trainer_state(tmp_path).has_ema is False
+    (tmp_path / STATE_FILE).write_text('{"consumed_samples": 4}')
+    with pytest.raises(UserError, match="trainer state lacks step"):
+        read_trainer_state(tmp_path)
