@@ -121,16 +121,20 @@ def transformers_model():
     return hf
 
 
-@pytest.mark.parametrize("layout", ["fused", "split"])
+@pytest.mark.parametrize("layout", ["fused", "sharded", "split"])
 def test_import_of_a_transformers_initialised_model(transformers_model, tmp_path, rows, layout):
-    """Weights made by transformers give the same logits here, in both layouts a directory can
-    hold: the fused one ``save_pretrained`` writes (``attn.gqkv_proj``, ``mlp.gate_up_proj``) and
-    the split in-memory names (``self_attn.{q,k,v,gate,o}_proj``, ``mlp.{gate,up}_proj``) of a
-    state dict saved as it is. All projections of this shape are square or equal in shape, so only
-    the logits tell a swapped pair apart."""
+    """Weights made by transformers give the same logits here, in every layout a directory can
+    hold: the fused one ``save_pretrained`` writes (``attn.gqkv_proj``, ``mlp.gate_up_proj``), in
+    one file or in shards with ``model.safetensors.index.json`` (a large model's), and the split
+    in-memory names (``self_attn.{q,k,v,gate,o}_proj``, ``mlp.{gate,up}_proj``) of a state dict
+    saved as it is. All projections of this shape are square or equal in shape, so only the
+    logits tell a swapped pair apart."""
     hf = transformers_model
     if layout == "fused":
         hf.save_pretrained(tmp_path / "hf")
+    elif layout == "sharded":
+        hf.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+        assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
     else:
         from safetensors.torch import save_file
 
