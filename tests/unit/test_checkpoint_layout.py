@@ -50,7 +50,8 @@ def test_without_latest_the_newest_written_checkpoint_is_resumed(tmp_path, caplo
         assert latest_checkpoint(ckpts) == newest
     assert "has no `latest`; taking the newest written checkpoint, step_0000006" in caplog.text
     assert resolve(ckpts) == resolve(run_dir) == newest  # `mimir export/eval --checkpoint RUN`
-    cfg = load_train_config(REPO / "configs" / "train" / "demo.yaml", [f"run.dir={run_dir}"])
+    cfg = load_train_config(REPO / "configs" / "train" / "demo.yaml",
+                            [f"run.dir={run_dir}", f"data.mixture={REPO / 'configs' / 'data' / 'demo.yaml'}"])
     assert cfg.checkpoint.resume == "auto" and resume_path(cfg) == newest  # `mimir train` again
     (ckpts / "latest").write_text("step_0000005\n")  # the pointer, where there is one, decides
     assert latest_checkpoint(ckpts) == resolve(run_dir) == ckpts / "step_0000005"
