@@ -21,13 +21,7 @@ from checkpoint_faults import patch_data_writes
 from checkpoint_states import assert_same_state
 from conftest import REPO, train_overrides
 
-from mimir_megatron.checkpoint import (
-    CheckpointWriteError,
-    latest_checkpoint,
-    prune_checkpoints,
-    read_trainer_state,
-)
-from mimir_megatron.checkpoint.trainer_state import TrainerState, write_trainer_state
+from mimir_megatron.checkpoint import CheckpointWriteError, read_trainer_state
 from mimir_megatron.errors import UserError
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
@@ -85,37 +79,6 @@ def test_a_rollback_keeps_the_new_timeline(demo_data, tmp_path, reference):
     assert rest.losses == reference[1][4:]
     assert latest(run_dir) == "step_0000006"
     assert_same_state(ckpts / "step_0000006", step_dir(reference[0], 6))
-
-
-def make_checkpoint(checkpoint_dir: Path, step: int, written_at: float) -> None:
-    path = checkpoint_dir / f"step_{step:07d}"
-    path.mkdir(parents=True)
-    write_trainer_state(path, TrainerState(step=step, written_at=written_at))
-
-
-def test_pruning_keeps_the_newest_written_and_the_one_latest_names(tmp_path):
-    # The case: 9 and 12 from an abandoned timeline, then 5, 7, 8 written.
-    for step, written_at in [(9, 1.0), (12, 2.0), (5, 3.0), (7, 4.0), (8, 5.0)]:
-        make_checkpoint(tmp_path, step, written_at)
-    (tmp_path / "latest").write_text("step_0000008\n")
-    prune_checkpoints(tmp_path, keep=2)
-    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_0000007", "step_0000008"]
-    (tmp_path / "latest").write_text("step_0000007\n")
-    make_checkpoint(tmp_path, 10, 6.0)
-    prune_checkpoints(tmp_path, keep=1)
-    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_0000007", "step_0000010"]
-
-
-def test_a_dangling_latest_is_an_error_not_a_fresh_start(tmp_path):
-    assert latest_checkpoint(tmp_path) is None  # no checkpoint at all: a fresh start
-    make_checkpoint(tmp_path, 3, 1.0)
-    (tmp_path / "latest").write_text("step_0000005\n")
-    with pytest.raises(UserError, match=r"latest names step_0000005, which is not a complete checkpoint; "
-                                         r"refusing to start again from step 0 \(complete checkpoints "
-                                         r"here: step_0000003\)"):
-        latest_checkpoint(tmp_path)
-    (tmp_path / "latest").unlink()  # killed between the rename and the pointer update
-    assert latest_checkpoint(tmp_path) == tmp_path / "step_0000003"
 
 
 # -- configuration drift ----------------------------------------------------------------------------

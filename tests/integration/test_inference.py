@@ -195,6 +195,18 @@ def test_stop_tokens_end_generation(engine):
     assert res.token_ids == free.token_ids[: first + 1] and res.finish_reason == "stop"
 
 
+def test_generation_ends_at_the_last_position_of_the_context(model):
+    """Prompt + generated <= max_context: a prompt one short of the context gets one token, one
+    three short gets three (finish ``length`` though max_new_tokens asks for more); a prompt that
+    fills the context is refused."""
+    small = InferenceEngine(model, None, max_context=12)
+    requests = [GenerationRequest(p, SamplingParams(max_new_tokens=10)) for p in random_prompts([11, 9], seed=3)]
+    results = small.generate(requests)
+    assert [(len(r.token_ids), r.finish_reason) for r in results] == [(1, "length"), (3, "length")]
+    with pytest.raises(RequestError, match="prompt has 12 tokens; the context holds 12"):
+        small.generate([GenerationRequest(random_prompts([12], seed=3)[0])])
+
+
 @torch.no_grad()
 def test_score_equals_the_model_forward_with_the_prefix_mask(model, engine):
     contexts = random_prompts([1, 4, 11], seed=12)

@@ -19,6 +19,7 @@ from mimir_megatron.data import (
     load_eval_samples,
     mixture_fingerprint,
     pack,
+    padding_fraction,
 )
 from mimir_megatron.errors import ConfigError
 
@@ -131,3 +132,34 @@ def test_eval_samples_are_prefix_and_response(tmp_path):
     samples = load_eval_samples(tmp_path / "ev")
     assert samples == [([1, 2, 3], [7, 4]), ([1, 5], [8, 9, 4])]
     assert samples[1].completion_ids == [8, 9, 4]
+
+
+def test_samples_that_fill_a_context_exactly_pack_without_padding(tmp_path, caplog):
+    """A sample occupies prefix + response - 1 positions (its last token is only a label). Pairs
+    of samples whose packed lengths add up to seq_len, one sample of exactly seq_len and one a
+    token longer: best fit must fill every context to the last position and drop only the long
+    one. Over-counting a sample by one token leaves every pair in two contexts, and drops the
+    seq_len sample as too long."""
+    seq_len = 32
+    packed = [5, 27, 10, 22, 16, 16, 1, 31, seq_len, seq_len + 1]
+    docs = []
+    for i, n in enumerate(packed):
+        p = max(1, n // 2)
+        docs.append(([i + 1] * p, [i + 1] * (n - p + 1)))
+    write_prepared(tmp_path / "a", docs)
+    mix = tmp_path / "mix.yaml"
+    mix.write_text("name: exact\ndatasets:\n  - {path: a, category: A, language: en, repeat: 1}\n")
+    cfg = DataConfig(mixture=str(mix), seq_len=seq_len, seed=0, pack_window=64)
+    stream = PackedMixture(cfg)
+    assert stream.sample_lengths.tolist() == packed
+    with caplog.at_level("WARNING", logger="mimir_megatron.data.packing"):
+        index = stream.epoch(0)
+    assert "skipping 1 sample(s) longer than seq_len=32" in caplog.text
+    assert index.num_contexts == 5  # four exact pairs and the seq_len sample alone
+    assert padding_fraction(index, stream.sample_lengths, seq_len) == 0.0
+    # The collated rows, laid out from the token ids alone: no padding position anywhere.
+    batch = next(build_train_loader(cfg, micro_batch_size=5, dp_rank=0, dp_size=1))
+    assert bool((batch.segment_ids > 0).all()), batch.segment_ids
+    supervised = sum(len(r) for (_, r), n in zip(docs, packed) if n <= seq_len)
+    assert int((batch.labels != IGNORE_INDEX).sum()) == supervised
+    assert batch.sources.tolist() == [[9, sum(packed) - (seq_len + 1) + 9, supervised]]

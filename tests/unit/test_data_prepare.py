@@ -165,3 +165,25 @@ def test_rerun_skips_finished_shards_and_redoes_changed_inputs(tmp_path):
     now = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.bin")}
     assert now["00000.bin"] == mtimes["00000.bin"] and now["00001.bin"] != mtimes["00001.bin"]
     assert third["documents"] == 8
+
+
+@pytest.mark.parametrize("policy", ["drop", "truncate-prefix"])
+def test_a_sample_that_fills_seq_len_exactly_is_kept_whole(policy):
+    """A sample occupies prefix + response - 1 positions (the loader's and packer's rule): one
+    that fills seq_len exactly is kept as it is under either policy; one token more is dropped or
+    loses exactly its first prefix token; a response that alone overflows is dropped."""
+    from mimir_data_prep.prepare import PrepareSettings, fit_to_context
+    from mimir_data_prep.records import RecordError
+
+    settings = PrepareSettings(tokenizer_dir=TOK, tokenizer_sha256="", seq_len=8, too_long=policy)
+    prefix, response = [1, 2, 3, 4, 5], [6, 7, 8, 9]  # 5 + 4 - 1 = 8 positions
+    assert fit_to_context(prefix, response, settings) == (prefix, False)
+    if policy == "drop":
+        with pytest.raises(RecordError, match="6 prefix \\+ 4 response tokens exceed seq_len=8"):
+            fit_to_context([0, *prefix], response, settings)
+    else:
+        assert fit_to_context([0, *prefix], response, settings) == (prefix, True)
+    assert fit_to_context([1], list(range(8)), settings) == ([1], False)  # the whole window
+    with pytest.raises(RecordError) as too_long:
+        fit_to_context([1], list(range(9)), settings)  # no prefix token could stay
+    assert too_long.value.reason == "too_long"

@@ -106,8 +106,9 @@ def test_import_of_export_is_identity(model, exported):
         assert torch.equal(before[name], after[name]), name
 
 
-def test_import_of_a_transformers_initialised_model(tmp_path, rows):
-    """Weights made by transformers itself (not by our exporter) give the same logits here."""
+@pytest.fixture(scope="module")
+def transformers_model():
+    """An hrm_text model initialised by transformers itself (not by our exporter)."""
     config = transformers.HrmTextConfig(
         vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, head_dim=16, H_cycles=2, L_cycles=3, initializer_range=0.125,
@@ -117,11 +118,35 @@ def test_import_of_a_transformers_initialised_model(tmp_path, rows):
     hf = transformers.HrmTextForCausalLM(config).eval()
     with torch.no_grad():
         hf.model.z_L_init.normal_()  # transformers initialises it to zeros; make it matter
-    hf.save_pretrained(tmp_path / "hf")
+    return hf
+
+
+@pytest.mark.parametrize("layout", ["fused", "sharded", "split"])
+def test_import_of_a_transformers_initialised_model(transformers_model, tmp_path, rows, layout):
+    """Weights made by transformers give the same logits here, in every layout a directory can
+    hold: the fused one ``save_pretrained`` writes (``attn.gqkv_proj``, ``mlp.gate_up_proj``), in
+    one file or in shards with ``model.safetensors.index.json`` (a large model's), and the split
+    in-memory names (``self_attn.{q,k,v,gate,o}_proj``, ``mlp.{gate,up}_proj``) of a state dict
+    saved as it is. All projections of this shape are square or equal in shape, so only the
+    logits tell a swapped pair apart."""
+    hf = transformers_model
+    if layout == "fused":
+        hf.save_pretrained(tmp_path / "hf")
+    elif layout == "sharded":
+        hf.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+        assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+    else:
+        from safetensors.torch import save_file
+
+        hf.config.save_pretrained(tmp_path / "hf")
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        assert "model.L_module.layers.0.mlp.up_proj.weight" in state  # the split names indeed
+        save_file(state, str(tmp_path / "hf" / "model.safetensors"))
     ours = import_hf(tmp_path / "hf").eval()
     valid = rows.segment_ids > 0
     with torch.no_grad():
-        assert rel_err(ours(rows).logits[valid], hf_logits(hf, rows, valid)[valid]) <= 1e-5
+        err = rel_err(ours(rows).logits[valid], hf_logits(hf, rows, valid)[valid])
+    assert err <= 1e-5, f"{layout} layout: logits differ from transformers' by {err:.2e} (relative)"
 
 
 def test_project_weights_round_trip(model, tmp_path, rows):
