@@ -355,6 +355,18 @@ def model_config_from_record(record: dict[str, Any], overrides: Sequence[str] = 
     return model_config_from_dict({k: v for k, v in record.items() if k in shape}, overrides)
 
 
+def yaml_problem(path: str | Path, exc: BaseException) -> str:
+    """One line for a YAML file that cannot be read: the file and line, and what is wrong."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:
+        return f"{path}:{mark.line + 1}: invalid YAML ({getattr(exc, 'problem', None) or 'syntax error'})"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"{path}: not UTF-8 text (byte {exc.start})"
+    if isinstance(exc, OSError):
+        return f"{path}: cannot read ({exc.strerror or exc})"
+    return f"cannot parse {path}: {' '.join(str(exc).split())}"
+
+
 def read_yaml(path: str | Path, what: str) -> dict[str, Any]:
     """A YAML file's mapping, or a one-line ConfigError."""
     path = Path(path)
@@ -363,7 +375,7 @@ def read_yaml(path: str | Path, what: str) -> dict[str, Any]:
     try:
         raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     except Exception as exc:  # YAML syntax errors
-        raise ConfigError(f"cannot parse {path}: {exc}") from None
+        raise ConfigError(yaml_problem(path, exc)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of {what}")
     return raw

@@ -81,6 +81,14 @@ def init_distributed(timeout_s: float = 1800) -> LaunchEnv:
     return env
 
 
+def gather_lines(lines: list[str]) -> list[str]:
+    """Every rank's lines (problems each found in its share of a check), in rank order, without
+    repeats: the same list on every rank. Collective."""
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, lines)
+    return list(dict.fromkeys(line for part in gathered for line in part or ()))
+
+
 def init_model_parallel(tensor_parallel_size: int) -> None:
     """Set megatron's parallel state for this TP size (idempotent for the same size)."""
     from megatron.core import parallel_state

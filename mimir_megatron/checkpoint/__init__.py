@@ -6,7 +6,8 @@ Layout of a run's checkpoints directory (``<run.dir>/checkpoints``)::
         (dist_checkpointing files: model, optimizer moments, EMA; resharding-capable)
         trainer_state.json   the typed TrainerState: step, consumed samples, window, group
                              steps, data fingerprint and lineage, model shape, MLflow run id,
-                             layout version
+                             layout version, the size and sha256 of every other file; the
+                             digest of its own content
         rng_rank<r>.safetensors  each rank's RNG state
     latest                   name of the newest complete checkpoint (replaced atomically)
     abandoned/               checkpoints of a timeline given up by resuming from an older one
@@ -21,8 +22,9 @@ with one job:
 - :mod:`.compat`: layout version and model-shape checks (whether training may go on from a
   checkpoint is the trainer's policy: ``mimir_megatron.train.resume``).
 - :mod:`.state`: the sharded model/optimizer/EMA state and the per-rank RNG state.
+- :mod:`.digests`: the files' sha256, recorded where each rank writes, verified before any load.
 - :mod:`.load`: :func:`load_checkpoint` (training state into a built model) and
-  :func:`load_model` (a model on its own: export, generate, serve, eval, audits).
+  :func:`load_model` (a model on its own: export, generate, serve, eval, audits); both verify.
 - :mod:`.write`: :class:`CheckpointWriter` (synchronous or asynchronous); :mod:`.prune`.
 
 This package imports the model, never the trainer: inference, evaluation and audits use it.

@@ -1,6 +1,10 @@
 """Reading checkpoints: the training state into a built model (resume, ``init_from``), and a model
 on its own (export, generate, serve, evaluation, audits).
 
+Every load verifies the checkpoint's files against the digests its writer recorded
+(:mod:`.digests`) before a tensor is read; :func:`load_model` hashes them while it builds the
+model. A damaged checkpoint is one :class:`~.digests.CheckpointDamaged` line naming the file.
+
 Trust: dist_checkpointing reads its metadata (``.metadata``, ``common.pt``) through torch's
 checkpoint reader, which unpickles it, so loading a checkpoint can run code from whoever wrote it.
 Load only your own checkpoints; third-party weights go through ``mimir import`` (safetensors).
@@ -17,20 +21,55 @@ from safetensors.torch import load_file
 
 from mimir_megatron import backend
 from mimir_megatron.errors import UserError
+from mimir_megatron.parallel import gather_lines
 
 from .compat import check_compatible, check_format
+from .digests import CheckpointDamaged, Verification, start_verification
 from .layout import resolve, rng_file
 from .state import restore_optimizer, set_rng_state, sharded_state
-from .trainer_state import TrainerState, read_trainer_state
+from .trainer_state import TrainerState
 
 
-def load_checkpoint(path: Path, model, optimizer, ema, *, restore_rng: bool = True) -> TrainerState:
+def start_collective_verification(path: Path) -> Verification:
+    """This rank's share of the verification of ``path`` (every rank hashes a part of the files),
+    started in the background; :func:`verify_collectively` gathers the verdict."""
+    return start_verification(path, rank=dist.get_rank(), world=dist.get_world_size())
+
+
+def verify_collectively(path: Path, verification: Verification | None = None) -> TrainerState:
+    """The trainer state of ``path`` once all ranks agree that every file verifies (``verification``:
+    one this rank started earlier); else one :class:`CheckpointDamaged` line, the same on every
+    rank. Collective."""
+    verification = verification or start_collective_verification(path)
+    problems = gather_lines(verification.problems())
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise CheckpointDamaged(problems[0] + more)
+    assert verification.state is not None
+    return verification.state
+
+
+def _read(path: Path, sharded: dict) -> dict:
+    """dist_checkpointing's load, its failures one line naming the checkpoint (a checkpoint written
+    before digests were recorded is not verified, and may be damaged)."""
+    try:
+        return dist_checkpointing.load(sharded, str(path))
+    except Exception as exc:  # noqa: BLE001 - torch's reader raises anything from EOFError to pickle's
+        detail = str(exc).splitlines()[0] if str(exc) else "no detail"
+        raise UserError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {detail}); "
+                        "it may be damaged") from exc
+
+
+def load_checkpoint(path: Path, model, optimizer, ema, *, restore_rng: bool = True,
+                    verified: TrainerState | None = None) -> TrainerState:
     """Load model (and optimizer, EMA when given) from the checkpoint ``path`` into a built model;
-    returns the trainer state. ``restore_rng`` (a resume) also sets this rank's saved RNG state."""
-    trainer_state = read_trainer_state(path)
+    returns the trainer state. ``restore_rng`` (a resume) also sets this rank's saved RNG state.
+    The files are verified first (collectively) unless ``verified`` is the state a verification
+    of ``path`` already returned."""
+    trainer_state = verified if verified is not None else verify_collectively(path)
     check_compatible(trainer_state, model.cfg, path)
     sharded = sharded_state(model, optimizer, ema.shadow if ema is not None else None)
-    loaded = dist_checkpointing.load(sharded, str(path))
+    loaded = _read(path, sharded)
     model.load_state_dict(loaded["model"], strict=False)
     if optimizer is not None:
         restore_optimizer(model, optimizer, loaded["optimizer"], trainer_state.optimizer_group_steps)
@@ -40,7 +79,10 @@ def load_checkpoint(path: Path, model, optimizer, ema, *, restore_rng: bool = Tr
                 ema.shadow[name].copy_(tensor)
     saved_rng = rng_file(path, dist.get_rank())
     if restore_rng and saved_rng.is_file():
-        set_rng_state(load_file(str(saved_rng)))
+        try:
+            set_rng_state(load_file(str(saved_rng)))
+        except Exception as exc:  # noqa: BLE001 - safetensors' errors name no file
+            raise UserError(f"checkpoint {path}: cannot read {saved_rng.name} ({exc})") from exc
     return trainer_state
 
 
@@ -66,7 +108,10 @@ def load_model(path: str | Path, *, ema: bool = False, tensor_parallel_size: int
     from mimir_megatron.model import build_model
 
     path = resolve(path)
-    state = read_trainer_state(path)
+    verification = start_verification(path)  # hashed by threads while the model is built
+    if verification.state is None:
+        verification.check()  # the state itself is unreadable: nothing to build
+    state = verification.state
     check_format(state, path)
     if ema and not state.has_ema:
         raise UserError(f"{path} was trained without an EMA (optim.ema_decay = 0)")
@@ -75,8 +120,9 @@ def load_model(path: str | Path, *, ema: bool = False, tensor_parallel_size: int
     with torch.random.fork_rng(devices=devices):
         model = build_model(cfg)
     check_compatible(state, cfg, path)
+    verification.check()
     shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()} if ema else None
-    loaded = dist_checkpointing.load(sharded_state(model, None, shadow), str(path))
+    loaded = _read(path, sharded_state(model, None, shadow))
     model.load_state_dict(loaded["model"], strict=False)
     if shadow is not None:
         with torch.no_grad():

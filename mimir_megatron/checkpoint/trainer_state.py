@@ -9,6 +9,7 @@ recorded it: the trainer's business (resume compares it); this package never int
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -59,6 +60,17 @@ class BaseModel:
 
 
 @dataclass(frozen=True)
+class FileDigest:
+    """A file of a checkpoint as its writer wrote it (see :mod:`.digests`)."""
+
+    bytes: int
+    sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class TrainerState:
     step: int
     """Optimizer steps done."""
@@ -88,6 +100,10 @@ class TrainerState:
     """Layout version of the sharded state (set by the writer; see ``layout.FORMAT``)."""
     written_at: float = 0.0
     """When the checkpoint became complete (set by the writer)."""
+    files: dict[str, FileDigest] = field(default_factory=dict)
+    """Size and sha256 of every other file of the checkpoint (set by the writer; empty in
+    checkpoints written before digests were recorded). ``trainer_state.json`` itself carries the
+    digest of its own content (``digest``, checked by :func:`read_trainer_state`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,7 +128,8 @@ def trainer_state_from_dict(data: Any, source: str | Path) -> TrainerState:
     try:
         lineage = _lineage(values.pop("lineage", ()))
         base = _base_model(values.pop("base_model", None))
-        state = TrainerState(**values, lineage=lineage or (), base_model=base)
+        files = {name: FileDigest(**entry) for name, entry in values.pop("files", {}).items()}
+        state = TrainerState(**values, lineage=lineage or (), base_model=base, files=files)
     except (TypeError, AttributeError) as exc:
         raise UserError(f"{source}: invalid trainer state ({exc})") from None
     if not isinstance(state.step, int) or state.step < 0:
@@ -131,9 +148,16 @@ def _base_model(data: Any) -> BaseModel | None:
                         "base_model": _base_model(data.get("base_model"))})
 
 
+def content_digest(data: dict[str, Any]) -> str:
+    """sha256 of a trainer state's content (everything but its ``digest`` entry)."""
+    body = {k: v for k, v in data.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def read_trainer_state(path: str | Path) -> TrainerState:
     """The trainer state of the checkpoint ``path`` (a ``step_N`` directory); one-line
-    :class:`UserError` naming the file when it is missing, unreadable or not a trainer state."""
+    :class:`UserError` naming the file when it is missing, unreadable, damaged (its content no
+    longer matches its digest) or not a trainer state."""
     state_file = Path(path) / STATE_FILE
     if not state_file.is_file():
         raise UserError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
@@ -143,8 +167,14 @@ def read_trainer_state(path: str | Path) -> TrainerState:
         raise UserError(f"{state_file}: cannot read ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{state_file}: damaged trainer state ({exc})") from None
+    # Written before states carried a digest: nothing to compare.
+    if isinstance(data, dict) and "digest" in data and data["digest"] != content_digest(data):
+        raise UserError(f"{state_file}: damaged trainer state (its content does not match its digest)")
     return trainer_state_from_dict(data, state_file)
 
 
 def write_trainer_state(path: str | Path, state: TrainerState) -> None:
-    (Path(path) / STATE_FILE).write_text(json.dumps(state.to_dict(), indent=2, sort_keys=True))
+    """Write ``trainer_state.json`` with the digest of its content."""
+    data = json.loads(json.dumps(state.to_dict()))  # the digest is of the content as read back
+    data["digest"] = content_digest(data)
+    (Path(path) / STATE_FILE).write_text(json.dumps(data, indent=2, sort_keys=True))

@@ -7,10 +7,15 @@ With ``checkpoint.async_save`` the sharded tensors are written by a forked proce
 megatron-core's ``AsyncCallsQueue`` while training goes on; ``step_N`` and ``latest`` are made
 only once the write has finished on every rank. A failed write (no space left, ...) leaves the
 previous checkpoint and ``latest`` as they were and ends the job with one message.
+
+Every file's sha256 is recorded in the trainer state (:mod:`.digests`: each rank hashes what it
+wrote where it wrote it, the forked writer for an asynchronous save). Weights that are not finite
+are never written: the save ends the job instead, and ``latest`` keeps naming the last good state.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -27,8 +32,9 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mimir_megatron import backend
-from mimir_megatron.errors import UserError
+from mimir_megatron.errors import UserError, write_error
 
+from .digests import after_write, collect_digests, record_rank_digests
 from .layout import FORMAT, latest_name, rng_file, step_dir_name, step_of
 from .layout import write_latest as _write_latest
 from .prune import prune_checkpoints as _prune
@@ -48,7 +54,8 @@ def check_writable(checkpoint_dir: Path) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
-        raise UserError(f"checkpoint directory {checkpoint_dir} is not writable: {exc}") from None
+        raise write_error(exc, f"checkpoint directory {checkpoint_dir}", "set checkpoint.dir to a writable "
+                          "directory") from None
 
 
 class CheckpointWriteError(UserError):
@@ -78,12 +85,15 @@ class CheckpointWriter:
         # and write them while training changes them; a forked writer gets a snapshot.
         self._queue = AsyncCallsQueue(persistent=False) if asynchronous else None
         self.pending: Path | None = None
+        self._needed = 0
+        """Bytes the tensors of the save in progress take (all ranks): what a full disk lacked."""
         # An asynchronous writer's helper process starts now, not inside the first save.
         write_results_queue(cross_process=asynchronous)
 
     def save(self, step: int, model, optimizer, ema, trainer_state: TrainerState) -> Path:
         self.wait()
         _writer_error_log().drain()  # only this write's errors explain its failure
+        self._refuse_nonfinite(step, model, ema)
         rank = dist.get_rank()
         final = self.checkpoint_dir / step_dir_name(step)
         tmp = self.checkpoint_dir / (step_dir_name(step) + ".tmp")
@@ -101,10 +111,15 @@ class CheckpointWriter:
             # A helper that died since the last save is started again.
             write_results_queue(cross_process=self._queue is not None)
             sharded = sharded_state(model, optimizer, ema.shadow if ema is not None else None)
+            self._needed = _bytes_to_write(sharded)
             request = dist_checkpointing.save(sharded, str(tmp),
                                               async_sharded_save=self._queue is not None,
                                               async_strategy="mcore")
             save_file(_rng_state(), str(rng_file(tmp, rank)))
+            if request is None:
+                record_rank_digests(tmp, rank)
+            else:  # hashed by the forked writer once its write is done
+                request = request._replace(async_fn=after_write(request.async_fn, tmp, rank))
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - it wraps the OSError
             error = exc
         self._agree(step, tmp, error)
@@ -157,7 +172,8 @@ class CheckpointWriter:
         error: BaseException | None = None
         if dist.get_rank() == 0:
             try:
-                write_trainer_state(tmp, replace(trainer_state, format=FORMAT, written_at=time.time()))
+                write_trainer_state(tmp, replace(trainer_state, format=FORMAT, written_at=time.time(),
+                                                 files=collect_digests(tmp)))
                 if final.exists():
                     shutil.rmtree(final)
                 tmp.rename(final)
@@ -171,6 +187,23 @@ class CheckpointWriter:
             self.on_saved(final)
         dist.barrier()
 
+    def _refuse_nonfinite(self, step: int, model, ema) -> None:
+        """End the job instead of writing weights (or EMA weights) that are not finite; collective."""
+        tensors = list(model.named_parameters())
+        if ema is not None:
+            tensors += [(f"ema.{name}", t) for name, t in ema.shadow.items()]
+        finite = torch.stack([torch.isfinite(t).all() for _, t in tensors]) if tensors else torch.ones(1)
+        bad = (~finite).float().max().reshape(1).to(backend.device())
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if not bad.item():
+            return
+        local = [name for (name, _), ok in zip(tensors, finite.tolist()) if not ok]
+        where = f"{local[0]} holds NaN or Inf" if local else "on another rank"
+        previous = latest_name(self.checkpoint_dir) or "none"
+        raise CheckpointWriteError(
+            f"not writing checkpoint {step_dir_name(step)}: the weights are not finite ({where}); "
+            f"the previous checkpoint ({previous}) and `latest` are intact")
+
     def _agree(self, step: int, tmp: Path, error: BaseException | None) -> None:
         """All ranks fail together when one failed (no rank left waiting in a collective)."""
         failed = torch.tensor([0.0 if error is None else 1.0], device=backend.device())
@@ -183,6 +216,15 @@ class CheckpointWriter:
     def _error(self, step: int, cause: BaseException | None) -> CheckpointWriteError:
         previous = latest_name(self.checkpoint_dir) or "none"
         reason = _writer_error_log().drain() or _root_cause(cause)
+        try:
+            free = shutil.disk_usage(self.checkpoint_dir).free
+        except OSError:
+            free = None
+        if (free is not None and free < self._needed) or _is_disk_full(cause, reason):
+            # torch's writer says "unexpected pos" where the disk is full: what it means, plainly.
+            free_text = "" if free is None else f" ({free:,} free)"
+            reason = (f"no space left on device: {self.checkpoint_dir}, {self._needed:,} bytes "
+                      f"needed{free_text}")
         return CheckpointWriteError(
             f"could not write checkpoint {step_dir_name(step)} to {self.checkpoint_dir}: "
             f"{reason}; the previous checkpoint ({previous}) and `latest` are intact"
@@ -237,6 +279,27 @@ def _writer_error_log() -> _WriterErrors:
     if _writer_errors is None:
         _writer_errors = _WriterErrors()
     return _writer_errors
+
+
+def _bytes_to_write(sharded: dict) -> int:
+    """Bytes of the tensors the ranks write (main replicas only), summed over all ranks; collective."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+    local = sum(t.data.numel() * t.data.element_size() for t in nested_values(sharded)
+                if isinstance(t, ShardedTensor) and t.data is not None and is_main_replica(t.replica_id))
+    total = torch.tensor([float(local)], dtype=torch.float64, device=backend.device())
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def _is_disk_full(cause: BaseException | None, reason: str) -> bool:
+    seen = 0
+    while cause is not None and seen < 20:
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            return True
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return "No space left on device" in reason or "unexpected pos" in reason
 
 
 def _root_cause(exc: BaseException | None) -> str:

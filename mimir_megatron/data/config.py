@@ -36,6 +36,12 @@ class DataConfig:
     eval_path: str | None = None
     """A prepared held-out dataset for exact-match evaluation (see load_eval_samples)."""
 
+    verify: bool = True
+    """Before step 1, hash every prepared file against its manifest's sha256 (in parallel, the
+    ranks sharing the work; docs/operations.md gives the cost). false: only the structural checks
+    (sizes, document counts, dtype), for trusted, very large corpora; logged as a warning.
+    ``mimir train --skip-data-verify`` sets it false."""
+
     def errors(self) -> list[str]:
         """Every invalid value, one line each. Values only; files are checked when the loader
         opens them, so configs load (and can be tested) before any data has been prepared."""
@@ -50,6 +56,8 @@ class DataConfig:
             errors.append(f"data.pack_window must be a positive integer, got {self.pack_window!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             errors.append(f"data.prefetch must be an integer >= 0, got {self.prefetch!r}")
+        if not isinstance(self.verify, bool):
+            errors.append(f"data.verify must be true or false, got {self.verify!r}")
         if not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
             errors.append(f"data.pad_token_id must be >= 0, got {self.pad_token_id!r}")
         return errors

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from mimir_megatron.batch import IGNORE_INDEX, Batch
-from mimir_megatron.errors import UserError
+from mimir_megatron.errors import UserError, write_error
 
 from .config import DataConfig
 from .mixture import Mixture, load_mixture, mixture_digest
@@ -123,12 +123,17 @@ class PackedMixture:
             self.cfg.seq_len,
             100 * padding_fraction(index, self.sample_lengths, self.cfg.seq_len),
         )
-        self.index_dir.mkdir(parents=True, exist_ok=True)
-        for path, array in ((docs_path, index.docs), (offsets_path, index.offsets)):
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            with tmp.open("wb") as f:
-                np.save(f, array)
-            os.replace(tmp, path)
+        try:
+            self.index_dir.mkdir(parents=True, exist_ok=True)
+            for path, array in ((docs_path, index.docs), (offsets_path, index.offsets)):
+                tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+                with tmp.open("wb") as f:
+                    np.save(f, array)
+                os.replace(tmp, path)
+        except OSError as exc:
+            needed = index.docs.nbytes + index.offsets.nbytes
+            raise write_error(exc, self.index_dir, "set data.index_dir to a writable directory (the packing "
+                              "index is cached there)", needed=needed) from None
         return index
 
     def locate(self, sample: int) -> tuple[int, int]:

@@ -74,10 +74,10 @@ def load_mixture(path: str | Path) -> Mixture:
         raise UserError(f"{source}: mixture file not found")
     try:
         data = yaml.safe_load(source.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else str(source)
-        raise UserError(f"{where}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
+        from mimir_megatron.config import yaml_problem
+
+        raise UserError(yaml_problem(source, exc)) from None
     if not isinstance(data, dict) or not isinstance(data.get("datasets"), list):
         raise UserError(f"{source}: expected a mapping with a 'datasets' list")
     errors: list[str] = []

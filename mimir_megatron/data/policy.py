@@ -12,20 +12,23 @@ A mixture YAML may carry a ``data_policy`` section; without one the paper's rule
       allow_unknown: false        # datasets (or parents) with no declared provenance
 
 :func:`training_data_problems` lists every dataset that breaks the policy, whose manifest or
-provenance record was edited, or whose input files changed since it was prepared (when they are
-still on disk): one line each, the dataset and the field named. ``mimir train`` trains nothing
-while the list is not empty.
+provenance record was edited, whose input files changed since it was prepared (when they are
+still on disk), or whose prepared files are damaged (structure every time; sha256 against the
+manifest unless ``data.verify`` is off): one line each, the dataset and the field or file named.
+``mimir train`` trains nothing while the list is not empty.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .prepared import sha256_file
+from .prepared import hash_outputs, output_problems, sha256_file, shard_problems
 from .provenance import BASES, UNKNOWN, normalise_license, provenance_from_record, record_problem
 
 log = logging.getLogger(__name__)
@@ -128,32 +131,76 @@ def changed_inputs(manifest: dict[str, Any]) -> list[str]:
     return changed
 
 
-def training_data_problems(mixture) -> list[str]:
+def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world: int = 1) -> list[str]:
     """Every reason not to train on ``mixture`` (a :class:`~mimir_megatron.data.mixture.Mixture`):
-    unreadable or edited manifests, changed inputs, policy violations; one line each."""
+    unreadable or edited manifests, changed inputs, damaged prepared files, policy violations;
+    one line each.
+
+    ``verify``: hash every prepared file against its manifest (threads, all datasets at once);
+    off, only the structural checks run. ``rank``/``world``: a job's ranks hash a share each
+    (every ``world``-th file from ``rank``) and the caller gathers their lines; every other
+    check is cheap and made by every rank."""
     from mimir_megatron.errors import UserError
 
     from .prepared import manifest_problem, read_manifest
 
     problems: list[str] = []
-    for entry in mixture.entries:
-        if entry.repeat == 0:
-            continue  # listed, never trained on
-        try:
-            manifest = read_manifest(entry.path)
-        except UserError as exc:
-            problems.append(f"dataset {entry.name}: {exc}")
-            continue
-        for problem in (manifest_problem(manifest), record_problem(manifest.get("provenance"))):
-            if problem:
-                problems.append(f"dataset {entry.name}: {entry.path / 'manifest.json'}: {problem}")
-        for path in changed_inputs(manifest):
-            problems.append(f"dataset {entry.name}: input {path} changed since it was prepared "
-                            "(its sha256 differs from the manifest's); prepare it again")
-        record = manifest.get("provenance")
-        problems += policy_problems(entry.name, record, mixture.policy,
-                                    entry.audit_group_of(provenance_from_record(record)))
+    files: list[tuple[str, list[str], list]] = []  # (dataset, structural lines, files being hashed)
+    threads = max(1, min(8, os.cpu_count() or 1))
+    started, hashed = time.perf_counter(), [0, 0]
+    with ThreadPoolExecutor(threads, thread_name_prefix="verify-data") as pool:
+        def submit(path: Path, shared: bool = True) -> Future:
+            hashed[0] += 1
+            if shared and (hashed[0] - 1) % world != rank:
+                skipped: Future = Future()
+                skipped.set_result(None)  # another rank's share
+                return skipped
+            hashed[1] += path.stat().st_size if path.is_file() else 0
+            return pool.submit(sha256_file, path)
+
+        for entry in mixture.entries:
+            if entry.repeat == 0:
+                continue  # listed, never trained on
+            try:
+                manifest = read_manifest(entry.path)
+            except UserError as exc:
+                problems.append(f"dataset {entry.name}: {exc}")
+                continue
+            for problem in (manifest_problem(manifest), record_problem(manifest.get("provenance"))):
+                if problem:
+                    problems.append(f"dataset {entry.name}: {entry.path / 'manifest.json'}: {problem}")
+            for path in changed_inputs(manifest):
+                problems.append(f"dataset {entry.name}: input {path} changed since it was prepared "
+                                "(its sha256 differs from the manifest's); prepare it again")
+            record = manifest.get("provenance")
+            problems += policy_problems(entry.name, record, mixture.policy,
+                                        entry.audit_group_of(provenance_from_record(record)))
+            structural = shard_problems(entry.path, manifest)
+            # A dataset with a structural problem is hashed whole by every rank: its digests then
+            # name the damaged or swapped file itself, the same line on every rank.
+            pending = hash_outputs(entry.path, manifest, lambda p, s=not structural: submit(p, s)) \
+                if verify else []
+            files.append((entry.name, structural, pending))
+        for name, structural, pending in files:
+            lines = _file_lines(structural, output_problems(pending))
+            problems += [f"dataset {name}: {line}" for line in lines]
+    if verify:
+        seconds = time.perf_counter() - started
+        log.info("prepared data: %d files (%.2f GB on this rank) verified against their manifests' sha256 "
+                 "in %.1f s", hashed[0], hashed[1] / 1e9, seconds)
+    else:
+        log.warning("prepared data: structure checked, sha256 not verified (data.verify=false: for "
+                    "trusted corpora only)")
     return problems
+
+
+def _file_lines(structural: list[str], digests: list[str]) -> list[str]:
+    """One line per damaged file: its digest line, or the structural line naming the same file
+    (which says more: truncated, another shard's index); structural lines alone without digests."""
+    if not digests:
+        return structural
+    said = {line.split(": ", 1)[0]: line for line in structural}
+    return [said.get(line.split(": ", 1)[0], line) for line in digests]
 
 
 def stat_signature(path: Path) -> dict[str, int]:

@@ -13,6 +13,9 @@ Every *document* (one chat sample) is stored as two *sequences* of the indexed d
 prefix (template up to and including the generation prompt) followed by the response. The
 prefix length therefore lives in the ``.idx`` file itself (``sequence_lengths[2 * doc]``) and
 cannot drift from the token ids; ``document_indices`` is ``[0, 2, 4, ...]``.
+
+Before training, every dataset is checked against its manifest (:func:`shard_problems`: the
+structure of each shard, a few bytes read; :func:`output_problems`: the sha256 of every file).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+from concurrent.futures import Future
 from functools import cached_property
 from pathlib import Path
 
@@ -47,10 +52,15 @@ def read_manifest(path: str | Path) -> dict:
         )
     try:
         manifest = json.loads(manifest_path.read_text())
+    except OSError as exc:
+        raise UserError(f"{manifest_path}: cannot read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{manifest_path}: damaged (not UTF-8 text); prepare the dataset again") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{manifest_path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise UserError(f"{manifest_path}: format {found!r}, expected {FORMAT!r}")
     return manifest
 
 
@@ -69,11 +79,95 @@ def manifest_problem(manifest: dict) -> str | None:
 
 
 def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
+    """sha256 of a file (hashlib releases the GIL: threads hash files in parallel)."""
     with Path(path).open("rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# The .idx layout of megatron-core's IndexedDataset (version 1): a header, then int32 sequence
+# lengths, int64 sequence pointers (byte offsets into the .bin) and int64 document indices.
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_HEAD = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
+
+
+def shard_problems(path: Path, manifest: dict) -> list[str]:
+    """Structural problems of a prepared dataset's shards, one line each naming the file: missing
+    files, an ``.idx`` that is not an index of this dtype, of this shard's document count or of
+    its own size, a ``.bin`` of another size than its index covers (truncated, or an ``.idx``
+    from elsewhere). A few bytes are read per shard: cheap at any size, run before every start."""
+    dtype = np.dtype(manifest.get("dtype", "int32"))
+    problems = []
+    for shard in manifest.get("shards", []):
+        idx = path / f"{shard['prefix']}.idx"
+        try:
+            problem = _shard_problem(idx, idx.with_suffix(".bin"), shard["documents"], dtype)
+        except FileNotFoundError as exc:
+            problem = f"{exc.filename}: missing"
+        except OSError as exc:
+            problem = f"{exc.filename or idx}: cannot read ({exc.strerror or exc})"
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def _shard_problem(idx: Path, data: Path, shard_documents: int, dtype: np.dtype) -> str | None:
+    from megatron.core.datasets.indexed_dataset import DType
+
+    with open(idx, "rb") as f, open(data, "rb") as b:
+        head = f.read(_IDX_HEAD)
+        if len(head) < _IDX_HEAD or head[:9] != _IDX_MAGIC:
+            return f"{idx}: not a megatron index (bad header)"
+        code, sequences, documents = head[17], *np.frombuffer(head[18:34], dtype="<u8").tolist()
+        if code != DType.code_from_dtype(dtype.type):
+            return f"{idx}: token dtype code {code}, the manifest says {dtype.name}"
+        if sequences != SEQUENCES_PER_DOCUMENT * shard_documents or documents != shard_documents + 1:
+            return (f"{idx}: holds {max(documents, 1) - 1} documents, the manifest says {shard_documents} "
+                    "for this shard (a file from another shard or dataset?)")
+        idx_size, expected = os.fstat(f.fileno()).st_size, _IDX_HEAD + 12 * sequences + 8 * documents
+        if idx_size != expected:
+            return f"{idx}: {idx_size:,} bytes, {expected:,} expected for its {sequences} sequences (damaged)"
+        bin_size, covered = os.fstat(b.fileno()).st_size, _bin_bytes_covered(f, sequences, dtype.itemsize)
+        if bin_size != covered:
+            what = "truncated" if bin_size < covered else "longer"
+            return (f"{data}: {bin_size:,} bytes, its index {idx.name} covers {covered:,} ({what}, or one of "
+                    "the two comes from elsewhere)")
+    return None
+
+
+def _bin_bytes_covered(index_file, sequences: int, itemsize: int) -> int:
+    """End of the last sequence in the .bin: its pointer plus its length."""
+    if sequences == 0:
+        return 0
+    fd = index_file.fileno()
+    length = int(np.frombuffer(os.pread(fd, 4, _IDX_HEAD + 4 * (sequences - 1)), dtype="<i4")[0])
+    pointer = int(np.frombuffer(os.pread(fd, 8, _IDX_HEAD + 4 * sequences + 8 * (sequences - 1)),
+                                dtype="<i8")[0])
+    return pointer + length * itemsize
+
+
+def hash_outputs(path: Path, manifest: dict, submit) -> list[tuple[Path, str, Future]]:
+    """Start hashing the files a manifest lists: ``submit(path)`` returns a future of the file's
+    sha256 (None: not this caller's to check), so that many datasets hash in parallel;
+    :func:`output_problems` reads the verdicts."""
+    return [(path / rel, want, submit(path / rel)) for rel, want in manifest.get("outputs", {}).items()]
+
+
+def output_problems(pending: list[tuple[Path, str, Future]]) -> list[str]:
+    """Files whose sha256 differs from the manifest's (one line each naming the file)."""
+    problems = []
+    for file, want, future in pending:
+        try:
+            got = future.result()
+        except FileNotFoundError:
+            problems.append(f"{file}: missing")
+            continue
+        except OSError as exc:
+            problems.append(f"{file}: cannot read ({exc.strerror or exc})")
+            continue
+        if got is not None and got != want:
+            problems.append(f"{file}: sha256 differs from the manifest's (damaged, or replaced since "
+                            "mimir prepare wrote it); prepare the dataset again")
+    return problems
 
 
 class PreparedDataset:
@@ -108,7 +202,12 @@ class PreparedDataset:
         if index not in self._opened:
             from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-            self._opened[index] = IndexedDataset(self._shard_prefixes[index])
+            prefix = self._shard_prefixes[index]
+            try:
+                self._opened[index] = IndexedDataset(prefix)
+            except (OSError, ValueError, AssertionError) as exc:  # megatron asserts on a bad header
+                raise UserError(f"{prefix}.idx/.bin: cannot open ({exc}); `mimir train` checks prepared "
+                                "data before step 1 (prepare the dataset again)") from None
         return self._opened[index]
 
     @cached_property
@@ -137,6 +236,10 @@ class PreparedDataset:
         shard = int(np.searchsorted(self._doc_starts, index, side="right") - 1)
         local = index - int(self._doc_starts[shard])
         ds = self._shard(shard)
-        prefix = ds.get(SEQUENCES_PER_DOCUMENT * local).astype(np.int64)
-        response = ds.get(SEQUENCES_PER_DOCUMENT * local + 1).astype(np.int64)
+        try:
+            prefix = ds.get(SEQUENCES_PER_DOCUMENT * local).astype(np.int64)
+            response = ds.get(SEQUENCES_PER_DOCUMENT * local + 1).astype(np.int64)
+        except (OSError, ValueError) as exc:  # a .bin shorter than its index (numpy's ValueError)
+            raise UserError(f"{self._shard_prefixes[shard]}.bin: cannot read document {local} ({exc}); "
+                            "the file is damaged: prepare the dataset again") from None
         return prefix, response

@@ -113,6 +113,8 @@ class InferenceEngine:
         self.max_context = max_context or self.cfg.max_position_embeddings
         self.vocab_size = self.cfg.vocab_size
         self.trained_schedule = (self.cfg.h_cycles, self.cfg.l_cycles)
+        self.cycle_limits: tuple[int, int] | None = None
+        """Largest (H, L) a request may ask for; None: unbounded (the server sets it)."""
         self.default_stop_ids = default_stop_ids(tokenizer) if tokenizer is not None else ()
         self.device = next(model.parameters()).device
         self.stats = EngineStats()
@@ -144,11 +146,18 @@ class InferenceEngine:
     # -- checks ----------------------------------------------------------------------------------
 
     def schedule(self, h_cycles: int | None, l_cycles: int | None) -> tuple[int, int]:
+        """The (H, L) schedule of a request (None: the trained one), checked: at least 1 each,
+        and at most :attr:`cycle_limits` where set (a server bounds what one request may cost)."""
         h = self.cfg.h_cycles if h_cycles is None else h_cycles
         low = self.cfg.l_cycles if l_cycles is None else l_cycles
-        for name, value in (("h_cycles", h), ("l_cycles", low)):
-            if not isinstance(value, int) or value < 1:
+        limits = self.cycle_limits or (None, None)
+        for name, value, limit in (("h_cycles", h, limits[0]), ("l_cycles", low, limits[1])):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise RequestError(f"{name} must be an integer >= 1, got {value!r}", name)
+            if limit is not None and value > limit:
+                raise RequestError(f"{name} must be at most {limit} here (the trained schedule is "
+                                   f"{self.trained_schedule[0]}x{self.trained_schedule[1]}; mimir serve "
+                                   "--max-cycles-factor sets the bound), got {value}", name)
         return h, low
 
     def check_request(self, request: GenerationRequest) -> None:

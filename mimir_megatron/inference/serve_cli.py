@@ -37,6 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "mask and the sampling filters, vLLM's processed_logprobs)")
     p.add_argument("--max-stored-responses", type=int, default=1024,
                    help="responses kept in memory for /v1/responses previous_response_id (oldest dropped)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body; larger ones are answered 413 before they are read (default: "
+                        "64 bytes per context token, at least 1 MiB)")
+    p.add_argument("--max-cycles-factor", type=int, default=4,
+                   help="a request's h_cycles / l_cycles may be at most this many times the trained ones "
+                        "(default 4; the paper's schedule sweep needs 2)")
     p.set_defaults(handler=_serve, extra="serve")
 
 
@@ -47,7 +53,8 @@ def _serve(args: argparse.Namespace) -> int:
     from mimir_megatron.inference.loading import load_engine
     from mimir_megatron.inference.server import serve
 
-    for name in ("max_batch_size", "max_queue", "max_tokens_limit", "max_context", "max_stored_responses"):
+    for name in ("max_batch_size", "max_queue", "max_tokens_limit", "max_context", "max_stored_responses",
+                 "max_body_bytes", "max_cycles_factor"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -60,5 +67,6 @@ def _serve(args: argparse.Namespace) -> int:
                          max_context=args.max_context)
     engine.logprobs_mode = args.logprobs_mode
     serve(engine, host=args.host, port=args.port, max_tokens_limit=args.max_tokens_limit,
-          max_queue=args.max_queue, max_stored_responses=args.max_stored_responses)
+          max_queue=args.max_queue, max_stored_responses=args.max_stored_responses,
+          max_body_bytes=args.max_body_bytes, max_cycles_factor=args.max_cycles_factor)
     return 0

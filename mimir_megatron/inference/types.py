@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+"""The seeds torch's generator takes."""
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,12 @@ class SamplingParams:
     def errors(self) -> list[str]:
         """One message per invalid field (empty when valid)."""
         out = []
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX):
+            out.append(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             out.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            out.append(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature < math.inf:
+            out.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             out.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
@@ -62,8 +69,8 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 out.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if not self.repetition_penalty > 0:
-            out.append(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not 0 < self.repetition_penalty < math.inf:
+            out.append(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
             out.append("logit_bias values must be in [-100, 100]")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:

@@ -18,6 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="resume even though the data mixture changed")
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume even though train/window/optim settings changed (recorded in MLflow)")
+    p.add_argument("--skip-data-verify", action="store_true",
+                   help="check the prepared data's structure only, not its sha256 against the manifests "
+                        "(data.verify=false: for trusted, very large corpora)")
     p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides: section.key=value")
     p.set_defaults(handler=cmd_train)
 
@@ -29,6 +32,8 @@ def overrides_from(args: argparse.Namespace) -> list[str]:
         overrides.append("checkpoint.allow_data_change=true")
     if args.allow_config_change:
         overrides.append("checkpoint.allow_config_change=true")
+    if args.skip_data_verify:
+        overrides.append("data.verify=false")
     return overrides
 
 

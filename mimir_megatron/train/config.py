@@ -33,6 +33,7 @@ from mimir_megatron.config import (
     model_yaml,
     raise_errors,
     typed_section,
+    yaml_problem,
 )
 from mimir_megatron.data.config import DataConfig
 from mimir_megatron.errors import ConfigError
@@ -344,7 +345,9 @@ def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainC
             loaded = OmegaConf.merge(loaded, OmegaConf.from_dotlist(list(overrides)))
         raw = OmegaConf.to_container(loaded, resolve=True)
     except Exception as exc:  # YAML syntax, malformed overrides
-        raise ConfigError(f"cannot parse {path} with overrides {list(overrides)}: {exc}") from None
+        problem = yaml_problem(path, exc)
+        raise ConfigError(problem + (f" (overrides {list(overrides)})" if problem.startswith("cannot parse")
+                                     and overrides else "")) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections")
     errors: list[str] = []

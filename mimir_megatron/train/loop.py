@@ -19,12 +19,13 @@ from omegaconf import OmegaConf
 
 from mimir_megatron import backend, parallel
 from mimir_megatron import checkpoint as ckpt
-from mimir_megatron.errors import NonFiniteTraining, UserError
+from mimir_megatron.errors import NonFiniteTraining, UserError, write_error
 from mimir_megatron.stop_signals import STOP_SIGNALS, take_early
 from mimir_megatron.train.config import TrainConfig, flatten
 from mimir_megatron.train.flops import flops_per_token
 from mimir_megatron.train.lineage import LineageCounter
-from mimir_megatron.train.resume import check_resumable, resume_path
+from mimir_megatron.train.resume import check_resumable, resume_path, verified_resume
+from mimir_megatron.train.run_lock import RunLock
 from mimir_megatron.train.schedules import StepPlan, plan_step
 from mimir_megatron.train.step import StepHooks, StepOutcome, Trainer, build_trainer, train_step
 from mimir_megatron.train.tracking import SystemMetrics, Tracker, host_tags
@@ -78,10 +79,12 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, hooks: StepHooks | 
     # Handlers first: a pre-emption signal during start-up must not kill a rank.
     stop = _StopFlag()
     stop.install()
+    lock = RunLock(cfg.run_dir)
     try:
-        run = _set_up(cfg)
+        run = _set_up(cfg, lock)
         return _loop(run, stop, stop_at_step, hooks)
     finally:
+        lock.release()
         stop.uninstall()
 
 
@@ -109,6 +112,8 @@ class _Run:
     """What of each dataset the steps done consumed."""
     base_model: ckpt.BaseModel | None
     """The weights the run started from (``checkpoint.init_from``), kept across resumes."""
+    resumed_from: Path | None
+    """The checkpoint this invocation resumed from (None: a fresh start)."""
 
     def save(self, at_step: int) -> None:
         """Checkpoint the current state as that after ``at_step`` steps (collective)."""
@@ -136,8 +141,9 @@ class _Run:
                          t.dp_group, self.tracker, self.step)
 
 
-def _set_up(cfg: TrainConfig) -> _Run:
-    """Process group, model, optimizer, resumed state, data, tracking, checkpoint writer."""
+def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
+    """Process group, the run directory's lock, model, optimizer, resumed state, data, tracking,
+    checkpoint writer."""
     from megatron.core import parallel_state
 
     from mimir_megatron.data import (
@@ -148,15 +154,18 @@ def _set_up(cfg: TrainConfig) -> _Run:
         mixture_fingerprint,
         training_data_problems,
     )
+    from mimir_megatron.checkpoint.load import start_collective_verification
     from mimir_megatron.data.prefetch import DevicePrefetcher
     from mimir_megatron.model import build_model
 
     env = parallel.init_distributed(timeout_s=cfg.train.collective_timeout_s)
     cfg.validate(world_size=env.world_size)
-    # The data policy and the manifests' integrity, before anything is built: every offending
-    # dataset at once (each rank reads the same files and comes to the same verdict).
+    _lock_run_directory(lock, env.rank)
+    # The data policy and the prepared data's integrity, before anything is built: every
+    # offending dataset at once. Each rank hashes a share of the files; all see every verdict.
     mixture = load_mixture(cfg.data.mixture)
-    problems = training_data_problems(mixture)
+    problems = parallel.gather_lines(training_data_problems(mixture, verify=cfg.data.verify, rank=env.rank,
+                                                world=env.world_size))
     if problems:
         raise UserError(f"refusing to train on {mixture.source}:\n  - " + "\n  - ".join(problems))
     parallel.init_model_parallel(cfg.model.parallel.tensor_parallel_size)
@@ -166,13 +175,23 @@ def _set_up(cfg: TrainConfig) -> _Run:
     dp_group = parallel_state.get_data_parallel_group()
     run_dir, ckpt_dir = cfg.run_dir, cfg.checkpoint_dir
 
-    if rank == 0:
-        ckpt.check_writable(ckpt_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
-    dist.barrier()
+    refusal: list[UserError | None] = [None]
+    if rank == 0:  # the run directory exists: rank 0 holds its lock
+        try:
+            ckpt.check_writable(ckpt_dir)
+            OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
+        except UserError as exc:
+            refusal = [exc]
+        except OSError as exc:
+            refusal = [write_error(exc, run_dir / "config.yaml", "set run.dir to a writable directory")]
+    dist.broadcast_object_list(refusal, src=0)  # every rank ends with rank 0's one line
+    if refusal[0] is not None:
+        raise refusal[0]
 
     # -- model, optimizer, state ---------------------------------------------------------------
+    # The checkpoint's files are hashed (each rank a share) while the model is built.
+    resume_from = resume_path(cfg)
+    verification = start_collective_verification(resume_from) if resume_from is not None else None
     trainer = build_trainer(build_model(cfg.model), cfg.optim, device=device, dp_group=dp_group,
                             dp_size=dp_size, precision=cfg.train.precision)
     model, optimizer, ema = trainer.model, trainer.optimizer, trainer.ema
@@ -180,10 +199,12 @@ def _set_up(cfg: TrainConfig) -> _Run:
 
     step, consumed, run_id, parent_run_id, config_changes, resumed_lineage = 0, 0, None, None, [], ()
     base_model: ckpt.BaseModel | None = None
-    resume_from = resume_path(cfg)
+    data_changed = False
     if resume_from is not None:
-        config_changes = check_resumable(ckpt.read_trainer_state(resume_from), cfg, resume_from, fingerprint)
-        state = ckpt.load_checkpoint(resume_from, model, optimizer, ema)
+        resume_from, saved = verified_resume(cfg, resume_from, verification)
+        config_changes = check_resumable(saved, cfg, resume_from, fingerprint)
+        data_changed = saved.data_fingerprint != fingerprint
+        state = ckpt.load_checkpoint(resume_from, model, optimizer, ema, verified=saved)
         step, consumed, run_id = state.step, state.consumed_samples, state.mlflow_run_id
         resumed_lineage, base_model = state.lineage, state.base_model
         log.info("resumed from %s at step %d", resume_from, step)
@@ -219,7 +240,8 @@ def _set_up(cfg: TrainConfig) -> _Run:
         tags["mlflow.parentRunId"] = parent_run_id
     if config_changes:
         tags[f"config_changed_at_step_{step}"] = "; ".join(config_changes)[:5000]
-    tracker.start(cfg.run.name, flatten(cfg.to_dict()), tags, resume_run_id=run_id)
+    tracker.start(cfg.run.name, flatten(cfg.to_dict()), tags, resume_run_id=run_id, resume_step=step,
+                  new_trajectory=bool(config_changes) or data_changed)
     system = _start_system_metrics(cfg, tracker, env.local_rank)
 
     result = TrainResult(final_step=step, run_id=tracker.run_id)
@@ -237,7 +259,21 @@ def _set_up(cfg: TrainConfig) -> _Run:
     return _Run(cfg=cfg, trainer=trainer, loader=loader, eval_samples=eval_samples, tracker=tracker,
                 system=system, writer=writer, result=result, fingerprint=fingerprint, dp_rank=dp_rank,
                 dp_size=dp_size, accumulation=accumulation, step=step, consumed=consumed,
-                lineage=LineageCounter(mixture, resumed_lineage), base_model=base_model)
+                lineage=LineageCounter(mixture, resumed_lineage), base_model=base_model,
+                resumed_from=resume_from)
+
+
+def _lock_run_directory(lock: RunLock, rank: int) -> None:
+    """Rank 0 takes the run directory's lock; every rank ends with its one-line refusal."""
+    refusal = [None]
+    if rank == 0:
+        try:
+            lock.acquire()
+        except UserError as exc:
+            refusal = [exc]
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise refusal[0]
 
 
 def _loop(run: _Run, stop: _StopFlag, stop_at_step: int | None, hooks: StepHooks | None) -> TrainResult:
@@ -315,6 +351,11 @@ def _on_nonfinite(run: _Run, outcome: StepOutcome, in_a_row: int, first_step: in
     state and raise."""
     cfg, step = run.cfg, run.step
     what = f"step {step + 1}: loss {outcome.loss}, gradient norm {outcome.grad_norm}"
+    if step == first_step and run.resumed_from is not None:
+        # Verified files and a non-finite first step: the saved state itself holds non-finite
+        # values (written before weights were checked), or the data differ from the saved run's.
+        what += (f", the first step after resuming from {run.resumed_from} (its weights or optimizer "
+                 "state may not be finite)")
     if cfg.train.on_nonfinite == "stop" or in_a_row > cfg.train.max_nonfinite_skips:
         if step > first_step and step % cfg.checkpoint.interval:
             run.save(step)  # the weights are still those before the bad step

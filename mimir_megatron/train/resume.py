@@ -1,15 +1,21 @@
-"""May training go on from this checkpoint with this configuration? Where to resume from, and the
-resume checks. Training policy: the checkpoint package only reads and writes the state."""
+"""May training go on from this checkpoint with this configuration? Where to resume from (falling
+back past damaged checkpoints), and the resume checks. Training policy: the checkpoint package
+only reads, writes and verifies."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from mimir_megatron import checkpoint as ckpt
 from mimir_megatron.checkpoint.compat import check_compatible
+from mimir_megatron.checkpoint.digests import CheckpointDamaged, Verification
+from mimir_megatron.checkpoint.layout import complete_checkpoints
 from mimir_megatron.checkpoint.trainer_state import TrainerState
 from mimir_megatron.errors import UserError
 from mimir_megatron.train.config import TrainConfig
+
+log = logging.getLogger("mimir.train")
 
 # What may change between save and resume without --allow-config-change: the layout of the same
 # computation (how the global batch is split, whether Adam state is sharded) and reporting.
@@ -28,6 +34,36 @@ def resume_path(cfg: TrainConfig) -> Path | None:
     if mode == "auto":
         return ckpt.latest_checkpoint(cfg.checkpoint_dir)
     return ckpt.resolve(mode)  # a step_N directory, or a checkpoints (or run) directory's latest
+
+
+def verified_resume(cfg: TrainConfig, asked: Path, verification: Verification | None = None
+                    ) -> tuple[Path, TrainerState]:
+    """(checkpoint, its state) to resume from: ``asked`` if its files verify; else, when the run
+    resumes from a directory (``auto``, a checkpoints or run directory), the newest written
+    checkpoint of that directory that verifies, said in a warning. A damaged checkpoint is
+    never deleted (the trainer then sets it aside with the abandoned timeline). A damaged
+    ``step_N`` asked for by name is an error. Collective."""
+    from mimir_megatron.checkpoint.load import verify_collectively
+
+    try:
+        return asked, verify_collectively(asked, verification)
+    except CheckpointDamaged as exc:
+        if cfg.checkpoint.resume != "auto" and ckpt.is_checkpoint(Path(cfg.checkpoint.resume)):
+            raise
+        damaged = str(exc)
+    log.warning("%s; looking for the newest checkpoint that verifies", damaged)
+    others = [p for p in reversed(complete_checkpoints(asked.parent)) if p.resolve() != asked.resolve()]
+    for candidate in others:
+        try:
+            state = verify_collectively(candidate)
+        except CheckpointDamaged as exc:
+            log.warning("%s", exc)
+            continue
+        log.warning("resuming from %s, the newest checkpoint that verifies, instead of the damaged %s "
+                    "(kept: nothing is deleted)", candidate, asked.name)
+        return candidate, state
+    raise UserError(f"{damaged}; no other checkpoint in {asked.parent} verifies "
+                    f"({len(others)} tried; nothing was deleted)")
 
 
 def config_changes(saved: TrainerState, cfg: TrainConfig) -> list[str]:

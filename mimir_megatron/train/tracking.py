@@ -5,6 +5,12 @@ The default store is a sqlite database in the run directory (browse it with ``mi
 logged once, metrics are buffered in memory, and they are delivered when it answers again
 (retried at most every ``retry_seconds``). Requests use short timeouts and no client-side
 retries so an unreachable server costs one failed request per retry period, not minutes.
+
+A resumed run continues its MLflow run. Steps after the checkpoint that the run had already
+logged before it stopped (a kill between checkpoints) are replayed by training but not logged
+again: the run keeps one value per step. Where the replayed steps are another trajectory (the
+resume changed the configuration or the data), they go to a new run instead, tagged with the
+run it continues (``mimir.resumed_from_run_id``).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class Tracker:
         self._failing_since: float | None = None
         self._last_attempt = 0.0
         self._warned = False
+        self._logged_through = 0
+        """Steps up to this one are already in the resumed run: not logged again."""
         if enabled:
             from mimir_megatron.mlflow_store import mlflow_client
 
@@ -59,15 +67,18 @@ class Tracker:
     # -- public --------------------------------------------------------------------------------
 
     def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str],
-              resume_run_id: str | None = None) -> None:
+              resume_run_id: str | None = None, resume_step: int = 0, new_trajectory: bool = False) -> None:
+        """Create the run, or continue ``resume_run_id`` from step ``resume_step``;
+        ``new_trajectory``: the steps after ``resume_step`` differ from any the run logged."""
         if not self.enabled:
             return
         self.run_id = resume_run_id
-        self._pending_start = {"run_name": run_name, "params": params, "tags": tags}
+        self._pending_start = {"run_name": run_name, "params": params, "tags": tags,
+                               "resume_step": resume_step, "new_trajectory": new_trajectory}
         self._flush(force=True)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        if not self.enabled:
+        if not self.enabled or step <= self._logged_through:
             return
         from mlflow.entities import Metric
 
@@ -115,6 +126,7 @@ class Tracker:
         try:
             if self._pending_start is not None:
                 self._create_or_resume_run()
+                self._metrics = [m for m in self._metrics if m.step > self._logged_through]
             if self._tags:
                 from mlflow.entities import RunTag
 
@@ -139,7 +151,8 @@ class Tracker:
         from mlflow.entities import Param, RunTag
 
         start = self._pending_start
-        if self.run_id is not None and not self._run_exists(self.run_id):
+        logged = self._last_logged_step(self.run_id) if self.run_id is not None else None
+        if self.run_id is not None and logged is None:
             # A checkpoint resumed into another run directory (or store) names a run this store
             # never had: continue in a new run that says where it came from, instead of
             # retrying a run that cannot appear and losing every metric.
@@ -147,6 +160,18 @@ class Tracker:
                         "tagged mimir.resumed_from_run_id", self.run_id, self.uri)
             start["tags"] = start["tags"] | {"mimir.resumed_from_run_id": self.run_id}
             self.run_id = None
+        elif logged is not None and logged > start["resume_step"]:
+            replayed = f"steps {start['resume_step'] + 1}-{logged}"
+            if start["new_trajectory"]:
+                log.warning("MLflow run %s already holds %s of the trajectory before this resume; this "
+                            "one differs (changed configuration or data): logging to a new run tagged "
+                            "mimir.resumed_from_run_id", self.run_id, replayed)
+                start["tags"] = start["tags"] | {"mimir.resumed_from_run_id": self.run_id}
+                self.run_id = None
+            else:
+                log.info("MLflow run %s already holds %s (logged before the resume): they are "
+                         "replayed, not logged again", self.run_id, replayed)
+                self._logged_through = logged
         if self.run_id is None:
             exp = self._client.get_experiment_by_name(self.experiment)
             exp_id = exp.experiment_id if exp else self._client.create_experiment(
@@ -162,17 +187,19 @@ class Tracker:
         self._pending_start = None
 
 
-    def _run_exists(self, run_id: str) -> bool:
-        """False only when the store answers that it has no such run; transport errors raise."""
+    def _last_logged_step(self, run_id: str) -> int | None:
+        """The last step of ``loss`` in the run (0: none yet); None only when the store answers
+        that it has no such run. Transport errors raise."""
         from mlflow.exceptions import MlflowException
 
         try:
-            self._client.get_run(run_id)
+            run = self._client.get_run(run_id)
         except MlflowException as exc:
             if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
-                return False
+                return None
             raise
-        return True
+        # The run's latest value per metric carries its step: no need to read the history.
+        return max((m.step for m in run.data.to_proto().metrics if m.key == "loss"), default=0)
 
 
 class SystemMetrics:

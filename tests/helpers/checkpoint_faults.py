@@ -1,17 +1,22 @@
-"""Faults injected into dist_checkpointing's data writes (tests of checkpoint reliability).
+"""Faults injected into writes (tests of checkpoint and data reliability).
 
-megatron's writer calls torch's ``_write_item`` once per tensor with the open data file; the
-wrapper runs ``action(stream)`` first when the file lies in a directory named ``directory``
-(any checkpoint's when None; an action may raise, as a full disk does, or block). A forked
-asynchronous writer inherits it.
+:func:`patch_data_writes`: megatron's writer calls torch's ``_write_item`` once per tensor with
+the open data file; the wrapper runs ``action(stream)`` first when the file lies in a directory
+named ``directory`` (any checkpoint's when None; an action may raise, as a full disk does, or
+block). A forked asynchronous writer inherits it. :func:`small_tmpfs`: a real file system that
+fills up, or turns read-only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
+import os
+import shutil
+import subprocess
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 
 def patch_data_writes(directory: str | None, action: Callable[[io.IOBase], None], monkeypatch=None) -> None:
@@ -30,3 +35,25 @@ def patch_data_writes(directory: str | None, action: Callable[[io.IOBase], None]
         monkeypatch.setattr(filesystem_async, "_write_item", write_item)
     else:
         filesystem_async._write_item = write_item
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (mount's ``size=``, e.g. ``5600k``) mounted at ``path``: a disk that fills
+    up, or (``remount_read_only``) a read-only place. Needs root; skips the test otherwise."""
+    import pytest
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root (a full disk, a read-only place)")
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"mounting a tmpfs needs root (a full disk, a read-only place): {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def remount_read_only(path: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)

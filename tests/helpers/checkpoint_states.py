@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-# Trainer-state entries that name the run rather than describe the training state.
-_RUN_BOUND = ("mlflow_run_id", "written_at", "config")
+# Trainer-state entries that name the run (or the bytes on disk) rather than describe the training
+# state: torch's .metadata names its own write, so the files' digests differ between two runs.
+_RUN_BOUND = ("mlflow_run_id", "written_at", "config", "files", "digest")
 # Every checkpoint must hold these (a comparison that found none of them would prove nothing).
 _KINDS = ("ema.", "optimizer.exp_avg.", "optimizer.exp_avg_sq.")
 

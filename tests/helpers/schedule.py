@@ -17,6 +17,7 @@ LONGEST_FIRST = (
     "tests/integration/test_train_parallel.py",  # four 2-rank gloo runs, ~1 min
     "tests/integration/test_checkpoint_reliability.py",
     "tests/integration/test_checkpoint_signals.py",
+    "tests/integration/test_integrity_checkpoints.py",  # a second trainer's start, three resumes
     "tests/integration/test_audit_canaries.py",
     "tests/integration/test_checkpoint_commands.py",
     "tests/integration/test_serve.py",

@@ -342,7 +342,9 @@ def test_serve_cli_parses(tmp_path):
 
 @pytest.mark.slow
 def test_mimir_serve_command_end_to_end(tmp_path, repo):
-    """The real entry point: `mimir serve --hf DIR` in its own process, on 127.0.0.1."""
+    """The real entry point: `mimir serve --hf DIR` in its own process, on 127.0.0.1. Ctrl-C lets
+    a stream in flight go on; a second Ctrl-C ends the process at once (exit 130)."""
+    import signal
     import socket
     import subprocess
     import sys
@@ -356,12 +358,14 @@ def test_mimir_serve_command_end_to_end(tmp_path, repo):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "mimir_megatron.cli", "serve", "--hf", str(tmp_path / "hf"),
-                             "--tokenizer", str(repo / "data_prep/mimir_data_prep/demo/tokenizer"), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mimir_megatron.cli", "serve", "--hf", str(tmp_path / "hf"),
+                                 "--tokenizer", str(repo / "data_prep/mimir_data_prep/demo/tokenizer"),
+                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         def up() -> bool:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, log_path.read_text()
             try:
                 return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
             except httpx.TransportError:
@@ -372,6 +376,30 @@ def test_mimir_serve_command_end_to_end(tmp_path, repo):
         assert client.models.list().data[0].id == "hf"
         out = client.completions.create(model="hf", prompt="Hello", max_tokens=3, temperature=0)
         assert out.usage.completion_tokens == 3
+
+        received: list[str] = []
+        first = threading.Event()
+
+        def long_stream() -> None:
+            try:
+                for chunk in client.completions.create(model="hf", prompt="Hello", max_tokens=500, stream=True,
+                                                       extra_body={"ignore_eos": True}):
+                    received.append(chunk.choices[0].text)
+                    first.set()
+            except Exception:  # noqa: BLE001 - the forced exit cuts the stream
+                pass
+
+        streaming = threading.Thread(target=long_stream, daemon=True)
+        streaming.start()
+        assert first.wait(120), "the stream never started"
+        proc.send_signal(signal.SIGINT)
+        _wait_for(lambda: "finishing the requests in flight" in log_path.read_text(), timeout=60)
+        assert proc.poll() is None  # the stream goes on
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130, log_path.read_text()[-2000:]
+        assert "second Ctrl-C: exiting now" in log_path.read_text()
+        assert len(received) < 500  # cut, not finished
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.kill()
         proc.wait(60)

@@ -424,13 +424,19 @@ def test_penalties_apply_per_row_and_other_rows_decode_exactly_as_alone(engine, 
     alone = [complete(p) for p in plain_prompts]
 
     def batch(**busy_fields):
+        def queued(depth: int) -> None:
+            deadline = __import__("time").monotonic() + 120
+            while server.scheduler.queue_depth < depth:
+                assert __import__("time").monotonic() < deadline
+
         with ThreadPoolExecutor(4) as pool:
-            with server.scheduler.paused():  # one shared batch of four rows
+            with server.scheduler.paused():  # one shared batch of four rows, in this order
                 busy = pool.submit(complete, prompt, **busy_fields)
-                plain = [pool.submit(complete, p) for p in plain_prompts]
-                deadline = __import__("time").monotonic() + 120
-                while server.scheduler.queue_depth < 4:
-                    assert __import__("time").monotonic() < deadline
+                queued(1)  # requests are translated in worker threads: queue them one by one
+                plain = []
+                for depth, p in enumerate(plain_prompts, start=2):
+                    plain.append(pool.submit(complete, p))
+                    queued(depth)
             return busy.result(), [f.result() for f in plain]
 
     (tokens, _), together = batch(frequency_penalty=fields["frequency_penalty"],

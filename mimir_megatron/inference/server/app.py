@@ -1,17 +1,27 @@
-"""The FastAPI app (routes only) and the ways to run it."""
+"""The FastAPI app (routes only) and the ways to run it.
+
+The event loop only moves bytes: a request's body is read up to the size limit, and everything
+that costs CPU in proportion to the request (JSON parsing and validation, chat-template
+rendering, tokenisation) runs in worker threads, so no request can hold up the others or
+``/health``. Every error, FastAPI's and Starlette's own included, is OpenAI's error object.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 import uuid
 from contextlib import asynccontextmanager, contextmanager
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mimir_megatron.inference.engine import InferenceEngine
@@ -23,11 +33,14 @@ from mimir_megatron.inference.server.protocol import (
     ResponsesBody,
     ScoreBody,
     bad_request,
+    parse_json,
+    too_large,
 )
 from mimir_megatron.inference.server.responses import stream
 from mimir_megatron.inference.server.responses_api import ResponseBuilder, conversation, sse_events
 
 log = logging.getLogger(__name__)
+B = TypeVar("B", bound=BaseModel)
 
 
 def _head(prefix: str, kind: str, engine: InferenceEngine) -> dict:
@@ -35,17 +48,45 @@ def _head(prefix: str, kind: str, engine: InferenceEngine) -> dict:
             "model": engine.model_name}
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it (or its announced length) passes ``limit`` bytes."""
+    announced = request.headers.get("content-length")
+    if announced is not None and announced.isdigit() and int(announced) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _validated(raw: bytes, model: type[B]) -> B:
+    """Strict JSON into the body model (in a worker thread: parsing costs in proportion)."""
+    try:
+        return model.model_validate(parse_json(raw))
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
 def build_app(engine: InferenceEngine, **limits) -> FastAPI:
-    """The FastAPI app; its lifespan starts and stops the scheduler thread.
-    ``limits``: ``max_tokens_limit``, ``max_queue``, ``max_batch_size``, ``max_stored_responses``."""
+    """The FastAPI app; its lifespan starts and stops the scheduler thread. ``limits``:
+    ``max_tokens_limit``, ``max_queue``, ``max_batch_size``, ``max_stored_responses``,
+    ``max_body_bytes``, ``max_cycles_factor``."""
     server = Server(engine, **limits)
+
+    async def body_of(request: Request, model: type[B]) -> B:
+        raw = await _read_body(request, server.limits.max_body_bytes)
+        return await run_in_threadpool(_validated, raw, model)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.scheduler.start()
-        log.info("serving %s (context %d, max_tokens <= %d, queue %d, batch %d)", engine.model_name,
-                 engine.max_context, server.limits.max_tokens_limit, server.limits.max_queue,
-                 engine.max_batch_size)
+        log.info("serving %s (context %d, max_tokens <= %d, queue %d, batch %d, body <= %d bytes, "
+                 "schedule <= %dx%d)", engine.model_name, engine.max_context, server.limits.max_tokens_limit,
+                 server.limits.max_queue, engine.max_batch_size, server.limits.max_body_bytes,
+                 *engine.cycle_limits)
         try:
             yield
         finally:
@@ -69,6 +110,12 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
             message, code = str(exc.detail), None
         error = ApiError(exc.status_code, message, None, code=code)
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        error = ApiError(500, f"internal error: {type(exc).__name__}", None, type="server_error")
+        return JSONResponse(error.body(), status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -102,8 +149,9 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
                 "engine": dict(engine.stats.__dict__)}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
-        generation = server.translate.completion(body)
+    async def completions(request: Request):
+        body = await body_of(request, CompletionBody)
+        generation = await run_in_threadpool(server.translate.completion, body)
         queue, works = server.generation_works(generation.requests)
         head = _head("cmpl", "text_completion", engine)
         if body.stream:
@@ -113,8 +161,9 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
         return server.respond.completion(head, body, results, generation)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody):
-        generation = server.translate.chat(body)
+    async def chat_completions(request: Request):
+        body = await body_of(request, ChatBody)
+        generation = await run_in_threadpool(server.translate.chat, body)
         queue, works = server.generation_works(generation.requests)
         head = _head("chatcmpl", "chat.completion", engine)
         if body.stream:
@@ -124,9 +173,10 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
         return server.respond.chat(head, body, results, generation)
 
     @app.post("/v1/responses")
-    async def responses(body: ResponsesBody):
+    async def responses(request: Request):
+        body = await body_of(request, ResponsesBody)
         messages, remembered = conversation(body, server.stored_responses)
-        generation = server.translate.responses(body, messages)
+        generation = await run_in_threadpool(server.translate.responses, body, messages)
         builder = ResponseBuilder(body, engine.model_name, generation.prompt_tokens,
                                   generation.parse_tool_calls,
                                   server.stored_responses, remembered)
@@ -138,8 +188,9 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
         return builder.whole(result)
 
     @app.post("/v1/score")
-    async def score(body: ScoreBody):
-        scoring = server.translate.score(body)
+    async def score(request: Request):
+        body = await body_of(request, ScoreBody)
+        scoring = await run_in_threadpool(server.translate.score, body)
         return server.respond.score(await server.scored(scoring), scoring.pairs)
 
     return app
@@ -151,10 +202,25 @@ def app_server(app: FastAPI) -> Server:
 
 
 def serve(engine: InferenceEngine, host: str = "127.0.0.1", port: int = 8000, **limits) -> None:
-    """Serve until interrupted (``mimir serve``)."""
+    """Serve until interrupted (``mimir serve``): SIGTERM or Ctrl-C finishes the requests and
+    streams in flight, then exits; a second Ctrl-C exits at once."""
     import uvicorn
 
-    uvicorn.run(build_app(engine, **limits), host=host, port=port, log_level="info")
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            if sig == signal.SIGINT and self.should_exit:
+                # uvicorn's own second Ctrl-C only stops waiting for connections: a decoding
+                # step, a tokenisation or the scheduler's shutdown could still hold the process.
+                log.warning("second Ctrl-C: exiting now (requests in flight are dropped)")
+                logging.shutdown()
+                os._exit(130)
+            if sig == signal.SIGINT:
+                log.warning("Ctrl-C: finishing the requests in flight, then exiting (Ctrl-C again: "
+                            "exit now)")
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(build_app(engine, **limits), host=host, port=port, log_level="info")
+    Server(config).run()
 
 
 @contextmanager

@@ -9,7 +9,13 @@ from typing import AsyncIterator
 
 from mimir_megatron.inference.engine import InferenceEngine, RequestError
 from mimir_megatron.inference.scheduler import GenerationWork, QueueFull, Scheduler, ScoreWork
-from mimir_megatron.inference.server.protocol import DEFAULT_MAX_TOKENS_LIMIT, ApiError, bad_request
+from mimir_megatron.inference.server.protocol import (
+    DEFAULT_CYCLES_FACTOR,
+    DEFAULT_MAX_TOKENS_LIMIT,
+    ApiError,
+    bad_request,
+    default_max_body_bytes,
+)
 from mimir_megatron.inference.server.responses import Responses
 from mimir_megatron.inference.server.responses_api import DEFAULT_STORED_RESPONSES, ResponseStore
 from mimir_megatron.inference.server.translation import Limits, Scoring, Translator
@@ -51,12 +57,17 @@ class Server:
 
     def __init__(self, engine: InferenceEngine, *, max_tokens_limit: int | None = None, max_queue: int = 256,
                  max_batch_size: int | None = None,
-                 max_stored_responses: int = DEFAULT_STORED_RESPONSES) -> None:
+                 max_stored_responses: int = DEFAULT_STORED_RESPONSES, max_body_bytes: int | None = None,
+                 max_cycles_factor: int = DEFAULT_CYCLES_FACTOR) -> None:
         if max_batch_size is not None:
             engine.max_batch_size = max_batch_size
+        # What one request may cost: its schedule at most this factor of the trained one.
+        h, low = engine.trained_schedule
+        engine.cycle_limits = (max_cycles_factor * h, max_cycles_factor * low)
         limit = max_tokens_limit or min(DEFAULT_MAX_TOKENS_LIMIT, engine.max_context)
         self.engine = engine
-        self.limits = Limits(max_tokens_limit=limit, max_queue=max_queue)
+        self.limits = Limits(max_tokens_limit=limit, max_queue=max_queue,
+                             max_body_bytes=max_body_bytes or default_max_body_bytes(engine.max_context))
         self.translate = Translator(engine, self.limits)
         self.respond = Responses(engine)
         self.scheduler = Scheduler(engine, max_queue=max_queue)

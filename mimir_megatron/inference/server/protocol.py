@@ -1,18 +1,37 @@
 """The wire format of ``mimir serve``: request bodies (OpenAI's field names) and the error object.
 
-Bodies are strict ("5" is not an integer). Validation against the model (vocabulary, context
-length, schedule) is not done here but by the engine, through :mod:`.translation`.
+A body is read up to a size limit (413 beyond it), parsed as strict JSON (UTF-8; no ``NaN``,
+``Infinity`` or numbers that overflow to them; bounded nesting: :func:`parse_json`), then
+validated against these models: strict ("5" is not an integer), known roles, a message's
+content present. Validation against the model (vocabulary, context length, schedule and its
+bounds) is not done here but by the engine, through :mod:`.translation`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import math
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_MAX_TOKENS_LIMIT = 4096
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128
+DEFAULT_CYCLES_FACTOR = 4
+"""``h_cycles`` / ``l_cycles`` of a request may be at most this many times the trained ones (the
+paper's Table 5 sweep goes to 1.5x H and 1.7x L)."""
+BODY_BYTES_PER_TOKEN = 64
+"""The default body limit allows this many bytes per context token: text averages ~4 bytes a
+token, JSON escapes (``\\uXXXX``) take 6 bytes a character, tool schemas and turns add more."""
+MIN_BODY_BYTES = 1 << 20
+MAX_NESTING = 64
+"""JSON nesting deeper than this is refused (tool schemas nest ~10 levels)."""
+
+
+def default_max_body_bytes(max_context: int) -> int:
+    """The request body limit for a context of ``max_context`` tokens."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_context)
 
 
 class ApiError(Exception):
@@ -29,6 +48,60 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param, code=code)
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body is larger than this server's limit of {limit:,} bytes "
+                         "(mimir serve --max-body-bytes)", None, code="request_too_large")
+
+
+def _invalid_json(message: str) -> ApiError:
+    return bad_request(f"request body is not valid JSON: {message}", None, code="invalid_json")
+
+
+def _refuse_constant(name: str) -> None:
+    raise _invalid_json(f"{name} is not a JSON number (non-finite numbers are refused)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _invalid_json(f"{text[:40]} overflows to infinity (non-finite numbers are refused)")
+    return value
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON, strictly: UTF-8, no ``NaN``/``Infinity``/``-Infinity``, no number
+    that overflows a float, nesting at most :data:`MAX_NESTING` deep. Anything else is a 400
+    (code ``invalid_json``) in OpenAI's error object."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _invalid_json(f"not UTF-8 (byte {exc.start})") from None
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as exc:
+        raise _invalid_json(f"{exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise _invalid_json(f"nested deeper than {MAX_NESTING} levels") from None
+    if _depth(value) > MAX_NESTING:
+        raise _invalid_json(f"nested deeper than {MAX_NESTING} levels")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON (iterative: no recursion limit to hit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_NESTING:
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 class Body(BaseModel):
@@ -104,8 +177,16 @@ class CompletionBody(SamplingBody):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")  # name, tool_calls, tool_call_id, ...
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> "ChatMessage":
+        # Only an assistant turn that calls tools may come without content (OpenAI's rule).
+        calls = (self.model_extra or {}).get("tool_calls")
+        if self.content is None and not (self.role == "assistant" and calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class ChatBody(SamplingBody):

@@ -51,6 +51,7 @@ def note_platform_fields(body: SamplingBody) -> None:
 class Limits:
     max_tokens_limit: int
     max_queue: int
+    max_body_bytes: int
 
 
 @dataclass
@@ -249,6 +250,8 @@ class Translator:
     @staticmethod
     def _message(message: ChatMessage) -> dict:
         out = message.model_dump(exclude_none=True)
+        if out["role"] == "developer":  # OpenAI's newer name for the system turn
+            out["role"] = "system"
         if isinstance(message.content, list):  # content parts: only text can be rendered
             texts = []
             for part in message.content:
