@@ -143,9 +143,10 @@ def test_one_epoch_summary_and_card_hold_the_data_reports_numbers(one_epoch):
     assert "demo / arith (13-token n-grams): 2 of 40 items (5.0 %), longest shared span 21 tokens" in markdown
 
 
-def test_train_refuses_data_the_policy_forbids_before_writing_anything(tmp_path, demo_data, caplog):
+def test_train_refuses_data_the_policy_forbids_before_training(tmp_path, demo_data, caplog):
     """An agreement-supplied dataset trained on directly and one with no declared provenance:
-    both named, exit 2, no run directory."""
+    both named, exit 2; nothing but the run directory's lock is written (the lock is taken first,
+    so that a second trainer is refused before it reads the data)."""
     _prepare(tmp_path, "agreed", [{"prompt": "a", "completion": "b c"}], "--source", "Partner", "--license",
              "proprietary-agreement", "--basis", "agreement", "--form", "agreement-supplied")
     _prepare(tmp_path, "plain", [{"prompt": "a", "completion": "b c"}])
@@ -155,7 +156,7 @@ def test_train_refuses_data_the_policy_forbids_before_writing_anything(tmp_path,
     run_dir = tmp_path / "run"
     overrides = [*train_overrides(demo_data, run_dir), f"data.mixture={mixture}"]
     assert main(["train", "--config", str(REPO / "configs" / "train" / "demo.yaml"), *overrides]) == 2
-    assert not run_dir.exists()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["train.lock"]
     refused = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refusing to train")]
     assert len(refused) == 1, caplog.text
     lines = refused[0].splitlines()[1:]
