@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -26,11 +25,12 @@ def default_tracking_uri(run_dir: Path) -> str:
 
 
 def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    """The commit this code was built from (mimir_megatron.version: also right for an installed
+    wheel), "unknown" without one."""
+    from mimir_megatron.version import commit
+
+    found = commit()
+    return found.sha if found else "unknown"
 
 
 class Tracker:
