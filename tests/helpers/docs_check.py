@@ -60,8 +60,8 @@ class Doc:
 
 def documents(repo: Path = REPO) -> list[Path]:
     """README.md, docs/*.md, the folders' READMEs and tests/TIERS.md."""
-    found = [repo / "README.md", *sorted((repo / "docs").glob("*.md")), *sorted(repo.glob("*/README.md")),
-             repo / "tests" / "TIERS.md"]
+    folders = [p for p in sorted(repo.glob("*/README.md")) if not p.parent.name.startswith(".")]  # not .pytest_cache
+    found = [repo / "README.md", *sorted((repo / "docs").glob("*.md")), *folders, repo / "tests" / "TIERS.md"]
     return [p for p in found if p.is_file()]
 
 
