@@ -25,7 +25,7 @@
 #   PYTHON           python with this project installed [$VENV/bin/python, else python3]
 #   VENV             virtual environment              [<repo>/.venv when it exists]
 #   MIMIR_REPO       repository root (configs, data)  [the directory sbatch was run from]
-#   CONTAINER_IMAGE  run the tasks in this image through pyxis (docker/README.md); unset: bare
+#   CONTAINER_IMAGE  run the tasks in this image through pyxis (docs/operations.md); unset: bare
 #   CONTAINER_MOUNTS pyxis mounts, comma-separated    [<repo>:<repo>]
 #   MASTER_ADDR      rendezvous host                  [first node of the job]
 #   MASTER_PORT      rendezvous port                  [20000 + job id % 20000]

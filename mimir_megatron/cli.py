@@ -49,11 +49,26 @@ _INPUT_PATHS = {"config": "config file", "checkpoint": "checkpoint", "weights": 
 COMMAND_GROUP = "mimir.commands"
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the version and the commit (asked of git or of the build only when given)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version and the git commit it was built from, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        from mimir_megatron.version import describe
+
+        print(describe())  # stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mimir", description="Train, prepare data for, and convert HRM-Text models."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in _REGISTRARS:
         importlib.import_module(module_name).register(sub)

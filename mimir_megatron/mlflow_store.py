@@ -1,4 +1,5 @@
-"""MLflow clients: the one place that opens a tracking store (training, evaluation, audits).
+"""MLflow clients: the one place that opens a tracking store (training, evaluation, audits), and
+that finds or creates their experiments.
 
 A new sqlite store (the default: ``mlflow.db`` in a run directory) is created by MLflow through
 its whole chain of schema migrations, ~2 s of CPU for every new run, sweep or audit. Here a new
@@ -23,6 +24,13 @@ log = logging.getLogger(__name__)
 
 _SQLITE = "sqlite:///"
 
+# MLflow 3's UI sorts experiments into kinds by this experiment tag (it sets it itself when a user
+# picks a kind, or after inferring one: runs without traces make "custom_model_development").
+# Training, evaluation and audit runs are metrics, tables and files of a model, not traces of a
+# GenAI application: their experiments are of the model-training kind.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
+
 
 def mlflow_client(uri: str, request_timeout_s: int | None = None) -> Any:
     """An ``MlflowClient`` on ``uri``; a new sqlite store starts from the migrated template.
@@ -40,6 +48,23 @@ def mlflow_client(uri: str, request_timeout_s: int | None = None) -> Any:
 
     seed_sqlite_store(uri)
     return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client: Any, name: str, artifact_location: str, kind: str = MODEL_TRAINING) -> str:
+    """The id of experiment ``name``, created with ``artifact_location`` when it does not exist,
+    and marked as ``kind`` unless it has a kind already (one a user chose in the UI stands)."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        return client.create_experiment(name, artifact_location=artifact_location,
+                                        tags={EXPERIMENT_KIND_TAG: kind})
+    mark_experiment_kind(client, experiment, kind)
+    return experiment.experiment_id
+
+
+def mark_experiment_kind(client: Any, experiment: Any, kind: str = MODEL_TRAINING) -> None:
+    """Tag an existing experiment (an ``Experiment``) as ``kind`` unless it has a kind already."""
+    if EXPERIMENT_KIND_TAG not in experiment.tags:
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, kind)
 
 
 def seed_sqlite_store(uri: str) -> bool:

@@ -76,12 +76,10 @@ def log_to_mlflow(uri: str, artifact_location: str, experiment: str, run_name: s
     A new experiment keeps its artifacts in ``artifact_location`` (MLflow's default would be
     ``./mlruns`` of whatever directory the command runs in)."""
     try:
-        from mimir_megatron.mlflow_store import mlflow_client
+        from mimir_megatron.mlflow_store import experiment_id, mlflow_client
 
         client = mlflow_client(uri)
-        exp = client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else client.create_experiment(
-            experiment, artifact_location=artifact_location)
+        exp_id = experiment_id(client, experiment, artifact_location)
         run = client.create_run(exp_id, run_name=run_name, tags={"mimir.kind": "audit"})
         for key, value in params.items():
             client.log_param(run.info.run_id, key, str(value)[:500])

@@ -69,12 +69,10 @@ class EvalRun:
         self.run_id: str | None = None
         self.target = target
         try:
-            from mimir_megatron.mlflow_store import mlflow_client
+            from mimir_megatron.mlflow_store import experiment_id, mlflow_client
 
             self.client = mlflow_client(target.uri, request_timeout_s=10)
-            exp = self.client.get_experiment_by_name(target.experiment)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(
-                target.experiment, artifact_location=target.artifact_root)
+            exp_id = experiment_id(self.client, target.experiment, target.artifact_root)
             all_tags = dict(tags or {})
             parent = parent_run_id or target.parent_run_id
             if parent:

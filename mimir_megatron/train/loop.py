@@ -232,7 +232,7 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
         eval_samples = _eval_subset(load_eval_samples(cfg.data.eval_path), cfg.eval.max_samples)
     tracker = Tracker(cfg.tracking.uri, run_dir, cfg.tracking.experiment,
                       enabled=cfg.tracking.enabled and rank == 0,
-                      retry_seconds=cfg.tracking.retry_seconds)
+                      retry_seconds=cfg.tracking.retry_seconds, checkpoints=ckpt_dir)
     tp = cfg.model.parallel.tensor_parallel_size
     layout = f"TP={tp} DP={dp_size} SP={cfg.model.uses_sequence_parallel}"
     tags = host_tags(env.world_size, layout) | {"data_fingerprint": fingerprint, "config": cfg.source}

@@ -11,20 +11,29 @@ logged before it stopped (a kill between checkpoints) are replayed by training b
 again: the run keeps one value per step. Where the replayed steps are another trajectory (the
 resume changed the configuration or the data), they go to a new run instead, tagged with the
 run it continues (``mimir.resumed_from_run_id``).
+
+Where MLflow 3's UI files the run: its experiment is of the model-training kind
+(``mlflow_store.experiment_id``), and the run outputs a LoggedModel, the model it trains, whose
+weights stay outside MLflow (the run's checkpoints, tag ``mimir.checkpoints``; MLflow's
+"external model"). MLflow 3.17's UI, which opens in a GenAI view whatever the experiment's kind,
+lists a run with a model output under "Training runs", and one without under "Evaluation runs".
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+from mimir_megatron.checkpoint.layout import RUN_CHECKPOINTS
+
 log = logging.getLogger(__name__)
 
 _BATCH = 900  # MLflow accepts at most 1000 metrics per log_batch
+# The LoggedModel's status when the run ends this way (a pre-empted run, KILLED, goes on later).
+_MODEL_STATUS = {"FINISHED": "READY", "FAILED": "FAILED"}
 
 
 def default_tracking_uri(run_dir: Path) -> str:
@@ -32,24 +41,27 @@ def default_tracking_uri(run_dir: Path) -> str:
 
 
 def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    """The commit this code was built from (mimir_megatron.version: also right for an installed
+    wheel), "unknown" without one."""
+    from mimir_megatron.version import commit
+
+    found = commit()
+    return found.sha if found else "unknown"
 
 
 class Tracker:
     """Buffered MLflow run; every method is a no-op when disabled (non-zero ranks)."""
 
     def __init__(self, uri: str | None, run_dir: Path, experiment: str, enabled: bool,
-                 retry_seconds: float = 10.0):
+                 retry_seconds: float = 10.0, checkpoints: Path | None = None):
         self.enabled = enabled
         self.uri = uri or default_tracking_uri(run_dir)
+        self.checkpoints = (checkpoints or run_dir / RUN_CHECKPOINTS).resolve()
         self.artifact_root = (run_dir / "mlartifacts").resolve().as_uri()
         self.experiment = experiment
         self.retry_seconds = retry_seconds
         self.run_id: str | None = None
+        self.model_id: str | None = None  # the LoggedModel this run trains
         self._client = None
         self._pending_start: dict[str, Any] | None = None
         self._metrics: list = []
@@ -104,6 +116,8 @@ class Tracker:
                         self.uri, len(self._metrics))
             return False
         try:
+            if self.model_id is not None and status in _MODEL_STATUS:
+                self._client.finalize_logged_model(self.model_id, _MODEL_STATUS[status])
             self._client.set_terminated(self.run_id, status=status)
         except Exception as exc:  # noqa: BLE001 - tracking must never break training
             log.warning("could not mark the MLflow run %s: %s", status, exc)
@@ -150,9 +164,14 @@ class Tracker:
     def _create_or_resume_run(self) -> None:
         from mlflow.entities import Param, RunTag
 
+        from mimir_megatron.mlflow_store import experiment_id, mark_experiment_kind
+
         start = self._pending_start
-        logged = self._last_logged_step(self.run_id) if self.run_id is not None else None
-        if self.run_id is not None and logged is None:
+        resumed = self._existing_run(self.run_id) if self.run_id is not None else None
+        # The run's latest value per metric carries its step: no need to read the history.
+        logged = None if resumed is None else max(
+            (m.step for m in resumed.data.to_proto().metrics if m.key == "loss"), default=0)
+        if self.run_id is not None and resumed is None:
             # A checkpoint resumed into another run directory (or store) names a run this store
             # never had: continue in a new run that says where it came from, instead of
             # retrying a run that cannot appear and losing every metric.
@@ -173,33 +192,50 @@ class Tracker:
                          "replayed, not logged again", self.run_id, replayed)
                 self._logged_through = logged
         if self.run_id is None:
-            exp = self._client.get_experiment_by_name(self.experiment)
-            exp_id = exp.experiment_id if exp else self._client.create_experiment(
-                self.experiment, artifact_location=self.artifact_root)
+            exp_id = experiment_id(self._client, self.experiment, self.artifact_root)  # model-training kind
             run = self._client.create_run(exp_id, run_name=start["run_name"], tags=start["tags"])
             self.run_id = run.info.run_id
             params = [Param(k, str(v)[:6000]) for k, v in start["params"].items()]
             for i in range(0, len(params), 90):
                 self._client.log_batch(self.run_id, params=params[i:i + 90])
-        else:
+        else:  # a run from before experiments were marked gets its experiment marked now
+            exp_id = resumed.info.experiment_id
+            mark_experiment_kind(self._client, self._client.get_experiment(exp_id))
             self._client.update_run(self.run_id, status="RUNNING")
             self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in start["tags"].items()])
+            outputs = resumed.outputs.model_outputs if resumed.outputs else []
+            self.model_id = outputs[0].model_id if outputs else None
+        if self.model_id is None:
+            self.model_id = self._log_trained_model(exp_id, start["run_name"])
         self._pending_start = None
 
+    def _log_trained_model(self, exp_id: str, name: str) -> str | None:
+        """The LoggedModel this run outputs (see the module docstring); None, with a warning, where
+        the store has no logged models (an MLflow 2 server): the run itself is unaffected."""
+        from mlflow.entities import LoggedModelOutput
 
-    def _last_logged_step(self, run_id: str) -> int | None:
-        """The last step of ``loss`` in the run (0: none yet); None only when the store answers
-        that it has no such run. Transport errors raise."""
+        try:
+            model = self._client.create_logged_model(
+                exp_id, name=name, source_run_id=self.run_id, model_type="hrm-text",
+                tags={"mlflow.model.isExternal": "true", "mimir.checkpoints": str(self.checkpoints)})
+            self._client.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, step=0)])
+        except Exception as exc:  # noqa: BLE001 - the run is tracked without it
+            log.warning("MLflow at %s: the run's model output not logged (%s); the UI may list the "
+                        "run as an evaluation", self.uri, exc)
+            return None
+        return model.model_id
+
+    def _existing_run(self, run_id: str) -> Any:
+        """The run, or None only when the store answers that it has no such run; transport
+        errors raise."""
         from mlflow.exceptions import MlflowException
 
         try:
-            run = self._client.get_run(run_id)
+            return self._client.get_run(run_id)
         except MlflowException as exc:
             if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
                 return None
             raise
-        # The run's latest value per metric carries its step: no need to read the history.
-        return max((m.step for m in run.data.to_proto().metrics if m.key == "loss"), default=0)
 
 
 class SystemMetrics:

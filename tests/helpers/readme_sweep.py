@@ -1,13 +1,15 @@
-"""The README's schedule-sweep table, measured: re-run `mimir sweep` on the demo checkpoint,
-compare with README.md, or rewrite README.md's table (with the commit it was measured at).
+"""The demo's results as the docs quote them, measured: re-run the demo command and `mimir sweep`
+on its checkpoint, compare with README.md and docs/results.md, or rewrite docs/results.md's
+schedule-sweep table (with the commit it was measured at).
 
     .venv/bin/python tests/helpers/readme_sweep.py            # re-measure; print the differences, exit 1 if any
-    .venv/bin/python tests/helpers/readme_sweep.py --update   # re-measure and rewrite the table in README.md
+    .venv/bin/python tests/helpers/readme_sweep.py --update   # re-measure and rewrite the table in docs/results.md
 
 The demo command runs first (bash launchers/demo_cpu.sh: ~6 min on 2 cores when runs/demo has no
 finished run, else ~20 s of re-evaluation), and its exact match is compared with the one README.md
-quotes; the sweep itself takes ~1.5 min. The check in tests/system/test_readme_results.py uses
-the same functions, so the README and what the code produces cannot drift apart unnoticed.
+and docs/results.md quote; the sweep itself takes ~1.5 min. The check in
+tests/system/test_readme_results.py uses the same functions, so the docs and what the code produces
+cannot drift apart unnoticed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
+RESULTS = REPO / "docs" / "results.md"  # holds the sweep table
 BEGIN = "<!-- sweep-table: begin (python tests/helpers/readme_sweep.py --update rewrites this block) -->"
 END = "<!-- sweep-table: end -->"
 CHECKPOINT = "runs/demo/checkpoints"
@@ -30,9 +33,9 @@ SWEEP = ["sweep", "--checkpoint", CHECKPOINT, "--suite", "configs/eval/demo.yaml
 
 
 def readme_block(text: str) -> str:
-    """The generated block of README.md (between the markers)."""
+    """The generated block of docs/results.md (between the markers)."""
     if BEGIN not in text or END not in text:
-        raise ValueError(f"README.md has no sweep-table block ({BEGIN} ... {END})")
+        raise ValueError(f"docs/results.md has no sweep-table block ({BEGIN} ... {END})")
     return text[text.index(BEGIN) + len(BEGIN):text.index(END)]
 
 
@@ -57,12 +60,19 @@ def run_demo(repo: Path = REPO) -> str:
     return found[-1]
 
 
-def readme_exact_match(text: str) -> str:
-    """The exact match README.md says the demo command prints."""
-    found = re.search(rf"`{EXACT_MATCH.pattern}`", text)
+def readme_exact_match(text: str, name: str = "README.md") -> str:
+    """The exact match a doc (README.md, docs/results.md) says the demo command prints: as an
+    inline quote or a line of the expected output."""
+    found = re.search(rf"(?:`|^){EXACT_MATCH.pattern}(?:`|$)", text, re.MULTILINE)
     if found is None:
-        raise ValueError("README.md does not quote the demo's `exact match on the held-out split: X` line")
+        raise ValueError(f"{name} does not quote the demo's `exact match on the held-out split: X` line")
     return found.group(1)
+
+
+def quoted_exact_matches() -> dict[str, str]:
+    """What README.md and docs/results.md each say the demo prints."""
+    return {path.relative_to(REPO).as_posix(): readme_exact_match(path.read_text(), path.name)
+            for path in (README, RESULTS)}
 
 
 def run_sweep(output: Path, repo: Path = REPO) -> str:
@@ -78,7 +88,7 @@ def run_sweep(output: Path, repo: Path = REPO) -> str:
 def commit(repo: Path = REPO) -> str:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
                           text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!README.md"],
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/results.md"],
                            cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
     return head + ("+uncommitted changes" if dirty else "")
 
@@ -91,22 +101,23 @@ def rewritten(text: str, table: str, measured_at: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--update", action="store_true", help="rewrite README.md's table")
+    parser.add_argument("--update", action="store_true", help="rewrite docs/results.md's table")
     args = parser.parse_args(argv)
     exact_match = run_demo()
-    if exact_match != readme_exact_match(README.read_text()):
-        print(f"README.md quotes exact match {readme_exact_match(README.read_text())}; the demo prints "
-              f"{exact_match}: re-measure the demo results by hand")
+    for name, quoted in quoted_exact_matches().items():
+        if exact_match != quoted:
+            print(f"{name} quotes exact match {quoted}; the demo prints {exact_match}: "
+                  "re-measure the demo results by hand")
     with tempfile.TemporaryDirectory() as tmp:
         table = run_sweep(Path(tmp) / "sweep")
-    text = README.read_text()
+    text = RESULTS.read_text()
     if args.update:
-        README.write_text(rewritten(text, table, commit()))
-        print(f"README.md: sweep table rewritten (commit {commit()})")
+        RESULTS.write_text(rewritten(text, table, commit()))
+        print(f"docs/results.md: sweep table rewritten (commit {commit()})")
         return 0
-    diff = list(difflib.unified_diff(table_rows(readme_block(text)), table_rows(table), "README.md",
+    diff = list(difflib.unified_diff(table_rows(readme_block(text)), table_rows(table), "docs/results.md",
                                      "mimir sweep", lineterm=""))
-    print("\n".join(diff) or "README.md's sweep table is what `mimir sweep` gives")
+    print("\n".join(diff) or "docs/results.md's sweep table is what `mimir sweep` gives")
     return 1 if diff else 0
 
 

@@ -189,6 +189,7 @@ def test_cli_index_prefix_continuation_with_mlflow(corpus, tmp_path, monkeypatch
     for name in ("table11.md", "table11.csv", "table11.json", "prefix_outputs.jsonl", "match_lengths.png"):
         assert (out / name).is_file(), name
     client = MlflowClient(tracking_uri=f"sqlite:///{out.resolve()}/mlflow.db")
+    assert client.get_experiment_by_name("mimir-audit").tags["mlflow.experimentKind"] == "custom_model_development"
     run = client.search_runs([client.get_experiment_by_name("mimir-audit").experiment_id])[0]
     assert run.data.metrics["Generic/outputs with a ge 50-token span"] == 1
     assert run.data.metrics["Prefix A/prompts"] == 6

@@ -197,6 +197,7 @@ def test_mlflow_receives_the_metrics(stubbed):
 
     client = MlflowClient(tracking_uri=stubbed["uri"])
     exp = client.get_experiment_by_name("mimir-eval")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
     evaluation = runs["eval stubbed"]
     assert evaluation.data.metrics["eval/mmlu"] == pytest.approx(0.5)

@@ -86,6 +86,8 @@ def test_training_logs_through_a_server_outage_and_reads_back_over_rest(demo_dat
             assert "reachable again" in text
 
             experiment = server.api("experiments/get-by-name", experiment_name="server-test")
+            tags = {t["key"]: t["value"] for t in experiment["experiment"].get("tags", [])}
+            assert tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow 3's model-training kind
             runs = post_json(f"{server.uri}/api/2.0/mlflow/runs/search",
                              {"experiment_ids": [experiment["experiment"]["experiment_id"]]}).get("runs", [])
             assert len(runs) == 1

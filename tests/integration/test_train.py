@@ -2,6 +2,7 @@
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +37,12 @@ def test_resume_is_bit_exact(demo_data, tmp_path, uninterrupted):
     second = run(demo_data, tmp_path)
     assert second.final_step == 6
     assert first.losses + second.losses == uninterrupted.losses  # exactly, not approximately
+    from mlflow.tracking import MlflowClient  # one run, one model: pending while pre-empted, then ready
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert second.run_id == first.run_id
+    [output] = client.get_run(second.run_id).outputs.model_outputs
+    assert str(client.get_logged_model(output.model_id).status) == "READY"
 
 
 def test_checkpoints_are_atomic_and_pruned(demo_data, tmp_path):
@@ -57,6 +64,15 @@ def test_mlflow_run_holds_config_and_per_step_metrics(uninterrupted):
     assert mlrun.data.params["optim.lr"] == "0.003"
     for tag in ("git_commit", "host", "world_size", "parallel_layout", "data_fingerprint", "checkpoint.latest"):
         assert tag in mlrun.data.tags
+    # Where MLflow 3's UI files it: a model-training experiment, and the run outputs the model it
+    # trains (kept outside MLflow, in the run's checkpoints), which makes it a training run.
+    experiment = client.get_experiment(mlrun.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    [output] = mlrun.outputs.model_outputs
+    model = client.get_logged_model(output.model_id)
+    assert (model.source_run_id, str(model.status)) == (uninterrupted.run_id, "READY")
+    assert model.tags["mimir.checkpoints"] == str((Path(run_dir) / "checkpoints").resolve())
+    assert model.tags["mlflow.model.isExternal"] == "true"
     for metric in ("loss", "lr/L", "lr/H", "lr/embedding", "lr/head", "window_k", "k_L", "k_H",
                    "grad_norm", "supervised_tokens", "tokens_per_s", "tflops_per_device", "peak_memory_gb"):
         history = client.get_metric_history(uninterrupted.run_id, metric)

@@ -1,5 +1,6 @@
-"""`pip install .` without extras: the CLI answers `--help` for every command, and a command whose
-extra is missing stops with one line naming it.
+"""`pip install .` without extras: the CLI answers `--help` for every command, a command whose
+extra is missing stops with one line naming it, and `mimir --version` names the version and the
+commit of the checkout the wheel was built from; the wheel carries the licence.
 
 The throwaway venv borrows the distributions of the core dependencies (`project.dependencies`,
 transitively) from the running environment, minus every distribution an extra names itself
@@ -71,7 +72,14 @@ def bare(tmp_path_factory) -> tuple[Path, dict[str, str]]:
 
     source = tmp / "src"
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "runs", "mlruns", "build", "__pycache__", "*.egg-info", "tests"))
+        ".git", ".venv", "runs", "mlruns", "build", "__pycache__", "*.egg-info", "tests", "_build_commit.py"))
+    # A git checkout of its own (the copy's commit, not this repository's): pip builds the wheel
+    # from it, and the wheel must remember that commit once installed away from any checkout.
+    git = ["git", "-C", str(source), "-c", "user.name=test", "-c", "user.email=test@localhost"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "bare install"]):
+        subprocess.run(git + args, check=True, capture_output=True, timeout=120)
+    (source / "built_from.txt").write_text(subprocess.run(
+        git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip())
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
     install = subprocess.run(
@@ -98,6 +106,23 @@ def test_the_bare_venv_lacks_every_extra(bare):
     assert proc.stdout.strip() == "[]", f"visible in the bare venv: {proc.stdout} {proc.stderr}"
     found = _run(bare, "python", "-c", "import mimir_megatron, sys; print(mimir_megatron.__file__)")
     assert "site-packages" in found.stdout, found.stdout + found.stderr  # the installed copy
+
+
+def test_version_names_the_version_and_the_commit_the_wheel_was_built_from(bare):
+    venv, _ = bare
+    built_from = (venv.parent / "src" / "built_from.txt").read_text()
+    proc = _run(bare, "mimir", "--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"mimir-megatron {_project()['version']}, commit {built_from}", proc.stdout
+
+
+def test_the_installed_distribution_carries_the_license(bare):
+    probe = ("import importlib.metadata as md; d = md.distribution('mimir-megatron'); "
+             "print(d.metadata['License-Expression']); "
+             "print([str(f) for f in d.files if f.name == 'LICENSE'])")
+    proc = _run(bare, "python", "-c", probe)
+    assert proc.stdout.split("\n")[:2] == ["Apache-2.0", f"['mimir_megatron-{_project()['version']}.dist-info/licenses/LICENSE']"], (
+        proc.stdout + proc.stderr)
 
 
 def test_help_of_every_command(bare):

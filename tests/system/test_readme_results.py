@@ -1,28 +1,32 @@
-"""Numbers the README presents as a shipped command's output are what that command gives now.
+"""Numbers the docs present as a shipped command's output are what that command gives now.
 
-The demo command's exact match and the schedule sweep on its checkpoint (README "Demo results"):
-runs launchers/demo_cpu.sh (~6 min on 2 cores to train when runs/demo has no finished run, else
-~20 s to re-evaluate it), then ~1.5 min of `mimir sweep`.
+The demo command's exact match (README.md's expected output and docs/results.md) and the schedule
+sweep on its checkpoint (docs/results.md): runs launchers/demo_cpu.sh (~6 min on 2 cores to train
+when runs/demo has no finished run, else ~20 s to re-evaluate it), then ~1.5 min of `mimir sweep`.
 On a difference, re-measure and rewrite the table: .venv/bin/python tests/helpers/readme_sweep.py --update
 """
 
 from __future__ import annotations
 
 import pytest
-from readme_sweep import README, readme_block, readme_exact_match, run_demo, run_sweep, table_rows
+from readme_sweep import RESULTS, quoted_exact_matches, readme_block, run_demo, run_sweep, table_rows
 
 
-def test_readme_names_the_commit_its_sweep_table_was_measured_at():
-    assert "Measured at commit `" in readme_block(README.read_text())
+def test_the_docs_name_the_commit_the_sweep_table_was_measured_at():
+    assert "Measured at commit `" in readme_block(RESULTS.read_text())
+    assert len(set(quoted_exact_matches().values())) == 1, (
+        f"README.md and docs/results.md quote different exact matches: {quoted_exact_matches()}")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_readme_demo_results_are_what_the_demo_and_mimir_sweep_give(tmp_path):
-    assert run_demo() == readme_exact_match(README.read_text()), (
-        "the demo command no longer prints the exact match README.md quotes: re-measure the demo results")
+    printed = run_demo()
+    for name, quoted in quoted_exact_matches().items():
+        assert printed == quoted, (
+            f"the demo command prints exact match {printed}, {name} quotes {quoted}: re-measure the demo results")
     measured = table_rows(run_sweep(tmp_path / "sweep"))
-    documented = table_rows(readme_block(README.read_text()))
+    documented = table_rows(readme_block(RESULTS.read_text()))
     assert documented == measured, (
-        "README.md's schedule-sweep table is not what `mimir sweep` gives on the demo checkpoint; "
+        "docs/results.md's schedule-sweep table is not what `mimir sweep` gives on the demo checkpoint; "
         "re-measure and rewrite it: .venv/bin/python tests/helpers/readme_sweep.py --update")

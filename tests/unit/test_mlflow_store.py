@@ -45,6 +45,23 @@ def test_a_new_store_from_the_template_runs_no_migration_and_matches_mlflows_own
         assert str(cache) not in exp.artifact_location
 
 
+def test_experiments_are_of_the_model_training_kind_unless_a_kind_was_chosen(tmp_path):
+    """The tag MLflow 3's UI reads for an experiment's kind (and sets itself: "Machine learning"
+    is custom_model_development); a kind already set, e.g. chosen in the UI, stays."""
+    client = mlflow_store.mlflow_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    kind = lambda exp_id: client.get_experiment(exp_id).tags.get("mlflow.experimentKind")  # noqa: E731
+    new = mlflow_store.experiment_id(client, "training", (tmp_path / "art").as_uri())
+    assert kind(new) == "custom_model_development"
+    assert client.get_experiment(new).artifact_location == (tmp_path / "art").as_uri()
+    older = client.create_experiment("from-before")  # made before experiments were marked
+    assert kind(older) is None
+    assert mlflow_store.experiment_id(client, "from-before", "unused") == older
+    assert kind(older) == "custom_model_development"
+    chosen = client.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
+    assert mlflow_store.experiment_id(client, "chosen", "unused") == chosen
+    assert kind(chosen) == "genai_development"
+
+
 def test_only_new_sqlite_files_are_seeded(tmp_path, cache):
     existing = tmp_path / "old.db"
     existing.write_bytes(b"")
