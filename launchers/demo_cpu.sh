@@ -2,8 +2,8 @@
 # The CPU demo, end to end: bash launchers/demo_cpu.sh
 #
 # Sets up .venv (Python 3.12), generates and prepares the bilingual demo data, trains the tiny
-# HRM-Text on 2 CPU cores (< 10 minutes), evaluates exact match on the held-out split, and says
-# where the MLflow run is. Rerunning resumes (or, when finished, only re-evaluates).
+# HRM-Text on 2 CPU cores (< 10 minutes), evaluates exact match on the held-out split, exports the
+# model with its model card and training-data summary, and says where the MLflow run is. Rerunning resumes (or, when finished, only re-evaluates).
 # Environment: RUN_DIR (default runs/demo), OMP_NUM_THREADS (default 2, which README.md's
 # numbers need); extra key=value overrides as arguments, e.g.
 # bash launchers/demo_cpu.sh train.steps=100. The data goes to data/demo, where
@@ -25,7 +25,12 @@ if [ ! -f "$data_dir/eval/manifest.json" ]; then
     "$mimir" data demo --output "$data_dir"
 fi
 "$mimir" train --config configs/train/demo.yaml "run.dir=$run_dir" "data.eval_path=$data_dir/eval" "$@"
+# The release artefacts: transformers weights, a model card and the training-data summary, every
+# figure from the checkpoint's data lineage (docs/data-governance.md).
+"$mimir" export --checkpoint "$run_dir" --output "$run_dir/export" --name mimir-demo --license Apache-2.0 \
+    --provider "mimir-megatron demo" >/dev/null
 
 echo
+echo "Model card:       $run_dir/export/README.md (training data: $run_dir/export/training_data_summary.md)"
 echo "MLflow run store: $run_dir/mlflow.db (experiment mimir-demo)"
 echo "Browse it:        $mimir ui --run-dir $run_dir    # then open http://127.0.0.1:5000"

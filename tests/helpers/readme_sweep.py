@@ -28,8 +28,12 @@ README = REPO / "README.md"
 RESULTS = REPO / "docs" / "results.md"  # holds the sweep table
 BEGIN = "<!-- sweep-table: begin (python tests/helpers/readme_sweep.py --update rewrites this block) -->"
 END = "<!-- sweep-table: end -->"
-CHECKPOINT = "runs/demo/checkpoints"
-SWEEP = ["sweep", "--checkpoint", CHECKPOINT, "--suite", "configs/eval/demo.yaml", "--limit", "20"]
+RUN_DIR = "runs/demo"
+SWEEP = ["sweep", "--checkpoint", f"{RUN_DIR}/checkpoints", "--suite", "configs/eval/demo.yaml", "--limit", "20"]
+# The demo's exported model card (README.md's front matter) and its training-data summary's data
+# tables (docs/results.md), as `launchers/demo_cpu.sh` writes them into RUN_DIR/export.
+CARD_BEGIN, CARD_END = "<!-- demo-model-card: begin -->", "<!-- demo-model-card: end -->"
+SUMMARY_BEGIN, SUMMARY_END = "<!-- demo-data-summary: begin -->", "<!-- demo-data-summary: end -->"
 
 
 def readme_block(text: str) -> str:
@@ -48,11 +52,42 @@ def table_rows(markdown: str) -> list[str]:
 EXACT_MATCH = re.compile(r"exact match on the held-out split: ([0-9.]+)")
 
 
-def run_demo(repo: Path = REPO) -> str:
-    """`bash launchers/demo_cpu.sh`: trains the demo (unless runs/demo has finished it) and
-    evaluates it; the exact match it prints."""
+def block(text: str, begin: str, end: str, name: str) -> str:
+    """The text between two markers of a doc."""
+    if begin not in text or end not in text:
+        raise ValueError(f"{name} has no generated block ({begin} ... {end})")
+    return text[text.index(begin) + len(begin):text.index(end)].strip()
+
+
+def card_front_matter(card: str) -> str:
+    """The YAML front matter of a model card, fenced as README.md shows it."""
+    return "```yaml\n" + card.split("---\n")[1].strip() + "\n```"
+
+
+def summary_tables(summary: str) -> str:
+    """Section 2 of a training-data summary (the sources and the tables by form, language, ...)."""
+    return summary[summary.index("## 2. Data sources"):summary.index("## 3. Processing")].strip()
+
+
+def exported_blocks(run_dir: Path) -> dict[str, str]:
+    """What README.md and docs/results.md show of the demo's export, from ``run_dir/export``."""
+    export = Path(run_dir) / "export"
+    return {"README.md": card_front_matter((export / "README.md").read_text()),
+            "docs/results.md": summary_tables((export / "training_data_summary.md").read_text())}
+
+
+def shown_blocks() -> dict[str, str]:
+    return {"README.md": block(README.read_text(), CARD_BEGIN, CARD_END, "README.md"),
+            "docs/results.md": block(RESULTS.read_text(), SUMMARY_BEGIN, SUMMARY_END, "docs/results.md")}
+
+
+def run_demo(repo: Path = REPO, run_dir: Path | None = None) -> str:
+    """`bash launchers/demo_cpu.sh` with its run in ``run_dir`` (default runs/demo): trains the
+    demo (unless the run directory holds a finished run) and evaluates and exports it; the exact
+    match it prints."""
+    env = {**os.environ, "RUN_DIR": str(run_dir or repo / RUN_DIR)}
     proc = subprocess.run(["bash", str(repo / "launchers" / "demo_cpu.sh")], cwd=repo, check=True,
-                          stdout=subprocess.PIPE, text=True)  # stderr (progress) passes through
+                          stdout=subprocess.PIPE, text=True, env=env)  # stderr (progress) passes through
     sys.stdout.write(proc.stdout)
     found = EXACT_MATCH.findall(proc.stdout)
     if not found:
@@ -75,10 +110,11 @@ def quoted_exact_matches() -> dict[str, str]:
             for path in (README, RESULTS)}
 
 
-def run_sweep(output: Path, repo: Path = REPO) -> str:
-    """`mimir sweep` on the demo checkpoint into ``output`` (MLflow there too, so the check does
-    not add runs to the demo's store); its table5.md."""
-    cmd = [sys.executable, "-m", "mimir_megatron.cli", *SWEEP, "--output", str(output),
+def run_sweep(output: Path, repo: Path = REPO, run_dir: Path | None = None) -> str:
+    """`mimir sweep` on the demo checkpoint (of ``run_dir``, default runs/demo) into ``output``
+    (MLflow there too, so the check does not add runs to the demo's store); its table5.md."""
+    sweep = [str(run_dir / "checkpoints") if run_dir and a == f"{RUN_DIR}/checkpoints" else a for a in SWEEP]
+    cmd = [sys.executable, "-m", "mimir_megatron.cli", *sweep, "--output", str(output),
            "--tracking-uri", f"sqlite:///{output.resolve()}/mlflow.db"]
     # At the demo's thread count (launchers/demo_cpu.sh): CPU results follow the thread count.
     subprocess.run(cmd, cwd=repo, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
@@ -111,10 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         table = run_sweep(Path(tmp) / "sweep")
     text = RESULTS.read_text()
+    exported = exported_blocks(REPO / RUN_DIR)
     if args.update:
         RESULTS.write_text(rewritten(text, table, commit()))
-        print(f"docs/results.md: sweep table rewritten (commit {commit()})")
+        for path, (begin, end) in ((README, (CARD_BEGIN, CARD_END)), (RESULTS, (SUMMARY_BEGIN, SUMMARY_END))):
+            doc = path.read_text()
+            new = exported[path.relative_to(REPO).as_posix()]
+            path.write_text(doc[:doc.index(begin) + len(begin)] + "\n" + new + "\n" + doc[doc.index(end):])
+        print(f"docs/results.md: sweep table rewritten (commit {commit()}); the demo's card and summary too")
         return 0
+    for name, shown in shown_blocks().items():
+        if shown != exported[name]:
+            print(f"{name}: the demo's exported card or summary differs from what it shows")
     diff = list(difflib.unified_diff(table_rows(readme_block(text)), table_rows(table), "docs/results.md",
                                      "mimir sweep", lineterm=""))
     print("\n".join(diff) or "docs/results.md's sweep table is what `mimir sweep` gives")
