@@ -171,15 +171,19 @@ def test_checkpoint_accepts_changed_execution_settings_but_not_shape(tmp_path):
 
     saved_cfg = tiny_config("execution.attention_backend=varlen", "execution.recompute=full",
                             "execution.loss_chunk_tokens=7")
-    saved = {"format": ckpt.FORMAT, "model": saved_cfg.shape_dict(),
-             "padded_vocab_size": saved_cfg.padded_vocab_size}
-    assert "attention_backend" not in saved["model"] and "tensor_parallel_size" not in saved["model"]
+    from dataclasses import replace
+
+    from mimir_megatron.checkpoint.trainer_state import TrainerState
+
+    saved = TrainerState(step=1, format=ckpt.FORMAT, model=saved_cfg.shape_dict(),
+                         padded_vocab_size=saved_cfg.padded_vocab_size)
+    assert "attention_backend" not in saved.model and "tensor_parallel_size" not in saved.model
     ckpt.check_compatible(saved, tiny_config("execution.compile=true", "execution.layer_backend=local"), tmp_path)
     with pytest.raises(UserError, match="hidden_size"):
         ckpt.check_compatible(saved, tiny_config("hidden_size=128"), tmp_path)
     # A record written before the split holds execution and layout keys flat: still compatible.
-    legacy = {**saved["model"], "attention_backend": "varlen", "tensor_parallel_size": 2, "compile": True}
-    ckpt.check_compatible({**saved, "model": legacy}, tiny_config(), tmp_path)
+    legacy = {**saved.model, "attention_backend": "varlen", "tensor_parallel_size": 2, "compile": True}
+    ckpt.check_compatible(replace(saved, model=legacy), tiny_config(), tmp_path)
 
 
 # -- prefetching ---------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.parse
 from pathlib import Path
 
@@ -68,7 +67,8 @@ def test_training_logs_through_a_server_outage_and_reads_back_over_rest(demo_dat
     cmd = [sys.executable, "-m", "mimir_megatron.cli", "train", "--config", "configs/train/demo.yaml",
            *train_overrides(demo_data, tmp_path / "run", f"train.steps={STEPS}", "checkpoint.interval=1000",
                             f"tracking.uri={server.uri}", "tracking.experiment=server-test",
-                            "tracking.retry_seconds=1", "window.schedule=constant", "window.k=2")]
+                            "tracking.retry_seconds=1", "window.schedule=constant", "window.k=2",
+                            "train.log_interval=1")]
     with open(log, "w") as out:
         train = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -78,7 +78,10 @@ def test_training_logs_through_a_server_outage_and_reads_back_over_rest(demo_dat
         wait_for(lambda: "unreachable" in log.read_text() or train.poll() is not None,
                  "the trainer to notice the outage", timeout=120, interval=0.5)
         assert train.poll() is None, "training ended before the outage was noticed:\n" + log.read_text()[-3000:]
-        time.sleep(3)  # a few steps while the server is down
+        down = log.read_text().index("unreachable")  # steps trained while the server is down:
+        wait_for(lambda: log.read_text()[down:].count(" loss ") >= 2 or train.poll() is not None,
+                 "two steps trained during the outage", timeout=120, interval=0.2)
+        assert train.poll() is None, "training ended during the outage:\n" + log.read_text()[-3000:]
         with MlflowServer(store, port=server.port) as server:
             assert train.wait(timeout=300) == 0, log.read_text()[-3000:]
             text = log.read_text()

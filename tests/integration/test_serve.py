@@ -6,13 +6,13 @@ One tiny random model (the demo tokenizer's 1024-token vocabulary) and one serve
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
 from inference_workloads import served_engine
+from polling import wait_for
 
 from mimir_megatron.batch import single_sample_batch
 
@@ -57,10 +57,7 @@ def _sampling(i: int) -> dict:
 
 
 def _wait_for(predicate, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the server"
-        time.sleep(0.01)
+    wait_for(predicate, "the server", timeout=timeout, interval=0.01)
 
 
 def test_models_and_health(served, client):

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -279,10 +278,12 @@ def test_kill_and_rerun_neither_loses_nor_duplicates(fresh, tmp_path, caplog):
     proc = subprocess.Popen(_runner_cmd(path, out), cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     state = out / "evidence.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not state.exists() or len(state.read_bytes().splitlines()) < 10):
+
+    def decided() -> bool:
         assert proc.poll() is None, proc.stderr.read().decode()
-        time.sleep(0.05)
+        return state.exists() and len(state.read_bytes().splitlines()) >= 10
+
+    wait_for(decided, "10 rows decided", timeout=120, interval=0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     done_at_kill = len(state.read_bytes().splitlines())

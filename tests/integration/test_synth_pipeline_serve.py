@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -124,10 +123,12 @@ def test_kill_and_rerun_against_mimir_serve(served, uninterrupted, tmp_path):
            "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     state = out / "evidence.jsonl"
-    deadline = time.time() + 180
-    while time.time() < deadline and (not state.exists() or len(state.read_bytes().splitlines()) < 2):
+
+    def decided() -> bool:
         assert proc.poll() is None, proc.stderr.read().decode()
-        time.sleep(0.02)
+        return state.exists() and len(state.read_bytes().splitlines()) >= 2
+
+    wait_for(decided, "2 rows decided", timeout=180, interval=0.02)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     done = len(state.read_bytes().splitlines())

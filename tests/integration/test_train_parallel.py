@@ -13,7 +13,12 @@ at 3 and 6) and serves several tests; a layout change is a resume of another run
 checkpoint (`checkpoint.resume`), whose steps 4-6 must be the one-process run's.
 
 Tolerance: DP and TP change only the order of fp32 reductions, so losses agree to ~1e-6
-relative; we allow 2e-5 over six steps.
+relative; we allow 2e-5 over six steps. The whole state is compared relative to each tensor's
+largest value, at 1e-3: Adam divides each gradient by its own root mean square, so an embedding
+row of a token seen once or twice turns a rounding difference of its gradient into a
+weight difference of up to lr; measured 2.4e-4 (embedding, step 6) on one Xeon, under 1e-4 on
+another. A DP gradient off by a factor moves the second moments by its square (x4 for a factor of
+2), far outside that; the logged gradient norms above catch it too.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from mimir_megatron.train.loop import train
 
 pytestmark = pytest.mark.multiprocess
 RTOL = 2e-5
+STATE_RTOL = 1e-3
 UNCLIPPED = ("optim.clip_grad=0",)  # 6 steps, checkpoints at 3 and 6 (train_overrides)
 DATA_PARALLEL = ("train.micro_batch_size=1",)  # DP=2 x micro-batch 1 x accumulation 2: the same global batches
 TENSOR_PARALLEL = ("model.parallel.tensor_parallel_size=2",)
@@ -96,7 +102,7 @@ def test_data_parallel_matches_one_process(data_parallel, one_process):
     assert data_parallel.losses == pytest.approx(one_process.losses, rel=RTOL)
     assert data_parallel.grad_norms == pytest.approx(one_process.grad_norms, rel=RTOL)
     for step in (STEP_3, STEP_6):
-        assert_close_states(data_parallel.run_dir / step, one_process.run_dir / step, rtol=1e-4)
+        assert_close_states(data_parallel.run_dir / step, one_process.run_dir / step, rtol=STATE_RTOL)
 
 
 def test_zero1_gives_each_rank_the_adam_state_of_half_the_parameters(data_parallel):
