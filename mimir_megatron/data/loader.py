@@ -36,12 +36,13 @@ log = logging.getLogger(__name__)
 Sample = tuple[np.ndarray, np.ndarray]  # (prefix ids, response ids)
 
 
-def mixture_fingerprint(cfg: DataConfig) -> str:
+def mixture_fingerprint(cfg: DataConfig, mixture: Mixture | None = None) -> str:
     """Hash of everything that decides the sample stream: the datasets' manifests (their output
     sha256s), repeat factors, seq_len, seed and packing algorithm. A checkpoint stores it so that
-    a resume on changed data is refused instead of silently replaying a different stream."""
+    a resume on changed data is refused instead of silently replaying a different stream.
+    ``mixture`` is ``cfg.mixture`` already loaded (read here when not given)."""
     return mixture_digest(
-        load_mixture(cfg.mixture),
+        mixture if mixture is not None else load_mixture(cfg.mixture),
         {
             "seq_len": cfg.seq_len,
             "seed": cfg.seed,
@@ -54,16 +55,17 @@ def mixture_fingerprint(cfg: DataConfig) -> str:
 class PackedMixture:
     """The global, world-size independent stream of packed contexts of one mixture."""
 
-    def __init__(self, cfg: DataConfig) -> None:
+    def __init__(self, cfg: DataConfig, mixture: Mixture | None = None) -> None:
+        """``mixture`` is ``cfg.mixture`` already loaded (read here when not given)."""
         cfg.validate()
         self.cfg = cfg
-        self.mixture: Mixture = load_mixture(cfg.mixture)
+        self.mixture: Mixture = mixture if mixture is not None else load_mixture(cfg.mixture)
         self.datasets = [PreparedDataset(e.path) for e in self.mixture.entries]
         counts = [d.num_documents for d in self.datasets]
         self.doc_counts = counts
         self.doc_starts = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
         self.repeats = [e.repeat for e in self.mixture.entries]
-        self.fingerprint = mixture_fingerprint(cfg)
+        self.fingerprint = mixture_fingerprint(cfg, self.mixture)
         first = self.mixture.entries[0].path
         self.index_dir = Path(cfg.index_dir) if cfg.index_dir else first.parent / "_index"
         self._sample_lengths: np.ndarray | None = None
@@ -202,11 +204,13 @@ def build_train_loader(
     dp_rank: int,
     dp_size: int,
     consumed_samples: int = 0,
+    stream: PackedMixture | None = None,
 ) -> Iterator[Batch]:
     """Endless micro-batches of ``[micro_batch_size, cfg.seq_len]`` for one data-parallel rank.
 
     See the module docstring for which global samples each rank gets. The mixture is opened and
-    validated here, before the first batch is requested.
+    validated here, before the first batch is requested, unless the caller passes the ``stream``
+    it already opened.
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -218,7 +222,7 @@ def build_train_loader(
             f"consumed_samples={consumed_samples} is not a multiple of micro_batch_size * dp_size "
             f"= {step}"
         )
-    stream = PackedMixture(cfg)
+    stream = stream if stream is not None else PackedMixture(cfg)
     return _iterate(stream, micro_batch_size, consumed_samples + dp_rank * micro_batch_size, step)
 
 

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 from concurrent.futures import Future
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -43,13 +43,28 @@ logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WAR
 
 
 def read_manifest(path: str | Path) -> dict:
-    """The manifest of the prepared dataset at ``path``; a :class:`UserError` if it is missing."""
+    """The manifest of the prepared dataset at ``path``; a :class:`UserError` if it is missing.
+
+    Read once per process while the file stays as it is: the trainer's start-up asks for every
+    manifest several times (policy and integrity, fingerprint, stream, lineage), and a mixture of
+    thousands of shards has manifests of megabytes. A rewritten manifest (another size, mtime or
+    inode) is read again. The dict is shared: callers must not change it."""
     manifest_path = Path(path) / MANIFEST_NAME
-    if not manifest_path.is_file():
+    try:
+        st = manifest_path.stat()
+    except OSError:
+        st = None
+    if st is None or not manifest_path.is_file():
         raise UserError(
             f"{path}: not a prepared dataset ({MANIFEST_NAME} is missing); run `mimir prepare` "
             "first, or finish the interrupted run"
         )
+    return _read_manifest(manifest_path.resolve(), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=4096)
+def _read_manifest(manifest_path: Path, inode: int, size: int, mtime_ns: int) -> dict:
+    """The parsed manifest; the stat fields are part of the cache key only."""
     try:
         manifest = json.loads(manifest_path.read_text())
     except OSError as exc:

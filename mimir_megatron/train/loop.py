@@ -151,7 +151,6 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
         build_train_loader,
         load_eval_samples,
         load_mixture,
-        mixture_fingerprint,
         training_data_problems,
     )
     from mimir_megatron.checkpoint.load import start_collective_verification
@@ -163,11 +162,13 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
     _lock_run_directory(lock, env.rank)
     # The data policy and the prepared data's integrity, before anything is built: every
     # offending dataset at once. Each rank hashes a share of the files; all see every verdict.
+    # The mixture is read here once; the stream, its fingerprint and the lineage use it.
     mixture = load_mixture(cfg.data.mixture)
     problems = parallel.gather_lines(training_data_problems(mixture, verify=cfg.data.verify, rank=env.rank,
                                                 world=env.world_size))
     if problems:
         raise UserError(f"refusing to train on {mixture.source}:\n  - " + "\n  - ".join(problems))
+    stream = PackedMixture(cfg.data, mixture)
     parallel.init_model_parallel(cfg.model.parallel.tensor_parallel_size)
     rank, device = env.rank, backend.device()
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -195,7 +196,7 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
     trainer = build_trainer(build_model(cfg.model), cfg.optim, device=device, dp_group=dp_group,
                             dp_size=dp_size, precision=cfg.train.precision)
     model, optimizer, ema = trainer.model, trainer.optimizer, trainer.ema
-    fingerprint = mixture_fingerprint(cfg.data)
+    fingerprint = stream.fingerprint
 
     step, consumed, run_id, parent_run_id, config_changes, resumed_lineage = 0, 0, None, None, [], ()
     base_model: ckpt.BaseModel | None = None
@@ -221,10 +222,10 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
     # The packing index is built once, by rank 0, up to the epoch being resumed; the other
     # ranks then read it from its cache instead of each building it (minutes at 100B tokens).
     if rank == 0:
-        PackedMixture(cfg.data).locate(consumed)
+        stream.locate(consumed)
     dist.barrier()
     loader = build_train_loader(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
-                                dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed)
+                                dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed, stream=stream)
     if cfg.data.prefetch:
         loader = DevicePrefetcher(loader, device, cfg.data.prefetch)
     eval_samples = []

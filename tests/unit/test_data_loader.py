@@ -163,3 +163,26 @@ def test_samples_that_fill_a_context_exactly_pack_without_padding(tmp_path, capl
     supervised = sum(len(r) for (_, r), n in zip(docs, packed) if n <= seq_len)
     assert int((batch.labels != IGNORE_INDEX).sum()) == supervised
     assert batch.sources.tolist() == [[9, sum(packed) - (seq_len + 1) + 9, supervised]]
+
+
+def test_a_manifest_is_read_once_until_it_is_rewritten(tmp_path, monkeypatch):
+    """Start-up asks for every manifest several times (policy, fingerprint, stream, lineage): the
+    file is parsed once, and parsed again only when it was rewritten."""
+    import json as json_module
+
+    from mimir_megatron.data import prepared
+
+    path = write_prepared(tmp_path / "ds", [([1, 2], [3, 4])])
+    parsed = []
+    real_loads = json_module.loads
+    monkeypatch.setattr(prepared.json, "loads", lambda text: parsed.append(1) or real_loads(text))
+    first = prepared.read_manifest(path)
+    assert prepared.read_manifest(path) is first and len(parsed) == 1
+    stream = PackedMixture(DataConfig(mixture=str(make_mixture(tmp_path / "mix"))))
+    assert mixture_fingerprint(stream.cfg, stream.mixture) == stream.fingerprint
+    before = len(parsed)
+    PackedMixture(stream.cfg, stream.mixture)  # the same manifests again: none parsed anew
+    assert len(parsed) == before
+    edited = {**first, "documents": first["documents"], "note": "rewritten"}
+    (path / "manifest.json").write_text(json_module.dumps(edited))
+    assert prepared.read_manifest(path)["note"] == "rewritten"
