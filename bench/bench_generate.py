@@ -64,7 +64,7 @@ def _runners(impls: list[str], weights: Path, hf_dir: Path, batch: int, prompt_l
                 engine = InferenceEngine(base.model, None, max_batch_size=batch, megatron_layers=True)
             if impl == "compiled":  # static-shape decoding steps through torch.compile
                 engine = InferenceEngine(base.model, None, max_batch_size=batch, compile_decode=True)
-            prompts = _prompts(batch, prompt_len, engine.vocab_size)
+            prompts = _prompts(batch, prompt_len, engine.limits.vocab_size)
 
             def run(n: int, engine=engine, prompts=prompts) -> list[list[int]]:
                 reqs = [

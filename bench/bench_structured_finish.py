@@ -80,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     engine = _engine(args.checkpoint)
-    grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.default_stop_ids)
+    grammars = Grammars(engine.tokenizer, engine.limits.vocab_size, engine.default_stop_ids)
     accept, allowed = _Timer(GrammarConstraint, "accept"), _Timer(GrammarConstraint, "allowed")
     rows = []
     for kind, parameters in PARAMETERS.items():

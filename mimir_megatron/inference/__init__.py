@@ -3,7 +3,12 @@
 Imports the model, never the trainer (the trainer imports this package for its evaluation).
 
 - :mod:`~mimir_megatron.inference.kv_cache`: one cache slot per (module application, layer).
-- :mod:`~mimir_megatron.inference.engine`: prefill + cached decoding in step-level batches, scoring.
+- :mod:`~mimir_megatron.inference.engine`: the model's forward passes (prefill, a decoding step,
+  a whole batch) and the entry points ``generate`` and ``score``.
+- :mod:`~mimir_megatron.inference.requests`: every check of a request (``RequestLimits``,
+  ``RequestError``).
+- :mod:`~mimir_megatron.inference.session`: decoding sessions, rows joining at step boundaries.
+- :mod:`~mimir_megatron.inference.scoring`: continuation log-probabilities.
 - :mod:`~mimir_megatron.inference.loading`: engines from checkpoints, weights or HF directories.
 - :mod:`~mimir_megatron.inference.grammar`: structured output (llguidance, the ``serve`` extra):
   a grammar per request masks its own row's logits at each decoding step.
@@ -15,7 +20,7 @@ from mimir_megatron.lazy import lazy_exports
 
 # Imported on first use: the CLI imports this package to register its commands.
 __getattr__ = lazy_exports(__name__, {
-    "DecodeSession": ".engine", "InferenceEngine": ".engine", "RequestError": ".engine",
+    "DecodeSession": ".session", "InferenceEngine": ".engine", "RequestError": ".requests",
     "KVCache": ".kv_cache",
     "load_engine": ".loading",
     "GenerationRequest": ".types", "GenerationResult": ".types", "SamplingParams": ".types",

@@ -96,7 +96,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not source.is_file():
         raise UserError(f"input file not found: {source}")
     engine = engine_from_args(args, max_batch_size=args.batch_size)
-    engine.schedule(args.h_cycles, args.l_cycles)
+    engine.limits.schedule(args.h_cycles, args.l_cycles)
     records, requests, errors = [], [], {}
     with source.open("rb") as f:
         for number, raw in enumerate(f, start=1):
@@ -114,7 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     stop_strings=tuple(args.stop),
                 )
                 request = GenerationRequest(_prompt_ids(engine, record), params, args.h_cycles, args.l_cycles)
-                engine.check_request(request)
+                engine.limits.check_request(request)
                 requests.append((len(records), request))
             except (json.JSONDecodeError, UnicodeDecodeError, RequestError) as exc:
                 errors[len(records)] = f"line {number}: {exc}"

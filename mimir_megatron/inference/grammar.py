@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mimir_megatron.inference.engine import RequestError
+from mimir_megatron.inference.requests import RequestError
 from mimir_megatron.inference.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mimir_megatron.inference.engine import InferenceEngine, RequestError
+from mimir_megatron.inference.engine import InferenceEngine
+from mimir_megatron.inference.requests import RequestError
 from mimir_megatron.inference.types import GenerationRequest, ScoreResult, TokenEvent
 
 log = logging.getLogger(__name__)

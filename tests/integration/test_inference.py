@@ -46,7 +46,7 @@ def uncached_last_logits(model, rows: list[list[int]], prompt_lengths: list[int]
 @pytest.mark.parametrize("h,low", [(1, 3), (2, 1), (3, 3)])
 def test_cached_greedy_equals_full_recomputation(model, engine, h, low):
     prompts = random_prompts(range(1, 41))
-    plan = engine._plan(h, low)
+    plan = engine.plan(h, low)
     cache, logits = engine.prefill(prompts, plan)
     generated = [[] for _ in prompts]
     for step in range(6):
@@ -69,7 +69,7 @@ def test_fast_stacks_decode_like_megatrons_layers(model, engine):
     modules: prefill and every decoding step's logits within 1e-5, the same greedy tokens."""
     reference = InferenceEngine(model, None, max_batch_size=64, megatron_layers=True)
     assert engine._stacks is not None and reference._stacks is None
-    plan = engine._plan(2, 2)
+    plan = engine.plan(2, 2)
     decode_in_lockstep(engine, reference, random_prompts([4, 11, 26], seed=8), plan, steps=5)
 
 
@@ -96,7 +96,7 @@ def test_compiled_static_decode_equals_eager_decode(model, engine):
     all steps of a batch (a recompile would fail the test)."""
     compiled = InferenceEngine(model, None, max_batch_size=64, compile_decode=True)
     prompts = random_prompts([3, 9, 14], seed=12)
-    plan = engine._plan(1, 2)
+    plan = engine.plan(1, 2)
     calls = []
     compiled_recurrence = compiled._compiled_recurrence
     compiled._compiled_recurrence = lambda *a, **k: calls.append(1) or compiled_recurrence(*a, **k)

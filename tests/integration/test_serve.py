@@ -151,7 +151,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(engine, 
         client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
     with pytest.raises(openai.APIError, match="injected failure"):
         list(client.completions.create(model="tiny", prompt="Hi", max_tokens=3, stream=True))
-    monkeypatch.setattr(engine, "_score_batch", broken)
+    monkeypatch.setattr(engine, "hidden_states", broken)  # the forward pass of scoring
     with pytest.raises(openai.InternalServerError):
         client.post("/score", body={"context": "a", "continuation": "b"}, cast_to=object)
     monkeypatch.undo()

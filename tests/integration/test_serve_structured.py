@@ -372,7 +372,7 @@ def test_strict_by_default_and_strict_false_as_written(engine):
     ``strict: false`` compiles the schema as written (JSON Schema: other keys allowed)."""
     from mimir_megatron.inference.grammar import Grammars
 
-    grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.default_stop_ids)
+    grammars = Grammars(engine.tokenizer, engine.limits.vocab_size, engine.default_stop_ids)
     text = '<tool_call>{"name": "get_string", "arguments": {"city": "Oslo", "extra": 1}}</tool_call>'
 
     def accepts(tool) -> bool:

@@ -33,7 +33,7 @@ def client(engine, monkeypatch):
     """``(MimirLM, sent)``: the model over a stand-in /v1; ``sent`` collects every scored pair
     and every generation's (prompt ids, tokens the engine lets it generate)."""
     from mimir_megatron.evaluation.lm_eval_model import MimirLM
-    from mimir_megatron.inference.engine import RequestError
+    from mimir_megatron.inference.requests import RequestError
     from mimir_megatron.inference.types import GenerationRequest, SamplingParams
 
     sent: list[tuple[list[int], list[int]]] = []
@@ -46,8 +46,8 @@ def client(engine, monkeypatch):
             asked = [GenerationRequest(p, SamplingParams(max_new_tokens=body["max_tokens"]))
                      for p in body["prompt"]]
             for r in asked:
-                engine.check_request(r)
-            sent.extend((r.prompt_ids, engine.budget(r)) for r in asked)
+                engine.limits.check_request(r)
+            sent.extend((r.prompt_ids, engine.limits.budget(r)) for r in asked)
             return httpx.Response(200, json={"choices": [{"index": i, "text": "x"} for i in range(len(asked))]})
         pairs = [(item["context"], item["continuation"]) for item in json.loads(request.content)["items"]]
         sent.extend(pairs)

@@ -86,7 +86,7 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
         log.info("serving %s (context %d, max_tokens <= %d, queue %d, batch %d, body <= %d bytes, "
                  "schedule <= %dx%d)", engine.model_name, engine.max_context, server.limits.max_tokens_limit,
                  server.limits.max_queue, engine.max_batch_size, server.limits.max_body_bytes,
-                 *engine.cycle_limits)
+                 *engine.limits.cycle_limits)
         try:
             yield
         finally:
@@ -135,7 +135,7 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{
             "id": engine.model_name, "object": "model", "created": server.created, "owned_by": "mimir",
-            "max_model_len": engine.max_context, "trained_schedule": list(engine.trained_schedule)}]}
+            "max_model_len": engine.max_context, "trained_schedule": list(engine.limits.trained_schedule)}]}
 
     @app.get("/v1/models/{model}")
     async def model(model: str):

@@ -7,7 +7,8 @@ import asyncio
 import time
 from typing import AsyncIterator
 
-from mimir_megatron.inference.engine import InferenceEngine, RequestError
+from mimir_megatron.inference.engine import InferenceEngine
+from mimir_megatron.inference.requests import RequestError
 from mimir_megatron.inference.scheduler import GenerationWork, QueueFull, Scheduler, ScoreWork
 from mimir_megatron.inference.server.protocol import (
     DEFAULT_CYCLES_FACTOR,
@@ -62,8 +63,8 @@ class Server:
         if max_batch_size is not None:
             engine.max_batch_size = max_batch_size
         # What one request may cost: its schedule at most this factor of the trained one.
-        h, low = engine.trained_schedule
-        engine.cycle_limits = (max_cycles_factor * h, max_cycles_factor * low)
+        h, low = engine.limits.trained_schedule
+        engine.limits.cycle_limits = (max_cycles_factor * h, max_cycles_factor * low)
         limit = max_tokens_limit or min(DEFAULT_MAX_TOKENS_LIMIT, engine.max_context)
         self.engine = engine
         self.limits = Limits(max_tokens_limit=limit, max_queue=max_queue,
@@ -85,7 +86,8 @@ class Server:
     def generation_works(self, requests: list[GenerationRequest]
                          ) -> tuple[asyncio.Queue, list[GenerationWork]]:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        works = [GenerationWork(r, _QueueSink(loop, queue, i), self.engine.schedule(r.h_cycles, r.l_cycles))
+        schedule = self.engine.limits.schedule
+        works = [GenerationWork(r, _QueueSink(loop, queue, i), schedule(r.h_cycles, r.l_cycles))
                  for i, r in enumerate(requests)]
         self.submit(works)
         return queue, works

@@ -11,7 +11,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from mimir_megatron.inference.engine import InferenceEngine, RequestError
+from mimir_megatron.inference.engine import InferenceEngine
+from mimir_megatron.inference.requests import RequestError
 from mimir_megatron.inference.grammar import Grammar, Grammars
 from mimir_megatron.inference.server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -86,7 +87,7 @@ class Translator:
     def __init__(self, engine: InferenceEngine, limits: Limits) -> None:
         self.engine = engine
         self.limits = limits
-        self.grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.default_stop_ids)
+        self.grammars = Grammars(engine.tokenizer, engine.limits.vocab_size, engine.default_stop_ids)
 
     # -- the endpoints ---------------------------------------------------------------------------
 
@@ -186,7 +187,7 @@ class Translator:
         for where, context, continuation, _ in raw:
             pair = (self._ids(context, f"{where}context"), self._ids(continuation, f"{where}continuation"))
             try:
-                self.engine.check_pair(*pair)
+                self.engine.limits.check_pair(*pair)
             except RequestError as exc:
                 raise _api_error(exc, where) from exc
             pairs.append(pair)
@@ -201,7 +202,7 @@ class Translator:
 
     def _schedule(self, body: Body) -> tuple[int, int]:
         try:
-            return self.engine.schedule(body.h_cycles, body.l_cycles)
+            return self.engine.limits.schedule(body.h_cycles, body.l_cycles)
         except RequestError as exc:
             raise _api_error(exc) from exc
 
@@ -209,7 +210,7 @@ class Translator:
         """Token ids of a text or a list of ids (checked against the vocabulary)."""
         try:
             ids = self.engine.encode(value) if isinstance(value, str) else value
-            self.engine.check_ids(ids, param)
+            self.engine.limits.check_ids(ids, param)
         except RequestError as exc:
             raise bad_request(str(exc), param) from exc
         return list(ids)
@@ -386,7 +387,7 @@ class Translator:
                 seed = None if body.seed is None else body.seed + p * n + j
                 request = GenerationRequest(prompt, SamplingParams(seed=seed, **shared), h, low, grammar)
                 try:
-                    self.engine.check_request(request)
+                    self.engine.limits.check_request(request)
                 except RequestError as exc:
                     if exc.field == "max_new_tokens":
                         message = str(exc).replace("max_new_tokens", budget_param, 1)
