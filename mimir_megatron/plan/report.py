@@ -83,7 +83,7 @@ def table(plan: RunPlan, top: int = 10) -> str:
         f"master {_gb(m.master_weights)}  EMA {_gb(m.ema)}",
         f"    activations {_gb(m.activations)}  temporaries "
         + ", ".join(f"{k} {_gb(v)}" for k, v in m.temporaries.items()),
-        f"    optimizer phase " + ", ".join(f"{k} {_gb(v)}" for k, v in m.optimizer_phase.items()),
+        "    optimizer phase " + ", ".join(f"{k} {_gb(v)}" for k, v in m.optimizer_phase.items()),
         f"    peak {_gb(m.peak)} of {plan.usable_bytes / GB:.0f} usable",
         f"  step (final window): {final.model_flops / 1e15:.2f} PFLOP with attention at "
         f"{plan.seq_len // 2} keys a token ({final.matmul_flops / 1e15:.2f} matmuls only), "

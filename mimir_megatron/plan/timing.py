@@ -114,7 +114,8 @@ def step_time(cfg: ModelConfig, cluster: Cluster, *, tp: int, micro_batch: int, 
     return StepTime(seconds=compute + dp_bytes / (dp_bw * 1e9) + tp_total / (cluster.nvlink_gbps * 1e9),
                     compute_s=compute, dp_comm_s=dp_bytes / (dp_bw * 1e9),
                     tp_comm_s=tp_total / (cluster.nvlink_gbps * 1e9), model_flops=model,
-                    hardware_flops=hardware, matmul_flops=matmul, dp_bytes=dp_bytes, tp_bytes_per_application=per_app)
+                    hardware_flops=hardware, matmul_flops=matmul, dp_bytes=dp_bytes,
+                    tp_bytes_per_application=per_app)
 
 
 def efficiency_from_step(measured_s: float, at: StepTime, efficiency: float) -> float:
