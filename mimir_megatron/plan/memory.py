@@ -26,6 +26,7 @@ residual-region terms too):
   first projection (2F), SwiGLU's activated half (F) and output (F), the attention kernel's
   log-sum-exp (a).
 Per application, the exit norm keeps its input (D, fp32) and its rsqrt.
+On a CPU (dense attention), SDPA also keeps an fp32 copy of the b x s x s mask per layer.
 Recompute ``full`` keeps only each layer's input (and the exit norm's) and recomputes one
 layer in backward; ``selective`` drops q and k after RoPE and the log-sum-exp (the core
 attention is recomputed). No-grad applications keep nothing.
@@ -153,7 +154,11 @@ def layer_activation_bytes(cfg: ModelConfig, s: StepShape) -> float:
     roped = 0 if s.recompute == "selective" else 2 * d
     lse = 0 if s.recompute == "selective" else a
     tp_region = c * (4 * d + roped + 3 * d + 4 * f) / t + FP32 * lse / t
-    return s.tokens * (residual + matmul_inputs + tp_region)
+    per_layer = s.tokens * (residual + matmul_inputs + tp_region)
+    if s.dense_attention and s.recompute == "none":
+        # CPU SDPA turns the boolean mask into an additive fp32 one and keeps it for backward.
+        per_layer += s.micro_batch * s.seq_len * s.seq_len * FP32
+    return per_layer
 
 
 def activation_bytes(cfg: ModelConfig, s: StepShape) -> float:
@@ -176,8 +181,9 @@ def temporaries(cfg: ModelConfig, s: StepShape) -> dict[str, float]:
         chunk = min(s.loss_chunk_tokens, s.tokens)
         temps["loss"] = chunk * vocab_local * (FP32 + c) + head_params * FP32 + s.tokens * d * c
     else:
-        # Logits in the compute dtype, their fp32 copy (worked on in place) and its gradient.
-        temps["loss"] = s.tokens * vocab_local * (c + 2 * FP32)
+        # Logits in the compute dtype and their fp32 copy (none when they are fp32 already);
+        # the cross-entropy works in place, its gradient too.
+        temps["loss"] = s.tokens * vocab_local * (c + (FP32 if c != FP32 else 0))
     # Backward of the first layer: its recomputed activations (full recompute) or its
     # gradients' working set, about one layer's activations either way.
     full = StepShape(**{**s.__dict__, "recompute": "none"})

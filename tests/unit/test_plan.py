@@ -36,7 +36,7 @@ def tiny_shape(**changes) -> StepShape:
     # 2 contexts of 64 tokens, window k=5 (HLLLH: 3 L + 2 H applications), fp32 on CPU.
     values = dict(micro_batch=2, seq_len=64, tp=1, dp=1, k_L=3, k_H=2, recompute="none",
                   compute_bytes=4, on_gpu=False, shard_optimizer=True, ema=True,
-                  loss_chunk_tokens=0, sequence_parallel=True, dense_attention=True)
+                  loss_chunk_tokens=0, sequence_parallel=True, dense_attention=False)
     return StepShape(**{**values, **changes})
 
 
@@ -80,16 +80,21 @@ def test_activation_terms_by_hand(tiny):
     # Selective drops q, k after RoPE (512) and the log-sum-exp (4): 25,624 - 2,064 = 23,560 B.
     assert plan_memory(tiny, tiny_shape(recompute="selective")).activations == \
         10 * 128 * 23_560 + 657_920
+    # CPU's dense attention: SDPA keeps an fp32 copy of the 2 x 64 x 64 mask per layer application.
+    assert plan_memory(tiny, tiny_shape(dense_attention=True)).activations == \
+        32_798_720 + 657_920 + 10 * 2 * 64 * 64 * 4
     # k=2 (L H): 2 applications x 2 layers.
     assert plan_memory(tiny, tiny_shape(k_L=1, k_H=1)).activations == 4 * 3_279_872 + 2 * 128 * 257 * 4
 
 
 def test_temporaries_by_hand(tiny):
     t = plan_memory(tiny, tiny_shape()).temporaries
-    assert t["loss"] == 128 * 1024 * (4 + 8)  # logits, their fp32 copy and its gradient
+    assert t["loss"] == 128 * 1024 * 4  # fp32 logits (cross-entropy and its gradient in place)
     assert t["backward"] == 3_279_872  # one layer application's working set
-    assert t["attention_mask"] == 2 * 64 * 64  # the dense mask, bytes of booleans
-    gpu = plan_memory(tiny, tiny_shape(compute_bytes=2, on_gpu=True, dense_attention=False)).temporaries
+    assert "attention_mask" not in t
+    assert plan_memory(tiny, tiny_shape(dense_attention=True)).temporaries["attention_mask"] == 2 * 64 * 64
+    gpu = plan_memory(tiny, tiny_shape(compute_bytes=2, on_gpu=True)).temporaries
+    assert gpu["loss"] == 128 * 1024 * (2 + 4)  # bf16 logits and their fp32 copy
     assert gpu["autocast_weights"] == 2 * (3_670_016 + 262_144)  # bf16 stacks and head
     # Chunked loss, 32 tokens a chunk: fp32 logits + bf16 matmul output of one chunk, the head's
     # fp32 gradient, the hidden-state gradient (bf16).

@@ -1,7 +1,11 @@
-"""Worker: one rank of a real train step under torch's MemTracker; rank 0 writes the measured
-peak (bytes, per category) as JSON.
+"""Worker: real train steps under torch's MemTracker; rank 0 writes each step's measured peak.
 
-Usage: plan_memory_worker.py OUT.json TP K RECOMPUTE MICRO SEQ [model overrides...]
+Usage: plan_memory_worker.py OUT.json SHAPE MICRO SEQ CASE [CASE ...]
+  SHAPE: tiny (configs/model/tiny.yaml) or a `mimir bench` shape (mid);
+  CASE: TP:K:RECOMPUTE, e.g. 2:5:full (DP = world size / TP).
+Each case builds its model and trainer (optimizer state is created eagerly) and measures one step: the peak of
+live tensors (weights, DDP buffers, optimizer state, EMA, activations, temporaries) that the
+tracker saw allocated, per rank 0.
 """
 
 import json
@@ -16,53 +20,63 @@ from mimir_megatron import backend  # noqa: E402
 backend.setup()  # a worker is an entry point
 
 
-def main() -> None:
+def measure(shape: str, tp: int, k: int, recompute: str, micro: int, seq: int) -> dict:
     import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from mimir_megatron import parallel
     from mimir_megatron.bench.measure import bench_batch
+    from mimir_megatron.bench.shapes import model_config
     from mimir_megatron.config import load_config
-    from mimir_megatron.model import build_model
+    from mimir_megatron.model import build_model, plan_window
     from mimir_megatron.train.config import OptimSection
-    from mimir_megatron.train.schedules import StepPlan
-    from mimir_megatron.model.window import plan_window
+    from mimir_megatron.train.schedules import GROUPS, StepPlan
     from mimir_megatron.train.step import build_trainer, train_step
 
-    out, tp, k, recompute, micro, seq, *overrides = sys.argv[1:]
-    tp, k, micro, seq = int(tp), int(k), int(micro), int(seq)
-    parallel.init_distributed()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     parallel.init_model_parallel(tp)
-    cfg = load_config(TINY, [f"parallel.tensor_parallel_size={tp}", f"execution.recompute={recompute}",
-                             *overrides])
+    overrides = [f"parallel.tensor_parallel_size={tp}", f"execution.recompute={recompute}"]
+    cfg = load_config(TINY, overrides) if shape == "tiny" else model_config(shape, None, overrides)
     dp_size = parallel_state.get_data_parallel_world_size()
     trainer = build_trainer(build_model(cfg), OptimSection(), device=torch.device("cpu"),
                             dp_group=parallel_state.get_data_parallel_group(), dp_size=dp_size)
     window = plan_window(cfg.h_cycles, cfg.l_cycles, k, cfg.window_policy)
-    plan = StepPlan(step=0, window=window, lr=1e-4, group_lr=dict.fromkeys(("embedding", "head", "L", "H"), 1e-4),
-                    frozen=())
+    plan = StepPlan(step=0, window=window, lr=1e-4, group_lr=dict.fromkeys(GROUPS, 1e-4), frozen=())
     batch = bench_batch(cfg.vocab_size, micro, seq)
     tracker = MemTracker()
-    # megatron's DDP wrapper has a list attribute named ``buffers``, which the tracker calls.
+    # megatron's DDP wrapper has a list attribute named ``buffers``, which the tracker would call.
     track_module = tracker._track_module_params_and_buffers
     tracker._track_module_params_and_buffers = lambda module, *a, **kw: (
         (0, 0) if not callable(module.buffers) else track_module(module, *a, **kw))
     external = [b.grad_data for b in trainer.ddp.buffers]
     if trainer.ema is not None:
         external += list(trainer.ema.shadow.values())
-    tracker.track_external(trainer.model, trainer.optimizer, *external)
-    # The first step creates nothing lasting (optimizer state exists from the build): measure the second.
-    train_step(trainer, [batch], plan, step=0)
+    # ZeRO-1's state lives in its local optimizer (the wrapper's ``state`` is empty until then).
+    tracker.track_external(trainer.model, parallel.local_optimizer(trainer.optimizer), *external)
     with tracker:
-        train_step(trainer, [batch], plan, step=1)
+        train_step(trainer, [batch], plan, step=0)
     peak = tracker.get_tracker_snapshot("peak")
     device = next(d for d in peak if d.type == "cpu")
-    result = {"peak_bytes": peak[device]["Total"],
-              "by_kind": {str(kind): int(v) for kind, v in peak[device].items() if kind != "Total"}}
+    return {"tp": tp, "dp": dp_size, "k": k, "recompute": recompute, "peak_bytes": peak[device]["Total"],
+            "by_kind": {str(kind).rpartition(".")[2]: int(v) for kind, v in peak[device].items()
+                        if kind != "Total"}}
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    from mimir_megatron import parallel
+
+    out, shape, micro, seq, *cases = sys.argv[1:]
+    parallel.init_distributed()
+    results = []
+    for case in cases:
+        tp, k, recompute = case.split(":")
+        results.append(measure(shape, int(tp), int(k), recompute, int(micro), int(seq)))
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(result))
+        Path(out).write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
