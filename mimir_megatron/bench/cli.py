@@ -11,7 +11,8 @@ takes minutes, so under a time limit it is the one to lose), and the peer runs r
 first variant, so a run cut short still has a ratio.
 
 Reports tokens/s, TFLOP/s (formula: :mod:`mimir_megatron.train.flops`), MFU when the device's
-peak is known (``--peak-tflops``, else the GPU table of :mod:`mimir_megatron.plan.gpus`), step-time median and spread, and peak memory, as a table and as JSON.
+peak is known (``--peak-tflops``, else the GPU table of :mod:`mimir_megatron.plan.gpus`),
+step-time median and spread, and peak memory, as a table and as JSON.
 """
 
 from __future__ import annotations

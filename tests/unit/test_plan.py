@@ -184,3 +184,32 @@ def test_tp_too_large_names_the_closest_layout_that_fits():
     cfg = load_train_config(V1)
     with pytest.raises(UserError, match=r"allowed: 1, 2, 4\); closest layout that fits: TP=4 DP=2"):
         plan_run(cfg, RunSettings(gpu=gpu_spec("b200"), gpus=8, tp=16))
+
+
+def test_train_start_up_plan_of_its_own_config(caplog):
+    from mimir_megatron.plan.startup import GIB, plan_at_start
+
+    cfg = load_train_config(V1, ["train.plan_gpu=b200"])
+    with caplog.at_level("INFO", logger="mimir.plan"):
+        startup = plan_at_start(cfg, world_size=8)
+    assert "configured layout: TP=1 DP=8 micro 4x4096 accum 2" in caplog.text
+    params = startup.params()
+    assert params["plan.gpu"] == "b200" and params["plan.fits"] is True
+    assert json.loads(startup.json())["configured"]["fits"] is True
+    # Metrics in the trainer's units (peak_memory_gb is GiB), the step time of each window.
+    metrics = startup.metrics(5)
+    assert metrics["plan/peak_memory_gb"] == pytest.approx(startup.plan.configured.memory.peak / GIB)
+    assert metrics["plan/step_time_s"] > startup.metrics(2)["plan/step_time_s"]
+
+
+def test_train_start_up_plan_that_cannot_be_made_is_a_warning(caplog):
+    from mimir_megatron.plan.startup import plan_at_start
+
+    cfg = load_train_config(V1, ["train.plan_gpu=h100"])
+    assert plan_at_start(cfg, world_size=7) is None  # 64 contexts do not split over 7 ranks
+    assert "no plan: train.global_batch_size (64) is not a multiple" in caplog.text
+
+
+def test_train_plan_gpu_is_checked_with_the_config():
+    with pytest.raises(UserError, match="train.plan_gpu: unknown GPU 'x100'"):
+        load_train_config(V1, ["train.plan_gpu=x100"])
