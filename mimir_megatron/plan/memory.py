@@ -11,9 +11,9 @@ of this model is TP-split: vocab-parallel embedding and head, TP linears in the 
   least-loaded rank, group by group), so the largest rank's share is counted, not P / DP;
 - EMA: an fp32 copy, not sharded;
 - activations: what autograd keeps for the largest window of the schedule (below);
-- temporaries: the loss's buffers, the backward working set of one layer, the bf16 weight
-  copies autocast caches on a GPU, the dense attention mask (CPU), and, after backward, the
-  optimizer's scratch (whichever phase is larger counts).
+- temporaries: the loss's buffers, the head's weight gradient before DDP takes it, the backward
+  working set of one layer, the bf16 weight copies autocast caches on a GPU, the dense attention
+  mask (CPU), and, after backward, the optimizer's scratch (whichever phase is larger counts).
 
 Activations, elements per token of one layer application with grad (D hidden, F FFN width,
 a heads; t = TP size, divides the TP-region terms; with sequence parallelism the
@@ -97,8 +97,10 @@ class MemoryPlan:
 
     @property
     def peak(self) -> float:
+        # The optimizer phase's buffers come one after the other (the norm's scratch is freed
+        # before Adam runs): its peak is the largest of them.
         return self.static + max(self.activations + sum(self.temporaries.values()),
-                                 sum(self.optimizer_phase.values()))
+                                 max(self.optimizer_phase.values(), default=0.0))
 
     def terms_gb(self) -> dict[str, float]:
         terms = {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
@@ -184,6 +186,9 @@ def temporaries(cfg: ModelConfig, s: StepShape) -> dict[str, float]:
         # Logits in the compute dtype and their fp32 copy (none when they are fp32 already);
         # the cross-entropy works in place, its gradient too.
         temps["loss"] = s.tokens * vocab_local * (c + (FP32 if c != FP32 else 0))
+    # The head's weight gradient, made at the start of backward (all activations still alive)
+    # before DDP's hook adds it to the fp32 buffer: the largest weight gradient of the step.
+    temps["head_grad"] = FP32 * head_params
     # Backward of the first layer: its recomputed activations (full recompute) or its
     # gradients' working set, about one layer's activations either way.
     full = StepShape(**{**s.__dict__, "recompute": "none"})

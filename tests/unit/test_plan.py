@@ -52,6 +52,9 @@ def test_static_terms_by_hand(tiny):
     assert m.optimizer == 8 * TINY_WEIGHTS  # two fp32 moments, one DP rank: nothing sharded
     assert m.master_weights == 0  # the fp32 weights are the master copy
     assert m.ema == 4 * TINY_WEIGHTS
+    # After backward: the norm's scratch (the largest tensor, fc1's 393,216, fp32), then Adam
+    # tensor by tensor on a CPU (two fp32 temporaries of the largest): one after the other.
+    assert m.optimizer_phase == {"grad_norm": 393_216 * 4, "adam": 2 * 393_216 * 4}
 
 
 def test_zero_shards_whole_tensors_greedily(tiny):
@@ -91,6 +94,7 @@ def test_temporaries_by_hand(tiny):
     t = plan_memory(tiny, tiny_shape()).temporaries
     assert t["loss"] == 128 * 1024 * 4  # fp32 logits (cross-entropy and its gradient in place)
     assert t["backward"] == 3_279_872  # one layer application's working set
+    assert t["head_grad"] == 262_144 * 4  # the head's fp32 weight gradient before DDP takes it
     assert "attention_mask" not in t
     assert plan_memory(tiny, tiny_shape(dense_attention=True)).temporaries["attention_mask"] == 2 * 64 * 64
     gpu = plan_memory(tiny, tiny_shape(compute_bytes=2, on_gpu=True)).temporaries

@@ -2,10 +2,10 @@
 
 Usage: plan_memory_worker.py OUT.json SHAPE MICRO SEQ CASE [CASE ...]
   SHAPE: tiny (configs/model/tiny.yaml) or a `mimir bench` shape (mid);
-  CASE: TP:K:RECOMPUTE, e.g. 2:5:full (DP = world size / TP).
-Each case builds its model and trainer (optimizer state is created eagerly) and measures one step: the peak of
-live tensors (weights, DDP buffers, optimizer state, EMA, activations, temporaries) that the
-tracker saw allocated, per rank 0.
+  CASE: TP:RECOMPUTE:K[,K...], e.g. 2:full:2,5,8 (DP = world size / TP).
+Each case builds its model and trainer once (optimizer state is created eagerly) and measures
+one step per window under a fresh tracker: the peak of live tensors (weights, DDP buffers,
+optimizer state, EMA, activations, temporaries) that the tracker saw, on rank 0.
 """
 
 import json
@@ -20,7 +20,7 @@ from mimir_megatron import backend  # noqa: E402
 backend.setup()  # a worker is an entry point
 
 
-def measure(shape: str, tp: int, k: int, recompute: str, micro: int, seq: int) -> dict:
+def measure(shape: str, tp: int, recompute: str, windows: list[int], micro: int, seq: int) -> list[dict]:
     import torch
     from megatron.core import parallel_state
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -42,26 +42,30 @@ def measure(shape: str, tp: int, k: int, recompute: str, micro: int, seq: int) -
     dp_size = parallel_state.get_data_parallel_world_size()
     trainer = build_trainer(build_model(cfg), OptimSection(), device=torch.device("cpu"),
                             dp_group=parallel_state.get_data_parallel_group(), dp_size=dp_size)
-    window = plan_window(cfg.h_cycles, cfg.l_cycles, k, cfg.window_policy)
-    plan = StepPlan(step=0, window=window, lr=1e-4, group_lr=dict.fromkeys(GROUPS, 1e-4), frozen=())
     batch = bench_batch(cfg.vocab_size, micro, seq)
-    tracker = MemTracker()
-    # megatron's DDP wrapper has a list attribute named ``buffers``, which the tracker would call.
-    track_module = tracker._track_module_params_and_buffers
-    tracker._track_module_params_and_buffers = lambda module, *a, **kw: (
-        (0, 0) if not callable(module.buffers) else track_module(module, *a, **kw))
     external = [b.grad_data for b in trainer.ddp.buffers]
     if trainer.ema is not None:
         external += list(trainer.ema.shadow.values())
-    # ZeRO-1's state lives in its local optimizer (the wrapper's ``state`` is empty until then).
-    tracker.track_external(trainer.model, parallel.local_optimizer(trainer.optimizer), *external)
-    with tracker:
-        train_step(trainer, [batch], plan, step=0)
-    peak = tracker.get_tracker_snapshot("peak")
-    device = next(d for d in peak if d.type == "cpu")
-    return {"tp": tp, "dp": dp_size, "k": k, "recompute": recompute, "peak_bytes": peak[device]["Total"],
-            "by_kind": {str(kind).rpartition(".")[2]: int(v) for kind, v in peak[device].items()
-                        if kind != "Total"}}
+    results = []
+    for k in windows:
+        window = plan_window(cfg.h_cycles, cfg.l_cycles, k, cfg.window_policy)
+        plan = StepPlan(step=0, window=window, lr=1e-4, group_lr=dict.fromkeys(GROUPS, 1e-4), frozen=())
+        tracker = MemTracker()
+        # megatron's DDP wrapper has a list attribute named ``buffers``, which the tracker would call.
+        track_module = tracker._track_module_params_and_buffers
+        tracker._track_module_params_and_buffers = lambda module, *a, _track=track_module, **kw: (
+            (0, 0) if not callable(module.buffers) else _track(module, *a, **kw))
+        # ZeRO-1's state lives in its local optimizer (the wrapper's ``state`` is empty).
+        tracker.track_external(trainer.model, parallel.local_optimizer(trainer.optimizer), *external)
+        with tracker:
+            train_step(trainer, [batch], plan, step=0)
+        peak = tracker.get_tracker_snapshot("peak")
+        device = next(d for d in peak if d.type == "cpu")
+        results.append({"tp": tp, "dp": dp_size, "k": k, "recompute": recompute,
+                        "peak_bytes": peak[device]["Total"],
+                        "by_kind": {str(kind).rpartition(".")[2]: int(v) for kind, v in peak[device].items()
+                                    if kind != "Total"}})
+    return results
 
 
 def main() -> None:
@@ -73,8 +77,8 @@ def main() -> None:
     parallel.init_distributed()
     results = []
     for case in cases:
-        tp, k, recompute = case.split(":")
-        results.append(measure(shape, int(tp), int(k), recompute, int(micro), int(seq)))
+        tp, recompute, windows = case.split(":")
+        results += measure(shape, int(tp), recompute, [int(k) for k in windows.split(",")], int(micro), int(seq))
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()
