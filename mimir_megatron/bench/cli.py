@@ -11,7 +11,8 @@ takes minutes, so under a time limit it is the one to lose), and the peer runs r
 first variant, so a run cut short still has a ratio.
 
 Reports tokens/s, TFLOP/s (formula: :mod:`mimir_megatron.train.flops`), MFU when the device's
-peak is known, step-time median and spread, and peak memory, as a table and as JSON.
+peak is known (``--peak-tflops``, else the GPU table of :mod:`mimir_megatron.plan.gpus`),
+step-time median and spread, and peak memory, as a table and as JSON.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mimir_megatron.bench.shapes import SHAPES
-
-# Dense bf16 peaks (TFLOP/s) of devices we know; MFU is left out elsewhere unless --peak-tflops.
-PEAK_BF16 = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}
 
 
 @dataclass
@@ -130,8 +128,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     device = backend.device()
     peak = args.peak_tflops
     if peak is None and device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+        # The project's one GPU table (mimir_megatron/plan/gpus.yaml); unknown: no MFU.
+        from mimir_megatron.plan.gpus import spec_for_device
+
+        spec = spec_for_device(torch.cuda.get_device_name(device))
+        peak = spec.bf16_tflops if spec is not None else None
     first = next(iter(configs.values()))
     batch = bench_batch(first.vocab_size, args.micro_batch, args.seq_len, args.samples_per_context)
     step = StepSettings(optimizer=args.optimizer, lr=args.lr, clip_grad=args.clip_grad,

@@ -215,10 +215,20 @@ class HRMTextModel(MegatronModule):
             stack_args = dict(attention_mask=None, rotary_pos_emb=None, packed_seq_params=layout)
             with nullcontext() if grad else torch.no_grad():
                 if module == "L":
-                    z_L = run_L(z_L + z_H, **stack_args)
+                    z_L = run_L(self._stack_input(z_L + z_H, grad), **stack_args)
                 else:
-                    z_H = run_H(z_H + z_L, **stack_args)
+                    z_H = run_H(self._stack_input(z_H + z_L, grad), **stack_args)
         return z_H
+
+    def _stack_input(self, hidden: torch.Tensor, grad: bool) -> torch.Tensor:
+        """The input of one application. Full recompute wraps each layer in megatron's reentrant
+        checkpoint, an autograd Function whose output needs grad only if an *input* does (the
+        weights are not its inputs): the first application of a window that starts after the
+        embedding's last use (k < 5 on LLLHLLLH) gets a no-grad input, and without this its
+        stack would silently get no weight gradients."""
+        if grad and self.cfg.execution.recompute == "full" and not hidden.requires_grad:
+            return hidden.detach().requires_grad_()
+        return hidden
 
     def full_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
         """A ``[seq, batch, hidden]`` state with every position on this rank (gathers a

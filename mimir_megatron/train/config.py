@@ -36,7 +36,7 @@ from mimir_megatron.config import (
     yaml_problem,
 )
 from mimir_megatron.data.config import DataConfig
-from mimir_megatron.errors import ConfigError
+from mimir_megatron.errors import ConfigError, UserError
 
 
 class Precision(StrEnum):
@@ -102,6 +102,14 @@ class TrainSection:
     this rank fails with an error: a hung or unreachable peer ends the job instead of holding the
     allocation until its time limit. Must exceed the longest phase in which ranks wait for rank 0
     alone: building the packing index at start (minutes at 100B tokens), an `eval.suite`."""
+    plan_gpu: str = ""
+    """GPU of `mimir plan` (b200, h200, h100, gb200, a100, or a specs YAML): rank 0 then logs the
+    plan of this run's own config and layout at start-up, sends it to MLflow (plan.json, plan.*
+    params) and, on a GPU, logs the plan's peak memory and step time next to the measured ones
+    (plan/peak_memory_gb, plan/step_time_s). Empty: no plan."""
+    plan_efficiency: float = 0.30
+    """Fraction of the GPU's peak the plan assumes the step's FLOPs achieve; calibrate it from
+    a run's measured step time (docs/planning.md)."""
 
 
 @dataclass
@@ -258,6 +266,15 @@ class TrainConfig(RunSections):
                 errs.append(f"train.{name} must be >= 1, got {getattr(t, name)}")
         if t.max_nonfinite_skips < 0:
             errs.append(f"train.max_nonfinite_skips must be >= 0, got {t.max_nonfinite_skips}")
+        if t.plan_gpu:
+            from mimir_megatron.plan.gpus import gpu_spec
+
+            try:
+                gpu_spec(t.plan_gpu)
+            except UserError as exc:
+                errs.append(f"train.plan_gpu: {exc}")
+        if not 0 < t.plan_efficiency <= 1:
+            errs.append(f"train.plan_efficiency must be in (0, 1], got {t.plan_efficiency}")
         if t.collective_timeout_s < 1:
             errs.append(f"train.collective_timeout_s must be >= 1, got {t.collective_timeout_s}")
         if self.eval.suite and not Path(self.eval.suite).is_file():

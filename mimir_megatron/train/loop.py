@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from mimir_megatron import backend, parallel
 from mimir_megatron import checkpoint as ckpt
 from mimir_megatron.errors import NonFiniteTraining, UserError, write_error
+from mimir_megatron.plan.startup import StartupPlan, plan_at_start
 from mimir_megatron.stop_signals import STOP_SIGNALS, take_early
 from mimir_megatron.train.config import TrainConfig, flatten
 from mimir_megatron.train.flops import flops_per_token
@@ -114,6 +115,8 @@ class _Run:
     """The weights the run started from (``checkpoint.init_from``), kept across resumes."""
     resumed_from: Path | None
     """The checkpoint this invocation resumed from (None: a fresh start)."""
+    plan: StartupPlan | None = None
+    """`mimir plan`'s plan of this run (``train.plan_gpu``, rank 0)."""
 
     def save(self, at_step: int) -> None:
         """Checkpoint the current state as that after ``at_step`` steps (collective)."""
@@ -241,8 +244,13 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
         tags["mlflow.parentRunId"] = parent_run_id
     if config_changes:
         tags[f"config_changed_at_step_{step}"] = "; ".join(config_changes)[:5000]
-    tracker.start(cfg.run.name, flatten(cfg.to_dict()), tags, resume_run_id=run_id, resume_step=step,
+    # The plan of this very run, before its first step (rank 0; a warning if it cannot be made).
+    plan = plan_at_start(cfg, env.world_size) if cfg.train.plan_gpu and rank == 0 else None
+    params = flatten(cfg.to_dict()) | (plan.params() if plan is not None else {})
+    tracker.start(cfg.run.name, params, tags, resume_run_id=run_id, resume_step=step,
                   new_trajectory=bool(config_changes) or data_changed)
+    if plan is not None:
+        tracker.log_text(plan.json(), "plan.json")
     system = _start_system_metrics(cfg, tracker, env.local_rank)
 
     result = TrainResult(final_step=step, run_id=tracker.run_id)
@@ -261,7 +269,7 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
                 system=system, writer=writer, result=result, fingerprint=fingerprint, dp_rank=dp_rank,
                 dp_size=dp_size, accumulation=accumulation, step=step, consumed=consumed,
                 lineage=LineageCounter(mixture, resumed_lineage), base_model=base_model,
-                resumed_from=resume_from)
+                resumed_from=resume_from, plan=plan)
 
 
 def _lock_run_directory(lock: RunLock, rank: int) -> None:
@@ -309,7 +317,8 @@ def _loop(run: _Run, stop: _StopFlag, stop_at_step: int | None, hooks: StepHooks
 
             result.losses.append(outcome.loss)
             result.final_step = run.step
-            _log_step(run.tracker, cfg, run.step, plan, outcome, tokens_per_step, elapsed, devices)
+            _log_step(run.tracker, cfg, run.step, plan, outcome, tokens_per_step, elapsed, devices,
+                      planned=run.plan if device.type == "cuda" else None)
 
             # -- what follows a step: checkpoint, evaluation, pre-emption -----------------------
             run.writer.poll()
@@ -409,8 +418,9 @@ def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> ckpt.BaseModel:
 
 
 def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan: StepPlan, outcome: StepOutcome,
-              tokens: int, seconds: float, devices: int) -> None:
-    """Metrics of every step to MLflow (host values the step already read: no synchronisation)."""
+              tokens: int, seconds: float, devices: int, planned: StartupPlan | None = None) -> None:
+    """Metrics of every step to MLflow (host values the step already read: no synchronisation);
+    with ``planned`` (a GPU run), the plan's memory and step time next to the measured ones."""
     flops = flops_per_token(cfg.model, plan.window.k_L, plan.window.k_H, cfg.data.seq_len,
                             attended_keys=outcome.attended_keys) * tokens
     tflops_per_device = flops / seconds / devices / 1e12
@@ -430,6 +440,8 @@ def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan: StepPlan, out
     }
     if cfg.train.peak_tflops:
         metrics["mfu"] = tflops_per_device / cfg.train.peak_tflops
+    if planned is not None:
+        metrics |= planned.metrics(plan.window.k)
     tracker.log_metrics(step, metrics)
     if step % cfg.train.log_interval == 0 or step == 1:
         log.info("step %d/%d loss %.4f k=%d (L%d H%d) lr %.2e gnorm %.3f %.0f tok/s %.3f TFLOP/s/dev",

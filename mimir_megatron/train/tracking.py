@@ -104,6 +104,17 @@ class Tracker:
         self._tags.update({k: str(v) for k, v in tags.items()})
         self._flush()
 
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """A small text artifact of the run (e.g. plan.json), once the run exists; best effort."""
+        if not self.enabled:
+            return
+        if self.run_id is None:
+            self._flush(force=True)
+        try:
+            self._client.log_text(self.run_id, text, artifact_file)
+        except Exception as exc:  # noqa: BLE001 - tracking must never break training
+            log.warning("could not log %s to MLflow: %s", artifact_file, exc)
+
     def close(self, status: str = "FINISHED", wait_seconds: float = 30.0) -> bool:
         """Deliver what is buffered (trying for up to ``wait_seconds``) and end the run."""
         if not self.enabled:

@@ -1,0 +1,56 @@
+"""`mimir plan --config TRAIN.yaml --gpus N`: memory, layouts, step time and the schedule's cost
+before a run is launched."""
+
+from __future__ import annotations
+
+import argparse
+
+from mimir_megatron.plan.gpus import PRECISIONS
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="memory per GPU, the layouts that fit, step time, days and GPU-hours of a run",
+        description="Plans a train config on a cluster: memory per GPU term by term (at the largest "
+        "window of the schedule), the layouts (TP, DP, micro-batch, recompute) that fit, ranked by "
+        "tokens/s, and the whole schedule's wall-clock. See docs/planning.md.")
+    p.add_argument("--config", required=True, help="train YAML, e.g. configs/train/mimir_v1.yaml")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the run")
+    p.add_argument("--gpu", default="b200", help="b200, h200, h100, gb200, a100, or a YAML of specs")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="the peak to plan at")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over")
+    p.add_argument("--efficiency", type=float, default=0.30,
+                   help="fraction of peak the step's FLOPs achieve (default 0.30; calibrate from runs)")
+    p.add_argument("--step-time", type=float, default=None, metavar="S",
+                   help="a measured step (configured layout, final window): sets the efficiency")
+    p.add_argument("--margin", type=float, default=0.10,
+                   help="share of GPU memory kept free (default 0.10)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: the config's)")
+    p.add_argument("--micro-batch", type=int, help="contexts per micro-batch (default: the config's)")
+    p.add_argument("--recompute", choices=("none", "selective", "full"),
+                   help="activation recompute (default: the config's)")
+    p.add_argument("--top", type=int, default=10, help="layouts listed")
+    p.add_argument("--json", help="also write the plan here")
+    p.add_argument("overrides", nargs="*", help="train config overrides: section.key=value")
+    p.set_defaults(handler=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from mimir_megatron.plan.gpus import gpu_spec
+    from mimir_megatron.plan.layouts import RunSettings, plan_run
+    from mimir_megatron.plan.report import table, to_dict
+    from mimir_megatron.train.config import load_train_config
+
+    cfg = load_train_config(args.config, args.overrides)
+    settings = RunSettings(gpu=gpu_spec(args.gpu), gpus=args.gpus, nodes=args.nodes,
+                           precision=args.precision, efficiency=args.efficiency, margin=args.margin,
+                           step_time_s=args.step_time, tp=args.tp, micro_batch=args.micro_batch,
+                           recompute=args.recompute)
+    plan = plan_run(cfg, settings)
+    print(table(plan, args.top))
+    if args.json:
+        Path(args.json).write_text(json.dumps(to_dict(plan, args.top), indent=2) + "\n")
+    return 0

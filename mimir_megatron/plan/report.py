@@ -1,0 +1,106 @@
+"""A run plan as a table (for people) and as JSON (for tools, MLflow's plan.json)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mimir_megatron.plan.layouts import LayoutPlan, RunPlan
+from mimir_megatron.plan.memory import GB
+
+DAY = 86_400.0
+
+
+def layout_dict(p: LayoutPlan, plan: RunPlan) -> dict[str, Any]:
+    lay, final = p.layout, p.last_step
+    return {
+        "tp": lay.tp, "dp": lay.dp, "micro_batch": lay.micro_batch, "accumulation": lay.accumulation,
+        "recompute": lay.recompute, "fits": p.fits,
+        "memory_gb": p.memory.terms_gb(),
+        "step_time_s": round(final.seconds, 4),
+        "step_compute_s": round(final.compute_s, 4),
+        "dp_comm_s": round(final.dp_comm_s, 4), "dp_bytes_per_gpu": final.dp_bytes,
+        "tp_comm_s": round(final.tp_comm_s, 4),
+        "tp_bytes_per_application": final.tp_bytes_per_application,
+        "tokens_per_s": round(p.tokens_per_s, 1),
+        "mfu": round(final.mfu(plan.cluster), 4),
+        "mfu_matmul_only": round(final.matmul_mfu(plan.cluster), 4),
+        "flops_per_step": final.model_flops, "matmul_flops_per_step": final.matmul_flops,
+        "phases": [{"k": ph.k, "k_L": ph.k_L, "k_H": ph.k_H, "steps": ph.steps,
+                    "step_time_s": round(t.seconds, 4), "flops_per_step": t.model_flops,
+                    "hours": round(ph.steps * t.seconds / 3600, 2)} for ph, t in p.phases],
+        "days": round(p.seconds / DAY, 2),
+        "gpu_hours": round(p.seconds * plan.cluster.gpus / 3600, 0),
+    }
+
+
+def to_dict(plan: RunPlan, top: int = 10) -> dict[str, Any]:
+    s, gpu = plan.settings, plan.settings.gpu
+    return {
+        "config": plan.source,
+        "gpu": {"key": gpu.key, "name": gpu.name, "memory_gb": gpu.memory_gb,
+                "peak_tflops": plan.cluster.peak_tflops, "precision": s.precision,
+                "nvlink_gbps": gpu.nvlink_gbps, "network_gbps": gpu.network_gbps, "source": gpu.source},
+        "gpus": s.gpus, "nodes": s.nodes, "margin": s.margin,
+        "usable_gb": round(plan.usable_bytes / GB, 2),
+        "efficiency": round(plan.efficiency, 4),
+        "measured_step_time_s": s.step_time_s,
+        "implied_mfu": None if plan.implied_mfu is None else round(plan.implied_mfu, 4),
+        "seq_len": plan.seq_len, "global_batch": plan.global_batch, "steps": plan.steps,
+        "tokens": plan.configured.tokens,
+        "windows": [{"k": p.k, "k_L": p.k_L, "k_H": p.k_H, "steps": p.steps} for p in plan.phases],
+        "configured": layout_dict(plan.configured, plan),
+        "layouts": [layout_dict(p, plan) for p in plan.ranked[:top]],
+    }
+
+
+def _gb(value: float) -> str:
+    return f"{value / GB:.1f}"
+
+
+def table(plan: RunPlan, top: int = 10) -> str:
+    """The plan as text: the configured layout term by term, then the fitting layouts."""
+    s, gpu, c = plan.settings, plan.settings.gpu, plan.configured
+    m, final = c.memory, c.last_step
+    lines = [
+        f"plan of {plan.source} on {s.gpus} x {gpu.name}, {s.nodes} node(s), {s.precision} "
+        f"(peak {plan.cluster.peak_tflops:g} TFLOP/s per GPU, {gpu.memory_gb:g} GB, "
+        f"{plan.usable_bytes / GB:.0f} GB usable at a {s.margin:.0%} margin)",
+        f"global batch {plan.global_batch} x {plan.seq_len} = {plan.global_batch * plan.seq_len:,} tokens "
+        f"a step, {plan.steps:,} steps = {c.tokens / 1e9:.1f}B tokens; windows "
+        + ", ".join(f"k={p.k} ({p.k_L}L+{p.k_H}H) x {p.steps:,}" for p in plan.phases),
+    ]
+    if plan.implied_mfu is not None:
+        lines.append(f"a measured {s.step_time_s:g} s step implies MFU {plan.implied_mfu:.1%} and "
+                     f"efficiency {plan.efficiency:.1%} (of peak, on the FLOPs actually run)")
+    else:
+        lines.append(f"efficiency assumed {plan.efficiency:.0%} of peak (calibrate: docs/planning.md)")
+    lines += [
+        "",
+        f"configured layout: {c.layout.describe(plan.seq_len)}: "
+        + ("FITS" if c.fits else "DOES NOT FIT"),
+        "  memory per GPU (GB), activations at the largest window:",
+        f"    weights {_gb(m.weights)}  gradients {_gb(m.gradients)}  optimizer {_gb(m.optimizer)}  "
+        f"master {_gb(m.master_weights)}  EMA {_gb(m.ema)}",
+        f"    activations {_gb(m.activations)}  temporaries "
+        + ", ".join(f"{k} {_gb(v)}" for k, v in m.temporaries.items()),
+        "    optimizer phase " + ", ".join(f"{k} {_gb(v)}" for k, v in m.optimizer_phase.items()),
+        f"    peak {_gb(m.peak)} of {plan.usable_bytes / GB:.0f} usable",
+        f"  step (final window): {final.model_flops / 1e15:.2f} PFLOP with attention at "
+        f"{plan.seq_len // 2} keys a token ({final.matmul_flops / 1e15:.2f} matmuls only), "
+        f"{final.seconds:.3f} s (compute {final.compute_s:.3f}, DP comm {final.dp_comm_s:.3f}, "
+        f"TP comm {final.tp_comm_s:.3f}), MFU {final.mfu(plan.cluster):.1%} "
+        f"({final.matmul_mfu(plan.cluster):.1%} matmuls only)",
+        f"  whole schedule: {c.seconds / DAY:.1f} days, {c.seconds * s.gpus / 3600:,.0f} GPU-hours, "
+        f"{c.tokens_per_s:,.0f} tokens/s",
+        "",
+        f"layouts that fit, fastest first ({len(plan.ranked)} of them, top {min(top, len(plan.ranked))}):",
+        f"  {'TP':>2} {'DP':>3} {'micro':>5} {'accum':>5} {'recompute':>9} {'peak GB':>7} "
+        f"{'step s':>7} {'MFU':>6} {'tokens/s':>10} {'days':>6} {'GPU-h':>8}",
+    ]
+    for p in plan.ranked[:top]:
+        lay = p.layout
+        lines.append(f"  {lay.tp:>2} {lay.dp:>3} {lay.micro_batch:>5} {lay.accumulation:>5} "
+                     f"{lay.recompute:>9} {p.memory.peak / GB:>7.1f} {p.last_step.seconds:>7.3f} "
+                     f"{p.last_step.mfu(plan.cluster):>6.1%} {p.tokens_per_s:>10,.0f} "
+                     f"{p.seconds / DAY:>6.1f} {p.seconds * s.gpus / 3600:>8,.0f}")
+    return "\n".join(lines)

@@ -1,0 +1,219 @@
+"""`mimir plan`: each memory term against hand arithmetic, the paper's v1 run, bad input.
+
+The memory terms are checked against numbers worked out by hand in the comments (not by calling
+the planner's own helpers); tests/integration/test_plan_memory.py checks the model against the
+memory a real training step allocates.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import REPO, TINY
+
+from mimir_megatron.cli import main
+from mimir_megatron.config import load_config
+from mimir_megatron.errors import UserError
+from mimir_megatron.plan.gpus import gpu_spec, shipped_gpus, spec_for_device
+from mimir_megatron.plan.layouts import RunSettings, plan_run, window_phases
+from mimir_megatron.plan.memory import StepShape, plan_memory
+from mimir_megatron.train.config import load_train_config
+
+pytestmark = pytest.mark.timeout(30)
+
+V1 = REPO / "configs" / "train" / "mimir_v1.yaml"
+V1_5 = REPO / "configs" / "train" / "mimir_v1_5.yaml"
+
+# The tiny shape (configs/model/tiny.yaml): D=256, F=768, 4 heads, 2 + 2 layers, vocab 1024.
+# One layer: q, k, v and gate 4 * 256^2 = 262,144; proj 65,536; fc1 2 * 768 * 256 = 393,216;
+# fc2 196,608; together 917,504. Four layers 3,670,016; embedding = head = 1024 * 256 = 262,144;
+# all 4,194,304 weights.
+TINY_WEIGHTS = 4_194_304
+
+
+def tiny_shape(**changes) -> StepShape:
+    # 2 contexts of 64 tokens, window k=5 (HLLLH: 3 L + 2 H applications), fp32 on CPU.
+    values = dict(micro_batch=2, seq_len=64, tp=1, dp=1, k_L=3, k_H=2, recompute="none",
+                  compute_bytes=4, on_gpu=False, shard_optimizer=True, ema=True,
+                  loss_chunk_tokens=0, sequence_parallel=True, dense_attention=False)
+    return StepShape(**{**values, **changes})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_config(TINY, [])
+
+
+def test_static_terms_by_hand(tiny):
+    m = plan_memory(tiny, tiny_shape())
+    assert m.weights == 4 * TINY_WEIGHTS + 4 * 256  # fp32, plus the z_L_init buffer
+    assert m.gradients == 4 * TINY_WEIGHTS  # DDP's fp32 buffer
+    assert m.optimizer == 8 * TINY_WEIGHTS  # two fp32 moments, one DP rank: nothing sharded
+    assert m.master_weights == 0  # the fp32 weights are the master copy
+    assert m.ema == 4 * TINY_WEIGHTS
+    # After backward: the norm's scratch (the largest tensor, fc1's 393,216, fp32), then Adam
+    # tensor by tensor on a CPU (two fp32 temporaries of the largest): one after the other.
+    assert m.optimizer_phase == {"grad_norm": 393_216 * 4, "adam": 2 * 393_216 * 4}
+
+
+def test_zero_shards_whole_tensors_greedily(tiny):
+    # DP=3, groups embedding, head, L, H; tensors largest first to the least-loaded rank:
+    # emb -> r0 262,144; head -> r1 262,144; L: 393,216 -> r2; 393,216 -> r0 (655,360);
+    # 262,144 -> r1 (524,288); 262,144 -> r2 (655,360); 196,608 -> r1 (720,896);
+    # 196,608 -> r0 (851,968); 65,536 -> r2 (720,896); 65,536 -> r1 (786,432). H: 393,216 -> r2
+    # (1,114,112); 393,216 -> r1 (1,179,648); 262,144 -> r0 (1,114,112); 262,144 -> r0
+    # (1,376,256); 196,608 -> r2 (1,310,720); 196,608 -> r1 (1,376,256); 65,536 -> r2
+    # (1,376,256); 65,536 -> r0 (1,441,792). Largest rank: 1,441,792 weights, not 4,194,304 / 3.
+    assert plan_memory(tiny, tiny_shape(dp=3)).optimizer == 8 * 1_441_792
+    assert plan_memory(tiny, tiny_shape(dp=3, shard_optimizer=False)).optimizer == 8 * TINY_WEIGHTS
+
+
+def test_activation_terms_by_hand(tiny):
+    # Per token of one layer application, fp32 (4 bytes): layer input + mid residual (2 * 256)
+    # + two rsqrt = 514 -> 2,056 B; both norm outputs 512 -> 2,048 B; q k v gate (1,024), q and k
+    # after RoPE (512), attention output, sigmoid, gated product (768), fc1 (1,536), SwiGLU's
+    # activated half and output (1,536) = 5,376 -> 21,504 B; log-sum-exp 4 heads -> 16 B.
+    # 25,624 B x 128 tokens = 3,279,872 per layer application; 10 of them (3 L + 2 H
+    # applications x 2 layers) = 32,798,720; exit norms 5 x 128 x 257 x 4 = 657,920.
+    m = plan_memory(tiny, tiny_shape())
+    assert m.activations == 32_798_720 + 657_920
+    # Full recompute keeps each layer's input: 10 x 128 x 256 x 4 = 1,310,720, + exit norms.
+    assert plan_memory(tiny, tiny_shape(recompute="full")).activations == 1_310_720 + 657_920
+    # Selective drops q, k after RoPE (512) and the log-sum-exp (4): 25,624 - 2,064 = 23,560 B.
+    assert plan_memory(tiny, tiny_shape(recompute="selective")).activations == \
+        10 * 128 * 23_560 + 657_920
+    # CPU's dense attention: SDPA keeps an fp32 copy of the 2 x 64 x 64 mask per layer application.
+    assert plan_memory(tiny, tiny_shape(dense_attention=True)).activations == \
+        32_798_720 + 657_920 + 10 * 2 * 64 * 64 * 4
+    # k=2 (L H): 2 applications x 2 layers.
+    assert plan_memory(tiny, tiny_shape(k_L=1, k_H=1)).activations == 4 * 3_279_872 + 2 * 128 * 257 * 4
+
+
+def test_temporaries_by_hand(tiny):
+    t = plan_memory(tiny, tiny_shape()).temporaries
+    assert t["loss"] == 128 * 1024 * 4  # fp32 logits (cross-entropy and its gradient in place)
+    assert t["backward"] == 3_279_872  # one layer application's working set
+    assert t["head_grad"] == 262_144 * 4  # the head's fp32 weight gradient before DDP takes it
+    assert "attention_mask" not in t
+    assert plan_memory(tiny, tiny_shape(dense_attention=True)).temporaries["attention_mask"] == 2 * 64 * 64
+    gpu = plan_memory(tiny, tiny_shape(compute_bytes=2, on_gpu=True)).temporaries
+    assert gpu["loss"] == 128 * 1024 * (2 + 4)  # bf16 logits and their fp32 copy
+    assert gpu["autocast_weights"] == 2 * (3_670_016 + 262_144)  # bf16 stacks and head
+    # Chunked loss, 32 tokens a chunk: fp32 logits + bf16 matmul output of one chunk, the head's
+    # fp32 gradient, the hidden-state gradient (bf16).
+    chunked = plan_memory(tiny, tiny_shape(compute_bytes=2, on_gpu=True, loss_chunk_tokens=32))
+    assert chunked.temporaries["loss"] == 32 * 1024 * 6 + 262_144 * 4 + 128 * 256 * 2
+
+
+def test_tensor_parallel_splits_every_term(tiny):
+    one, two = plan_memory(tiny, tiny_shape()), plan_memory(tiny, tiny_shape(tp=2))
+    # Vocab 1024 is already a multiple of 128 x 2: every weight halves.
+    assert two.gradients == one.gradients / 2
+    # Sequence parallel: every activation term halves too.
+    assert two.activations == one.activations / 2
+
+
+def test_gpu_table_ships_sources_and_matches_device_names():
+    table = shipped_gpus()
+    assert {"b200", "h200", "h100", "gb200"} <= set(table)
+    assert all(spec.source for spec in table.values())
+    assert table["b200"].memory_gb == 180 and table["b200"].bf16_tflops == 2250
+    assert spec_for_device("NVIDIA H200").key == "h200"
+    assert spec_for_device("NVIDIA GB200").key == "gb200"  # not B200: the longest match
+    assert spec_for_device("Tesla T4") is None
+
+
+@pytest.fixture(scope="module")
+def v1_plan():
+    cfg = load_train_config(V1)
+    return plan_run(cfg, RunSettings(gpu=gpu_spec("b200"), gpus=8, step_time_s=1.1))
+
+
+def test_paper_v1_fits_and_costs_three_weeks(v1_plan):
+    plan = v1_plan
+    c = plan.configured
+    assert (c.layout.tp, c.layout.dp, c.layout.micro_batch, c.layout.accumulation) == (1, 8, 4, 2)
+    assert c.fits and c.memory.peak < 180e9
+    final = c.last_step
+    # 262,144 tokens x 20.1 GFLOP (k=5, matmuls) = 5.27 PFLOP a step.
+    assert final.matmul_flops == pytest.approx(262_144 * 20.1e9, rel=0.005)
+    # Over 8 GPUs in 1.1 s: ~600 TFLOP/s each, ~27 % of 2,250 (attention at 2,048 keys: ~31 %).
+    assert plan.implied_mfu == pytest.approx(final.model_flops / 1.1 / 8 / 2250e12)
+    assert final.matmul_mfu(plan.cluster) == pytest.approx(0.266, abs=0.002)
+    assert final.seconds == pytest.approx(1.1, rel=1e-6)
+    # 1.65M steps, the k < 5 ramp faster: just under 3 weeks; ~4,000 GPU-hours, not 8,000.
+    days = c.seconds / 86_400
+    assert 19 < days < 21
+    assert c.seconds * 8 / 3600 == pytest.approx(1.65e6 * 1.1 * 8 / 3600, rel=0.05)
+    assert [(p.k, p.steps) for p in plan.phases] == [(2, 110_000), (3, 110_000), (4, 110_000),
+                                                      (5, 1_320_000)]
+
+
+def test_a_layout_that_cannot_fit_is_reported_with_its_numbers(tmp_path, capsys):
+    # 16 x 4,096 tokens per GPU at k=8 without recompute.
+    argv = ["plan", "--config", str(V1), "--gpus", "8", "--gpu", "b200", "--json", str(tmp_path / "p.json"),
+            "train.micro_batch_size=16", "train.global_batch_size=128", "window.schedule=constant",
+            "window.k=8"]
+    assert main(argv) == 0
+    plan = json.loads((tmp_path / "p.json").read_text())
+    configured = plan["configured"]
+    assert (configured["micro_batch"], configured["accumulation"], configured["fits"]) == (16, 1, False)
+    assert configured["memory_gb"]["peak"] > 180
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert plan["layouts"] and all(layout["fits"] for layout in plan["layouts"])
+
+
+def test_v1_5_grows_the_window_to_8():
+    phases = window_phases(load_train_config(V1_5))
+    assert [(p.k, p.k_L, p.k_H) for p in phases] == [(5, 3, 2), (6, 4, 2), (7, 5, 2), (8, 6, 2)]
+    assert sum(p.steps for p in phases) == 1_200_000
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--gpu", "b300"], "unknown GPU 'b300'"),
+    (["--micro-batch", "3"], "is not a multiple of micro-batch 3 x DP 8; closest layout that fits: TP=1 DP=8 micro 4"),
+    (["--tp", "16"], "TP=16 is not possible for 12 heads"),
+    (["--gpus", "1", "--gpu", "a100", "data.seq_len=65536"], "fits no layout on 1 x A100"),
+])
+def test_bad_input_is_one_line(args, words, caplog):
+    argv = ["plan", "--config", str(V1), "--gpus", "8", *args]
+    argv = argv if "--gpus" not in args else ["plan", "--config", str(V1), *args]
+    assert main(argv) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "\n" not in errors[0] and words in errors[0], errors
+
+
+def test_tp_too_large_names_the_closest_layout_that_fits():
+    cfg = load_train_config(V1)
+    with pytest.raises(UserError, match=r"allowed: 1, 2, 4\); closest layout that fits: TP=4 DP=2"):
+        plan_run(cfg, RunSettings(gpu=gpu_spec("b200"), gpus=8, tp=16))
+
+
+def test_train_start_up_plan_of_its_own_config(caplog):
+    from mimir_megatron.plan.startup import GIB, plan_at_start
+
+    cfg = load_train_config(V1, ["train.plan_gpu=b200"])
+    with caplog.at_level("INFO", logger="mimir.plan"):
+        startup = plan_at_start(cfg, world_size=8)
+    assert "configured layout: TP=1 DP=8 micro 4x4096 accum 2" in caplog.text
+    params = startup.params()
+    assert params["plan.gpu"] == "b200" and params["plan.fits"] is True
+    assert json.loads(startup.json())["configured"]["fits"] is True
+    # Metrics in the trainer's units (peak_memory_gb is GiB), the step time of each window.
+    metrics = startup.metrics(5)
+    assert metrics["plan/peak_memory_gb"] == pytest.approx(startup.plan.configured.memory.peak / GIB)
+    assert metrics["plan/step_time_s"] > startup.metrics(2)["plan/step_time_s"]
+
+
+def test_train_start_up_plan_that_cannot_be_made_is_a_warning(caplog):
+    from mimir_megatron.plan.startup import plan_at_start
+
+    cfg = load_train_config(V1, ["train.plan_gpu=h100"])
+    assert plan_at_start(cfg, world_size=7) is None  # 64 contexts do not split over 7 ranks
+    assert "no plan: train.global_batch_size (64) is not a multiple" in caplog.text
+
+
+def test_train_plan_gpu_is_checked_with_the_config():
+    with pytest.raises(UserError, match="train.plan_gpu: unknown GPU 'x100'"):
+        load_train_config(V1, ["train.plan_gpu=x100"])

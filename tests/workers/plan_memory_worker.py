@@ -1,0 +1,89 @@
+"""Worker: real train steps under torch's MemTracker; rank 0 writes each step's measured peak.
+
+Usage: plan_memory_worker.py OUT.json SHAPE MICRO SEQ CASE [CASE ...]
+  SHAPE: tiny (configs/model/tiny.yaml) or a `mimir bench` shape (mid);
+  CASE: TP:RECOMPUTE:K[,K...], e.g. 2:full:2,5,8 (DP = world size / TP).
+Each case builds its model and trainer once (optimizer state is created eagerly) and measures
+one step per window under a fresh tracker: the peak of live tensors (weights, DDP buffers,
+optimizer state, EMA, activations, temporaries) that the tracker saw, on rank 0.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from conftest import TINY  # noqa: E402
+
+from mimir_megatron import backend  # noqa: E402
+
+backend.setup()  # a worker is an entry point
+
+
+def measure(shape: str, tp: int, recompute: str, windows: list[int], micro: int, seq: int) -> list[dict]:
+    import torch
+    from megatron.core import parallel_state
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from mimir_megatron import parallel
+    from mimir_megatron.bench.measure import bench_batch
+    from mimir_megatron.bench.shapes import model_config
+    from mimir_megatron.config import load_config
+    from mimir_megatron.model import build_model, plan_window
+    from mimir_megatron.train.config import OptimSection
+    from mimir_megatron.train.schedules import GROUPS, StepPlan
+    from mimir_megatron.train.step import build_trainer, train_step
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel.init_model_parallel(tp)
+    overrides = [f"parallel.tensor_parallel_size={tp}", f"execution.recompute={recompute}"]
+    cfg = load_config(TINY, overrides) if shape == "tiny" else model_config(shape, None, overrides)
+    dp_size = parallel_state.get_data_parallel_world_size()
+    trainer = build_trainer(build_model(cfg), OptimSection(), device=torch.device("cpu"),
+                            dp_group=parallel_state.get_data_parallel_group(), dp_size=dp_size)
+    batch = bench_batch(cfg.vocab_size, micro, seq)
+    external = [b.grad_data for b in trainer.ddp.buffers]
+    if trainer.ema is not None:
+        external += list(trainer.ema.shadow.values())
+    results = []
+    for k in windows:
+        window = plan_window(cfg.h_cycles, cfg.l_cycles, k, cfg.window_policy)
+        plan = StepPlan(step=0, window=window, lr=1e-4, group_lr=dict.fromkeys(GROUPS, 1e-4), frozen=())
+        tracker = MemTracker()
+        # megatron's DDP wrapper has a list attribute named ``buffers``, which the tracker would call.
+        track_module = tracker._track_module_params_and_buffers
+        tracker._track_module_params_and_buffers = lambda module, *a, _track=track_module, **kw: (
+            (0, 0) if not callable(module.buffers) else _track(module, *a, **kw))
+        # ZeRO-1's state lives in its local optimizer (the wrapper's ``state`` is empty).
+        tracker.track_external(trainer.model, parallel.local_optimizer(trainer.optimizer), *external)
+        with tracker:
+            train_step(trainer, [batch], plan, step=0)
+        peak = tracker.get_tracker_snapshot("peak")
+        device = next(d for d in peak if d.type == "cpu")
+        results.append({"tp": tp, "dp": dp_size, "k": k, "recompute": recompute,
+                        "peak_bytes": peak[device]["Total"],
+                        "by_kind": {str(kind).rpartition(".")[2]: int(v) for kind, v in peak[device].items()
+                                    if kind != "Total"}})
+    return results
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    from mimir_megatron import parallel
+
+    out, shape, micro, seq, *cases = sys.argv[1:]
+    parallel.init_distributed()
+    results = []
+    for case in cases:
+        tp, recompute, windows = case.split(":")
+        results += measure(shape, int(tp), recompute, [int(k) for k in windows.split(",")], int(micro), int(seq))
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
