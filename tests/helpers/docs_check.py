@@ -26,9 +26,6 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Pages that other branches are adding; a link to one may point ahead of it (never to an anchor).
-PENDING = frozenset({"docs/planning.md", "docs/data-governance.md", "docs/contamination.md"})
-
 # Top-level folders whose paths, written in a doc, must exist.
 SOURCE_ROOTS = ("mimir_megatron", "kernels", "data_prep", "launchers", "configs", "tests", "bench",
                 "docker", "docs", ".ci")
@@ -156,10 +153,7 @@ def check_links(docs: list[Doc], repo: Path = REPO) -> list[str]:
             file_part, _, anchor = target.partition("#")
             dest = (doc.path.parent / file_part).resolve() if file_part else doc.path.resolve()
             where = f"{doc.name}:{number}: link {target}"
-            rel = dest.relative_to(repo.resolve()).as_posix() if dest.is_relative_to(repo.resolve()) else None
             if not dest.exists():
-                if rel in PENDING and not anchor:
-                    continue
                 problems.append(f"{where}: no such file")
                 continue
             if anchor:
@@ -245,7 +239,7 @@ def check_paths(docs: list[Doc], repo: Path = REPO) -> list[str]:
         for number, name in doc.code_paths:
             if _CONFIG.fullmatch(name):
                 continue  # check_configs reports it
-            if not (repo / name).exists() and name not in PENDING:
+            if not (repo / name).exists():
                 problems.append(f"{doc.name}:{number}: `{name}`: no such file or folder")
     return problems
 
