@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from mimir_megatron.checkpoint import FORMS_HELP
+from mimir_megatron.checkpoint import add_model_arguments, model_dir_from_args
 
 log = logging.getLogger("mimir")
 
@@ -21,11 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("export", help="write a transformers hrm_text model directory")
     p.add_argument("--config", help="model YAML (with --seed: a freshly initialised model)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--seed", type=int, help="initialise from this seed")
-    src.add_argument("--checkpoint",
-                     help=f"project weights (from `mimir import`), or a training checkpoint: {FORMS_HELP}")
-    p.add_argument("--ema", action="store_true", help="with a training checkpoint: export the EMA weights")
+    src = add_model_arguments(p)
+    src.add_argument("--seed", type=int, help="a freshly initialised model from this seed (with --config)")
     p.add_argument("--output", required=True, help="directory to write")
     p.add_argument("--tokenizer", help="tokenizer directory to copy alongside")
     card = p.add_argument_group(
@@ -76,10 +73,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mimir_megatron.checkpoint import find, is_checkpoint_source, load_model
+    from mimir_megatron.checkpoint import ModelKind, find, load_model
     from mimir_megatron.config import load_config
     from mimir_megatron.errors import UserError
-    from mimir_megatron.interop import export_hf, load_weights
+    from mimir_megatron.interop import export_hf, import_hf, load_weights
     from mimir_megatron.model import build_model
 
     found = None
@@ -87,22 +84,25 @@ def cmd_export(args: argparse.Namespace) -> int:
         if not args.config:
             raise UserError("--seed needs --config (the model shape to initialise)")
         model = build_model(load_config(args.config, [*args.overrides, f"seed={args.seed}"]))
-    elif not Path(args.checkpoint).is_dir():
-        raise UserError(f"checkpoint directory not found: {args.checkpoint}")
-    elif is_checkpoint_source(args.checkpoint):
-        found = find(args.checkpoint)
-        model = load_model(args.checkpoint, ema=args.ema)
+        origin = f"freshly initialised weights (seed {args.seed})"
     else:
-        if args.ema:
-            raise UserError("--ema needs a training checkpoint (project weights hold no EMA)")
-        model = load_weights(args.checkpoint, args.overrides)
-    files = _release_files(args, model, found)
+        source = model_dir_from_args(args)
+        source.check_ema(args.ema)
+        if source.kind == ModelKind.checkpoint:
+            found = find(source.path)
+            model = load_model(source.path, ema=args.ema)
+        elif source.kind == ModelKind.weights:
+            model = load_weights(source.path, args.overrides)
+        else:
+            model = import_hf(source.path, args.overrides)
+        origin = f"{source.kind} ({source.path})"
+    files = _release_files(args, model, found, origin)
     export_hf(model, args.output, tokenizer_dir=args.tokenizer, extra_files=files)
     print(f"exported to {args.output}")
     return 0
 
 
-def _release_files(args: argparse.Namespace, model, found) -> dict[str, str]:
+def _release_files(args: argparse.Namespace, model, found, origin: str) -> dict[str, str]:
     """The model card and the training-data summary (from the checkpoint's lineage, if any)."""
     from mimir_megatron.model import count_parameters
     from mimir_megatron.release.card import hf_license, model_card
@@ -117,8 +117,6 @@ def _release_files(args: argparse.Namespace, model, found) -> dict[str, str]:
     files: dict[str, str] = {}
     summary, base_model = None, args.base_model
     if found is None:
-        origin = (f"freshly initialised weights (seed {args.seed})" if args.seed is not None
-                  else f"project weights ({args.checkpoint})")
         info["training"] = f"Not recorded: exported from {origin}."
     else:
         path, state = found

@@ -7,7 +7,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from mimir_megatron.checkpoint import FORMS_HELP
+from mimir_megatron.checkpoint import add_model_arguments, model_dir_from_args
 
 log = logging.getLogger("mimir.audit")
 
@@ -103,10 +103,7 @@ def _add_sources(p: argparse.ArgumentParser, allow_index: bool = False) -> None:
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help=f"training checkpoint ({FORMS_HELP}), transformers hrm_text directory, or "
-                        "`mimir import` weights")
-    p.add_argument("--ema", action="store_true", help="with a training checkpoint: the EMA weights")
+    add_model_arguments(p)
     p.add_argument("--tokenizer", help="tokenizer directory (default: the one found with the model)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="seeds the choice of documents and windows")
@@ -154,7 +151,7 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     index = AuditIndex(args.index)
     generic = read_generic_prompts(args.generic) if args.generic else None
-    model = load_audit_model(args.model, ema=args.ema, tokenizer=args.tokenizer,
+    model = load_audit_model(model_dir_from_args(args), ema=args.ema, tokenizer=args.tokenizer,
                              batch_size=args.batch_size)
     settings = PrefixSettings(
         categories=_categories(args.categories) or [], per_category=args.per_category,
@@ -189,7 +186,7 @@ def cmd_continuation(args: argparse.Namespace) -> int:
                    for s in AuditIndex(args.index).sources]
     else:
         sources = resolve_sources(args.mixture, args.data)
-    model = load_audit_model(args.model, ema=args.ema, tokenizer=args.tokenizer,
+    model = load_audit_model(model_dir_from_args(args), ema=args.ema, tokenizer=args.tokenizer,
                              batch_size=args.batch_size)
     settings = ContinuationSettings(
         categories=_categories(args.categories), samples=args.samples, prefix_tokens=args.prefix_tokens,

@@ -3,9 +3,9 @@ that provides it on top of the inference engine (``mimir_megatron.inference``)."
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
+from mimir_megatron.checkpoint.model_dir import ModelDir, detect_model_dir
 from mimir_megatron.errors import UserError
 
 
@@ -74,23 +74,14 @@ class EngineAuditModel:
         return list(self.engine.render_chat([{"role": "user", "content": str(record["prompt"])}]))
 
 
-def load_audit_model(model: str, *, ema: bool = False, tokenizer: str | None = None,
+def load_audit_model(model: ModelDir | str, *, ema: bool = False, tokenizer: str | None = None,
                      batch_size: int = 32) -> EngineAuditModel:
-    """A training checkpoint (a step_N directory, a run's checkpoints directory or the run), a
-    transformers hrm_text directory (has config.json) or `mimir import` weights."""
-    from mimir_megatron.checkpoint import is_checkpoint_source
+    """The audited model: a model directory of any form
+    (:func:`mimir_megatron.checkpoint.resolve_model_dir`), or its path to recognise."""
     from mimir_megatron.inference import load_engine
 
-    path = Path(model)
-    if not path.is_dir():
-        raise UserError(f"--model {model}: not a directory")
-    kwargs: dict = {"max_batch_size": batch_size}
+    source = model if isinstance(model, ModelDir) else detect_model_dir(model)
+    kwargs: dict = {"max_batch_size": batch_size, "ema": ema, str(source.kind): str(source.path)}
     if tokenizer:
         kwargs["tokenizer"] = tokenizer
-    if is_checkpoint_source(path):
-        engine = load_engine(checkpoint=str(path), ema=ema, **kwargs)
-    elif (path / "config.json").is_file():
-        engine = load_engine(hf=str(path), **kwargs)
-    else:
-        engine = load_engine(weights=str(path), **kwargs)
-    return EngineAuditModel(engine, batch_size=batch_size)
+    return EngineAuditModel(load_engine(**kwargs), batch_size=batch_size)

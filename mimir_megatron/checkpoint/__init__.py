@@ -48,6 +48,15 @@ from .layout import (
     resolve,
     step_dir_name,
 )
+from .model_dir import (
+    MODEL_FORMS_HELP,
+    ModelDir,
+    ModelKind,
+    add_model_arguments,
+    detect_model_dir,
+    model_dir_from_args,
+    resolve_model_dir,
+)
 from .trainer_state import BaseModel, DatasetLineage, TrainerState, read_trainer_state
 
 # Imported on first use: the layout alone is what a command's --help needs (no omegaconf, no torch).
@@ -59,7 +68,9 @@ _LAZY = {
 }
 
 __all__ = [
-    "FORMAT", "FORMS_HELP", "RUN_CHECKPOINTS", "BaseModel", "DatasetLineage", "TrainerState", "find",
+    "FORMAT", "FORMS_HELP", "MODEL_FORMS_HELP", "RUN_CHECKPOINTS", "BaseModel", "ModelDir", "ModelKind",
+    "add_model_arguments", "detect_model_dir", "model_dir_from_args", "resolve_model_dir", "DatasetLineage",
+    "TrainerState", "find",
     "is_checkpoint", "is_checkpoint_source", "latest_checkpoint", "read_trainer_state", "resolve",
     "step_dir_name", *_LAZY,
 ]

@@ -9,19 +9,15 @@ import logging
 import time
 from pathlib import Path
 
-from mimir_megatron.checkpoint import FORMS_HELP, RUN_CHECKPOINTS, resolve
+from mimir_megatron.checkpoint import RUN_CHECKPOINTS, add_model_arguments, model_dir_from_args, resolve
 
 log = logging.getLogger("mimir")
 
 
 def _add_model_source(p: argparse.ArgumentParser) -> None:
     """Where the model comes from: a directory `mimir serve` is started for, or a running server."""
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help=f"training checkpoint: {FORMS_HELP}")
-    src.add_argument("--hf", help="transformers hrm_text directory")
-    src.add_argument("--weights", help="project weights directory (`mimir import` output)")
+    src = add_model_arguments(p)
     src.add_argument("--base-url", help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--ema", action="store_true", help="with --checkpoint: evaluate the EMA weights")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's own)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for mimir serve")
 
@@ -91,6 +87,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", required=True, help="directory (use it as --data-dir)")
     p.add_argument("--rows", type=int, default=8, help="rows per split")
     p.set_defaults(handler=cmd_fixtures)
+
+
+def _resolve_model(args: argparse.Namespace) -> None:
+    """Recognise ``--model`` once: the rest of the command sees the form it is (``args.checkpoint``,
+    ``args.hf`` or ``args.weights``), as if that flag had been given."""
+    if args.base_url:
+        return
+    source = model_dir_from_args(args)
+    source.check_ema(args.ema)
+    args.model = args.checkpoint = args.hf = args.weights = None
+    setattr(args, str(source.kind), str(source.path))
 
 
 def _suite(args: argparse.Namespace):
@@ -175,6 +182,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .runner import run_suite, server_model_name
     from .tracking import EvalRun, tracking_target
 
+    _resolve_model(args)
     suite = _suite(args)
     marks, report = _marks(args, suite)
     schedule = "" if args.h_cycles is None and args.l_cycles is None else f"-h{args.h_cycles}l{args.l_cycles}"
@@ -214,6 +222,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from .sweep import SweepResult, markdown, parse_schedules, schedule_name, trained_schedule, write_sweep
     from .tracking import EvalRun, tracking_target
 
+    _resolve_model(args)
     suite = _suite(args)
     marks, report = _marks(args, suite)
     schedules = parse_schedules(args.schedules)
@@ -271,6 +280,7 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
     from .lm_eval_run import require_lm_eval, run_lm_eval
 
     require_lm_eval()
+    _resolve_model(args)
     tokenizer = _tokenizer_dir(args)
     if tokenizer is None:
         from mimir_megatron.errors import UserError

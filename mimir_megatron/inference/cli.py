@@ -16,18 +16,15 @@ import json
 import logging
 from pathlib import Path
 
-from mimir_megatron.checkpoint import FORMS_HELP
+from mimir_megatron.checkpoint import add_model_arguments
 
 log = logging.getLogger("mimir")
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The model-source flags shared by the inference commands."""
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help=f"training checkpoint: {FORMS_HELP}")
-    src.add_argument("--weights", help="project weights directory (`mimir import` output)")
-    src.add_argument("--hf", help="transformers hrm_text directory")
-    p.add_argument("--ema", action="store_true", help="with --checkpoint: use the EMA weights")
+def add_generate_source(p: argparse.ArgumentParser) -> None:
+    """The model flags of every command (:func:`mimir_megatron.checkpoint.add_model_arguments`) and
+    the engine's."""
+    add_model_arguments(p)
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's own)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="TP size (run under torchrun)")
     p.add_argument("--compile-decode", action="store_true",
@@ -39,6 +36,7 @@ def engine_from_args(args: argparse.Namespace, **kwargs):
     from mimir_megatron.inference import load_engine
 
     return load_engine(
+        model=args.model,
         checkpoint=args.checkpoint,
         ema=args.ema,
         weights=args.weights,
@@ -52,7 +50,7 @@ def engine_from_args(args: argparse.Namespace, **kwargs):
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate completions for a JSONL file of prompts")
-    add_model_arguments(p)
+    add_generate_source(p)
     p.add_argument("--input", required=True, help="JSONL: prompt | messages | prompt_ids per line")
     p.add_argument("--output", required=True, help="JSONL to write (one line per input line)")
     p.add_argument("--h-cycles", type=int, help="schedule: H cycles (default: as trained)")

@@ -12,7 +12,6 @@ import logging
 from pathlib import Path
 
 from mimir_megatron import checkpoint as checkpoint_pkg
-from mimir_megatron.errors import UserError
 from mimir_megatron.inference.engine import InferenceEngine
 
 log = logging.getLogger(__name__)
@@ -28,6 +27,7 @@ def _tokenizer(directory: str | Path | None):
 
 def load_engine(
     *,
+    model: str | Path | None = None,
     checkpoint: str | Path | None = None,
     ema: bool = False,
     weights: str | Path | None = None,
@@ -38,39 +38,35 @@ def load_engine(
     max_context: int | None = None,
     compile_decode: bool = False,
 ) -> InferenceEngine:
-    """An engine over exactly one of: a training ``checkpoint`` (optionally its ``ema`` weights),
-    project ``weights`` (``mimir import`` output) or a transformers ``hf`` directory.
+    """An engine over exactly one of: a ``model`` directory of any form (recognised by
+    :func:`mimir_megatron.checkpoint.resolve_model_dir`), a training ``checkpoint`` (optionally its
+    ``ema`` weights), project ``weights`` (``mimir import`` output) or a transformers ``hf`` directory.
 
     The tokenizer comes from ``tokenizer``, else from the model's own directory or config.
     ``compile_decode``: see :class:`InferenceEngine`.
     """
-    sources = [s for s in (checkpoint, weights, hf) if s is not None]
-    if len(sources) != 1:
-        raise UserError("give exactly one of a training checkpoint, project weights or an HF directory")
-    source = Path(sources[0])
-    if not source.is_dir():
-        raise UserError(f"model directory not found: {source}")
-    if ema and checkpoint is None:
-        raise UserError("--ema needs a training checkpoint (project weights and HF directories hold no EMA)")
+    found = checkpoint_pkg.resolve_model_dir(model=model, checkpoint=checkpoint, weights=weights, hf=hf)
+    source, kind = found.path, found.kind
+    found.check_ema(ema)
     overrides = checkpoint_pkg.execution_overrides(tensor_parallel_size)
-    if checkpoint is not None:
-        model = checkpoint_pkg.load_model(source, ema=ema, tensor_parallel_size=tensor_parallel_size)
-        fallback = model.cfg.tokenizer
-    elif weights is not None:
+    if kind == checkpoint_pkg.ModelKind.checkpoint:
+        net = checkpoint_pkg.load_model(source, ema=ema, tensor_parallel_size=tensor_parallel_size)
+        fallback = net.cfg.tokenizer
+    elif kind == checkpoint_pkg.ModelKind.weights:
         from mimir_megatron.interop import load_weights
 
-        model = load_weights(source, overrides)
-        fallback = source if (source / "tokenizer.json").is_file() else model.cfg.tokenizer
+        net = load_weights(source, overrides)
+        fallback = source if (source / "tokenizer.json").is_file() else net.cfg.tokenizer
     else:
         from mimir_megatron.interop import import_hf
 
-        model = import_hf(source, overrides)
+        net = import_hf(source, overrides)
         fallback = source
     tok = _tokenizer(tokenizer or fallback)
     if tok is None:
         log.warning("no tokenizer found for %s: the engine takes and returns token ids only", source)
     name = source.name if source.name not in ("latest", "") else source.parent.name
     return InferenceEngine(
-        model, tok, max_batch_size=max_batch_size, max_context=max_context, model_name=name,
+        net, tok, max_batch_size=max_batch_size, max_context=max_context, model_name=name,
         compile_decode=compile_decode,
     )

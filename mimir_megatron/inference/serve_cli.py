@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mimir_megatron.checkpoint import FORMS_HELP
+from mimir_megatron.checkpoint import add_model_arguments
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,11 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "/v1/score, "
                     "/v1/models, /v1/stats, /health. Extra body fields h_cycles / l_cycles choose the "
                     "recurrence schedule per request.")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help=f"training checkpoint: {FORMS_HELP}")
-    source.add_argument("--weights", help="project weights directory (`mimir import` output)")
-    source.add_argument("--hf", help="transformers hrm_text directory")
-    p.add_argument("--ema", action="store_true", help="serve the checkpoint's EMA weights")
+    add_model_arguments(p)
     p.add_argument("--tokenizer", help="tokenizer directory (default: the one found with the model)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; anything else exposes the model on the network)")
@@ -62,8 +58,8 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).warning(
             "binding %s: the model is reachable from the network, and the server has no authentication",
             args.host)
-    engine = load_engine(checkpoint=args.checkpoint, ema=args.ema, weights=args.weights, hf=args.hf,
-                         tokenizer=args.tokenizer, max_batch_size=args.max_batch_size,
+    engine = load_engine(model=args.model, checkpoint=args.checkpoint, ema=args.ema, weights=args.weights,
+                         hf=args.hf, tokenizer=args.tokenizer, max_batch_size=args.max_batch_size,
                          max_context=args.max_context)
     engine.logprobs_mode = args.logprobs_mode
     serve(engine, host=args.host, port=args.port, max_tokens_limit=args.max_tokens_limit,

@@ -180,10 +180,12 @@ def test_cli_index_prefix_continuation_with_mlflow(corpus, tmp_path, monkeypatch
     assert main(["audit", "index", "--mixture", str(mixture), "--output", str(tmp_path / "idx")]) == 0
     assert AuditIndex(tmp_path / "idx").documents_per_category() == {"A": 30, "B": 15}
     monkeypatch.setattr(model_module, "load_audit_model", lambda *a, **k: FakeModel(memorised))
+    (tmp_path / "hf").mkdir()  # a directory the model flags recognise (as a transformers one)
+    (tmp_path / "hf" / "config.json").write_text("{}")
     generic = tmp_path / "generic.jsonl"
     generic.write_text(json.dumps({"prompt_ids": full["a1"][0][:20]}) + "\n")
     out = tmp_path / "prefix"
-    assert main(["audit", "prefix", "--model", str(tmp_path), "--index", str(tmp_path / "idx"), "--categories",
+    assert main(["audit", "prefix", "--model", str(tmp_path / "hf"), "--index", str(tmp_path / "idx"), "--categories",
                  "A,B", "--per-category", "6", "--prefix-tokens", "20", "--generic", str(generic),
                  "--output", str(out)]) == 0
     for name in ("table11.md", "table11.csv", "table11.json", "prefix_outputs.jsonl", "match_lengths.png"):
@@ -195,7 +197,7 @@ def test_cli_index_prefix_continuation_with_mlflow(corpus, tmp_path, monkeypatch
     assert run.data.metrics["Prefix A/prompts"] == 6
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"table11.md", "match_lengths.png"}
     out2 = tmp_path / "cont"
-    assert main(["audit", "continuation", "--model", str(tmp_path), "--mixture", str(mixture), "--samples", "10",
+    assert main(["audit", "continuation", "--model", str(tmp_path / "hf"), "--mixture", str(mixture), "--samples", "10",
                  "--prefix-tokens", "16", "--continuation-tokens", "16", "--output", str(out2),
                  "--tracking-uri", f"sqlite:///{out.resolve()}/mlflow.db"]) == 0
     rows = json.loads((out2 / "table12.json").read_text())

@@ -43,7 +43,7 @@ def test_export_then_import(tmp_path):
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     mimir("import", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "w"))
     assert (tmp_path / "w" / "model.yaml").is_file()
-    mimir("export", "--checkpoint", str(tmp_path / "w"), "--output", str(tmp_path / "hf2"))
+    mimir("export", "--model", str(tmp_path / "w"), "--output", str(tmp_path / "hf2"))  # recognised as weights
     import torch
 
     from mimir_megatron.interop import read_safetensors_dir

@@ -1,0 +1,111 @@
+"""Which model directory is this? One answer for every command that reads a model.
+
+A model comes in three forms: a training checkpoint (:data:`FORMS_HELP`: a ``step_N`` directory,
+a run's checkpoints directory or the run directory), project weights (`mimir import` output:
+``model.yaml`` + ``model.safetensors``) and a transformers ``hrm_text`` directory
+(``config.json`` + safetensors). Every command takes the same flags (:func:`add_model_arguments`):
+``--model PATH`` for any form, recognised here, or ``--checkpoint`` / ``--weights`` / ``--hf``
+to say which form it is; a path given as the wrong form is refused with the flag that fits.
+
+Recognising a form reads directory entries only (no torch, no omegaconf): `--help` and a mistyped
+path stay instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from mimir_megatron.errors import UserError
+
+from .layout import FORMS_HELP, is_checkpoint_source
+
+WEIGHTS_CONFIG = "model.yaml"
+"""The model settings file of project weights (beside ``model.safetensors``)."""
+HF_CONFIG = "config.json"
+
+MODEL_FORMS_HELP = (f"a training checkpoint ({FORMS_HELP}), project weights (`mimir import` output) or a "
+                    "transformers hrm_text directory")
+
+
+class ModelKind(StrEnum):
+    checkpoint = "checkpoint"
+    weights = "weights"
+    hf = "hf"
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    kind: ModelKind
+    path: Path
+
+    def check_ema(self, ema: bool) -> None:
+        """Refuse ``--ema`` for a form that holds no EMA weights."""
+        if ema and self.kind != ModelKind.checkpoint:
+            raise UserError(f"--ema needs a training checkpoint; {self.path} is {_describe(self.kind)}, "
+                            "which holds no EMA weights")
+
+
+def detect_model_dir(path: str | Path, flag: str = "--model") -> ModelDir:
+    """The form of the model directory at ``path``; one line naming the forms when it is none."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{flag} {path}: model directory not found")
+    if is_checkpoint_source(path):
+        return ModelDir(ModelKind.checkpoint, path)
+    if (path / HF_CONFIG).is_file():
+        return ModelDir(ModelKind.hf, path)
+    if (path / WEIGHTS_CONFIG).is_file():
+        return ModelDir(ModelKind.weights, path)
+    raise UserError(f"{flag} {path}: not a model directory; expected {MODEL_FORMS_HELP}")
+
+
+def resolve_model_dir(*, model: str | Path | None = None, checkpoint: str | Path | None = None,
+                      weights: str | Path | None = None, hf: str | Path | None = None) -> ModelDir:
+    """The model directory of exactly one of ``model`` (any form, recognised) or the form named
+    by ``checkpoint``, ``weights`` or ``hf``. A named form is loaded as that form (its loader
+    reports a damaged or incomplete directory), unless the directory is plainly another form:
+    then the refusal names the flag that fits."""
+    named = (("model", model), ("checkpoint", checkpoint), ("weights", weights), ("hf", hf))
+    given = {name: value for name, value in named if value is not None}
+    if len(given) != 1:
+        raise UserError("give exactly one model: --model (any form), --checkpoint, --weights or --hf")
+    (name, value), = given.items()
+    if name == "model":
+        return detect_model_dir(value)
+    path, kind = Path(value), ModelKind(name)
+    if not path.is_dir():
+        raise UserError(f"--{name} {path}: model directory not found")
+    try:
+        found = detect_model_dir(path, f"--{name}").kind
+    except UserError:
+        found = kind  # nothing recognisable: the named form's loader says what is missing
+    if found != kind:
+        raise UserError(f"--{name} {path}: this is {_describe(found)}; pass it as --{found} (or --model)")
+    return ModelDir(kind, path)
+
+
+def _describe(kind: ModelKind) -> str:
+    return {ModelKind.checkpoint: "a training checkpoint", ModelKind.weights: "project weights",
+            ModelKind.hf: "a transformers directory"}[kind]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool = True,
+                        ema: bool = True) -> argparse._MutuallyExclusiveGroup:
+    """``--model`` / ``--checkpoint`` / ``--weights`` / ``--hf`` (one of them) and ``--ema``;
+    the group is returned so a command can add another source (eval's ``--base-url``)."""
+    source = parser.add_mutually_exclusive_group(required=required)
+    source.add_argument("--model", help=f"model directory of any form: {MODEL_FORMS_HELP}")
+    source.add_argument("--checkpoint", help=f"training checkpoint: {FORMS_HELP}")
+    source.add_argument("--weights", help="project weights directory (`mimir import` output)")
+    source.add_argument("--hf", help="transformers hrm_text directory")
+    if ema:
+        parser.add_argument("--ema", action="store_true", help="with a training checkpoint: its EMA weights")
+    return source
+
+
+def model_dir_from_args(args: argparse.Namespace) -> ModelDir:
+    """The model directory the flags of :func:`add_model_arguments` name."""
+    return resolve_model_dir(model=args.model, checkpoint=args.checkpoint, weights=args.weights, hf=args.hf)

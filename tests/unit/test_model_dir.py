@@ -1,0 +1,84 @@
+"""One answer to "which model directory is this?" for every command: the three forms recognised,
+a form named by the wrong flag refused with the flag that fits, --ema only for checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from mimir_megatron.checkpoint import (
+    ModelKind,
+    add_model_arguments,
+    detect_model_dir,
+    model_dir_from_args,
+    resolve_model_dir,
+)
+from mimir_megatron.errors import UserError
+
+
+@pytest.fixture
+def forms(tmp_path):
+    """One directory of each form, laid out as the writers lay them out (entries only)."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_0000006").mkdir(parents=True)
+    (run / "checkpoints" / "step_0000006" / "trainer_state.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_0000006\n")
+    weights, hf = tmp_path / "weights", tmp_path / "hf"
+    weights.mkdir()
+    (weights / "model.yaml").write_text("hidden_size: 64\n")
+    (weights / "model.safetensors").write_bytes(b"")
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    return {"run": run, "checkpoints": run / "checkpoints", "step": run / "checkpoints" / "step_0000006",
+            "weights": weights, "hf": hf, "empty": tmp_path}
+
+
+@pytest.mark.parametrize("name,kind", [("run", "checkpoint"), ("checkpoints", "checkpoint"),
+                                       ("step", "checkpoint"), ("weights", "weights"), ("hf", "hf")])
+def test_every_form_is_recognised_and_named_flags_accept_their_own(forms, name, kind):
+    assert detect_model_dir(forms[name]).kind == ModelKind(kind)
+    assert resolve_model_dir(model=forms[name]).kind == ModelKind(kind)
+    assert resolve_model_dir(**{kind: forms[name]}).path == forms[name]
+
+
+def test_a_form_under_the_wrong_flag_is_refused_with_the_flag_that_fits(forms):
+    with pytest.raises(UserError, match=r"^--checkpoint .*weights: this is project weights; pass it as "
+                                        r"--weights \(or --model\)$"):
+        resolve_model_dir(checkpoint=forms["weights"])
+    with pytest.raises(UserError, match=r"this is a training checkpoint; pass it as --checkpoint"):
+        resolve_model_dir(hf=forms["run"])
+    with pytest.raises(UserError, match=r"this is a transformers directory; pass it as --hf"):
+        resolve_model_dir(weights=forms["hf"])
+
+
+def test_bad_paths_and_ema_are_one_line_each(forms, tmp_path):
+    with pytest.raises(UserError, match=r"^--model .*missing: model directory not found$"):
+        resolve_model_dir(model=tmp_path / "missing")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(UserError, match=r"^--model .*plain: not a model directory; expected a training "):
+        resolve_model_dir(model=tmp_path / "plain")
+    with pytest.raises(UserError, match="exactly one model"):
+        resolve_model_dir(model=forms["hf"], hf=forms["hf"])
+    with pytest.raises(UserError, match=r"^--ema needs a training checkpoint; .* is project weights"):
+        detect_model_dir(forms["weights"]).check_ema(True)
+    detect_model_dir(forms["run"]).check_ema(True)
+
+
+def test_the_flags_are_the_same_for_every_command(forms):
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    args = parser.parse_args(["--model", str(forms["weights"])])
+    assert model_dir_from_args(args).kind == ModelKind.weights
+    with pytest.raises(SystemExit):  # one source only
+        parser.parse_args(["--model", str(forms["hf"]), "--hf", str(forms["hf"])])
+    from mimir_megatron.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name in ("generate", "serve", "export", "eval", "sweep", "lm-eval", "audit"):
+        command = commands[name]
+        if name == "audit":  # its subcommands take the model
+            command = command._subparsers._group_actions[0].choices["prefix"]
+        flags = {o for a in command._actions for o in a.option_strings}
+        assert {"--model", "--checkpoint", "--weights", "--hf", "--ema"} <= flags, name
