@@ -71,9 +71,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     sys.path.insert(0, str(REPO))
-    from mimir_megatron import backend
+    from mimir_megatron.process import setup_process
 
-    backend.setup()
+    setup_process(megatron=True)
     from mimir_data_prep.demo_data import write_demo
     from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
 

@@ -88,9 +88,9 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from mimir_megatron import backend
+    from mimir_megatron.process import setup_process
 
-    backend.setup()  # an entry point: the CPU backend, once, before any model
+    setup_process(megatron=True)  # an entry point: the CPU backend, once, before any model
     torch.set_num_threads(args.threads)
     from bench_generate import _runners
 

@@ -156,9 +156,9 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from mimir_megatron import backend
+    from mimir_megatron.process import setup_process
 
-    backend.setup()  # this script is an entry point: the CPU backend, once, before any model
+    setup_process(megatron=True)  # this script is an entry point: the CPU backend, once, before any model
     torch.set_num_threads(args.threads)
     if args.child:
         impls, weights, hf_dir, batch, rounds = args.child

@@ -27,9 +27,9 @@ os.environ.setdefault("LOCAL_RANK", "0")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29581")
 
-from mimir_megatron import backend  # noqa: E402
+from mimir_megatron.process import setup_process  # noqa: E402
 
-backend.setup()
+setup_process(megatron=True)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

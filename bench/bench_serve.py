@@ -32,14 +32,14 @@ def main() -> None:
     from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
     from openai import OpenAI
 
-    from mimir_megatron import backend
+    from mimir_megatron.process import setup_process
     from mimir_megatron.chat import load_tokenizer
     from mimir_megatron.config import load_config
     from mimir_megatron.inference import InferenceEngine
     from mimir_megatron.inference.server import app_server, build_app, serve_app_in_thread
     from mimir_megatron.model import build_model
 
-    backend.setup()  # this script is an entry point: the CPU backend, once, before any model
+    setup_process(megatron=True)  # this script is an entry point: the CPU backend, once, before any model
     cfg = load_config(REPO / "configs" / "model" / f"{args.shape}.yaml", ["vocab_size=1024"])
     model = build_model(cfg).to(args.device)
     engine = InferenceEngine(model, load_tokenizer(DEMO_TOKENIZER_DIR),

@@ -11,36 +11,11 @@ Public API (imported lazily so that ``import mimir_megatron`` stays light):
 
 from __future__ import annotations
 
-from typing import Any
+from mimir_megatron.lazy import lazy_exports
 
-from mimir_megatron import megatron_import
-
-# megatron-core's import must not pull in torch's compiler (see megatron_import; imports nothing).
-megatron_import.install()
-
+# Even Batch is lazy: it imports torch, and the CLI must install its signal handlers first.
+__getattr__ = lazy_exports(__name__, {
+    "Batch": ".batch", "ModelConfig": ".config", "load_config": ".config", "build_model": ".model",
+    "load_model": ".checkpoint", "export_hf": ".interop", "import_hf": ".interop",
+})
 __all__ = ["Batch", "ModelConfig", "build_model", "export_hf", "import_hf", "load_config", "load_model"]
-
-
-def __getattr__(name: str) -> Any:
-    # Even Batch is lazy: it imports torch, and the CLI must install its signal handlers first.
-    if name == "Batch":
-        from mimir_megatron.batch import Batch
-
-        return Batch
-    if name in ("ModelConfig", "load_config"):
-        from mimir_megatron import config
-
-        return getattr(config, name)
-    if name == "build_model":
-        from mimir_megatron.model import build_model
-
-        return build_model
-    if name == "load_model":
-        from mimir_megatron.checkpoint import load_model
-
-        return load_model
-    if name in ("export_hf", "import_hf"):
-        from mimir_megatron import interop
-
-        return getattr(interop, name)
-    raise AttributeError(f"module 'mimir_megatron' has no attribute {name!r}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import warnings
 
 import torch
 
@@ -38,20 +37,6 @@ log = logging.getLogger(__name__)
 _ACTIVE = False
 _ORIGINALS: dict[str, object] = {}  # what setup() replaced, by name
 _GATE = "megatron.core.transformer.attention.Attention._apply_output_gate"
-
-# megatron warns at import that TE/apex are absent (the expected state on CPU, and apex is
-# optional everywhere), and about config defaults we do not use.
-for _message in (
-    ".*Transformer Engine and Apex are not installed.*",
-    ".*Apex is not installed.*",
-    ".*absl.logging is not installed.*",
-    ".*full scope is deprecated.*",
-    ".*is deprecated. Please use `torch.distributed.*_single` instead.*",
-):
-    warnings.filterwarnings("ignore", message=_message)
-# torch's C++-extension helper logs "No CUDA runtime is found" when megatron imports it: that
-# message only (the logger's other warnings stay).
-quiet_known_noise()
 
 
 def has_gpu() -> bool:
@@ -117,6 +102,7 @@ def setup() -> None:
     test pins each of them against the installed torch and megatron-core.
     """
     global _ACTIVE
+    quiet_known_noise()  # megatron-core's import-time warnings (a library caller may come here first)
     if _ACTIVE or has_gpu():
         return
     from megatron.core.tensor_parallel import random as mcore_random

@@ -33,16 +33,15 @@ _REGISTRARS = (
     "mimir_megatron.audits.cli",
     "mimir_megatron.evaluation.cli",
 )
-# Commands that run megatron-core in this process: the CPU backend is set up (explicitly, once)
-# before their handler imports the model. `train` sets it up itself once its config is read, so
-# that a config mistake is reported before torch loads. The others (data, ui, eval's client side,
-# ...) never import megatron-core; a command missing here is still covered by
-# parallel.init_distributed.
-_MEGATRON_COMMANDS = frozenset({"info", "export", "import", "bench", "generate", "serve", "audit",
-                                "lm-eval"})
+# What a command needs is declared where it is registered, with ``set_defaults``: ``extra`` (the
+# optional dependencies it needs), ``setup="megatron"`` (it runs megatron-core in this process:
+# its input paths are checked, then the CPU backend is set up, explicitly and once, before its
+# handler imports the model; `train` sets it up itself once its config is read, so that a config
+# mistake is reported before torch loads), ``early_stop_signals`` (a pre-emption signal during
+# start-up must not kill a training rank: the loop honours it).
 
-# The input paths those commands take, checked before the backend loads torch and megatron-core
-# (~5 s): a mistyped path is one line at once, not after the imports.
+# The input paths of those commands, by argument name, checked before the backend loads torch and
+# megatron-core (~5 s): a mistyped path is one line at once, not after the imports.
 _INPUT_PATHS = {"config": "config file", "checkpoint": "checkpoint", "weights": "model directory",
                 "hf": "model directory", "model": "model", "input": "input file"}
 
@@ -137,22 +136,17 @@ def check_input_paths(args: argparse.Namespace) -> None:
             raise UserError(f"{what} not found: {value}")
 
 
-def _command(argv: list[str]) -> str | None:
-    return next((a for a in argv if not a.startswith("-")), None)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    # First, before anything imports torch: a pre-emption signal during start-up must not kill
-    # a training rank (the loop honours it), and two known start-up warnings are dropped.
     from mimir_megatron import stop_signals
-    from mimir_megatron.logging_setup import quiet_known_noise, setup_logging
+    from mimir_megatron.process import setup_process
 
-    previous = stop_signals.catch_early() if _command(argv) == "train" else {}
-    quiet_known_noise()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    setup_logging(verbose=args.verbose)
+    # The import hook and the noise filters first (cheap, no torch), so that they hold even when
+    # parsing exits (--help) in a process that goes on to import megatron-core.
+    setup_process(configure_logging=False)
+    args = build_parser().parse_args(argv)  # imports no torch: the commands' modules export lazily
+    previous = stop_signals.catch_early() if getattr(args, "early_stop_signals", False) else {}
+    setup_process(verbose=args.verbose)
     say = logging.getLogger("mimir").error
     extra = getattr(args, "extra", None)
     try:
@@ -160,11 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             say("mimir %s needs the optional '%s' dependencies (missing: %s): %s",
                 args.command, extra, ", ".join(missing), _install_hint(extra))
             return 2
-        if args.command in _MEGATRON_COMMANDS:
+        if getattr(args, "setup", None) == "megatron":
             check_input_paths(args)
-            from mimir_megatron import backend
-
-            backend.setup()
+            setup_process(verbose=args.verbose, megatron=True)
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:
         return 130

@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, help="model YAML, e.g. configs/model/mimir.yaml")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the model config")
-    p.set_defaults(handler=cmd_info)
+    p.set_defaults(handler=cmd_info, setup="megatron")
 
     p = sub.add_parser("export", help="write a transformers hrm_text model directory")
     p.add_argument("--config", help="model YAML (with --seed: a freshly initialised model)")
@@ -37,12 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="`mimir audit contamination` reports (files or directories) for the summary's "
                       "decontamination section (default: those in the training run's contamination/)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the model config")
-    p.set_defaults(handler=cmd_export, extra="hf")
+    p.set_defaults(handler=cmd_export, extra="hf", setup="megatron")
 
     p = sub.add_parser("import", help="convert a transformers hrm_text model into project weights")
     p.add_argument("--hf", required=True, help="transformers hrm_text model directory")
     p.add_argument("--output", required=True, help="project weights directory to write")
-    p.set_defaults(handler=cmd_import)
+    p.set_defaults(handler=cmd_import, setup="megatron")
 
 
 def cmd_info(args: argparse.Namespace) -> int:

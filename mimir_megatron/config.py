@@ -367,15 +367,26 @@ def yaml_problem(path: str | Path, exc: BaseException) -> str:
     return f"cannot parse {path}: {' '.join(str(exc).split())}"
 
 
-def read_yaml(path: str | Path, what: str) -> dict[str, Any]:
-    """A YAML file's mapping, or a one-line ConfigError."""
+def read_yaml(path: str | Path, what: str, overrides: Sequence[str] = (), kind: str = "config file"
+              ) -> dict[str, Any]:
+    """A YAML file's mapping with ``key=value`` ``overrides`` merged in (interpolations resolved),
+    or a one-line ConfigError naming the file (and line). Every configuration the project reads
+    (model, train, mixture, eval suite, prepare, synth pipeline, GPU table) comes through here;
+    what a file holds is then checked by :func:`typed_section` and listed by :func:`raise_errors`.
+    ``what``: what the mapping holds; ``kind``: what the file is, for a missing one."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"{kind} not found: {path}")
     try:
-        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except Exception as exc:  # YAML syntax errors
-        raise ConfigError(yaml_problem(path, exc)) from None
+        loaded = OmegaConf.load(path)
+        # In place, key by key: ``section.key=v`` sets a setting, ``datasets.0.repeat=2`` an item.
+        loaded.merge_with_dotlist(list(overrides))
+        raw = OmegaConf.to_container(loaded, resolve=True)
+    except Exception as exc:  # YAML syntax, not UTF-8, unreadable, malformed overrides
+        problem = yaml_problem(path, exc)
+        if problem.startswith("cannot parse") and overrides:
+            problem += f" (overrides {list(overrides)})"
+        raise ConfigError(problem) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of {what}")
     return raw

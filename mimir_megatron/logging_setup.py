@@ -53,11 +53,25 @@ def _not_no_cuda_runtime(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith(_TORCH_NO_CUDA_RUNTIME)
 
 
+# megatron-core's other import-time warnings (apex is optional everywhere; config defaults and
+# collectives we do not use).
+_MEGATRON_IMPORT_NOISE = (
+    ".*Apex is not installed.*",
+    ".*absl.logging is not installed.*",
+    ".*full scope is deprecated.*",
+    ".*is deprecated. Please use `torch.distributed.*_single` instead.*",
+)
+
+
 def quiet_known_noise() -> None:
-    """Filter exactly those messages (before torch and megatron are imported)."""
+    """Filter exactly those messages (before torch and megatron are imported); idempotent."""
     warnings.filterwarnings("ignore", message=_MEGATRON_NO_TE_APEX, category=UserWarning)
+    for message in _MEGATRON_IMPORT_NOISE:
+        warnings.filterwarnings("ignore", message=message)
     for category, message in _CHECKPOINT_LOAD_NOISE:
         warnings.filterwarnings("ignore", message=re.escape(message), category=category)
     cpp_extension = logging.getLogger("torch.utils.cpp_extension")
     if _not_no_cuda_runtime not in cpp_extension.filters:
         cpp_extension.addFilter(_not_no_cuda_runtime)
+    # megatron-core logs five INFO lines per opened .idx file; a mixture opens thousands of shards.
+    logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)

@@ -22,9 +22,10 @@ MIMIR = REPO / "configs" / "model" / "mimir.yaml"
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the controller sees every worker's reports
         skip_policy.install(config)  # unexpected skips fail under CI=true
-    from mimir_megatron import backend
+    from mimir_megatron.process import setup_process
 
-    backend.setup()  # the test process is an entry point: the CPU backend, once, explicitly
+    # The test process is an entry point: set up once, explicitly (pytest keeps its own logging).
+    setup_process(megatron=True, configure_logging=False)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -33,14 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from mimir_megatron.data.provenance import (
     Provenance,
     declaration_from_mapping,
     resolve_declaration,
 )
-from mimir_megatron.errors import ConfigError
+from mimir_megatron.config import raise_errors, read_yaml, typed_section
 
 from .layouts import INPUT_FORMATS, parse_columns
 from .prepare import TOO_LONG_POLICIES
@@ -78,17 +76,19 @@ def load_prepare_config(path: str | Path) -> PrepareJob:
     """The typed job with paths resolved against the file's directory; ConfigError listing every
     mistake otherwise."""
     source = Path(path)
-    if not source.is_file():
-        raise ConfigError(f"prepare config not found: {source}")
-    try:
-        raw = OmegaConf.to_container(OmegaConf.load(source), resolve=True)
-        job: PrepareJob = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PrepareJob), raw))
-    except Exception as exc:  # YAML syntax, unknown keys, wrong types: OmegaConf says which
-        raise ConfigError(f"{source}: {str(exc).splitlines()[0]}") from None
-    errors = _errors(job)
+    raw = read_yaml(source, "prepare settings", kind="prepare config")
+    datasets = raw.pop("datasets", None) or []
+    errors: list[str] = []
+    if not isinstance(datasets, list):
+        errors.append(f"datasets must be a list of datasets, got {datasets!r}")
+        datasets = []
+    # Every key of the file and of every dataset typed in one pass: each mistake one line.
+    job = typed_section(PrepareJob, raw, "prepare", errors)
+    for i, entry in enumerate(datasets):
+        job.datasets.append(typed_section(DatasetJob, entry, f"datasets[{i}]", errors))
+    errors += _errors(job)
     errors += _provenance_errors(job, source.parent)
-    if errors:
-        raise ConfigError(f"invalid prepare config {source}:\n  - " + "\n  - ".join(errors))
+    raise_errors(errors, f"invalid prepare config {source}")
     base = source.parent
     job.tokenizer = str(_resolve(base, job.tokenizer))
     job.denylist = str(_resolve(base, job.denylist)) if job.denylist else ""

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpus", type=int, help="parallel sorting jobs (default: all cores)")
     p.add_argument("--encoding", default="auto", choices=["auto", "u16", "u16x2"],
                    help="symbols per token: auto picks u16 for vocabularies < 65,500")
-    p.set_defaults(handler=cmd_index, extra="audit")
+    p.set_defaults(handler=cmd_index, extra="audit", setup="megatron")
 
     p = asub.add_parser("prefix",
                         help="audit 1: longest verbatim span of greedy outputs (Table 11, Figure 2)")
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-hits", type=int, default=10_000, help="documents listed per span, at most")
     p.add_argument("--position", choices=["start", "random"], default="start",
                    help="where the prefix is cut from the document")
-    p.set_defaults(handler=cmd_prefix, extra="audit")
+    p.set_defaults(handler=cmd_prefix, extra="audit", setup="megatron")
 
     p = asub.add_parser("continuation",
                         help="audit 2: the greedy 64+64 exact-continuation protocol (Table 12)")
@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prompt: the window is a bidirectional prompt (the paper's protocol); training: "
                    "also score each window with the mask it had in training (bidirectional only where "
                    "it lay in its document's prompt) and report both rates side by side")
-    p.set_defaults(handler=cmd_continuation, extra="audit")
+    p.set_defaults(handler=cmd_continuation, extra="audit", setup="megatron")
 
 
     p = asub.add_parser(
@@ -91,7 +91,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tracking-uri",
                    help="MLflow store (default: sqlite:///OUTPUT/mlflow.db, artifacts in OUTPUT/mlartifacts)")
     p.add_argument("--experiment", default="mimir-audit", help="MLflow experiment")
-    p.set_defaults(handler=cmd_contamination, extra="audit")
+    p.set_defaults(handler=cmd_contamination, extra="audit", setup="megatron")
 
 
 def _add_sources(p: argparse.ArgumentParser, allow_index: bool = False) -> None:

@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("overrides", nargs="*", help="model key=value overrides for every variant")
-    p.set_defaults(handler=cmd_bench)
+    p.set_defaults(handler=cmd_bench, setup="megatron")
 
 
 def parse_variant(text: str) -> Variant:

@@ -34,8 +34,7 @@ use, so reading the layout is cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mimir_megatron.lazy import lazy_exports
 
 from .layout import (
     FORMAT,
@@ -61,11 +60,12 @@ from .trainer_state import BaseModel, DatasetLineage, TrainerState, read_trainer
 
 # Imported on first use: the layout alone is what a command's --help needs (no omegaconf, no torch).
 _LAZY = {
-    "check_compatible": "compat", "check_format": "compat",
-    "load_checkpoint": "load", "load_model": "load", "execution_overrides": "load",
-    "CheckpointWriter": "write", "CheckpointWriteError": "write", "check_writable": "write",
-    "optimizer_group_steps": "state", "prune_checkpoints": "prune", "set_aside_newer": "prune",
+    "check_compatible": ".compat", "check_format": ".compat",
+    "load_checkpoint": ".load", "load_model": ".load", "execution_overrides": ".load",
+    "CheckpointWriter": ".write", "CheckpointWriteError": ".write", "check_writable": ".write",
+    "optimizer_group_steps": ".state", "prune_checkpoints": ".prune", "set_aside_newer": ".prune",
 }
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "FORMAT", "FORMS_HELP", "MODEL_FORMS_HELP", "RUN_CHECKPOINTS", "BaseModel", "ModelDir", "ModelKind",
@@ -74,9 +74,3 @@ __all__ = [
     "is_checkpoint", "is_checkpoint_source", "latest_checkpoint", "read_trainer_state", "resolve",
     "step_dir_name", *_LAZY,
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mimir_megatron.errors import ConfigError
 
 
 @dataclass
@@ -63,8 +62,8 @@ class DataConfig:
         return errors
 
     def validate(self) -> "DataConfig":
-        """Raise one ConfigError naming every mistake (the loader calls this)."""
-        errors = self.errors()
-        if errors:
-            raise ConfigError("; ".join(errors))
+        """Raise one ConfigError naming every mistake, one line each (the loader calls this)."""
+        from mimir_megatron.config import raise_errors
+
+        raise_errors(self.errors(), "invalid data settings")
         return self

@@ -67,18 +67,11 @@ class Mixture:
 def load_mixture(path: str | Path) -> Mixture:
     """Parse and validate a mixture YAML; one UserError listing every mistake, each naming the
     file and the entry."""
-    import yaml
+    from mimir_megatron.config import raise_errors, read_yaml
 
     source = Path(path)
-    if not source.is_file():
-        raise UserError(f"{source}: mixture file not found")
-    try:
-        data = yaml.safe_load(source.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
-        from mimir_megatron.config import yaml_problem
-
-        raise UserError(yaml_problem(source, exc)) from None
-    if not isinstance(data, dict) or not isinstance(data.get("datasets"), list):
+    data = read_yaml(source, "a 'datasets' list", kind="mixture file")
+    if not isinstance(data.get("datasets"), list):
         raise UserError(f"{source}: expected a mapping with a 'datasets' list")
     errors: list[str] = []
     unknown = set(data) - _TOP_KEYS
@@ -96,8 +89,7 @@ def load_mixture(path: str | Path) -> Mixture:
             errors.append(f"datasets[{i}]: duplicate dataset name {entry.name!r}")
         names.add(entry.name)
         entries.append(entry)
-    if errors:
-        raise UserError(f"invalid mixture {source}:\n  - " + "\n  - ".join(errors))
+    raise_errors(errors, f"invalid mixture {source}")
     return Mixture(str(data.get("name") or source.stem), source, tuple(entries), policy)
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from concurrent.futures import Future
 from functools import cached_property, lru_cache
@@ -38,8 +37,6 @@ SHARDS_DIR = "shards"
 FORMAT = "mimir-prepared-v1"
 SEQUENCES_PER_DOCUMENT = 2
 
-# megatron-core logs five INFO lines per opened .idx file; a mixture opens thousands of shards.
-logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)
 
 
 def read_manifest(path: str | Path) -> dict:

@@ -81,7 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default: evals/lm-eval/<model>)")
     p.add_argument("lm_eval_args", nargs=argparse.REMAINDER,
                    help="after `--`: lm-eval `run` options, passed through")
-    p.set_defaults(handler=cmd_lm_eval, extra="lmeval")
+    p.set_defaults(handler=cmd_lm_eval, extra="lmeval", setup="megatron")
 
     p = sub.add_parser("eval-fixtures", help="write small made-up files in every benchmark's layout")
     p.add_argument("--output", required=True, help="directory (use it as --data-dir)")

@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mimir_megatron.config import raise_errors, read_yaml, typed_section
 from mimir_megatron.errors import ConfigError
 
 FORMATS = ("multiple_choice", "generate", "ifeval", "humaneval")
@@ -181,46 +182,55 @@ class SuiteSpec:
                          [t for t in self.tasks if t.name in names], self.source)
 
 
-def _raw_task(entry: Any, defaults: Any, base: Path, seen: tuple[Path, ...]) -> Any:
+def _raw_task(entry: Any, defaults: Any, base: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     """A task entry with the suite's `defaults` below it and, for `from: other.yaml`, the named
     task of that suite below both."""
     entry = OmegaConf.create(entry)
     source = entry.pop("from", None)
     if source is None:
-        return OmegaConf.merge(defaults, entry)
+        return OmegaConf.to_container(OmegaConf.merge(defaults, entry))
     path = (base / source).resolve()
     if path in seen or not path.is_file():
         raise ConfigError(f"task {entry.get('name')}: cannot take it from {path}"
                           + (" (circular)" if path in seen else " (no such file)"))
-    other = OmegaConf.load(path)
-    other_defaults = other.get("defaults", {})
-    for task in other.get("tasks", []):
-        if task.get("name") == entry.get("name"):
-            return OmegaConf.merge(_raw_task(task, other_defaults, path.parent, (*seen, path)), entry)
+    other = read_yaml(path, "suite settings", kind="suite file")
+    other_defaults = other.get("defaults") or {}
+    for task in other.get("tasks") or []:
+        if isinstance(task, dict) and task.get("name") == entry.get("name"):
+            below = _raw_task(task, other_defaults, path.parent, (*seen, path))
+            return OmegaConf.to_container(OmegaConf.merge(below, entry))
     raise ConfigError(f"task {entry.get('name')}: {path} has no task of that name")
 
 
 def load_suite(path: str | Path, overrides: list[str] | None = None) -> SuiteSpec:
-    """Read and validate a suite YAML; raises ConfigError listing every mistake."""
+    """Read and validate a suite YAML; raises ConfigError listing every mistake of the suite and
+    of every task, one line each."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"suite file not found: {path}")
-    try:
-        raw = OmegaConf.load(path)
-        if overrides:
-            raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(overrides))
-        tasks = raw.pop("tasks", [])
-        defaults = raw.pop("defaults", {})
-        suite = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SuiteSpec), raw))
-        suite.tasks = [
-            OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TaskSpec),
-                                                _raw_task(t, defaults, path.parent, (path.resolve(),))))
-            for t in tasks]
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"{path}: {exc}".splitlines()[0]) from exc
+    raw = read_yaml(path, "suite settings", overrides or (), kind="suite file")
+    tasks, defaults = raw.pop("tasks", None) or [], raw.pop("defaults", None) or {}
+    errors: list[str] = []
+    if not isinstance(tasks, list):
+        errors.append(f"tasks must be a list of tasks, got {tasks!r}")
+        tasks = []
+    if not isinstance(defaults, dict):
+        errors.append(f"defaults must be a mapping of task settings, got {defaults!r}")
+        defaults = {}
+    suite = typed_section(SuiteSpec, raw, "suite", errors)
+    for i, entry in enumerate(tasks):
+        if not isinstance(entry, dict):
+            errors.append(f"tasks[{i}] must be a mapping of task settings, got {entry!r}")
+            continue
+        try:
+            merged = _raw_task(entry, defaults, path.parent, (path.resolve(),))
+        except ConfigError as exc:
+            errors.append(str(exc))
+            continue
+        except OmegaConfBaseException as exc:
+            errors.append(f"tasks[{i}]: {str(exc).splitlines()[0]}")
+            continue
+        suite.tasks.append(typed_section(TaskSpec, merged, f"tasks[{i}] ({entry.get('name', '?')})", errors))
     suite.source = str(path)
     suite.name = suite.name or path.stem
-    errs = suite.errors()
-    if errs:
-        raise ConfigError(f"{path}: " + "\n  ".join(["invalid suite:", *errs]))
+    errors += suite.errors()
+    raise_errors(errors, f"invalid suite {path}")
     return suite

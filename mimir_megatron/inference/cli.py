@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--batch-size", type=int, default=32, help="rows decoded together")
     p.add_argument("--logprobs", action="store_true", help="write per-token log-probs")
-    p.set_defaults(handler=cmd_generate)
+    p.set_defaults(handler=cmd_generate, setup="megatron")
 
 
 def _prompt_ids(engine, record) -> list[int]:

@@ -5,22 +5,18 @@ caller chooses per pair. ``InferenceEngine.score`` is the entry point."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from mimir_kernels import build_layout
 
 from mimir_megatron.batch import single_sample_batch
 from mimir_megatron.inference.requests import RequestError
+from mimir_megatron.inference.surface import EngineSurface
 from mimir_megatron.inference.types import ScoreResult
-
-if TYPE_CHECKING:
-    from mimir_megatron.inference.engine import InferenceEngine
-
 
 @torch.no_grad()
 def score(
-    engine: InferenceEngine,
+    engine: EngineSurface,
     pairs: list[tuple[list[int], list[int]]],
     h_cycles: int | None = None,
     l_cycles: int | None = None,
@@ -52,7 +48,7 @@ def score(
     return results  # type: ignore[return-value]
 
 
-def _score_batch(engine: InferenceEngine, pairs, bidirectional_tokens, plan) -> list[ScoreResult]:
+def _score_batch(engine: EngineSurface, pairs, bidirectional_tokens, plan) -> list[ScoreResult]:
     width = engine.pad_width(max(len(c) + len(x) - 1 for c, x in pairs))
     batch = single_sample_batch([c for c, _ in pairs], [x for _, x in pairs], seq_len=width)
     for row, ((context, _), bidirectional) in enumerate(zip(pairs, bidirectional_tokens)):

@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-cycles-factor", type=int, default=4,
                    help="a request's h_cycles / l_cycles may be at most this many times the trained ones "
                         "(default 4; the paper's schedule sweep needs 2)")
-    p.set_defaults(handler=_serve, extra="serve")
+    p.set_defaults(handler=_serve, extra="serve", setup="megatron")
 
 
 def _serve(args: argparse.Namespace) -> int:

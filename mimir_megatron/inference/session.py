@@ -6,12 +6,12 @@ sessions."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from mimir_megatron.inference.kv_cache import KVCache
 from mimir_megatron.inference.requests import RequestError
+from mimir_megatron.inference.surface import EngineSurface
 from mimir_megatron.inference.sampling import History, needs_processing, next_tokens
 from mimir_megatron.inference.text import StreamingText
 from mimir_megatron.inference.types import (
@@ -21,10 +21,6 @@ from mimir_megatron.inference.types import (
     TokenEvent,
     TopLogprobs,
 )
-
-if TYPE_CHECKING:
-    from mimir_megatron.inference.engine import InferenceEngine
-
 
 @dataclass
 class _Row:
@@ -46,7 +42,7 @@ class _Row:
 class DecodeSession:
     """The rows decoding under one schedule; requests join at step boundaries."""
 
-    def __init__(self, engine: InferenceEngine, h_cycles: int, l_cycles: int) -> None:
+    def __init__(self, engine: EngineSurface, h_cycles: int, l_cycles: int) -> None:
         self.engine = engine
         self.schedule = (h_cycles, l_cycles)
         self._plan = engine.plan(h_cycles, l_cycles)

@@ -6,10 +6,9 @@ and `mimir bench`'s MFU both read it. A user's YAML (same fields) adds GPUs or o
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-
-import yaml
 
 from mimir_megatron.errors import UserError
 
@@ -45,12 +44,11 @@ class GpuSpec:
 _REQUIRED = ("memory_gb", "bf16_tflops", "nvlink_gbps", "network_gbps", "source")
 
 
-def _rows(text: str, origin: str) -> dict[str, GpuSpec]:
-    try:
-        tree = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise UserError(f"{origin}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    gpus = tree.get("gpus") if isinstance(tree, dict) else None
+def _rows(path: Path, origin: str) -> dict[str, GpuSpec]:
+    from mimir_megatron.config import raise_errors, read_yaml
+
+    tree = read_yaml(path, "'gpus:' (GPU names to their specs)", kind="GPU spec file")
+    gpus = tree.get("gpus")
     if not isinstance(gpus, dict):
         raise UserError(f"{origin}: expected a mapping 'gpus:' of GPU names to their specs")
     known = {f.name for f in fields(GpuSpec)} - {"key"}
@@ -67,15 +65,15 @@ def _rows(text: str, origin: str) -> dict[str, GpuSpec]:
                 mxfp8_tflops=row.get("mxfp8_tflops"), nvlink_gbps=float(row["nvlink_gbps"]),
                 network_gbps=float(row["network_gbps"]), gpus_per_node=int(row.get("gpus_per_node", 8)),
                 source=str(row["source"]), match=tuple(row.get("match") or ()))
-    if problems:
-        raise UserError(f"{origin}: " + "; ".join(problems))
+    raise_errors(problems, f"invalid GPU table {origin}")
     return specs
 
 
+@lru_cache(maxsize=1)
 def shipped_gpus() -> dict[str, GpuSpec]:
     """The table shipped with the package, by lower-case key (b200, h100, ...)."""
-    text = resources.files("mimir_megatron.plan").joinpath("gpus.yaml").read_text()
-    return _rows(text, "mimir_megatron/plan/gpus.yaml")
+    with resources.as_file(resources.files("mimir_megatron.plan").joinpath("gpus.yaml")) as path:
+        return _rows(path, "mimir_megatron/plan/gpus.yaml")
 
 
 def gpu_spec(choice: str, table: dict[str, GpuSpec] | None = None) -> GpuSpec:
@@ -84,9 +82,7 @@ def gpu_spec(choice: str, table: dict[str, GpuSpec] | None = None) -> GpuSpec:
     table = shipped_gpus() if table is None else table
     if choice.endswith((".yaml", ".yml")):
         path = Path(choice)
-        if not path.is_file():
-            raise UserError(f"GPU spec file not found: {choice}")
-        own = _rows(path.read_text(), str(path))
+        own = _rows(path, str(path))
         if not own:
             raise UserError(f"{choice}: no GPU in 'gpus:'")
         return next(iter(own.values()))

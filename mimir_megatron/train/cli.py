@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="check the prepared data's structure only, not its sha256 against the manifests "
                         "(data.verify=false: for trusted, very large corpora)")
     p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides: section.key=value")
-    p.set_defaults(handler=cmd_train)
+    p.set_defaults(handler=cmd_train, early_stop_signals=True)
 
 
 def overrides_from(args: argparse.Namespace) -> list[str]:
@@ -43,9 +43,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     # The config first: it imports neither torch nor megatron-core, so a mistake in it is reported
     # in well under a second; then the backend, explicitly, before the trainer imports the model.
     cfg = load_train_config(args.config, overrides_from(args))
-    from mimir_megatron import backend
+    from mimir_megatron.process import setup_process
 
-    backend.setup()
+    setup_process(verbose=args.verbose, megatron=True)
     import torch.distributed as dist
 
     from mimir_megatron.train.loop import train

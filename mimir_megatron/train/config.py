@@ -32,8 +32,8 @@ from mimir_megatron.config import (
     model_section,
     model_yaml,
     raise_errors,
+    read_yaml,
     typed_section,
-    yaml_problem,
 )
 from mimir_megatron.data.config import DataConfig
 from mimir_megatron.errors import ConfigError, UserError
@@ -354,19 +354,7 @@ def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainC
     Every section is read and checked even when another one is wrong: the ConfigError lists
     every mistake of every section, one line each."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        loaded = OmegaConf.load(path)
-        if overrides:
-            loaded = OmegaConf.merge(loaded, OmegaConf.from_dotlist(list(overrides)))
-        raw = OmegaConf.to_container(loaded, resolve=True)
-    except Exception as exc:  # YAML syntax, malformed overrides
-        problem = yaml_problem(path, exc)
-        raise ConfigError(problem + (f" (overrides {list(overrides)})" if problem.startswith("cannot parse")
-                                     and overrides else "")) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a mapping of sections")
+    raw = read_yaml(path, "sections", overrides)
     errors: list[str] = []
     known = [f.name for f in fields(TrainConfig) if f.name != "source"]
     for section in sorted(set(raw) - set(known)):

@@ -99,16 +99,22 @@ def run_in_a_fresh_interpreter(code: str) -> None:
 
 def test_importing_the_model_patches_nothing():
     code = (
-        "import torch\n"
+        "import logging, sys, warnings, torch\n"
         "from megatron.core.tensor_parallel import random as r\n"
         "before = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream,"
         " r._get_cuda_rng_state, r._set_cuda_rng_state)\n"
+        "state = (list(warnings.filters), list(sys.meta_path))\n"
         "import mimir_megatron.model, mimir_megatron.inference, mimir_megatron.checkpoint\n"
+        "import mimir_megatron.data, mimir_megatron.train.loop, mimir_megatron.cli\n"
         "from mimir_megatron import backend\n"
         "from megatron.core.transformer.attention import Attention\n"
         "after = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream,"
         " r._get_cuda_rng_state, r._set_cuda_rng_state)\n"
         "assert before == after and not backend.is_set_up()\n"
+        "assert warnings.filters == state[0], 'importing added warning filters'\n"
+        "assert sys.meta_path == state[1], 'importing added an import hook'\n"
+        "quieted = logging.getLogger('megatron.core.datasets.indexed_dataset').level\n"
+        "assert quieted == logging.NOTSET, 'importing set a logger level (the set-up does that)'\n"
         "assert hasattr(Attention.__dict__['_apply_output_gate'], '_torchdynamo_orig_callable')\n"
     )
     run_in_a_fresh_interpreter(code)
@@ -122,6 +128,8 @@ def test_megatron_core_imports_without_torch_compiler():
     code = (
         "import sys, torch\n"
         "real = torch.compile\n"
+        "from mimir_megatron.process import setup_process\n"
+        "setup_process(configure_logging=False)  # what every entry point does first\n"
         "import mimir_megatron.model, mimir_megatron.train.step, mimir_megatron.inference\n"
         "import mimir_megatron.checkpoint\n"
         "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu\n"

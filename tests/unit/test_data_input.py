@@ -346,3 +346,20 @@ def test_deeply_nested_lines_are_rejected_not_crashed():
         decode_json_line(deep)
     with pytest.raises(ConversionError, match="nested too deeply"):
         convert_line(deep)
+
+
+def test_prepare_config_lists_type_mistakes_of_every_dataset(tmp_path):
+    from mimir_data_prep.prepare_config import load_prepare_config
+
+    from mimir_megatron.errors import ConfigError
+
+    config = tmp_path / "prep.yaml"
+    config.write_text("tokenizer: tok\nseq_len: long\ndatasets:\n"
+                      "  - {name: a, input: [a.jsonl], output: out/a, columns: 3}\n"
+                      "  - {name: b, input: [b.jsonl], output: out/b, colour: red}\n")
+    with pytest.raises(ConfigError) as err:
+        load_prepare_config(config)
+    text = str(err.value)
+    assert text.startswith(f"invalid prepare config {config}:")
+    for fragment in ("prepare.seq_len", "datasets[0].columns", "datasets[1].colour is not a setting"):
+        assert fragment in text, (fragment, text)

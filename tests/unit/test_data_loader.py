@@ -123,7 +123,7 @@ def test_fingerprint_changes_with_data_and_settings(tmp_path):
 
 
 def test_data_config_validation_lists_every_mistake():
-    with pytest.raises(ConfigError, match="seq_len.*seed"):
+    with pytest.raises(ConfigError, match=r"(?s)seq_len.*seed"):
         DataConfig(mixture="x.yaml", seq_len=1, seed=-1).validate()
 
 

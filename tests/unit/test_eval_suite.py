@@ -186,3 +186,18 @@ def test_contamination_report_is_found_in_the_training_run(tmp_path):
     assert find_report(str(report.parent), "demo").path == report
     with pytest.raises(UserError, match="contamination report not found"):
         find_report(str(tmp_path / "nowhere.json"), "demo", str(ckpts))
+
+
+def test_type_mistakes_of_every_task_and_of_the_suite_are_each_one_line(tmp_path):
+    """One rule for every configuration (config.read_yaml + typed_section + raise_errors): a wrong
+    type in two tasks and in the suite are three lines, not the first one OmegaConf meets."""
+    path = tmp_path / "types.yaml"
+    path.write_text("seed: many\ntasks:\n"
+                    "  - {name: a, format: generate, data: a.jsonl, shots: lots}\n"
+                    "  - {name: b, format: generate, data: b.jsonl, shots: few, colour: red}\n")
+    with pytest.raises(ConfigError) as err:
+        load_suite(path)
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"invalid suite {path}:"
+    for fragment in ("suite.seed", "tasks[0] (a).shots", "tasks[1] (b).shots", "tasks[1] (b).colour is not a setting"):
+        assert sum(fragment in line for line in lines) == 1, (fragment, lines)

@@ -13,13 +13,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conftest import REPO, train_overrides  # noqa: E402
 
-from mimir_megatron import backend  # noqa: E402
+from mimir_megatron.process import setup_process  # noqa: E402
 from mimir_megatron.train import loop  # noqa: E402
 from mimir_megatron.train import step as train_step  # noqa: E402
 from mimir_megatron.train.config import load_train_config  # noqa: E402
 from mimir_megatron.train.optim import local_optimizer, owned_parameters  # noqa: E402
 
-backend.setup()  # a worker is an entry point
+setup_process(megatron=True)  # a worker is an entry point
 
 
 def describe(optimizer) -> dict:

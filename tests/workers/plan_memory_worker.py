@@ -15,9 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conftest import TINY  # noqa: E402
 
-from mimir_megatron import backend  # noqa: E402
+from mimir_megatron.process import setup_process  # noqa: E402
 
-backend.setup()  # a worker is an entry point
+setup_process(megatron=True)  # a worker is an entry point
 
 
 def measure(shape: str, tp: int, recompute: str, windows: list[int], micro: int, seq: int) -> list[dict]:

@@ -11,11 +11,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conftest import tiny_config  # noqa: E402
 from inference_workloads import tp_workload  # noqa: E402
 
-from mimir_megatron import backend  # noqa: E402
+from mimir_megatron.process import setup_process  # noqa: E402
 from mimir_megatron.inference import InferenceEngine  # noqa: E402
 from mimir_megatron.model import build_model  # noqa: E402
 
-backend.setup()  # a worker is an entry point
+setup_process(megatron=True)  # a worker is an entry point
 
 
 def main(out: Path) -> None:

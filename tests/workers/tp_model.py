@@ -13,12 +13,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conftest import tiny_config  # noqa: E402
 from batches import OVERRIDES, make_batch  # noqa: E402
 
-from mimir_megatron import backend  # noqa: E402
+from mimir_megatron.process import setup_process  # noqa: E402
 from mimir_megatron.interop import export_hf  # noqa: E402
 from mimir_megatron.model import build_model  # noqa: E402
 from mimir_megatron.model.state import gather_full_state  # noqa: E402
 
-backend.setup()  # a worker is an entry point
+setup_process(megatron=True)  # a worker is an entry point
 
 
 def main(out: Path) -> None:

@@ -10,11 +10,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conftest import REPO, train_overrides  # noqa: E402
 
-from mimir_megatron import backend  # noqa: E402
+from mimir_megatron.process import setup_process  # noqa: E402
 from mimir_megatron.train.config import load_train_config  # noqa: E402
 from mimir_megatron.train.loop import train  # noqa: E402
 
-backend.setup()  # a worker is an entry point
+setup_process(megatron=True)  # a worker is an entry point
 
 
 def main() -> None:

@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jinja2
-import yaml
 from jinja2.sandbox import SandboxedEnvironment
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mimir_megatron.errors import ConfigError
+from mimir_megatron.config import raise_errors, read_yaml
 
 from .checks import CHECK_KINDS, check_errors
 from .verdict import VERDICTS
@@ -460,20 +459,8 @@ def _compile(cfg: PipelineConfig, base: Path) -> tuple[dict, dict, dict, list[st
 def load_pipeline(path: str | Path, overrides: Sequence[str] = ()) -> Pipeline:
     """Load a pipeline YAML plus ``key=value`` overrides, validate everything, compile templates."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"pipeline file not found: {path}")
-    try:
-        raw = OmegaConf.load(path)
-        for override in overrides:  # update, not merge: `checks.0.name=x` must index the list
-            key, eq, value = override.partition("=")
-            if not eq or not key:
-                raise ValueError(f"override {override!r} is not KEY=VALUE")
-            OmegaConf.update(raw, key, yaml.safe_load(value) if value else "", force_add=True)
-        tree = OmegaConf.to_container(raw, resolve=True)
-    except Exception as exc:  # YAML syntax, bad override
-        raise ConfigError(f"cannot parse {path} with overrides {list(overrides)}: {exc}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path} must hold a mapping (name, source, endpoints, generate, audit, ...)")
+    tree = read_yaml(path, "settings (name, source, endpoints, generate, audit, ...)", overrides,
+                     kind="pipeline file")
     errs = _unknown_keys(tree, PipelineConfig, "")
     missing = _missing(tree)
     errs += missing
@@ -488,7 +475,6 @@ def load_pipeline(path: str | Path, overrides: Sequence[str] = ()) -> Pipeline:
         src = resolve(path.parent, cfg.source.path)
         if not src.is_file():
             errs.append(f"source.path: file not found: {src}")
-    if errs:
-        raise ConfigError(f"invalid pipeline {path}:\n  - " + "\n  - ".join(errs))
+    raise_errors(errs, f"invalid pipeline {path}")
     assert cfg is not None and is_dataclass(cfg)
     return Pipeline(cfg, path.resolve(), templates, expressions, texts)

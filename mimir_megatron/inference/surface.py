@@ -1,0 +1,44 @@
+"""What decoding sessions and scoring may use of the engine: its public surface, as a protocol.
+
+:class:`~mimir_megatron.inference.engine.InferenceEngine` provides it; :mod:`.session` and
+:mod:`.scoring` are written against this protocol, so they import nothing of the engine (no
+circle) and reach none of its privates.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from mimir_megatron.inference.kv_cache import KVCache
+from mimir_megatron.inference.requests import RequestLimits
+
+
+class EngineSurface(Protocol):
+    model: Any
+    """The HRM-Text model (``head_logits``, ``attention_backend``)."""
+    tokenizer: Any
+    device: torch.device
+    limits: RequestLimits
+    max_batch_size: int
+    default_stop_ids: tuple[int, ...]
+    logprobs_mode: str
+
+    @property
+    def compiles_decode(self) -> bool: ...
+
+    def plan(self, h: int, low: int) -> Any: ...
+
+    def next_seed(self) -> int: ...
+
+    def pad_width(self, width: int) -> int: ...
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, layout: Any,
+                      plan: Any) -> torch.Tensor: ...
+
+    def prefill(self, prompts: list[list[int]], plan: Any,
+                capacity: int = 0) -> tuple[KVCache, torch.Tensor]: ...
+
+    def decode_step(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+                    plan: Any) -> torch.Tensor: ...
