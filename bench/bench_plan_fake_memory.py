@@ -41,7 +41,7 @@ from mimir_megatron import parallel  # noqa: E402
 from mimir_megatron.bench.measure import bench_batch  # noqa: E402
 from mimir_megatron.bench.shapes import model_config  # noqa: E402
 from mimir_megatron.model import hrm, plan_window  # noqa: E402
-from mimir_megatron.plan.memory import StepShape, plan_memory  # noqa: E402
+from mimir_megatron.train.plan.memory import StepShape, plan_memory  # noqa: E402
 from mimir_megatron.train import step as step_module  # noqa: E402
 from mimir_megatron.train.config import OptimSection  # noqa: E402
 from mimir_megatron.train.schedules import GROUPS, StepPlan  # noqa: E402

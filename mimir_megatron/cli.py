@@ -26,7 +26,7 @@ _REGISTRARS = (
     "mimir_megatron.commands",
     "mimir_megatron.train.cli",
     "mimir_megatron.bench",
-    "mimir_megatron.plan",
+    "mimir_megatron.train.plan",
     "mimir_megatron.ops.cli",
     "mimir_megatron.inference.cli",
     "mimir_megatron.inference.serve_cli",

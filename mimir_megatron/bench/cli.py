@@ -11,7 +11,7 @@ takes minutes, so under a time limit it is the one to lose), and the peer runs r
 first variant, so a run cut short still has a ratio.
 
 Reports tokens/s, TFLOP/s (formula: :mod:`mimir_megatron.train.flops`), MFU when the device's
-peak is known (``--peak-tflops``, else the GPU table of :mod:`mimir_megatron.plan.gpus`),
+peak is known (``--peak-tflops``, else the GPU table of :mod:`mimir_megatron.train.plan.gpus`),
 step-time median and spread, and peak memory, as a table and as JSON.
 """
 
@@ -128,8 +128,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     device = backend.device()
     peak = args.peak_tflops
     if peak is None and device.type == "cuda":
-        # The project's one GPU table (mimir_megatron/plan/gpus.yaml); unknown: no MFU.
-        from mimir_megatron.plan.gpus import spec_for_device
+        # The project's one GPU table (mimir_megatron/train/plan/gpus.yaml); unknown: no MFU.
+        from mimir_megatron.train.plan.gpus import spec_for_device
 
         spec = spec_for_device(torch.cuda.get_device_name(device))
         peak = spec.bf16_tflops if spec is not None else None

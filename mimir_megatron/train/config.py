@@ -267,7 +267,7 @@ class TrainConfig(RunSections):
         if t.max_nonfinite_skips < 0:
             errs.append(f"train.max_nonfinite_skips must be >= 0, got {t.max_nonfinite_skips}")
         if t.plan_gpu:
-            from mimir_megatron.plan.gpus import gpu_spec
+            from mimir_megatron.train.plan.gpus import gpu_spec
 
             try:
                 gpu_spec(t.plan_gpu)

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from mimir_megatron import backend, parallel
 from mimir_megatron import checkpoint as ckpt
 from mimir_megatron.errors import NonFiniteTraining, UserError, write_error
-from mimir_megatron.plan.startup import StartupPlan, plan_at_start
+from mimir_megatron.train.plan.startup import StartupPlan, plan_at_start
 from mimir_megatron.stop_signals import STOP_SIGNALS, take_early
 from mimir_megatron.train.config import TrainConfig, flatten
 from mimir_megatron.train.flops import flops_per_token

@@ -36,7 +36,7 @@ from distributed import WORKERS, free_port, run_ranks
 
 from mimir_megatron.config import load_config
 from mimir_megatron.model.window import plan_window
-from mimir_megatron.plan.memory import StepShape, plan_memory
+from mimir_megatron.train.plan.memory import StepShape, plan_memory
 
 MICRO, SEQ = 2, 64
 WINDOWS = (2, 5, 8)

@@ -15,9 +15,9 @@ from conftest import REPO, TINY
 from mimir_megatron.cli import main
 from mimir_megatron.config import load_config
 from mimir_megatron.errors import UserError
-from mimir_megatron.plan.gpus import gpu_spec, shipped_gpus, spec_for_device
-from mimir_megatron.plan.layouts import RunSettings, plan_run, window_phases
-from mimir_megatron.plan.memory import StepShape, plan_memory
+from mimir_megatron.train.plan.gpus import gpu_spec, shipped_gpus, spec_for_device
+from mimir_megatron.train.plan.layouts import RunSettings, plan_run, window_phases
+from mimir_megatron.train.plan.memory import StepShape, plan_memory
 from mimir_megatron.train.config import load_train_config
 
 pytestmark = pytest.mark.timeout(30)
@@ -191,7 +191,7 @@ def test_tp_too_large_names_the_closest_layout_that_fits():
 
 
 def test_train_start_up_plan_of_its_own_config(caplog):
-    from mimir_megatron.plan.startup import GIB, plan_at_start
+    from mimir_megatron.train.plan.startup import GIB, plan_at_start
 
     cfg = load_train_config(V1, ["train.plan_gpu=b200"])
     with caplog.at_level("INFO", logger="mimir.plan"):
@@ -207,7 +207,7 @@ def test_train_start_up_plan_of_its_own_config(caplog):
 
 
 def test_train_start_up_plan_that_cannot_be_made_is_a_warning(caplog):
-    from mimir_megatron.plan.startup import plan_at_start
+    from mimir_megatron.train.plan.startup import plan_at_start
 
     cfg = load_train_config(V1, ["train.plan_gpu=h100"])
     assert plan_at_start(cfg, world_size=7) is None  # 64 contexts do not split over 7 ranks

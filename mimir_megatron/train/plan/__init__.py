@@ -6,6 +6,6 @@ candidate layouts, the plan), :mod:`.report` (table and JSON), :mod:`.cli`. Impo
 package imports neither torch nor megatron-core.
 """
 
-from mimir_megatron.plan.cli import register
+from mimir_megatron.train.plan.cli import register
 
 __all__ = ["register"]

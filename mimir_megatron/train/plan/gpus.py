@@ -72,8 +72,8 @@ def _rows(path: Path, origin: str) -> dict[str, GpuSpec]:
 @lru_cache(maxsize=1)
 def shipped_gpus() -> dict[str, GpuSpec]:
     """The table shipped with the package, by lower-case key (b200, h100, ...)."""
-    with resources.as_file(resources.files("mimir_megatron.plan").joinpath("gpus.yaml")) as path:
-        return _rows(path, "mimir_megatron/plan/gpus.yaml")
+    with resources.as_file(resources.files("mimir_megatron.train.plan").joinpath("gpus.yaml")) as path:
+        return _rows(path, "mimir_megatron/train/plan/gpus.yaml")
 
 
 def gpu_spec(choice: str, table: dict[str, GpuSpec] | None = None) -> GpuSpec:

@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.plan.gpus import gpu_spec
-from mimir_megatron.plan.layouts import RunPlan, RunSettings, plan_run
-from mimir_megatron.plan.report import table, to_dict
+from mimir_megatron.train.plan.gpus import gpu_spec
+from mimir_megatron.train.plan.layouts import RunPlan, RunSettings, plan_run
+from mimir_megatron.train.plan.report import table, to_dict
 
 log = logging.getLogger("mimir.plan")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from mimir_megatron.plan.gpus import PRECISIONS
+from mimir_megatron.train.plan.gpus import PRECISIONS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,9 +39,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from mimir_megatron.plan.gpus import gpu_spec
-    from mimir_megatron.plan.layouts import RunSettings, plan_run
-    from mimir_megatron.plan.report import table, to_dict
+    from mimir_megatron.train.plan.gpus import gpu_spec
+    from mimir_megatron.train.plan.layouts import RunSettings, plan_run
+    from mimir_megatron.train.plan.report import table, to_dict
     from mimir_megatron.train.config import load_train_config
 
     cfg = load_train_config(args.config, args.overrides)

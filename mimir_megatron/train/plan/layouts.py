@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, field
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.plan.gpus import GpuSpec
-from mimir_megatron.plan.memory import GB, MemoryPlan, StepShape, params_per_rank, plan_memory
-from mimir_megatron.plan.timing import Cluster, StepTime, efficiency_from_step, step_time
+from mimir_megatron.train.plan.gpus import GpuSpec
+from mimir_megatron.train.plan.memory import GB, MemoryPlan, StepShape, params_per_rank, plan_memory
+from mimir_megatron.train.plan.timing import Cluster, StepTime, efficiency_from_step, step_time
 
 RECOMPUTE = ("none", "selective", "full")
 

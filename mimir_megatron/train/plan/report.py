@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mimir_megatron.plan.layouts import LayoutPlan, RunPlan
-from mimir_megatron.plan.memory import GB
+from mimir_megatron.train.plan.layouts import LayoutPlan, RunPlan
+from mimir_megatron.train.plan.memory import GB
 
 DAY = 86_400.0
 
