@@ -21,18 +21,9 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-# Modules of this package that add their own subcommands.
-_REGISTRARS = (
-    "mimir_megatron.commands",
-    "mimir_megatron.train.cli",
-    "mimir_megatron.bench",
-    "mimir_megatron.train.plan",
-    "mimir_megatron.ops.cli",
-    "mimir_megatron.inference.cli",
-    "mimir_megatron.inference.serve_cli",
-    "mimir_megatron.audits.cli",
-    "mimir_megatron.evaluation.cli",
-)
+# The command modules (mimir_megatron/entrypoints/), each adding its subcommands.
+_REGISTRARS = tuple(f"mimir_megatron.entrypoints.{name}" for name in (
+    "model_files", "train", "plan", "bench", "ui", "generate", "serve", "audit", "evaluate"))
 # What a command needs is declared where it is registered, with ``set_defaults``: ``extra`` (the
 # optional dependencies it needs), ``setup="megatron"`` (it runs megatron-core in this process:
 # its input paths are checked, then the CPU backend is set up, explicitly and once, before its

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mimir_megatron.bench.cli import PEER, Variant, parse_windows, run_order
+from mimir_megatron.entrypoints.bench import PEER, Variant, parse_windows, run_order
 from mimir_megatron.bench.peer import peer_l_bp_cycles
 from mimir_megatron.model.window import plan_window
 

@@ -129,7 +129,7 @@ def test_evaluation_reads_the_checkpoint(trained, form, tmp_path):
     import argparse
 
     from mimir_megatron.checkpoint import read_trainer_state
-    from mimir_megatron.evaluation.cli import _source_name, _tokenizer_dir
+    from mimir_megatron.entrypoints.evaluate import _source_name, _tokenizer_dir
     from mimir_megatron.evaluation.sweep import trained_schedule
     from mimir_megatron.evaluation.tracking import tracking_target
 

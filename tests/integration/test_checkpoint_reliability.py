@@ -110,7 +110,7 @@ def test_changed_training_settings_are_refused_unless_allowed(demo_data, tmp_pat
 
 def test_the_allow_config_change_flag():
     from mimir_megatron.cli import build_parser
-    from mimir_megatron.train.cli import overrides_from
+    from mimir_megatron.entrypoints.train import overrides_from
 
     args = build_parser().parse_args(["train", "--config", "x.yaml", "--allow-config-change", "optim.lr=1"])
     assert overrides_from(args) == ["optim.lr=1", "checkpoint.allow_config_change=true"]

@@ -228,7 +228,7 @@ def test_data_prefetch_setting_is_validated():
 
 
 def test_bench_variants_parse():
-    from mimir_megatron.bench.cli import parse_variant
+    from mimir_megatron.entrypoints.bench import parse_variant
 
     v = parse_variant("flex+compile:execution.attention_backend=flex, execution.compile=true")
     assert (v.name, v.overrides) == ("flex+compile", ["execution.attention_backend=flex", "execution.compile=true"])

@@ -175,7 +175,8 @@ def test_a_missing_extra_is_one_line(bare, args, extra):
 def test_an_optional_import_a_command_reaches_is_one_line(monkeypatch, caplog):
     """A command that declares no extra but imports an optional package: the extra that names
     that package is found from the package metadata (here httpx: the eval extra)."""
-    from mimir_megatron import cli, commands
+    from mimir_megatron import cli
+    from mimir_megatron.entrypoints import model_files as commands
 
     def needs_httpx(args):
         raise ModuleNotFoundError("No module named 'httpx'", name="httpx")

@@ -124,7 +124,7 @@ def test_entrypoint_from_the_copied_files(tmp_path):
         assert re.search(rf"^\s+{command}\s", proc.stdout, re.MULTILINE), (command, proc.stdout)
     where = subprocess.run(
         [str(venv / "bin" / "python"), "-c",
-         ("import mimir_megatron, mimir_kernels, mimir_data_prep, mimir_megatron.ops.cli as o; "
+         ("import mimir_megatron, mimir_kernels, mimir_data_prep, mimir_megatron.entrypoints.ui as o; "
          "print(mimir_megatron.__file__, mimir_kernels.__file__, mimir_data_prep.__file__)")],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )

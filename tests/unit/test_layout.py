@@ -71,7 +71,7 @@ def test_kernels_import_neither_project_package():
 
 @pytest.mark.parametrize("under", ["model", "checkpoint", "data", "inference", "evaluation", "audits"])
 def test_model_checkpoint_data_inference_evaluation_audits_import_no_trainer_or_cli(under):
-    forbidden = ("mimir_megatron.train", "mimir_megatron.cli", "mimir_megatron.commands")
+    forbidden = ("mimir_megatron.train", "mimir_megatron.cli", "mimir_megatron.entrypoints")
     assert _violations("mimir_megatron", forbidden, under) == []
 
 

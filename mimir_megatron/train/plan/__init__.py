@@ -2,10 +2,7 @@
 
 Modules: :mod:`.gpus` (the shipped GPU table, ``gpus.yaml``), :mod:`.memory` (bytes per GPU,
 term by term), :mod:`.timing` (step time, communication), :mod:`.layouts` (window phases,
-candidate layouts, the plan), :mod:`.report` (table and JSON), :mod:`.cli`. Importing this
-package imports neither torch nor megatron-core.
+candidate layouts, the plan), :mod:`.report` (table and JSON), :mod:`.startup` (the trainer's plan
+of its own run); the command is :mod:`mimir_megatron.entrypoints.plan`. Importing this package
+imports neither torch nor megatron-core.
 """
-
-from mimir_megatron.train.plan.cli import register
-
-__all__ = ["register"]

@@ -120,8 +120,8 @@ def _categories(text: str | None) -> list[str] | None:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from .index import AuditIndex, build_index
-    from .sources import resolve_sources
+    from mimir_megatron.audits.index import AuditIndex, build_index
+    from mimir_megatron.audits.sources import resolve_sources
 
     sources = resolve_sources(args.mixture, args.data)
     out = build_index(sources, args.output, shard_tokens=int(args.shard_tokens),
@@ -142,10 +142,11 @@ def _tracking(args: argparse.Namespace, out: Path) -> tuple[str, str]:
 
 
 def cmd_prefix(args: argparse.Namespace) -> int:
-    from .index import AuditIndex
-    from .model import load_audit_model
-    from .prefix import PrefixSettings, read_generic_prompts, run_prefix_audit, write_outcomes
-    from .report import log_to_mlflow, match_length_figure, write_table
+    from mimir_megatron.audits.index import AuditIndex
+    from mimir_megatron.audits.model import load_audit_model
+    from mimir_megatron.audits.prefix import (PrefixSettings, read_generic_prompts, run_prefix_audit,
+                                              write_outcomes)
+    from mimir_megatron.audits.report import log_to_mlflow, match_length_figure, write_table
 
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -172,15 +173,15 @@ def cmd_prefix(args: argparse.Namespace) -> int:
 
 
 def cmd_continuation(args: argparse.Namespace) -> int:
-    from .continuation import ContinuationSettings, run_continuation_audit, write_matches
-    from .model import load_audit_model
-    from .report import log_to_mlflow, write_table
-    from .sources import AuditSource, resolve_sources
+    from mimir_megatron.audits.continuation import ContinuationSettings, run_continuation_audit, write_matches
+    from mimir_megatron.audits.model import load_audit_model
+    from mimir_megatron.audits.report import log_to_mlflow, write_table
+    from mimir_megatron.audits.sources import AuditSource, resolve_sources
 
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     if args.index:
-        from .index import AuditIndex
+        from mimir_megatron.audits.index import AuditIndex
 
         sources = [AuditSource(s["name"], Path(s["path"]), s["category"])
                    for s in AuditIndex(args.index).sources]
@@ -215,7 +216,7 @@ def cmd_contamination(args: argparse.Namespace) -> int:
     from mimir_megatron.errors import UserError
     from mimir_megatron.evaluation.suite import load_suite
 
-    from .contamination import (
+    from mimir_megatron.audits.contamination import (
         ContaminationSettings,
         check_ngram,
         check_tokenizer,
@@ -223,9 +224,9 @@ def cmd_contamination(args: argparse.Namespace) -> int:
         run_contamination,
         write_report,
     )
-    from .denylist import write_denylist
-    from .index import AuditIndex
-    from .report import log_to_mlflow
+    from mimir_megatron.audits.denylist import write_denylist
+    from mimir_megatron.audits.index import AuditIndex
+    from mimir_megatron.audits.report import log_to_mlflow
 
     # every check before anything is written
     suite = load_suite(args.suite)

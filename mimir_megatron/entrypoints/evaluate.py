@@ -101,7 +101,7 @@ def _resolve_model(args: argparse.Namespace) -> None:
 
 
 def _suite(args: argparse.Namespace):
-    from .suite import load_suite
+    from mimir_megatron.evaluation.suite import load_suite
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     suite = load_suite(args.suite)
@@ -142,7 +142,7 @@ def _server(args: argparse.Namespace, output: Path):
     if args.base_url:
         yield args.base_url.rstrip("/")
         return
-    from .serve import launched_server
+    from mimir_megatron.evaluation.serve import launched_server
 
     with launched_server(checkpoint=args.checkpoint, ema=args.ema, hf=args.hf, weights=args.weights,
                          tokenizer=args.tokenizer, log_file=output / "serve.log",
@@ -151,7 +151,7 @@ def _server(args: argparse.Namespace, output: Path):
 
 
 def _score_client(args: argparse.Namespace, base_url: str, model_name: str):
-    from .scoring_client import ScoreClient, load_renderer
+    from mimir_megatron.evaluation.scoring_client import ScoreClient, load_renderer
 
     render, encode = load_renderer(_tokenizer_dir(args))
     return ScoreClient(base_url, model_name, render, encode)
@@ -159,7 +159,7 @@ def _score_client(args: argparse.Namespace, base_url: str, model_name: str):
 
 def _marks(args: argparse.Namespace, suite):
     """Contamination marks per task (None without a report), read before anything runs."""
-    from .contamination import benchmark_marks, find_report
+    from mimir_megatron.evaluation.contamination import benchmark_marks, find_report
 
     report = find_report(args.contamination, suite.name, args.checkpoint)
     return benchmark_marks(report, suite, args.data_dir), (str(report.path) if report else None)
@@ -178,9 +178,9 @@ def _params(args: argparse.Namespace, suite, model_name: str) -> dict:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .report import markdown, write_tables
-    from .runner import run_suite, server_model_name
-    from .tracking import EvalRun, tracking_target
+    from mimir_megatron.evaluation.report import markdown, write_tables
+    from mimir_megatron.evaluation.runner import run_suite, server_model_name
+    from mimir_megatron.evaluation.tracking import EvalRun, tracking_target
 
     _resolve_model(args)
     suite = _suite(args)
@@ -218,9 +218,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from mimir_megatron.errors import UserError
 
-    from .runner import run_suite, server_model_name
-    from .sweep import SweepResult, markdown, parse_schedules, schedule_name, trained_schedule, write_sweep
-    from .tracking import EvalRun, tracking_target
+    from mimir_megatron.evaluation.runner import run_suite, server_model_name
+    from mimir_megatron.evaluation.sweep import (SweepResult, markdown, parse_schedules, schedule_name,
+                                                 trained_schedule, write_sweep)
+    from mimir_megatron.evaluation.tracking import EvalRun, tracking_target
 
     _resolve_model(args)
     suite = _suite(args)
@@ -277,7 +278,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:
-    from .lm_eval_run import require_lm_eval, run_lm_eval
+    from mimir_megatron.evaluation.lm_eval_run import require_lm_eval, run_lm_eval
 
     require_lm_eval()
     _resolve_model(args)
@@ -294,7 +295,7 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_fixtures(args: argparse.Namespace) -> int:
-    from .fixtures import write_fixtures
+    from mimir_megatron.evaluation.fixtures import write_fixtures
 
     print(write_fixtures(args.output, rows_per_split=args.rows))
     return 0
