@@ -63,7 +63,7 @@ import argparse, sys
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
 import mimir_megatron
 assert mimir_megatron.__file__.startswith(sys.argv[1]), mimir_megatron.__file__
-from mimir_megatron.bench import register
+from mimir_megatron.entrypoints.bench import register
 parser = argparse.ArgumentParser()
 register(parser.add_subparsers())
 args = parser.parse_args(["bench", "--shape", "mid", "--no-peer", "--steps", "1", "--warmup", "0",
