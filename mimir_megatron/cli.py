@@ -1,9 +1,9 @@
-"""`mimir` command line: one entry point, subcommands registered by the modules that own them.
+"""`mimir` command line: one entry point; the commands live in :mod:`mimir_megatron.entrypoints`.
 
-Each owning module exposes ``register(subparsers)``; heavy imports happen inside the handlers so
-that building the parser imports neither torch nor any optional extra (the packages of the
-registering modules export lazily, see :mod:`mimir_megatron.lazy`): ``mimir --help`` and
-``mimir CMD --help`` answer on a bare install. A command that needs an extra says so with
+Each command module exposes ``register(subparsers)``; heavy imports happen inside the handlers so
+that building the parser imports neither torch nor any optional extra (the packages they reach
+export lazily, see :mod:`mimir_megatron.lazy`): ``mimir --help`` and ``mimir CMD --help`` answer
+on a bare install. A command that needs an extra says so with
 ``set_defaults(extra="eval")``; run without it, it stops with one line naming the extra.
 Packages built on this one (data preparation: ``prepare``, ``data``, ``synth``) add their
 commands through the entry-point group ``mimir.commands`` (pyproject.toml), so this package
