@@ -53,6 +53,7 @@ from .model_dir import (
     ModelKind,
     add_model_arguments,
     detect_model_dir,
+    load_model_dir,
     model_dir_from_args,
     resolve_model_dir,
 )
@@ -69,8 +70,8 @@ __getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "FORMAT", "FORMS_HELP", "MODEL_FORMS_HELP", "RUN_CHECKPOINTS", "BaseModel", "ModelDir", "ModelKind",
-    "add_model_arguments", "detect_model_dir", "model_dir_from_args", "resolve_model_dir", "DatasetLineage",
-    "TrainerState", "find",
+    "add_model_arguments", "detect_model_dir", "load_model_dir", "model_dir_from_args", "resolve_model_dir",
+    "DatasetLineage", "TrainerState", "find",
     "is_checkpoint", "is_checkpoint_source", "latest_checkpoint", "read_trainer_state", "resolve",
     "step_dir_name", *_LAZY,
 ]

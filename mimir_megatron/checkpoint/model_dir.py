@@ -14,6 +14,7 @@ path stay instant.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -90,6 +91,25 @@ def resolve_model_dir(*, model: str | Path | None = None, checkpoint: str | Path
 def _describe(kind: ModelKind) -> str:
     return {ModelKind.checkpoint: "a training checkpoint", ModelKind.weights: "project weights",
             ModelKind.hf: "a transformers directory"}[kind]
+
+
+def load_model_dir(source: ModelDir, *, ema: bool = False, tensor_parallel_size: int = 1,
+                   overrides: Sequence[str] = ()):
+    """The model of ``source`` for this process's TP rank: a training checkpoint's trained or
+    (``ema``) EMA weights, project weights or a transformers directory (``overrides``: model
+    config ``key=value`` applied to the last two, after the loading layout)."""
+    source.check_ema(ema)
+    if source.kind == ModelKind.checkpoint:
+        from .load import load_model
+
+        return load_model(source.path, ema=ema, tensor_parallel_size=tensor_parallel_size)
+    from mimir_megatron import interop
+
+    from .load import execution_overrides
+
+    settings = [*execution_overrides(tensor_parallel_size), *overrides]
+    load = interop.load_weights if source.kind == ModelKind.weights else interop.import_hf
+    return load(source.path, settings)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool = True,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from concurrent.futures import Future
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -51,7 +52,7 @@ def read_manifest(path: str | Path) -> dict:
         st = manifest_path.stat()
     except OSError:
         st = None
-    if st is None or not manifest_path.is_file():
+    if st is None or not stat.S_ISREG(st.st_mode):
         raise UserError(
             f"{path}: not a prepared dataset ({MANIFEST_NAME} is missing); run `mimir prepare` "
             "first, or finish the interrupted run"

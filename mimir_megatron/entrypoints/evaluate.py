@@ -63,7 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "lm-eval", help="run lm-evaluation-harness tasks (log-likelihood through /v1/score)",
-        usage="mimir lm-eval (--base-url URL --tokenizer DIR | --checkpoint DIR | --hf DIR | --weights DIR) "
+        usage="mimir lm-eval (--base-url URL --tokenizer DIR | --model DIR | --checkpoint DIR | --hf DIR | "
+              "--weights DIR) "
               "--tasks TASKS [options] [-- LM-EVAL OPTIONS]",
         description="Runs lm-evaluation-harness (the `lmeval` extra) with this project's model `mimir`: "
         "log-likelihood goes through the server's /v1/score with lm-eval's own context/continuation "

@@ -73,10 +73,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mimir_megatron.checkpoint import ModelKind, find, load_model
+    from mimir_megatron.checkpoint import ModelKind, find, load_model_dir
     from mimir_megatron.config import load_config
     from mimir_megatron.errors import UserError
-    from mimir_megatron.interop import export_hf, import_hf, load_weights
+    from mimir_megatron.interop import export_hf
     from mimir_megatron.model import build_model
 
     found = None
@@ -87,14 +87,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         origin = f"freshly initialised weights (seed {args.seed})"
     else:
         source = model_dir_from_args(args)
-        source.check_ema(args.ema)
+        model = load_model_dir(source, ema=args.ema, overrides=args.overrides)
         if source.kind == ModelKind.checkpoint:
             found = find(source.path)
-            model = load_model(source.path, ema=args.ema)
-        elif source.kind == ModelKind.weights:
-            model = load_weights(source.path, args.overrides)
-        else:
-            model = import_hf(source.path, args.overrides)
         origin = f"{source.kind} ({source.path})"
     files = _release_files(args, model, found, origin)
     export_hf(model, args.output, tokenizer_dir=args.tokenizer, extra_files=files)

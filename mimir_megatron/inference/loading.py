@@ -47,21 +47,11 @@ def load_engine(
     """
     found = checkpoint_pkg.resolve_model_dir(model=model, checkpoint=checkpoint, weights=weights, hf=hf)
     source, kind = found.path, found.kind
-    found.check_ema(ema)
-    overrides = checkpoint_pkg.execution_overrides(tensor_parallel_size)
-    if kind == checkpoint_pkg.ModelKind.checkpoint:
-        net = checkpoint_pkg.load_model(source, ema=ema, tensor_parallel_size=tensor_parallel_size)
-        fallback = net.cfg.tokenizer
-    elif kind == checkpoint_pkg.ModelKind.weights:
-        from mimir_megatron.interop import load_weights
-
-        net = load_weights(source, overrides)
-        fallback = source if (source / "tokenizer.json").is_file() else net.cfg.tokenizer
-    else:
-        from mimir_megatron.interop import import_hf
-
-        net = import_hf(source, overrides)
-        fallback = source
+    net = checkpoint_pkg.load_model_dir(found, ema=ema, tensor_parallel_size=tensor_parallel_size)
+    # The tokenizer: a transformers or weights directory's own, else the one the config names.
+    kinds = checkpoint_pkg.ModelKind
+    own = kind == kinds.hf or (kind == kinds.weights and (source / "tokenizer.json").is_file())
+    fallback = source if own else net.cfg.tokenizer
     tok = _tokenizer(tokenizer or fallback)
     if tok is None:
         log.warning("no tokenizer found for %s: the engine takes and returns token ids only", source)
