@@ -107,6 +107,47 @@ def test_openai_responses_text_messages_tools_and_streaming(client, served):
     assert caught.value.body["param"] == "previous_response_id" and len(server.stored_responses) == 4
 
 
+def test_openai_responses_retrieve_list_input_items_and_delete(client, served):
+    """What an app built on stored responses calls: retrieve, the input items page by page, delete."""
+    from openai import BadRequestError, NotFoundError
+
+    url, _ = served
+    turns = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"},
+             {"role": "user", "content": [{"type": "input_text", "text": "Rain in Aarhus?"}]}]
+    created = client.responses.create(model="tiny", input=turns, instructions="Be brief.", max_output_tokens=2)
+    assert client.responses.retrieve(created.id).model_dump() == created.model_dump()
+
+    newest_first = client.responses.input_items.list(created.id)
+    assert [item.role for item in newest_first.data] == ["user", "assistant", "user"]
+    assert newest_first.data[0].content[0].text == "Rain in Aarhus?" and not newest_first.has_more
+    first_page = client.responses.input_items.list(created.id, order="asc", limit=2)
+    assert [item.role for item in first_page.data] == ["user", "assistant"] and first_page.has_more
+    assert first_page.data[1].content[0].text == "Hi" and first_page.data[1].content[0].type == "output_text"
+    every = [item.id for item in client.responses.input_items.list(created.id, order="asc", limit=1)]
+    assert every == [item.id for item in newest_first.data][::-1] and len(set(every)) == 3  # the SDK's paging
+
+    with pytest.raises(BadRequestError) as caught:
+        client.responses.retrieve(created.id, stream=True)
+    assert caught.value.body["param"] == "stream"
+    with pytest.raises(BadRequestError) as caught:
+        client.responses.input_items.list(created.id, limit=101)
+    assert caught.value.body["param"] == "limit"
+    word = httpx.get(f"{url}/responses/{created.id}/input_items", params={"limit": "many"}, timeout=60)
+    assert word.status_code == 400 and word.json()["error"]["param"] == "limit"
+
+    streamed = list(client.responses.create(model="tiny", input="Hi", max_output_tokens=2, stream=True))[-1].response
+    assert client.responses.retrieve(streamed.id).model_dump() == streamed.model_dump()
+    unstored = client.responses.create(model="tiny", input="Hi", max_output_tokens=1, store=False)
+    assert client.responses.delete(created.id) is None
+    for gone in (created.id, unstored.id):
+        with pytest.raises(NotFoundError):
+            client.responses.retrieve(gone)
+        with pytest.raises(NotFoundError):
+            client.responses.delete(gone)
+    with pytest.raises(BadRequestError):
+        client.responses.create(model="tiny", input="y", previous_response_id=created.id, max_output_tokens=1)
+
+
 def test_every_error_is_openais_error_object(served):
     url, _ = served
     root = url.removesuffix("/v1")

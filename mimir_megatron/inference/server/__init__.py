@@ -1,7 +1,8 @@
 """``mimir serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the inference engine.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``,
-``POST /v1/score``, ``GET /v1/models``, ``GET /v1/stats``, ``GET /health``. A request travels
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (with
+``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``), ``POST /v1/score``,
+``GET /v1/models``, ``GET /v1/stats``, ``GET /health``. A request travels
 through one module per job:
 
 - :mod:`.protocol`: the request bodies (OpenAI's field names) and the error object;

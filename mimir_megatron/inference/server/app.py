@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager, contextmanager
-from typing import Iterator, TypeVar
+from typing import Iterator, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,7 +37,12 @@ from mimir_megatron.inference.server.protocol import (
     too_large,
 )
 from mimir_megatron.inference.server.responses import stream
-from mimir_megatron.inference.server.responses_api import ResponseBuilder, conversation, sse_events
+from mimir_megatron.inference.server.responses_api import (
+    ResponseBuilder,
+    conversation,
+    list_input_items,
+    sse_events,
+)
 
 log = logging.getLogger(__name__)
 B = TypeVar("B", bound=BaseModel)
@@ -121,7 +126,7 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
     async def validation_error(request: Request, exc: RequestValidationError):
         parts, param = [], None
         for err in exc.errors()[:3]:
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path")]
             if param is None and loc:
                 param = loc[0]
             parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
@@ -187,6 +192,22 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
         (result,) = await server.results(queue, works)
         return builder.whole(result)
 
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str, request: Request):
+        _refuse_stored_stream(request)
+        return server.stored_responses.stored(response_id).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def stored_input_items(response_id: str, request: Request, limit: int = 20,
+                                 order: Literal["asc", "desc"] = "desc", after: str | None = None):
+        _refuse_include(request)
+        return list_input_items(server.stored_responses.stored(response_id), limit, order, after)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        server.stored_responses.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
     @app.post("/v1/score")
     async def score(request: Request):
         body = await body_of(request, ScoreBody)
@@ -194,6 +215,22 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
         return server.respond.score(await server.scored(scoring), scoring.pairs)
 
     return app
+
+
+def _refuse_include(request: Request) -> None:
+    """``include`` asks for fields this server never produces (log-probs, reasoning, ...)."""
+    if request.query_params.getlist("include") or request.query_params.getlist("include[]"):
+        raise bad_request("include is not supported: this server stores no extra fields", "include")
+
+
+def _refuse_stored_stream(request: Request) -> None:
+    """A stored response is answered whole; its events are not kept to replay."""
+    _refuse_include(request)
+    if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+        raise bad_request("stream is not supported when retrieving a response (its events are not kept)",
+                          "stream")
+    if "starting_after" in request.query_params:
+        raise bad_request("starting_after applies to streamed retrieval, which is not supported", "starting_after")
 
 
 def app_server(app: FastAPI) -> Server:

@@ -6,17 +6,20 @@ conversation, rendered by the chat template like any chat request (``instruction
 system message). The reply becomes output items: a ``message`` with ``output_text``, and one
 ``function_call`` item per tool call. ``previous_response_id`` continues a conversation kept in
 memory (:class:`ResponseStore`: the newest ``capacity`` responses; older ids are answered with a
-400 naming the field); ``store: false`` keeps nothing.
+400 naming the field); ``store: false`` keeps nothing. A stored response can be read back
+(``GET /v1/responses/{id}``), its input items listed (``GET /v1/responses/{id}/input_items``) and
+deleted (``DELETE /v1/responses/{id}``); an id not (or no longer) kept is a 404.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Literal
 
 from mimir_megatron.inference.server.protocol import ApiError, ResponsesBody, bad_request
 from mimir_megatron.inference.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
@@ -25,32 +28,79 @@ from mimir_megatron.inference.types import GenerationResult, TokenEvent
 DEFAULT_STORED_RESPONSES = 1024
 
 
+@dataclasses.dataclass(frozen=True)
+class StoredResponse:
+    messages: list[dict]
+    """The conversation up to and including the reply, as chat messages (for previous_response_id)."""
+    response: dict
+    """The response object as it was answered."""
+    input_items: list[dict]
+    """The request's own input items, with ids (for GET .../input_items)."""
+
+
 class ResponseStore:
-    """The conversations behind the newest ``capacity`` responses (chat messages, the reply
-    included), for ``previous_response_id``. Thread-safe; oldest dropped first."""
+    """The newest ``capacity`` responses: their conversations (for ``previous_response_id``), the
+    objects answered and their input items. Thread-safe; oldest dropped first."""
 
     def __init__(self, capacity: int = DEFAULT_STORED_RESPONSES) -> None:
         self.capacity = capacity
-        self._items: collections.OrderedDict[str, list[dict]] = collections.OrderedDict()
+        self._items: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, response_id: str) -> list[dict]:
-        with self._lock:
-            found = self._items.get(response_id)
-        if found is None:
-            raise ApiError(400, f"previous response {response_id!r} is not known here (this server keeps the "
-                                f"newest {self.capacity} responses, in memory)", "previous_response_id",
-                           code="previous_response_not_found")
-        return [dict(m) for m in found]
+    def _not_kept(self, response_id: str) -> str:
+        return (f"response {response_id!r} is not kept here (this server keeps the newest {self.capacity} "
+                "stored responses, in memory)")
 
-    def put(self, response_id: str, messages: list[dict]) -> None:
+    def _find(self, response_id: str) -> StoredResponse | None:
         with self._lock:
-            self._items[response_id] = messages
+            return self._items.get(response_id)
+
+    def get(self, response_id: str) -> list[dict]:
+        """The conversation to continue (a 400 naming ``previous_response_id`` when not kept)."""
+        found = self._find(response_id)
+        if found is None:
+            raise ApiError(400, self._not_kept(response_id), "previous_response_id",
+                           code="previous_response_not_found")
+        return [dict(m) for m in found.messages]
+
+    def stored(self, response_id: str) -> StoredResponse:
+        """A kept response (a 404 when not kept: never stored, dropped or deleted)."""
+        found = self._find(response_id)
+        if found is None:
+            raise ApiError(404, self._not_kept(response_id), "response_id", code="not_found")
+        return found
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        with self._lock:
+            self._items[response_id] = stored
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
 
+    def delete(self, response_id: str) -> None:
+        with self._lock:
+            found = self._items.pop(response_id, None)
+        if found is None:
+            raise ApiError(404, self._not_kept(response_id), "response_id", code="not_found")
+
     def __len__(self) -> int:
         return len(self._items)
+
+
+def list_input_items(stored: StoredResponse, limit: int = 20, order: Literal["asc", "desc"] = "desc",
+                     after: str | None = None) -> dict:
+    """``GET /v1/responses/{id}/input_items``: one page of the request's input items, OpenAI's
+    list object (newest first by default; ``after`` an item id of the previous page)."""
+    if not 1 <= limit <= 100:
+        raise bad_request(f"limit must be between 1 and 100, got {limit}", "limit")
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise bad_request(f"after: no input item {after!r} in this response", "after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 def _text(content: Any, where: str) -> str:
@@ -105,6 +155,32 @@ def input_messages(body: ResponsesBody) -> list[dict]:
     if not messages:
         raise bad_request("input must hold at least one message", "input")
     return messages
+
+
+def _part(part: Any, output: bool) -> dict:
+    if isinstance(part, dict) and part.get("type") == "text":
+        part = {**part, "type": "output_text" if output else "input_text"}
+    if isinstance(part, dict) and part.get("type") == "output_text":
+        return {"annotations": [], **part}
+    return part
+
+
+def input_items(body: ResponsesBody) -> list[dict]:
+    """The request's ``input`` as the Responses API lists it: every item with an id and a status,
+    message content as parts (call after :func:`input_messages` has validated it)."""
+    raw = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    items = []
+    for item in raw:
+        kind = item.get("type", "message")
+        listed = {**item, "type": kind, "status": item.get("status") or "completed"}
+        if kind == "message":
+            output = item.get("role") == "assistant"
+            content = item.get("content")
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            listed["content"] = [_part(part, output) for part in parts]
+        listed.setdefault("id", _new_id({"message": "msg", "function_call": "fc"}.get(kind, "item")))
+        items.append(listed)
+    return items
 
 
 def conversation(body: ResponsesBody, store: ResponseStore) -> tuple[list[dict], list[dict]]:
@@ -167,9 +243,12 @@ class ResponseBuilder:
                       "total_tokens": self.prompt_tokens + completion_tokens},
         }
 
-    def _finish(self, text: str | None, calls: list[ToolCall]) -> None:
+    def _finish(self, text: str | None, calls: list[ToolCall], response: dict) -> dict:
+        """Keeps the answered response (unless ``store: false``); returns it."""
         if self.body.store is not False:
-            self.store.put(self.id, [*self.remembered, _assistant_message(text, calls)])
+            self.store.put(self.id, StoredResponse([*self.remembered, _assistant_message(text, calls)],
+                                                   response, input_items(self.body)))
+        return response
 
     def _split(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if not self.parse_tool_calls:
@@ -182,9 +261,8 @@ class ResponseBuilder:
         # A reply without calls is a message, even an empty one (a client looks for it).
         message = [_message_item(text or "", _new_id("msg"))] if text or not calls else []
         output = message + [_call_item(c) for c in calls]
-        self._finish(text, calls)
         status = "incomplete" if result.finish_reason == "length" else "completed"
-        return self._object(status, output, len(result.token_ids), result.finish_reason)
+        return self._finish(text, calls, self._object(status, output, len(result.token_ids), result.finish_reason))
 
     async def events(self, events: AsyncIterator[tuple[int, TokenEvent]]) -> AsyncIterator[dict]:
         """OpenAI's stream events: created, in_progress, the output items with their deltas,
@@ -197,7 +275,7 @@ class ResponseBuilder:
         yield event("response.created", response=self._object("in_progress", [], 0, None))
         yield event("response.in_progress", response=self._object("in_progress", [], 0, None))
         stream = ToolCallStream() if self.parse_tool_calls else None
-        message_id, text, tokens, finish, output = _new_id("msg"), "", 0, None, []
+        message_id, text, tokens, finish, output, calls = _new_id("msg"), "", 0, None, [], []
 
         def open_message():
             item = _message_item("", message_id, "in_progress")
@@ -209,7 +287,6 @@ class ResponseBuilder:
         async for _, token_event in events:
             tokens += 1
             delta = token_event.text or ""
-            calls: list[ToolCall] = []
             if stream is not None:
                 delta = stream.feed(delta)
                 if token_event.finished:
@@ -249,9 +326,9 @@ class ResponseBuilder:
                                 arguments=call.arguments)
                     output.append({**item, "status": "completed"})
                     yield event("response.output_item.done", output_index=index, item=output[-1])
-                self._finish(text or None, calls)
         status = "incomplete" if finish == "length" else "completed"
-        yield event(f"response.{status}", response=self._object(status, output, tokens, finish))
+        response = self._finish(text or None, calls, self._object(status, output, tokens, finish))
+        yield event(f"response.{status}", response=response)
 
 
 async def sse_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
