@@ -230,7 +230,8 @@ def _refuse_stored_stream(request: Request) -> None:
         raise bad_request("stream is not supported when retrieving a response (its events are not kept)",
                           "stream")
     if "starting_after" in request.query_params:
-        raise bad_request("starting_after applies to streamed retrieval, which is not supported", "starting_after")
+        raise bad_request("starting_after applies to streamed retrieval, which is not supported",
+                          "starting_after")
 
 
 def app_server(app: FastAPI) -> Server:

@@ -262,7 +262,8 @@ class ResponseBuilder:
         message = [_message_item(text or "", _new_id("msg"))] if text or not calls else []
         output = message + [_call_item(c) for c in calls]
         status = "incomplete" if result.finish_reason == "length" else "completed"
-        return self._finish(text, calls, self._object(status, output, len(result.token_ids), result.finish_reason))
+        response = self._object(status, output, len(result.token_ids), result.finish_reason)
+        return self._finish(text, calls, response)
 
     async def events(self, events: AsyncIterator[tuple[int, TokenEvent]]) -> AsyncIterator[dict]:
         """OpenAI's stream events: created, in_progress, the output items with their deltas,
