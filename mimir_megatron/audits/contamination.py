@@ -418,7 +418,7 @@ def write_report(results: list[BenchmarkResult], out: Path, suite, index: AuditI
     n = settings.ngram
     summaries = {b.name: _summary(b, n) for b in results}
     body = {
-        "format": FORMAT, "suite": suite.name, "suite_file": suite.source, "ngram": n,
+        "format": FORMAT, "suite": suite.name, "suite_file": suite.source, "seed": suite.seed, "ngram": n,
         "whitespace_variants": list(WHITESPACE_VARIANTS), "limit": settings.limit,
         "index": {"path": str(index.path.resolve()), "fingerprint": index.meta.get("fingerprint"),
                   "documents": index.num_documents, "tokens": index.num_tokens},

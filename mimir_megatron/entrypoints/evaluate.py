@@ -166,9 +166,19 @@ def _marks(args: argparse.Namespace, suite):
     return benchmark_marks(report, suite, args.data_dir), (str(report.path) if report else None)
 
 
-def _contamination_metrics(marks) -> dict[str, float]:
-    return {f"contamination/{name}": mark.fraction for name, mark in (marks or {}).items()
-            if mark is not None and not mark.stale}
+def _contamination_metrics(marks, result=None) -> dict[str, float]:
+    """``contamination/<task>`` (the share of items contaminated) and, with an evaluation's
+    ``result``, ``eval/clean/<task>`` and ``eval/contaminated/<task>`` (the score split)."""
+    from mimir_megatron.evaluation.report import score_split
+
+    metrics = {f"contamination/{name}": mark.fraction for name, mark in (marks or {}).items()
+               if mark is not None and not mark.stale}
+    for task in result.tasks if result is not None and marks is not None else []:
+        split = score_split(task, marks.get(task.spec.name))
+        for part in ("clean", "contaminated"):
+            if split is not None and getattr(split, part) is not None:
+                metrics[f"eval/{part}/{task.spec.name}"] = getattr(split, part)
+    return metrics
 
 
 def _params(args: argparse.Namespace, suite, model_name: str) -> dict:
@@ -203,7 +213,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                                   if target.checkpoint_step is not None else ""),
                   {**_params(args, suite, model_name), "h_cycles": args.h_cycles, "l_cycles": args.l_cycles,
                    "contamination_report": report})
-    run.log_metrics({**result.metrics(), **_contamination_metrics(marks), "eval/seconds": seconds},
+    run.log_metrics({**result.metrics(), **_contamination_metrics(marks, result), "eval/seconds": seconds},
                     step=target.checkpoint_step or 0)
     for path in tables:
         run.log_artifact(path, "tables")

@@ -65,6 +65,19 @@ class BenchmarkMark:
     report: str
     stale: bool = False
     """The report checked other data than this evaluation reads (its marks are not used)."""
+    contaminated_items: tuple[str, ...] | None = None
+    """Ids of the contaminated items (None: the report does not list them)."""
+    checked_all: bool = True
+    """The report checked every item (no ``--limit``); else only its first ``items``."""
+    same_order: bool = False
+    """The report shuffled the items with this suite's seed (its first ``items`` are the evaluation's)."""
+
+    def covers(self, scored: int) -> bool:
+        """Whether the report checked each of the evaluation's first ``scored`` items, so that its
+        scores can be split into clean and contaminated items."""
+        if self.stale or self.contaminated_items is None:
+            return False
+        return self.checked_all or (self.same_order and scored <= self.items)
 
     @property
     def fraction(self) -> float:
@@ -81,7 +94,10 @@ class BenchmarkMark:
         return f"{self.contaminated}/{self.items}{share}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "fraction": self.fraction}
+        fields = asdict(self)
+        if self.contaminated_items is not None:
+            fields["contaminated_items"] = list(self.contaminated_items)
+        return {**fields, "fraction": self.fraction}
 
 
 class ContaminationReport:
@@ -101,14 +117,19 @@ class ContaminationReport:
         self.suite: str = body.get("suite", "")
         self.ngram: int = body.get("ngram", 0)
 
-    def mark(self, task: str, data_path: str | Path) -> BenchmarkMark | None:
-        """The benchmark's mark, None when the report did not check it (or failed to)."""
+    def mark(self, task: str, data_path: str | Path, seed: int | None = None) -> BenchmarkMark | None:
+        """The benchmark's mark, None when the report did not check it (or failed to); ``seed``:
+        the evaluating suite's (whether a limited report checked the evaluation's first items)."""
         bench = self.body.get("benchmarks", {}).get(task)
         if not bench or bench.get("error"):
             return None
         stale = bench.get("data_sha256") != data_sha256(data_path)
+        listed = bench.get("contaminated_items")
         return BenchmarkMark(bench["items"], bench["contaminated"], bench["longest_span"]["tokens"],
-                             self.ngram, str(self.path), stale)
+                             self.ngram, str(self.path), stale,
+                             tuple(str(i) for i in listed) if isinstance(listed, list) else None,
+                             checked_all=self.body.get("limit") is None,
+                             same_order=seed is not None and self.body.get("seed") == seed)
 
 
 def find_report(explicit: str | None, suite_name: str,
@@ -141,7 +162,7 @@ def benchmark_marks(report: ContaminationReport | None, suite: SuiteSpec,
         log.warning("contamination report %s is for suite %s, this is %s: matched by task name",
                     report.path, report.suite, suite.name)
     base = Path(data_dir or suite.data_dir)
-    marks = {t.name: report.mark(t.name, base / t.data) for t in suite.tasks}
+    marks = {t.name: report.mark(t.name, base / t.data, suite.seed) for t in suite.tasks}
     for name, mark in marks.items():
         if mark is None:
             log.warning("contamination report %s did not check task %s", report.path, name)

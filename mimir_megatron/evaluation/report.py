@@ -1,23 +1,53 @@
 """Result tables in the layout of the paper's Tables 2-4: one row per task, grouped by category,
 each category closed by its average; scores x100. Written as Markdown, CSV and JSON. With a
 contamination report (:mod:`.contamination`) every row says how many of the benchmark's items
-share text with the training data, and a contaminated benchmark's name carries a mark."""
+share text with the training data, and a contaminated benchmark's name carries a mark; where the
+report lists which items and checked every item scored, the score is split into the clean items'
+and the contaminated items' (what contamination bought)."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from .contamination import MARK, BenchmarkMark
-from .runner import SuiteResult
+from .metrics import aggregate
+from .runner import SuiteResult, TaskResult
 
 Marks = dict[str, BenchmarkMark | None]
 
 METRIC_NAMES = {"accuracy": "acc", "exact_match": "EM", "f1": "F1", "macro_f1": "F1",
                 "rouge1": "ROUGE-1", "chrf": "chrF", "ifeval": "acc", "pass_at_1": "pass@1"}
+
+
+@dataclass(frozen=True)
+class ScoreSplit:
+    """A task's score on its clean items and on its contaminated items (None: no such items)."""
+
+    clean: float | None
+    clean_n: int
+    contaminated: float | None
+    contaminated_n: int
+
+
+def score_split(task: TaskResult, mark: BenchmarkMark | None) -> ScoreSplit | None:
+    """The task's score split by the report's contaminated items; None when the report does not
+    say which of the scored items are contaminated (not checked, stale, fewer items checked)."""
+    if mark is None or task.score is None or not mark.covers(len(task.outcomes)):
+        return None
+    dirty = set(mark.contaminated_items or ())
+    clean = [o for o in task.outcomes if o.id not in dirty]
+    touched = [o for o in task.outcomes if o.id in dirty]
+    return ScoreSplit(aggregate(task.spec.metric, clean) if clean else None, len(clean),
+                      aggregate(task.spec.metric, touched) if touched else None, len(touched))
+
+
+def _split_cell(score: float | None, n: int) -> str:
+    return "—" if score is None else f"{100 * score:.1f} ({n})"
 
 
 def _contamination_cell(marks: Marks, task: str) -> str:
@@ -37,7 +67,8 @@ def contamination_note(marks: Marks | None) -> list[str]:
     if not known:
         return []
     return [f"{MARK} contaminated: items share {known[0].ngram} consecutive tokens with the training data "
-            f"(report {known[0].report})"]
+            f"(report {known[0].report}); score clean / contaminated: on those items alone (their count), "
+            "n/a where the report does not say which scored items are contaminated"]
 
 
 def table_rows(result: SuiteResult, marks: Marks | None = None) -> list[dict[str, Any]]:
@@ -53,25 +84,32 @@ def table_rows(result: SuiteResult, marks: Marks | None = None) -> list[dict[str
                          "score": None if t.score is None else round(100 * t.score, 2),
                          "n": len(t.outcomes), "note": t.error or ""})
             if marks is not None:
-                rows[-1]["contaminated"] = _contamination_cell(marks, t.spec.name)
+                split = score_split(t, marks.get(t.spec.name))
+                rows[-1].update({
+                    "contaminated": _contamination_cell(marks, t.spec.name),
+                    "score clean": _split_cell(split.clean, split.clean_n) if split else "n/a",
+                    "score contaminated": (_split_cell(split.contaminated, split.contaminated_n)
+                                           if split else "n/a")})
         if category in averages:
             rows.append({"category": category, "benchmark": "Average", "task": "", "metric": "",
                          "score": round(100 * averages[category], 2), "n": "", "note": ""})
             if marks is not None:
-                rows[-1]["contaminated"] = ""
+                rows[-1].update({"contaminated": "", "score clean": "", "score contaminated": ""})
     return rows
 
 
 def markdown(result: SuiteResult, title: str = "", marks: Marks | None = None) -> str:
     lines = [f"### {title}", ""] if title else []
     extra = marks is not None
-    lines += ["| category | benchmark | metric | score | n |" + (" contaminated |" if extra else ""),
-              "| --- | --- | --- | ---: | ---: |" + (" ---: |" if extra else "")]
+    lines += ["| category | benchmark | metric | score | n |"
+              + (" contaminated | score clean | score contaminated |" if extra else ""),
+              "| --- | --- | --- | ---: | ---: |" + (" ---: | ---: | ---: |" if extra else "")]
     for row in table_rows(result, marks):
         score = "n/a" if row["score"] is None else f"{row['score']:.1f}"
         name = f"**{row['benchmark']}**" if row["benchmark"] == "Average" else row["benchmark"]
         lines.append(f"| {row['category']} | {name} | {row['metric']} | {score} | {row['n']} |"
-                     + (f" {row['contaminated']} |" if extra else ""))
+                     + (f" {row['contaminated']} | {row['score clean']} | {row['score contaminated']} |"
+                        if extra else ""))
     notes = [f"- {r['note']}" for r in table_rows(result) if r["note"]] + contamination_note(marks)
     if notes:
         lines += ["", *notes]
@@ -91,9 +129,11 @@ def summary(result: SuiteResult, model: str = "", marks: Marks | None = None) ->
                            "category": t.spec.category, "chance": t.chance, "error": t.error}
              for t in result.tasks}
     if marks is not None:
-        for name, task in tasks.items():
-            mark = marks.get(name)
-            task["contamination"] = mark.as_dict() if mark is not None else None
+        for t in result.tasks:
+            mark = marks.get(t.spec.name)
+            split = score_split(t, mark)
+            tasks[t.spec.name]["contamination"] = mark.as_dict() if mark is not None else None
+            tasks[t.spec.name]["score_split"] = asdict(split) if split else None
     return {
         "suite": result.suite.name, "model": model,
         "schedule": list(result.schedule) if result.schedule else None,

@@ -20,6 +20,7 @@ from conftest import REPO
 
 from mimir_megatron.audits import AuditSource, build_index
 from mimir_megatron.cli import main
+from mimir_megatron.evaluation.suite import load_suite
 
 TOKENIZER = REPO / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer"
 NGRAM = 13
@@ -129,6 +130,8 @@ def _tokens(text: str) -> int:
 def test_planted_items_are_found_item_for_item_and_nothing_else(planted):
     report, items, rows = planted["report"], planted["items"], planted["rows"]
     assert planted["rc"] == 0
+    # what `mimir eval` needs to split scores into clean and contaminated items
+    assert report["seed"] == load_suite(planted["suite"]).seed and report["limit"] is None
     for benchmark, expected in PLANTED.items():
         summary = report["benchmarks"][benchmark]
         assert sorted(summary["contaminated_items"]) == sorted(expected)

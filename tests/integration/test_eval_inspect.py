@@ -65,19 +65,24 @@ def _script(suite, data_dir: Path) -> tuple[Script, dict[str, list]]:
 
 
 def _contamination_report(suite, data_dir: Path, path: Path) -> Path:
-    """A `mimir audit contamination` report: MMLU 1 of 4 items contaminated, GEC none, HellaSwag
-    checked on other data (stale); the other tasks not checked."""
+    """A `mimir audit contamination` report: MMLU 1 of 4 items contaminated (the first in evaluation
+    order, which the stub answers right), GEC none, HellaSwag checked on other data (stale); the
+    other tasks not checked."""
     from mimir_megatron.evaluation.contamination import FORMAT, data_sha256
 
     tasks = {t.name: t for t in suite.tasks}
+    first_mmlu = build_items(tasks["mmlu"], data_dir, suite.seed, LIMIT)[0].id
 
-    def bench(name: str, dirty: int, sha: str | None = None) -> dict:
-        return {"items": LIMIT, "contaminated": dirty, "longest_span": {"tokens": 20 if dirty else 5},
+    def bench(name: str, dirty: list[str], sha: str | None = None) -> dict:
+        return {"items": LIMIT, "contaminated": len(dirty), "contaminated_items": dirty,
+                "longest_span": {"tokens": 20 if dirty else 5},
                 "data_sha256": sha or data_sha256(data_dir / tasks[name].data), "error": None}
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": FORMAT, "suite": suite.name, "ngram": 13, "benchmarks": {
-        "mmlu": bench("mmlu", 1), "gec": bench("gec", 0), "hellaswag": bench("hellaswag", 2, "0" * 64)}}))
+    path.write_text(json.dumps({"format": FORMAT, "suite": suite.name, "seed": suite.seed, "limit": LIMIT,
+                                "ngram": 13, "benchmarks": {
+        "mmlu": bench("mmlu", [first_mmlu]), "gec": bench("gec", []),
+        "hellaswag": bench("hellaswag", ["0", "1"], "0" * 64)}}))
     return path
 
 
@@ -132,19 +137,23 @@ def test_missing_data_is_reported_and_the_rest_runs(stubbed):
     assert "not_there/test.jsonl" in summary["tasks"]["daisy"]["error"]
     assert stubbed["rc"] == 1  # a task failed; everything else was still written
     table = (stubbed["root"] / "eval" / "results.md").read_text()
-    assert "| English | MMLU‡ | acc | 50.0 | 4 | 1/4 (25.0 %) |" in table
-    assert "| Danish | Daisy | EM | n/a | 0 | not checked |" in table
+    # MMLU: right at positions 0 and 1, position 0 contaminated: clean 1 of 3, contaminated 1 of 1
+    assert "| English | MMLU‡ | acc | 50.0 | 4 | 1/4 (25.0 %) | 33.3 (3) | 100.0 (1) |" in table
+    assert "| Danish | Daisy | EM | n/a | 0 | not checked | n/a | n/a |" in table
 
 
 def test_benchmarks_with_contaminated_items_are_marked(stubbed):
     root = stubbed["root"]
     table = (root / "eval" / "results.md").read_text()
-    assert "| Danish | GEC | EM | 50.0 | 4 | 0/4 |" in table  # checked, clean: no mark
-    assert "| English | HellaSwag | acc | 50.0 | 4 | stale report |" in table  # other data: not marked
+    assert "| Danish | GEC | EM | 50.0 | 4 | 0/4 | 50.0 (4) | — |" in table  # checked, clean: no mark
+    assert "| English | HellaSwag | acc | 50.0 | 4 | stale report | n/a | n/a |" in table  # other data
     assert f"‡ contaminated: items share 13 consecutive tokens with the training data (report {root}" in table
     tasks = json.loads((root / "eval" / "results.json").read_text())["tasks"]
     assert (tasks["mmlu"]["contamination"]["contaminated"], tasks["mmlu"]["contamination"]["fraction"]) == (1, 0.25)
     assert tasks["gsm8k"]["contamination"] is None and tasks["hellaswag"]["contamination"]["stale"]
+    assert tasks["mmlu"]["score_split"] == {"clean": pytest.approx(1 / 3), "clean_n": 3, "contaminated": 1.0,
+                                            "contaminated_n": 1}
+    assert tasks["hellaswag"]["score_split"] is None and tasks["gsm8k"]["score_split"] is None
     sweep = (root / "sweep" / "table5.md").read_text()
     assert "| D | H | L | schedule | MMLU‡ | GEC |" in sweep and "‡ contaminated" in sweep
     assert json.loads((root / "sweep" / "table5.json").read_text())["contamination"]["mmlu"]["contaminated"] == 1
@@ -203,6 +212,9 @@ def test_mlflow_receives_the_metrics(stubbed):
     assert evaluation.data.metrics["eval/mmlu"] == pytest.approx(0.5)
     assert evaluation.data.metrics["eval/avg/english"] == pytest.approx(0.5)
     assert evaluation.data.metrics["contamination/mmlu"] == 0.25 and "contamination/hellaswag" not in \
+        evaluation.data.metrics
+    assert evaluation.data.metrics["eval/clean/mmlu"] == pytest.approx(1 / 3)
+    assert evaluation.data.metrics["eval/contaminated/mmlu"] == 1.0 and "eval/contaminated/gec" not in \
         evaluation.data.metrics
     assert "eval/daisy" not in evaluation.data.metrics
     artifacts = {a.path for a in client.list_artifacts(evaluation.info.run_id, "tables")}

@@ -201,3 +201,38 @@ def test_type_mistakes_of_every_task_and_of_the_suite_are_each_one_line(tmp_path
     assert lines[0] == f"invalid suite {path}:"
     for fragment in ("suite.seed", "tasks[0] (a).shots", "tasks[1] (b).shots", "tasks[1] (b).colour is not a setting"):
         assert sum(fragment in line for line in lines) == 1, (fragment, lines)
+
+
+def test_scores_split_into_clean_and_contaminated_items_only_where_the_report_checked_them(tmp_path):
+    """Hand-counted: 4 items, right at ids 0 and 2, id 0 contaminated -> clean 1/3, contaminated
+    1/1. A report limited to fewer items, or shuffled with another seed, cannot say which scored
+    items are clean: no split."""
+    import json
+
+    from mimir_megatron.evaluation.contamination import FORMAT, ContaminationReport, data_sha256
+    from mimir_megatron.evaluation.metrics import ItemOutcome
+    from mimir_megatron.evaluation.report import ScoreSplit, score_split
+    from mimir_megatron.evaluation.runner import TaskResult
+
+    data = tmp_path / "bench.jsonl"
+    data.write_text('{"q": 1}\n')
+    spec = TaskSpec(name="bench", format="generate", data="bench.jsonl", metric="exact_match")
+    task = TaskResult(spec, [ItemOutcome(str(i), "", ("x",), float(i in (0, 2))) for i in range(4)])
+
+    def mark(limit, seed, items=4, listed=("0",)):
+        path = tmp_path / f"report-{limit}-{seed}-{items}.json"
+        bench = {"items": items, "contaminated": len(listed or ()), "longest_span": {"tokens": 20},
+                 "data_sha256": data_sha256(data), "error": None}
+        if listed is not None:
+            bench["contaminated_items"] = list(listed)
+        path.write_text(json.dumps({"format": FORMAT, "suite": "s", "seed": seed, "limit": limit, "ngram": 13,
+                                    "benchmarks": {"bench": bench}}))
+        return ContaminationReport(path).mark("bench", data, seed=4242)
+
+    assert score_split(task, mark(None, 1)) == ScoreSplit(pytest.approx(1 / 3), 3, 1.0, 1)
+    assert score_split(task, mark(4, 4242)) == ScoreSplit(pytest.approx(1 / 3), 3, 1.0, 1)
+    assert score_split(task, mark(None, 1, listed=())) == ScoreSplit(0.5, 4, None, 0)
+    assert score_split(task, mark(3, 4242, items=3)) is None  # the fourth item was never checked
+    assert score_split(task, mark(4, 7)) is None  # its first four are other items
+    assert score_split(task, mark(None, 1, listed=None)) is None  # an older report: ids not listed
+    assert score_split(task, None) is None
