@@ -13,10 +13,23 @@ import httpx
 import pytest
 import torch
 from inference_workloads import served_engine
+from polling import wait_for
 
 from mimir_megatron.batch import single_sample_batch
 
 pytest.importorskip("llguidance")
+
+
+def wait_queued(server, depth: int, futures=()) -> None:
+    """Until ``depth`` requests wait in the paused scheduler's queue (sleeping between looks: a
+    busy loop would hold the GIL the server's threads need); a request that ended instead (an
+    error before it queued) raises at once."""
+    wait_for(lambda: server.scheduler.queue_depth >= depth or any(f.done() for f in futures),
+             f"{depth} queued requests")
+    for f in futures:
+        if f.done():
+            f.result()
+            raise AssertionError("a request finished while the scheduler was paused")
 pytestmark = pytest.mark.timeout(900)
 
 SCHEMA = {  # an enum, a number and a nested object (strict: no other keys)
@@ -130,9 +143,7 @@ def test_json_schema_rows_validate_and_free_rows_are_unaffected(served, client):
         with server.scheduler.paused():  # all 23 wait, then decode in one batch
             structured = [pool.submit(constrained, i) for i in range(20)]
             mixed = [pool.submit(free, p) for p in free_prompts]
-            deadline = __import__("time").monotonic() + 120
-            while server.scheduler.queue_depth < 23:
-                assert __import__("time").monotonic() < deadline
+            wait_queued(server, 23, structured + mixed)
         replies = [f.result() for f in structured]
         together = [f.result() for f in mixed]
     assert together == alone  # rows without a grammar in the same batch: as alone
@@ -350,9 +361,7 @@ def test_forced_calls_and_schemas_finish_within_max_tokens_as_valid_json(engine,
     with ThreadPoolExecutor(len(jobs)) as pool:
         with server.scheduler.paused():  # one shared batch
             futures = [pool.submit(fn, *args) for fn, args in jobs]
-            deadline = __import__("time").monotonic() + 120
-            while server.scheduler.queue_depth < len(jobs):
-                assert __import__("time").monotonic() < deadline
+            wait_queued(server, len(jobs), futures)
         replies = [f.result() for f in futures]
     for (fn, _), (kind, reply) in zip(jobs, replies):
         if fn is forced:
@@ -424,19 +433,14 @@ def test_penalties_apply_per_row_and_other_rows_decode_exactly_as_alone(engine, 
     alone = [complete(p) for p in plain_prompts]
 
     def batch(**busy_fields):
-        def queued(depth: int) -> None:
-            deadline = __import__("time").monotonic() + 120
-            while server.scheduler.queue_depth < depth:
-                assert __import__("time").monotonic() < deadline
-
         with ThreadPoolExecutor(4) as pool:
             with server.scheduler.paused():  # one shared batch of four rows, in this order
                 busy = pool.submit(complete, prompt, **busy_fields)
-                queued(1)  # requests are translated in worker threads: queue them one by one
+                wait_queued(server, 1, [busy])  # requests are translated in worker threads: one by one
                 plain = []
                 for depth, p in enumerate(plain_prompts, start=2):
                     plain.append(pool.submit(complete, p))
-                    queued(depth)
+                    wait_queued(server, depth, [busy, *plain])
             return busy.result(), [f.result() for f in plain]
 
     (tokens, _), together = batch(frequency_penalty=fields["frequency_penalty"],
