@@ -150,6 +150,16 @@ def test_paper_v1_fits_and_costs_three_weeks(v1_plan):
                                                       (5, 1_320_000)]
 
 
+@pytest.mark.parametrize("config", [V1, V1_5], ids=["v1", "v1_5"])
+def test_the_papers_shipped_configs_fit_8_b200_at_the_fastest_planned_speed(config):
+    """v1.5's window reaches k=8: v1's 4 x 4,096 per GPU is planned at ~202 GB there, so the
+    shipped v1.5 config halves the micro-batch (accumulation 4)."""
+    plan = plan_run(load_train_config(config), RunSettings(gpu=gpu_spec("b200"), gpus=8, efficiency=0.3169))
+    configured = plan.configured
+    assert configured.fits and configured.memory.peak < 0.9 * 180e9
+    assert configured.tokens_per_s == pytest.approx(plan.ranked[0].tokens_per_s)
+
+
 def test_a_layout_that_cannot_fit_is_reported_with_its_numbers(tmp_path, capsys):
     # 16 x 4,096 tokens per GPU at k=8 without recompute.
     argv = ["plan", "--config", str(V1), "--gpus", "8", "--gpu", "b200", "--json", str(tmp_path / "p.json"),
