@@ -10,9 +10,9 @@ from mimir_megatron.inference import GenerationRequest, SamplingParams
 VOCAB = 250
 
 
-def served_engine():
+def served_engine(*overrides: str):
     """The server tests' engine: the tiny model (seed 0, the demo tokenizer's 1,024-token
-    vocabulary) with the demo tokenizer, served as model "tiny"."""
+    vocabulary; ``overrides`` of its config) with the demo tokenizer, served as model "tiny"."""
     from conftest import REPO, tiny_config
 
     from mimir_megatron.chat import load_tokenizer
@@ -20,7 +20,7 @@ def served_engine():
     from mimir_megatron.model import build_model
 
     torch.manual_seed(0)
-    model = build_model(tiny_config("vocab_size=1024"))
+    model = build_model(tiny_config("vocab_size=1024", *overrides))
     return InferenceEngine(model, load_tokenizer(REPO / "data_prep/mimir_data_prep/demo/tokenizer"), model_name="tiny")
 
 

@@ -3,8 +3,9 @@
 One server for the module (the tiny random model, the demo tokenizer); every client runs
 against it: the openai SDK (chat, a forced tool call with a plain string parameter, ``parse``
 with a Pydantic model, the Responses API), langchain-openai (``bind_tools``,
-``with_structured_output`` with each method), litellm, and the OpenAI Agents SDK running a tool
-loop to its end. Random weights: only the grammar makes a call well-formed, which is the point.
+``with_structured_output`` with each method), litellm, the OpenAI Agents SDK running a tool
+loop to its end, and a Pydantic AI agent with a tool and a structured output. Random weights:
+only the grammar makes a call well-formed, which is the point.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class Forecast(BaseModel):
 def served():
     from mimir_megatron.inference.server import app_server, build_app, serve_app_in_thread
 
-    app = build_app(served_engine(), max_queue=32, max_tokens_limit=128, max_stored_responses=4)
+    # Agent frameworks send long tool schemas (Pydantic AI: ~600 tokens of the demo tokenizer)
+    app = build_app(served_engine("max_position_embeddings=2048"), max_queue=32, max_tokens_limit=128,
+                    max_stored_responses=4)
     with serve_app_in_thread(app) as url:
         yield url, app_server(app)
 
@@ -226,6 +229,47 @@ def test_agents_sdk_runs_a_tool_loop_to_its_final_message(served):
     assert calls and isinstance(calls[0], str)  # the tool ran with the model's argument
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
     assert isinstance(result.final_output, str)  # the model's final message after the tool's output
+
+
+# -- Pydantic AI --------------------------------------------------------------------------------------------
+
+
+def test_pydantic_ai_agent_runs_a_tool_then_its_structured_output(served):
+    """An agent whose output is a Pydantic model (its ``final_result`` tool, which Pydantic AI forces
+    with ``tool_choice: required``) and one function tool, offered until it has run once (random
+    weights would call it forever): the weather tool runs with the model's argument, then the forced
+    output call ends the run with a validated Forecast. The same output through ``response_format``
+    (``NativeOutput``)."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.messages import ToolCallPart
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.usage import UsageLimits
+
+    model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key="x"))
+    # seed 2 calls the weather tool first (seeds 0 and 1 go straight to the output)
+    settings = {"max_tokens": MAX + 30, "temperature": 1.0, "seed": 2}
+    calls: list[str] = []
+    agent = Agent(model, output_type=Forecast, model_settings=settings)
+
+    async def until_called(ctx, tool):  # Pydantic AI's prepare hook: None hides the tool this step
+        return None if calls else tool
+
+    @agent.tool_plain(prepare=until_called)
+    def weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append(city)
+        return json.dumps({"city": city, "rain_mm": 4})
+
+    result = agent.run_sync("Forecast for Aarhus?", usage_limits=UsageLimits(request_limit=3))
+    assert isinstance(result.output, Forecast)
+    called = [part.tool_name for message in result.all_messages() for part in message.parts
+              if isinstance(part, ToolCallPart)]
+    assert called == ["weather", "final_result"] and isinstance(calls[0], str)
+
+    native = Agent(model, output_type=NativeOutput(Forecast), model_settings=settings)
+    assert isinstance(native.run_sync("Forecast for Oslo?").output, Forecast)
 
 
 def test_the_serve_extra_brings_what_serving_a_chat_model_imports():
