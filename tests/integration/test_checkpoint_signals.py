@@ -48,12 +48,14 @@ def wait_until(condition, timeout: float, what: str, proc=None, log: Path | None
 def spawned_helpers(pid: int) -> list[int]:
     """The trainer's long-lived helpers (the Manager, the resource tracker), which run their own
     command line. A forked per-save async writer shares the trainer's and ends once its save is
-    written (it may be a zombie when listed): its survival shows as the save completing."""
+    written (it may be a zombie when listed, or exiting: then its command line reads empty, as
+    the kernel has released its memory): its survival shows as the save completing."""
     trainer = psutil.Process(pid)
     helpers = []
     for child in trainer.children(recursive=True):
         try:
-            if child.cmdline() != trainer.cmdline():
+            cmdline = child.cmdline()
+            if cmdline and cmdline != trainer.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
                 helpers.append(child.pid)
         except psutil.Error:  # ended or a zombie: not a long-lived helper
             pass
