@@ -31,6 +31,7 @@ from pathlib import Path
 
 import jsonschema
 import torch
+from bench_structured_finish import MethodTimer
 
 from mimir_megatron.chat import load_tokenizer
 from mimir_megatron.inference.grammar import GrammarConstraint, Grammars, strict_schema
@@ -78,27 +79,6 @@ def grown_tokenizer(vocab: int, out: Path, seed: int = 0) -> Path:
     return out
 
 
-class _Timer:
-    """Wraps a method and sums its time."""
-
-    def __init__(self, owner, name: str) -> None:
-        self.seconds, self.calls, original = 0.0, 0, getattr(owner, name)
-        self.owner, self.name, self.original = owner, name, original
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-                self.calls += 1
-
-        setattr(owner, name, timed)
-
-    def reset(self) -> None:
-        self.seconds, self.calls = 0.0, 0
-
-
 def _sample(constraint: GrammarConstraint, vocab: int, stop_ids: tuple[int, ...],
             generator: torch.Generator) -> list[int]:
     """One reply, as the engine's sampler takes it: random logits within the grammar's mask."""
@@ -129,7 +109,7 @@ def measure(tokenizer_dir: Path, rows: int, extra: int) -> dict:
     start = time.perf_counter()
     grammars.json(None)  # builds llguidance's tokenizer and the ranking once
     setup = time.perf_counter() - start
-    allowed, accept = _Timer(GrammarConstraint, "allowed"), _Timer(GrammarConstraint, "accept")
+    allowed, accept = MethodTimer(GrammarConstraint, "allowed"), MethodTimer(GrammarConstraint, "accept")
     found = {"vocab": vocab, "setup_s": setup, "kinds": {}}
     generator = torch.Generator().manual_seed(0)
     for kind, parameters in PARAMETERS.items():
@@ -153,8 +133,8 @@ def measure(tokenizer_dir: Path, rows: int, extra: int) -> dict:
     found["allowed_us"] = allowed.seconds / allowed.calls * 1e6
     found["accept_us"] = accept.seconds / accept.calls * 1e6
     found["steps"] = accept.calls
-    for timer in (allowed, accept):
-        setattr(timer.owner, timer.name, timer.original)
+    allowed.restore()
+    accept.restore()
     return found
 
 

@@ -53,11 +53,12 @@ def _engine(checkpoint: str | None):
     return InferenceEngine(model, load_tokenizer(TOKENIZER), model_name="tiny")
 
 
-class _Timer:
-    """Wraps a method and sums its time."""
+class MethodTimer:
+    """Wraps a method and sums its time until :meth:`restore` puts the method back."""
 
     def __init__(self, owner, name: str) -> None:
         self.seconds, self.calls, original = 0.0, 0, getattr(owner, name)
+        self._owner, self._name, self._original = owner, name, original
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -68,6 +69,9 @@ class _Timer:
                 self.calls += 1
 
         setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        setattr(self._owner, self._name, self._original)
 
 
 def main() -> None:
@@ -81,7 +85,7 @@ def main() -> None:
     torch.set_num_threads(2)
     engine = _engine(args.checkpoint)
     grammars = Grammars(engine.tokenizer, engine.limits.vocab_size, engine.default_stop_ids)
-    accept, allowed = _Timer(GrammarConstraint, "accept"), _Timer(GrammarConstraint, "allowed")
+    accept, allowed = MethodTimer(GrammarConstraint, "accept"), MethodTimer(GrammarConstraint, "allowed")
     rows = []
     for kind, parameters in PARAMETERS.items():
         tool = {"type": "function", "function": {"name": f"get_{kind}", "parameters": parameters}}
