@@ -41,6 +41,11 @@ def _add_source(p: argparse.ArgumentParser) -> None:
                         "RUN/contamination/<suite>.json of its training run, if present)")
 
 
+def _add_schedule(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--h-cycles", type=int, help="evaluate under this H (default: trained schedule)")
+    p.add_argument("--l-cycles", type=int, help="evaluate under this L (default: trained schedule)")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="evaluate a model on a benchmark suite (InspectAI, tables, MLflow)",
                        description="Starts `mimir serve` on a free 127.0.0.1 port for a checkpoint or "
@@ -48,8 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "seed from the suite), stops the server, writes results.md/.csv/.json, the "
                        "per-item outcomes and InspectAI's logs, and logs everything to MLflow.")
     _add_source(p)
-    p.add_argument("--h-cycles", type=int, help="evaluate under this H (default: trained schedule)")
-    p.add_argument("--l-cycles", type=int, help="evaluate under this L (default: trained schedule)")
+    _add_schedule(p)
     p.add_argument("--model-name",
                    help="with --base-url: the model id to request (default: the first listed)")
     p.set_defaults(handler=cmd_eval, extra="eval")
@@ -74,8 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(--num_fewshot, --limit, --include_path, --log_samples, --apply_chat_template, ...).")
     _add_model_source(p)
     p.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (lm-eval's --tasks)")
-    p.add_argument("--h-cycles", type=int, help="evaluate under this H (default: trained schedule)")
-    p.add_argument("--l-cycles", type=int, help="evaluate under this L (default: trained schedule)")
+    _add_schedule(p)
     p.add_argument("--batch-size", type=int, default=16, help="pairs per /v1/score request, prompts per "
                    "/v1/completions request (default 16)")
     p.add_argument("--output", help="directory for lm-eval's results (--output_path) and serve.log "
