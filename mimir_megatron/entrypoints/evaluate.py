@@ -176,11 +176,15 @@ def _contamination_metrics(marks, result=None) -> dict[str, float]:
 
     metrics = {f"contamination/{name}": mark.fraction for name, mark in (marks or {}).items()
                if mark is not None and not mark.stale}
-    for task in result.tasks if result is not None and marks is not None else []:
+    if result is None or marks is None:
+        return metrics
+    for task in result.tasks:
         split = score_split(task, marks.get(task.spec.name))
-        for part in ("clean", "contaminated"):
-            if split is not None and getattr(split, part) is not None:
-                metrics[f"eval/{part}/{task.spec.name}"] = getattr(split, part)
+        if split is None:
+            continue
+        for part, score in (("clean", split.clean), ("contaminated", split.contaminated)):
+            if score is not None:
+                metrics[f"eval/{part}/{task.spec.name}"] = score
     return metrics
 
 
