@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, train_overrides
-from polling import wait_for
+from polling import hang_limit, wait_for
 
 pytest.importorskip("mlflow", reason="the MLflow server tests need `pip install mlflow`")
 pytest.importorskip("flask", reason="the MLflow server needs the full mlflow, not mlflow-skinny")
@@ -62,7 +62,7 @@ def test_training_logs_through_a_server_outage_and_reads_back_over_rest(demo_dat
     """The server is stopped mid-run and started again on its port: training goes on, warns once,
     and delivers every metric when the server returns; the run then reads back over REST."""
     store = tmp_path / "store"
-    server = MlflowServer(store).start()
+    server = MlflowServer(store, startup_timeout=hang_limit(300)).start()
     log = tmp_path / "train.log"
     cmd = [sys.executable, "-m", "mimir_megatron.cli", "train", "--config", "configs/train/demo.yaml",
            *train_overrides(demo_data, tmp_path / "run", f"train.steps={STEPS}", "checkpoint.interval=1000",
@@ -82,7 +82,7 @@ def test_training_logs_through_a_server_outage_and_reads_back_over_rest(demo_dat
         wait_for(lambda: log.read_text()[down:].count(" loss ") >= 2 or train.poll() is not None,
                  "two steps trained during the outage", timeout=120, interval=0.2)
         assert train.poll() is None, "training ended during the outage:\n" + log.read_text()[-3000:]
-        with MlflowServer(store, port=server.port) as server:
+        with MlflowServer(store, port=server.port, startup_timeout=hang_limit(300)) as server:
             assert train.wait(timeout=300) == 0, log.read_text()[-3000:]
             text = log.read_text()
             assert text.count("unreachable") == 1  # warned once
@@ -162,7 +162,7 @@ def test_mimir_ui_serves_the_run_store_on_loopback_only(tmp_path):
     uri = f"http://127.0.0.1:{port}"
     try:
         try:
-            wait_healthy(uri, timeout=90, process=ui)
+            wait_healthy(uri, timeout=hang_limit(300), process=ui)
         except RuntimeError as exc:
             raise AssertionError(f"{exc}\n{log_path.read_text()[-4000:]}") from None
         assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, nothing else
