@@ -129,8 +129,7 @@ def test_evaluation_reads_the_checkpoint(trained, form, tmp_path):
     import argparse
 
     from mimir_megatron.checkpoint import read_trainer_state
-    from mimir_megatron.entrypoints.evaluate import _source_name, _tokenizer_dir
-    from mimir_megatron.evaluation.sweep import trained_schedule
+    from mimir_megatron.entrypoints.evaluate import _source_name, _tokenizer_dir, _trained_schedule
     from mimir_megatron.evaluation.tracking import tracking_target
 
     state = read_trainer_state(trained / "checkpoints" / STEP)
@@ -138,9 +137,9 @@ def test_evaluation_reads_the_checkpoint(trained, form, tmp_path):
     target = tracking_target(tmp_path, checkpoint=path)
     assert (target.parent_run_id, target.checkpoint_step) == (state.mlflow_run_id, 3)
     assert target.uri == f"sqlite:///{(trained / 'mlflow.db').resolve()}"
-    assert trained_schedule(path) == (state.model["h_cycles"], state.model["l_cycles"])
     args = argparse.Namespace(checkpoint=path, hf=None, weights=None, base_url=None, tokenizer=None,
-                              ema=False)
+                              ema=False, trained_schedule=None)
+    assert _trained_schedule(args) == (state.model["h_cycles"], state.model["l_cycles"])
     assert _tokenizer_dir(args) == state.model["tokenizer"]
     assert _source_name(args) == f"{trained.name}-{STEP}"
 
