@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -291,21 +292,32 @@ class Grammars:
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> None:
         self._hf_tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
-        self._tokenizer = None
-        self._vocab: Vocabulary | None = None
+        self._built: tuple[Any, Vocabulary] | None = None
+        """(llguidance's tokenizer, its :class:`Vocabulary`), published together once both exist."""
+        self._building = threading.Lock()
+
+    def _tokenizer_and_vocab(self, lib) -> tuple[Any, Vocabulary]:
+        """Built once, on the first grammar: the server's worker threads compile concurrently, and
+        a thread must never see the tokenizer without its vocabulary (one lock, one assignment)."""
+        built = self._built
+        if built is None:
+            with self._building:
+                built = self._built
+                if built is None:
+                    tokenizer = lib.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                      eos_token=list(self.stop_ids) or None)
+                    built = self._built = (tokenizer, Vocabulary(tokenizer, self.vocab_size, self.stop_ids))
+        return built
 
     def _compile(self, text: str, field: str) -> Grammar:
         lib = _llguidance()
         if self._hf_tokenizer is None:
             raise RequestError("structured output needs the model's tokenizer", field)
-        if self._tokenizer is None:
-            self._tokenizer = lib.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                    eos_token=list(self.stop_ids) or None)
-            self._vocab = Vocabulary(self._tokenizer, self.vocab_size, self.stop_ids)
-        failed, messages = lib.LLMatcher.validate_grammar_with_warnings(text, self._tokenizer)
+        tokenizer, vocab = self._tokenizer_and_vocab(lib)
+        failed, messages = lib.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
         if failed:
             raise RequestError(f"{field} cannot be compiled: {messages[0]}", field)
-        return Grammar(lib, self._tokenizer, text, self._vocab)
+        return Grammar(lib, tokenizer, text, vocab)
 
     def json(self, schema: dict[str, Any] | None, field: str = "response_format",
              strict: bool = True) -> Grammar:

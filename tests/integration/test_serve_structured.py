@@ -160,6 +160,38 @@ def test_json_schema_rows_validate_and_free_rows_are_unaffected(served, client):
     assert isinstance(json.loads(anything.message.content), dict)
 
 
+def test_concurrent_first_grammars_all_get_the_vocabulary(engine, served, client, monkeypatch):
+    """The server's first grammars compile on several worker threads at once: every one must get
+    the tokenizer's vocabulary (a thread that saw the tokenizer built but not yet its vocabulary
+    answered 500, ``'NoneType' object has no attribute 'bytes'``). The vocabulary build is slowed
+    down (as a 262,144-token one is) so that the requests overlap it."""
+    import time
+
+    from mimir_megatron.inference import grammar
+
+    _, server = served
+    built = grammar.Vocabulary.__init__
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.5)
+        built(self, *args, **kwargs)
+
+    monkeypatch.setattr(grammar.Vocabulary, "__init__", slow)
+    monkeypatch.setattr(server.translate, "grammars",
+                        grammar.Grammars(engine.tokenizer, engine.limits.vocab_size, engine.default_stop_ids))
+    response_format = {"type": "json_schema", "json_schema": {"name": "review", "schema": SCHEMA}}
+
+    def first(i):
+        return client.chat.completions.create(model="tiny", messages=ASK, max_tokens=160, temperature=1.0, seed=i,
+                                              response_format=response_format).choices[0]
+
+    with ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(first, range(6)))
+    for reply in replies:
+        assert reply.finish_reason == "stop"
+        __import__("jsonschema").validate(json.loads(reply.message.content), SCHEMA)
+
+
 @pytest.mark.parametrize(("change", "param"), [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      "response_format"),
