@@ -24,6 +24,7 @@ pytestmark = pytest.mark.timeout(600)
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "Current weather in a city",
                                             "parameters": CITY}}
+WEATHER_CHAT = {"type": "function", "function": {"name": "weather", "parameters": CITY}}  # as Responses sends it
 ASK = [{"role": "user", "content": "Do I need an umbrella in Aarhus?"}]
 MAX = 90  # above the shortest forced call (~60 tokens of the demo tokenizer), small enough to be quick
 
@@ -69,18 +70,28 @@ def test_openai_chat_forced_call_with_a_plain_string_and_parse(client):
     assert isinstance(parsed.choices[0].message.parsed, Forecast)
 
 
-def test_openai_responses_text_messages_tools_and_streaming(client, served):
+def test_openai_responses_text_messages_tools_and_streaming(client, served, monkeypatch):
     from openai import BadRequestError
 
     _, server = served
+    engine, rendered = server.engine, []
+    render = engine.render_chat
+
+    def recording(messages, tools=None, template_kwargs=None):
+        rendered.append(render(messages, tools, template_kwargs))
+        return rendered[-1]
+
+    monkeypatch.setattr(engine, "render_chat", recording)
     first = client.responses.create(model="tiny", input="Hello", instructions="Answer briefly.",
                                     max_output_tokens=4, temperature=None)
     assert first.output_text and first.status == "incomplete" and first.usage.output_tokens == 4
     assert first.incomplete_details.reason == "max_output_tokens"
     follow = client.responses.create(model="tiny", input=[{"role": "user", "content": "And then?"}],
                                      previous_response_id=first.id, max_output_tokens=4)
-    # the earlier turn (without its instructions) and its reply come back as the conversation's start
-    assert follow.usage.input_tokens > first.usage.input_tokens - 8
+    # exactly the earlier turn (without its instructions), its reply, then the new turn
+    history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "And then?"}]
+    assert rendered[-1] == render(history) and follow.usage.input_tokens == len(rendered[-1])
 
     tool = {"type": "function", "name": "weather", "parameters": CITY}
     called = client.responses.create(model="tiny", input=ASK, tools=[tool], tool_choice="required",
@@ -91,6 +102,11 @@ def test_openai_responses_text_messages_tools_and_streaming(client, served):
         model="tiny", previous_response_id=called.id, tools=[tool], max_output_tokens=4,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"rain_mm": 4}'}])
     assert answered.output[0].type == "message"
+    # exactly: the question, the model's call as an assistant turn, the tool's output
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [{
+        "id": call.call_id, "type": "function", "function": {"name": "weather", "arguments": call.arguments}}]},
+               {"role": "tool", "tool_call_id": call.call_id, "content": '{"rain_mm": 4}'}]
+    assert rendered[-1] == render(history, [WEATHER_CHAT]) and answered.usage.input_tokens == len(rendered[-1])
 
     events = list(client.responses.create(model="tiny", input="Hi", max_output_tokens=4, stream=True))
     kinds = [e.type for e in events]
