@@ -126,6 +126,34 @@ def test_openai_responses_text_messages_tools_and_streaming(client, served, monk
     assert caught.value.body["param"] == "previous_response_id" and len(server.stored_responses) == 4
 
 
+def test_openai_responses_logprobs_are_served_as_in_chat_or_refused_by_name(client):
+    """``include: ["message.output_text.logprobs"]`` and ``top_logprobs`` give the output text's
+    log-probs, the same as chat's for the same conversation (never an empty list); an ``include``
+    this server cannot serve is a 400 naming it."""
+    from openai import BadRequestError
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    expected = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+                for t in chat.choices[0].logprobs.content]
+    kw = dict(model="tiny", input="Hello", max_output_tokens=4, temperature=0)
+    whole = client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=3)
+    got = whole.output[0].content[0].logprobs
+    assert [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in got] == expected
+    only_top = client.responses.create(**kw, top_logprobs=3).output[0].content[0].logprobs
+    assert [t.logprob for t in only_top] == [e[1] for e in expected]
+    streamed = [e for e in client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=3,
+                                                   stream=True)]
+    deltas = [t for e in streamed if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert [(t.token, t.logprob) for t in deltas] == [e[:2] for e in expected]
+    assert [t.logprob for t in streamed[-1].response.output[0].content[0].logprobs] == [e[1] for e in expected]
+    assert client.responses.create(**kw).output[0].content[0].logprobs == []  # not asked for
+
+    with pytest.raises(BadRequestError) as caught:
+        client.responses.create(**kw, include=["file_search_call.results"])
+    assert caught.value.body["param"] == "include"
+
+
 def test_openai_responses_retrieve_list_input_items_and_delete(client, served):
     """What an app built on stored responses calls: retrieve, the input items page by page, delete."""
     from openai import BadRequestError, NotFoundError
@@ -167,8 +195,16 @@ def test_openai_responses_retrieve_list_input_items_and_delete(client, served):
         client.responses.create(model="tiny", input="y", previous_response_id=created.id, max_output_tokens=1)
 
 
-def test_every_error_is_openais_error_object(served):
+def test_every_error_is_openais_error_object(served, client):
+    from openai import BadRequestError, NotFoundError
+
     url, _ = served
+    with pytest.raises(NotFoundError) as caught:  # OpenAI's and vLLM's answer to an unknown model
+        client.chat.completions.create(model="gpt-4o", messages=ASK, max_tokens=1)
+    assert caught.value.body["code"] == "model_not_found"
+    with pytest.raises(BadRequestError) as caught:  # OpenAI's range: 0-2
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1, temperature=3)
+    assert caught.value.body["param"] == "temperature"
     root = url.removesuffix("/v1")
     for method, path, status in (("GET", "/v1/nothing", 404), ("POST", "/v2/chat", 404),
                                  ("GET", "/v1/chat/completions", 405), ("DELETE", "/v1/responses", 405)):

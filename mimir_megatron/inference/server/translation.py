@@ -17,6 +17,7 @@ from mimir_megatron.inference.grammar import Grammar, Grammars
 from mimir_megatron.inference.server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     PLATFORM_FIELDS,
+    RESPONSES_INCLUDE,
     ApiError,
     Body,
     ChatBody,
@@ -121,6 +122,10 @@ class Translator:
         self._unsupported(body)
         if body.choices != 1:
             raise bad_request("n must be 1 for /v1/responses", "n")
+        for value in body.include or ():
+            if value not in RESPONSES_INCLUDE:
+                raise bad_request(f"include {value!r} is not served here (only "
+                                  f"{', '.join(RESPONSES_INCLUDE)})", "include")
         effort = (body.reasoning or {}).get("effort") if isinstance(body.reasoning, dict) else None
         kwargs = self._template_kwargs(body.chat_template_kwargs, effort, "chat_template_kwargs")
         tools = None
@@ -197,7 +202,7 @@ class Translator:
 
     def _check_model(self, body: Body) -> None:
         if body.model is not None and body.model != self.engine.model_name:
-            raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
+            raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
                                 f"{self.engine.model_name!r}", "model", code="model_not_found")
 
     def _schedule(self, body: Body) -> tuple[int, int]:
@@ -373,8 +378,8 @@ class Translator:
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         shared = dict(
             max_new_tokens=max_tokens, temperature=_or(body.temperature, 1.0),
-            top_k=max(0, _or(body.top_k, 0)),
-            top_p=_or(body.top_p, 1.0), min_p=_or(body.min_p, 0.0), stop_strings=stops,
+            top_k=1 if body.top_p == 0 else max(0, _or(body.top_k, 0)),  # top_p 0: the top token alone
+            top_p=_or(body.top_p or None, 1.0), min_p=_or(body.min_p, 0.0), stop_strings=stops,
             use_default_stops=not body.ignore_eos, top_logprobs=top_logprobs,
             frequency_penalty=_or(body.frequency_penalty, 0.0),
             presence_penalty=_or(body.presence_penalty, 0.0),
