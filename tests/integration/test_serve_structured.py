@@ -428,6 +428,50 @@ def test_strict_by_default_and_strict_false_as_written(engine):
     assert accepts({"type": "function", "function": {"name": "get_string", "parameters": both}})
 
 
+def test_grammars_write_only_finite_numbers_and_bounded_integers(engine):
+    """A JSON number's exponent is at most 308 and its value a finite double; an ``integer``
+    without bounds stays within +-(2**53 - 1). Token by token, as a row takes them (a refused
+    token leaves the row unchanged)."""
+    from mimir_megatron.inference.grammar import Grammars
+
+    grammars = Grammars(engine.tokenizer, engine.limits.vocab_size, engine.default_stop_ids)
+
+    def writes(schema: dict, text: str) -> bool:
+        row = grammars.json(schema).start(1000)
+        return all(row.accept(t) for t in engine.encode(text)) and row.done and not row._matcher.is_error()
+
+    number = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    for value, finite in (("1.5", True), ("-1e308", True), ("1.7976931348623157e308", True), ("1e-308", True),
+                          ("1e999", False), ("-2e308", False), ("1e-309", False), ("1" + "0" * 308, True),
+                          ("1" + "0" * 309, False)):
+        assert writes(number, f'{{"x": {value}}}') == finite, value
+    integer = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    for value, kept in ((2**53 - 1, True), (-(2**53 - 1), True), (2**53, False), (-(2**53), False),
+                        (10**30, False)):
+        assert writes(integer, f'{{"x": {value}}}') == kept, value
+    own = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 2**60}}}
+    assert writes(own, f'{{"x": {2**60}}}')  # a schema's own bound is kept
+
+
+def test_a_schemas_numbers_come_back_finite_when_the_model_pushes_exponents(engine, client):
+    """The model pushed towards ``9`` and ``e`` (logit_bias): without the bound, a number runs to
+    ``9e999...`` (``inf`` when parsed) and an integer past 64 bits."""
+    import math
+
+    bias = {next(i for i in range(engine.limits.vocab_size) if engine.tokenizer.decode([i]) == text): value
+            for text, value in (("9", 50), ("e", 100))}  # "e" wherever the grammar allows it, else "9"
+    schema = {"type": "object", "required": ["x", "n"],
+              "properties": {"x": {"type": "number"}, "n": {"type": "array", "items": {"type": "integer"}}}}
+    for temperature in (0, 1.0):
+        reply = client.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=150, temperature=temperature, seed=3,
+            logit_bias={str(i): value for i, value in bias.items()},
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}).choices[0]
+        value = json.loads(reply.message.content)
+        assert math.isfinite(value["x"]) and "e" in reply.message.content.lower(), reply.message.content
+        assert all(abs(n) <= 2**53 - 1 for n in value["n"]), reply.message.content
+
+
 # -- sampling fields, null values, platform fields ----------------------------------------------------------
 
 
