@@ -304,6 +304,33 @@ def test_tool_choice_required_and_named_give_well_formed_calls(engine, client):
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == (reply.message.content or "")
 
 
+def test_stop_strings_never_cut_a_grammars_reply(client):
+    """A forced call with ``stop=["a"]`` came back as ``<tool_c``, finish ``stop``, no call; a
+    schema's reply with ``stop=["e"]`` as ``{"answ``. Stop strings apply to free text only."""
+    import jsonschema
+
+    for kw in ({}, {"stream": True}):
+        called = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                                max_tokens=100, temperature=0, stop=["a"], **kw)
+        if kw:
+            chunks = list(called)
+            finish = chunks[-1].choices[0].finish_reason
+            calls = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls
+                     for t in c.choices[0].delta.tool_calls]
+        else:
+            finish, calls = called.choices[0].finish_reason, called.choices[0].message.tool_calls
+        assert finish == "tool_calls" and len(calls) == 1
+        jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    answer = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    replied = client.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=60, temperature=1.0, seed=1, stop=["e", "}"],
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": answer}}).choices[0]
+    assert replied.finish_reason == "stop"
+    jsonschema.validate(json.loads(replied.message.content), answer)
+    free = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0, stop=["e"])
+    assert "e" not in free.choices[0].message.content  # free text is still cut
+
+
 def test_tool_choice_none_offers_no_tools_and_a_template_without_tools_refuses_them(engine, served, client,
                                                                                       monkeypatch):
     url, _ = served
