@@ -357,13 +357,19 @@ class GrammarConstraint:
 class Grammar:
     """A compiled grammar; :meth:`start` gives a fresh per-row state."""
 
-    def __init__(self, lib, tokenizer, text: str, vocab: Vocabulary) -> None:
+    def __init__(self, lib, tokenizer, text: str, vocab: Vocabulary,
+                 branches: tuple["Grammar", ...] = ()) -> None:
         self._lib, self._tokenizer, self.text, self._vocab = lib, tokenizer, text, vocab
+        self.branches = branches
+        """For a union: its alternatives compiled alone (the shortest reply is the shortest of theirs)."""
         self._shortest: list[int] | None = None
         self._searched_to = -1
 
     def shortest(self, budget: int) -> list[int] | None:
         """The completion from the grammar's start (None: none within ``budget`` tokens)."""
+        if self.branches:  # each alternative searched alone: the greedy search would follow one only
+            found = [b.shortest(budget) for b in self.branches]
+            return min((f for f in found if f is not None), key=len, default=None)
         if self._shortest is None and budget > self._searched_to:
             matcher = self._lib.LLMatcher(self._tokenizer, self.text)
             self._shortest = completion(matcher, _JsonLexState(), self._vocab, budget)
@@ -420,13 +426,9 @@ class Grammars:
         """Any JSON object (``schema`` None), or JSON valid under ``schema`` (``strict``: in
         OpenAI's strict sense, :func:`strict_schema`; else as written, JSON Schema's defaults)."""
         lib = _llguidance()
-        if schema is not None and strict:
-            schema = strict_schema(schema)
-        if schema is not None:
-            schema = bounded_integers(schema)
         try:
-            text = lib.LLMatcher.grammar_from_json_schema(
-                {"type": "object"} if schema is None else schema, defaults=_JSON_STYLE)
+            text = lib.LLMatcher.grammar_from_json_schema(self._answer_schema(schema, strict),
+                                                          defaults=_JSON_STYLE)
         except Exception as exc:  # noqa: BLE001 - the library's own message names the problem
             raise RequestError(f"{field} cannot be compiled: {exc}", field) from exc
         return self._compile(text, field)
@@ -435,6 +437,31 @@ class Grammars:
         """One call (or, ``parallel``, one or more) of the given tools, in the chat template's
         syntax: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. Each tool's
         parameters are compiled in OpenAI's strict sense unless the tool says ``strict: false``."""
+        lark = f"start: call{'+' if parallel else ''}\ncall: {self._call_rule(tools)}\n"
+        return self._compile(_llguidance().LLMatcher.grammar_from_lark(lark), field)
+
+    def union(self, tools: list[dict[str, Any]], parallel: bool, schema: dict[str, Any] | None,
+              strict: bool = True, tools_field: str = "tools", field: str = "response_format") -> Grammar:
+        """Tools and a response format together, as OpenAI defines them: one call (or, ``parallel``,
+        one or more) of the tools as :meth:`tool_calls` writes them, or a final answer as
+        :meth:`json` writes it. Its shortest reply is the shorter of the two's."""
+        branches = (self.tool_calls(tools, parallel, tools_field), self.json(schema, field, strict))
+        answer = {**self._answer_schema(schema, strict), "x-guidance": _JSON_STYLE}
+        lark = (f"start: call{'+' if parallel else ''} | answer\ncall: {self._call_rule(tools)}\n"
+                f"answer: %json {json.dumps(answer)}\n")
+        union = self._compile(_llguidance().LLMatcher.grammar_from_lark(lark), field)
+        union.branches = branches
+        return union
+
+    @staticmethod
+    def _answer_schema(schema: dict[str, Any] | None, strict: bool) -> dict[str, Any]:
+        if schema is None:
+            return {"type": "object"}
+        return bounded_integers(strict_schema(schema) if strict else schema)
+
+    @staticmethod
+    def _call_rule(tools: list[dict[str, Any]]) -> str:
+        """The lark rule of one call of any of ``tools``."""
         calls = []
         for tool in tools:
             fn = tool.get("function", tool)
@@ -445,7 +472,4 @@ class Grammars:
             calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                           "properties": {"name": {"const": fn["name"]}, "arguments": parameters}})
         schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": _JSON_STYLE}
-        repeat = "+" if parallel else ""
-        call = f"{json.dumps(TOOL_CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_CLOSE)}"
-        lark = f"start: call{repeat}\ncall: {call}\n"
-        return self._compile(_llguidance().LLMatcher.grammar_from_lark(lark), field)
+        return f"{json.dumps(TOOL_CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_CLOSE)}"

@@ -201,6 +201,15 @@ def test_concurrent_first_grammars_all_get_the_vocabulary(engine, served, client
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [WEATHER, CLOCK, WEATHER]}, "tools[2]"),  # a call could not say which one it means
+    ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "strin"}}}}, "response_format"),  # the union's answer cannot be compiled
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
+      "response_format": {"type": "json_object"}}, "tools"),  # the union's call cannot be compiled
+    ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}},
+     "max_tokens"),  # neither branch of the union finishes within 2 tokens
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),  # changes the output: refused
     ({"modalities": ["audio"]}, "modalities"),
     ({"min_tokens": 3}, "min_tokens"),  # more than max_tokens (2)
@@ -302,6 +311,72 @@ def test_tool_choice_required_and_named_give_well_formed_calls(engine, client):
             (0, call.function.name, call.function.arguments)]
         assert deltas[0].id and chunks[-1].choices[0].finish_reason == "tool_calls"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == (reply.message.content or "")
+
+
+def _a_call_or_the_answer(choice, kind: str) -> None:
+    """A chat choice is well-formed calls of the tools (``call``) or the schema's answer."""
+    import jsonschema
+
+    if kind == "call":
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message
+        for call in choice.message.tool_calls:
+            tool = {"weather": WEATHER, "clock": CLOCK}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    else:
+        assert choice.finish_reason == "stop" and not choice.message.tool_calls, choice.message
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_tools_and_a_response_format_together_give_a_call_or_the_typed_answer(engine, client):
+    """OpenAI's rule: with tools offered and a response format, the model either calls a tool or
+    answers in the schema. The model is pushed to either branch with a bias on its first token
+    (``<`` starts a call, ``{`` the answer); a required or named call is a call now."""
+    start_call, start_answer = engine.encode("<")[0], engine.encode("{")[0]
+    kw = dict(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], max_tokens=160, temperature=1.0, seed=1,
+              response_format={"type": "json_schema", "json_schema": {"name": "review", "schema": SCHEMA}})
+    calls = client.chat.completions.create(**kw, n=3, logit_bias={str(start_call): 100}).choices
+    for choice in calls:
+        _a_call_or_the_answer(choice, "call")
+    assert max(len(c.message.tool_calls) for c in calls) > 1  # parallel calls by default
+    for choice in client.chat.completions.create(**kw, n=3, logit_bias={str(start_answer): 100}).choices:
+        _a_call_or_the_answer(choice, "answer")
+    one = client.chat.completions.create(**kw, n=3, parallel_tool_calls=False,
+                                         logit_bias={str(start_call): 100}).choices
+    for choice in one:
+        _a_call_or_the_answer(choice, "call")
+        assert len(choice.message.tool_calls) == 1
+
+    chunks = list(client.chat.completions.create(**kw, parallel_tool_calls=False, stream=True,
+                                                 logit_bias={str(start_call): 100}))
+    deltas = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
+    first = one[0].message.tool_calls[0]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [(first.function.name,
+                                                                          first.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # required (was a 400) or named, with a format: a call now; the format is for a later turn
+    biased = {**kw, "logit_bias": {str(start_answer): 100}}
+    _a_call_or_the_answer(client.chat.completions.create(**biased, tool_choice="required").choices[0], "call")
+    named = client.chat.completions.create(**biased, tool_choice={"type": "function", "function": {"name": "clock"}})
+    _a_call_or_the_answer(named.choices[0], "call")
+    assert named.choices[0].message.tool_calls[0].function.name == "clock"
+
+
+def test_responses_text_format_with_tools_gives_a_call_or_the_typed_answer(engine, client):
+    import jsonschema
+
+    start_call, start_answer = engine.encode("<")[0], engine.encode("{")[0]
+    tool = {"type": "function", **WEATHER["function"]}
+    kw = dict(model="tiny", input=ASK, tools=[tool], max_output_tokens=160, temperature=1.0,
+              text={"format": {"type": "json_schema", "name": "review", "schema": SCHEMA}})
+    called = client.responses.create(**kw, extra_body={"logit_bias": {str(start_call): 100}})
+    assert called.output and all(item.type == "function_call" for item in called.output)
+    jsonschema.validate(json.loads(called.output[0].arguments), WEATHER["function"]["parameters"])
+    answered = client.responses.create(**kw, extra_body={"logit_bias": {str(start_answer): 100}})
+    assert [item.type for item in answered.output] == ["message"]
+    jsonschema.validate(json.loads(answered.output_text), SCHEMA)
+    forced = client.responses.create(**kw, tool_choice="required", extra_body={"logit_bias": {str(start_answer): 100}})
+    assert forced.output and {item.type for item in forced.output} == {"function_call"}
 
 
 def test_stop_strings_never_cut_a_grammars_reply(client):

@@ -162,9 +162,15 @@ class Translator:
                      format_param: str = "response_format") -> Generation:
         """What chat completions and responses share: tools, grammar, prompt, requests."""
         offered, tool_grammar = self._tools(tools, choice, parallel, tools_param)
-        grammar = self._response_format(response_format, format_param)
-        if grammar is not None and tool_grammar is not None:
-            raise bad_request(f"{format_param} cannot be combined with a required tool call", format_param)
+        answer = self._format_schema(response_format, format_param)
+        grammar = tool_grammar
+        if answer is not None and (tool_grammar is not None or offered is None):
+            # The answer's grammar alone: a forced call now still checks the format of a later turn.
+            answer_grammar = self._grammar(self.grammars.json, answer[0], format_param, answer[1])
+            grammar = tool_grammar or answer_grammar
+        elif answer is not None:  # tools offered and a format: a call, or the final answer (OpenAI's)
+            grammar = self._grammar(self.grammars.union, offered, parallel is not False, *answer, tools_param,
+                                    format_param)
         prompt = self._chat_prompt(messages, offered, template_kwargs)
         max_tokens = self._max_tokens(asked, max(1, self.engine.max_context - len(prompt)), param)
         requests = self._requests(body, [prompt], max_tokens, "messages", top_logprobs,
@@ -293,12 +299,19 @@ class Translator:
             raise _api_error(exc) from exc
 
     def _response_format(self, spec: dict | None, param: str = "response_format") -> Grammar | None:
-        """The grammar ``response_format`` asks for (None: free text). A ``json_schema`` is
-        compiled in OpenAI's strict sense unless it says ``strict: false`` (then as written)."""
+        """The grammar ``response_format`` asks for (None: free text)."""
+        answer = self._format_schema(spec, param)
+        return None if answer is None else self._grammar(self.grammars.json, answer[0], param, answer[1])
+
+    @staticmethod
+    def _format_schema(spec: dict | None, param: str) -> tuple[dict | None, bool] | None:
+        """(the schema, None for any JSON object; whether strict) that ``response_format`` asks
+        for, or None for free text. A ``json_schema`` is compiled in OpenAI's strict sense unless
+        it says ``strict: false`` (then as written)."""
         if spec is None or spec.get("type") == "text":
             return None
         if spec.get("type") == "json_object":
-            return self._grammar(self.grammars.json, None, param)
+            return None, True
         if spec.get("type") == "json_schema":
             inner = spec.get("json_schema")
             schema = inner.get("schema") if isinstance(inner, dict) else None
@@ -307,7 +320,7 @@ class Translator:
                                   if param == "response_format"
                                   else f"{param}.schema must be a JSON schema object",
                                   param)
-            return self._grammar(self.grammars.json, schema, param, inner.get("strict") is not False)
+            return schema, inner.get("strict") is not False
         raise bad_request(f"{param} type {spec.get('type')!r} is not one of text, json_object, "
                           "json_schema", param)
 
@@ -327,6 +340,9 @@ class Translator:
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise bad_request('each tool must be {"type": "function", "function": {"name": ..., '
                                   '"parameters": ...}}', f"{param}[{i}]")
+            if fn["name"] in names:
+                raise bad_request(f"tool name {fn['name']!r} appears twice (tools[{names.index(fn['name'])}] "
+                                  "too): a call could not say which one it means", f"{param}[{i}]")
             names.append(fn["name"])
         if choice == "none":
             return None, None
