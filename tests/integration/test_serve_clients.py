@@ -324,6 +324,98 @@ def test_pydantic_ai_agent_runs_a_tool_then_its_structured_output(served):
     assert isinstance(native.run_sync("Forecast for Oslo?").output, Forecast)
 
 
+# -- a tool and a typed output in one run (tools and a response format together) ---------------------------
+
+
+def _first_token(served, text: str) -> str:
+    return str(served[1].engine.encode(text)[0])
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_agents_sdk_runs_a_tool_then_its_typed_output(served, api):
+    """``output_type`` and a tool on one agent: the Agents SDK sends the output's schema with the
+    tools, ``tool_choice`` auto. The model may call the tool or answer typed; a bias on ``<`` (the
+    first token of a call) pushes it to the call, and the tool is offered until it has run once
+    (random weights would call it forever): then the typed answer ends the run."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @agents.function_tool(is_enabled=lambda ctx, agent: not calls)
+    def weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append(city)
+        return json.dumps({"city": city, "rain_mm": 4})
+
+    client = AsyncOpenAI(base_url=served[0], api_key="x", max_retries=0)
+    model = (agents.OpenAIChatCompletionsModel(model="tiny", openai_client=client) if api == "chat"
+             else agents.OpenAIResponsesModel(model="tiny", openai_client=client))
+    settings = agents.ModelSettings(max_tokens=MAX, temperature=1.0,
+                                    extra_body={"logit_bias": {_first_token(served, "<"): 100}})
+    agent = agents.Agent(name="forecaster", instructions="Use the weather tool, then answer.", tools=[weather],
+                         model=model, model_settings=settings, output_type=Forecast)
+    result = agents.Runner.run_sync(agent, "Do I need an umbrella in Aarhus?", max_turns=4)
+    kinds = [item.type for item in result.new_items]
+    assert calls and isinstance(calls[0], str)  # the tool ran with the model's argument
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+    assert isinstance(result.final_output, Forecast)
+
+
+def test_pydantic_ai_native_output_and_a_tool_in_one_run(served):
+    """``NativeOutput`` (the schema as ``response_format``) and a tool offered on the same request:
+    the first turn calls the tool (pushed there by a bias on ``<``, the first token of a call),
+    which is then hidden (random weights would call it forever); the next turn's answer validates."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.usage import UsageLimits
+
+    model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key="x"))
+    settings = {"max_tokens": MAX, "temperature": 1.0, "seed": 1, "logit_bias": {_first_token(served, "<"): 100}}
+    calls: list[str] = []
+    agent = Agent(model, output_type=NativeOutput(Forecast), model_settings=settings)
+
+    async def until_called(ctx, tool):
+        return None if calls else tool
+
+    @agent.tool_plain(prepare=until_called)
+    def weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append(city)
+        return json.dumps({"city": city, "rain_mm": 4})
+
+    result = agent.run_sync("Forecast for Aarhus?", usage_limits=UsageLimits(request_limit=3))
+    assert calls and isinstance(calls[0], str) and isinstance(result.output, Forecast)
+
+
+def test_langchain_bind_tools_and_with_structured_output_in_one_agent(served):
+    """The loop a LangChain user writes: the tool-calling model (``bind_tools`` with the output's
+    ``response_format``; the first call required), the tool's result as a ToolMessage, then
+    ``with_structured_output(..., tools=[...])``, which may call again or answer typed (pushed
+    to the answer by a bias on ``{``)."""
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    def weather(city: str) -> str:
+        """Current weather in a city."""
+        return json.dumps({"city": city, "rain_mm": 4})
+
+    llm = ChatOpenAI(model="tiny", base_url=served[0], api_key="x", max_tokens=MAX, temperature=1.0, seed=3,
+                     max_retries=0, logit_bias={int(_first_token(served, "{")): 100})
+    messages = [HumanMessage("Do I need an umbrella in Aarhus?")]
+    called = llm.bind_tools([weather], tool_choice="required", response_format=Forecast, strict=True).invoke(messages)
+    (call,) = called.tool_calls[:1]
+    assert call["name"] == "weather" and isinstance(call["args"]["city"], str)
+    messages += [called, ToolMessage(weather(**call["args"]), tool_call_id=call["id"])]
+    typed = llm.with_structured_output(Forecast, method="json_schema", tools=[weather], strict=True,
+                                       include_raw=True).invoke(messages)
+    assert not typed["raw"].tool_calls and isinstance(typed["parsed"], Forecast), typed
+
+
 def test_the_serve_extra_brings_what_serving_a_chat_model_imports():
     """`pip install 'mimir-megatron[serve]'` must serve a chat model: the HTTP server, the grammar
     library and the chat templates' renderer (transformers), nothing from another extra."""
