@@ -4,8 +4,9 @@ One server for the module (the tiny random model, the demo tokenizer); every cli
 against it: the openai SDK (chat, a forced tool call with a plain string parameter, ``parse``
 with a Pydantic model, the Responses API), langchain-openai (``bind_tools``,
 ``with_structured_output`` with each method), litellm, the OpenAI Agents SDK running a tool
-loop to its end, and a Pydantic AI agent with a tool and a structured output. Random weights:
-only the grammar makes a call well-formed, which is the point.
+loop to its end, and a Pydantic AI agent with a tool and a structured output; then each
+framework's agent with a tool and a typed output in one run (tools and a response format on the
+same request). Random weights: only the grammar makes a call well-formed, which is the point.
 """
 
 from __future__ import annotations

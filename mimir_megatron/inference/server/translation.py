@@ -164,13 +164,15 @@ class Translator:
         offered, tool_grammar = self._tools(tools, choice, parallel, tools_param)
         answer = self._format_schema(response_format, format_param)
         grammar = tool_grammar
-        if answer is not None and (tool_grammar is not None or offered is None):
-            # The answer's grammar alone: a forced call now still checks the format of a later turn.
-            answer_grammar = self._grammar(self.grammars.json, answer[0], format_param, answer[1])
-            grammar = tool_grammar or answer_grammar
-        elif answer is not None:  # tools offered and a format: a call, or the final answer (OpenAI's)
+        if answer is not None and offered is not None and tool_grammar is None:
+            # Tools offered (auto) and a format, OpenAI's rule: a call, or the final answer.
             grammar = self._grammar(self.grammars.union, offered, parallel is not False, *answer, tools_param,
                                     format_param)
+        elif answer is not None:
+            # The answer alone; with a forced call (a call now, the format for a later turn) it is
+            # still compiled, so that a format that cannot be is refused now.
+            answer_grammar = self._grammar(self.grammars.json, answer[0], format_param, answer[1])
+            grammar = answer_grammar if tool_grammar is None else tool_grammar
         prompt = self._chat_prompt(messages, offered, template_kwargs)
         max_tokens = self._max_tokens(asked, max(1, self.engine.max_context - len(prompt)), param)
         requests = self._requests(body, [prompt], max_tokens, "messages", top_logprobs,
