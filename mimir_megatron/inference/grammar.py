@@ -15,6 +15,12 @@ tool-call end tag), found by :func:`completion` with the matcher itself. The inv
 again without it; after a few refusals it takes the completion's next token), and when the
 budget left equals the completion, the row follows the completion. A request whose budget is
 smaller than the completion from the start is refused before decoding.
+
+Numbers. llguidance's JSON number admits any exponent; a row also refuses a token that would
+make the number being written overflow a double or take its exponent past :data:`MAX_EXPONENT`
+(and completions never write one), and an ``integer`` without bounds is bounded to
+:data:`INTEGER_BOUNDS` in the schema. :meth:`Grammars.union` is OpenAI's rule for tools offered
+with a response format: a tool call or the schema's answer.
 """
 
 from __future__ import annotations
