@@ -235,7 +235,7 @@ BAD = [  # (endpoint, body changes, the field the error must name)
     ("completions", {"max_tokens": MAX_TOKENS_LIMIT + 1}, "max_tokens"),
     ("completions", {"max_tokens": "5"}, "max_tokens"),
     ("completions", {"temperature": "hot"}, "temperature"),
-    ("completions", {"top_p": 0}, "top_p"),
+    ("completions", {"top_p": -0.1}, "top_p"),
     ("completions", {"n": 0}, "n"),
     ("completions", {"n": MAX_QUEUE + 1}, "n"),
     ("completions", {"prompt": [1, 2, 1024]}, "prompt"),
