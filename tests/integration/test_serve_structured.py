@@ -377,6 +377,14 @@ def test_responses_text_format_with_tools_gives_a_call_or_the_typed_answer(engin
     jsonschema.validate(json.loads(answered.output_text), SCHEMA)
     forced = client.responses.create(**kw, tool_choice="required", extra_body={"logit_bias": {str(start_answer): 100}})
     assert forced.output and {item.type for item in forced.output} == {"function_call"}
+    for bias, kind in ((start_call, "function_call"), (start_answer, "message")):  # streamed: the same
+        greedy = {**kw, "temperature": 0, "extra_body": {"logit_bias": {str(bias): 100}}}
+        whole = client.responses.create(**greedy)
+        events = list(client.responses.create(**greedy, stream=True))
+        done = events[-1].response
+        assert events[-1].type == "response.completed" and {item.type for item in done.output} == {kind}
+        assert [item.model_dump(exclude={"id", "call_id"}) for item in done.output] == [
+            item.model_dump(exclude={"id", "call_id"}) for item in whole.output]
 
 
 def test_stop_strings_never_cut_a_grammars_reply(client):
