@@ -121,7 +121,9 @@ PROVENANCE_FLAGS = {
     "provenance_id": "id", "source": "source", "source_location": "location",
     "source_revision": "revision", "retrieved": "retrieved", "license": "license", "basis": "basis",
     "form": "form", "audit_group": "audit_group", "language": "languages",
-    "derived_from": "derived_from", "generator": "generator",
+    "derived_from": "derived_from", "generator": "generator", "generator_license": "generator_license",
+    "research_organisation": "research_organisation", "lawful_access": "lawful_access",
+    "derived_terms": "derived_terms",
 }
 
 
@@ -149,6 +151,15 @@ def _add_provenance_flags(p: argparse.ArgumentParser) -> None:
                    help="a prepared dataset, or a file with a provenance sidecar, this data was made from; "
                    "repeat")
     g.add_argument("--generator", help="the models or programs that generated synthetic data")
+    g.add_argument("--generator-license",
+                   help="the generator models' terms (an SPDX expression); they bind synthetic data too")
+    g.add_argument("--research-organisation",
+                   help="basis tdm-research: the research organisation mining the data (DSM Art. 3)")
+    g.add_argument("--lawful-access",
+                   help="basis tdm-research: how the organisation has lawful access to the works")
+    g.add_argument("--derived-terms",
+                   help="basis agreement: the licence the agreement lets derived data be used under "
+                   "(synthetic data made from it takes these terms)")
 
 
 def provenance_from_flags(args: argparse.Namespace, default_id: str):

@@ -156,3 +156,64 @@ def test_a_derived_from_naming_nothing_is_refused_before_anything_is_written(tmp
     assert main(["prepare", "-i", str(raw), "-t", TOK, "-o", str(tmp_path / "out"), "--source", "s",
                  "--basis", "synthetic", "--form", "synthetic-audited", "--derived-from", "nowhere"]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def _declare(errors: list[str] | None = None, parents: dict[str, Path] | None = None, **fields):
+    """The stored record of a declaration (None with ``errors`` filled when it is refused)."""
+    errors = [] if errors is None else errors
+    values = {"source": "s", "basis": "open-licence", "form": "reformatted", **fields}
+    found = resolve_declaration(ProvenanceDeclaration(**values), "ds", default_id="ds", base=Path("."),
+                                siblings=parents, errors=errors)
+    return None if found is None else stored_record(found)
+
+
+@pytest.mark.parametrize("licence", ["CC-BY-4.0", "CC-BY-SA-4.0", "CC0-1.0", "ODC-By-1.0", "ODbL-1.0", "PDDL-1.0",
+                                     "MIT", "Apache-2.0", "BSD-3-Clause", "MIT OR CC-BY-NC-4.0"])
+def test_the_default_policy_trains_on_open_licences(licence):
+    assert policy_problems("x", _declare(license=licence), DataPolicy(), "C") == []
+
+
+@pytest.mark.parametrize("licence, why", [
+    ("CC-BY-NC-4.0", "not an open licence (ScanCode category Source-available)"),
+    ("CC-BY-ND-4.0", "not an open licence (ScanCode category Source-available)"),
+    ("MIT AND CC-BY-NC-SA-4.0", "CC-BY-NC-SA-4.0 is not an open licence"),
+    ("LicenseRef-scancode-unknown", "not a standard licence"),
+    ("LicenseRef-scancode-public-domain", "not a standard licence"),
+])
+def test_the_default_policy_refuses_nc_nd_unknown_and_licenseref_unless_listed(licence, why):
+    record = _declare(license=licence)
+    problems = policy_problems("x", record, DataPolicy(), "C")
+    assert len(problems) == 1 and problems[0].startswith(f"dataset x: license {licence}:") and why in problems[0]
+    listed = DataPolicy(allow_licenses=["open", licence.split(" AND ")[-1]])
+    assert policy_problems("x", record, listed, "C") == []
+
+
+def test_basis_licence_and_form_are_checked_against_each_other():
+    def refused(**fields) -> list[str]:
+        errors: list[str] = []
+        assert _declare(errors, **fields) is None
+        return errors
+
+    assert refused(license="proprietary-agreement") == [
+        "ds.basis: open-licence under the agreement licence proprietary-agreement (agreement data is basis "
+        "agreement; data derived from it basis synthetic)"]
+    assert refused(license="MIT", basis="public-domain")[0].startswith("ds.license: basis public-domain needs")
+    assert refused(license="MIT", basis="open-licence", form="agreement-supplied")[0].startswith("ds.basis: form")
+    tdm = refused(license="LicenseRef-scancode-proprietary-license", basis="tdm-research")
+    assert [e.split(":")[0] for e in tdm] == ["ds.research_organisation", "ds.lawful_access"], tdm
+    assert refused(license="MIT", derived_terms="MIT")[0].startswith("ds.derived_terms: only an agreement")
+    assert refused(license="MIT", lawful_access="x")[0].startswith("ds.research_organisation: only basis")
+    # The TDM research exception, recorded with what it needs, is permissible by default whatever
+    # the licence; under a policy without it, refused by its basis.
+    record = _declare(license="LicenseRef-scancode-proprietary-license", basis="tdm-research",
+                      research_organisation="Example University", lawful_access="library subscription")
+    assert record["research_organisation"] == "Example University"
+    assert policy_problems("x", record, DataPolicy(), "C") == []
+    assert "basis tdm-research is not in" in policy_problems(
+        "x", record, DataPolicy(allow_bases=["open-licence"]), "C")[0]
+
+
+def test_a_custom_policy_says_so():
+    assert DataPolicy().is_default and DataPolicy().describe().startswith("the paper's default")
+    custom = DataPolicy(allow_licenses=["open", "CC-BY-NC-4.0"])
+    assert not custom.is_default and "CC-BY-NC-4.0" in custom.describe()
