@@ -217,3 +217,70 @@ def test_a_custom_policy_says_so():
     assert DataPolicy().is_default and DataPolicy().describe().startswith("the paper's default")
     custom = DataPolicy(allow_licenses=["open", "CC-BY-NC-4.0"])
     assert not custom.is_default and "CC-BY-NC-4.0" in custom.describe()
+
+
+def _cli_error(caplog, *argv: str) -> str:
+    """What `mimir` logs for a refused command (exit 2): its error, no traceback."""
+    caplog.clear()
+    assert main(list(argv)) == 2
+    text = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+    assert text and "Traceback" not in caplog.text, caplog.text
+    return text
+
+
+def test_a_derived_dataset_cannot_relax_its_ancestors_licence(tmp_path, caplog):
+    """The smuggling route: NC data re-declared CC-BY-4.0 downstream is refused naming both
+    licences, at every generation; left to inherit, it carries NC and the default refuses it."""
+    nc = _prepare(tmp_path, "nc", "--source", "NC set", "--license", "CC-BY-NC-4.0", "--basis", "open-licence",
+                  "--form", "reformatted")
+    relax = ["prepare", "-i", str(_raw(tmp_path / "d.jsonl")), "-t", TOK, "-o", str(tmp_path / "relaxed"),
+             "--source", "made from NC", "--basis", "synthetic", "--form", "synthetic-audited",
+             "--derived-from", str(nc)]
+    error = _cli_error(caplog, *relax, "--license", "CC-BY-4.0")
+    assert "--license: CC-BY-4.0 is more permissive than nc's terms CC-BY-NC-4.0" in error, error
+    assert not (tmp_path / "relaxed").exists()
+    child = _prepare(tmp_path, "child", "--source", "made from NC", "--basis", "synthetic",
+                     "--form", "synthetic-audited", "--derived-from", str(nc))
+    assert read_provenance(child)["license"] == "CC-BY-NC-4.0"  # inherited
+    grandchild = [*relax[:6], str(tmp_path / "grandchild"), *relax[7:-1], str(child), "--license", "MIT"]
+    assert "MIT is more permissive than child's terms CC-BY-NC-4.0" in _cli_error(caplog, *grandchild)
+    problems = _problems(_mixture(tmp_path, "child", policy="data_policy: {deny_licenses: [CC-BY-NC-4.0]}\n"))
+    assert problems == ["dataset child: license CC-BY-NC-4.0: CC-BY-NC-4.0 is in data_policy.deny_licenses"]
+    assert "CC-BY-NC-4.0 is not an open licence" in _problems(_mixture(tmp_path, "child"))[0]
+    # A stricter licence is fine: the parent's terms kept, more added.
+    _prepare(tmp_path, "stricter", "--source", "s", "--basis", "synthetic", "--form", "synthetic-audited",
+             "--derived-from", str(nc), "--license", "CC-BY-NC-4.0 AND CC-BY-SA-4.0")
+    # The generator model's terms bind its output too.
+    error = _cli_error(caplog, *relax[:6], str(tmp_path / "gen"), "--source", "s", "--basis", "synthetic",
+                       "--form", "synthetic-audited", "--license", "MIT", "--generator", "some-model",
+                       "--generator-license", "CC-BY-NC-4.0")
+    assert "MIT is more permissive than generator some-model's terms CC-BY-NC-4.0" in error
+
+
+def test_agreement_data_passes_on_the_terms_its_agreement_states(tmp_path, caplog):
+    """The paper's route stays open: an agreement that lets derived data be used under stated
+    terms records them; synthetic data made from it takes (or declares) those terms. Without
+    stated terms a derivative cannot claim an open licence, nor can a re-preparation of the
+    agreement data claim basis open-licence."""
+    stated = _raw(tmp_path / "stated.jsonl")
+    silent = _raw(tmp_path / "silent.jsonl")
+    agreement = ["--source", "Partner corpus", "--license", "proprietary-agreement", "--basis", "agreement",
+                 "--form", "agreement-supplied"]
+    assert main(["data", "declare", str(stated), *agreement, "--derived-terms", "CC-BY-4.0"]) == 0
+    assert main(["data", "declare", str(silent), *agreement]) == 0
+    synth = ["--source", "generated", "--basis", "synthetic", "--form", "synthetic-audited"]
+    inherited = _prepare(tmp_path, "inherited", *synth, "--derived-from", str(stated))
+    declared = _prepare(tmp_path, "declared", *synth, "--derived-from", str(stated), "--license", "CC-BY-4.0")
+    assert read_provenance(inherited)["license"] == read_provenance(declared)["license"] == "CC-BY-4.0"
+    assert read_provenance(declared)["derived_from"][0]["derived_terms"] == "CC-BY-4.0"
+    assert _problems(_mixture(tmp_path, "inherited", "declared")) == []
+    base = ["prepare", "-i", str(_raw(tmp_path / "x.jsonl")), "-t", TOK, "-o", str(tmp_path / "refused")]
+    error = _cli_error(caplog, *base, *synth, "--derived-from", str(silent), "--license", "CC-BY-4.0")
+    assert "CC-BY-4.0 is more permissive than silent's terms proprietary-agreement" in error
+    error = _cli_error(caplog, *base, "--source", "re-prepared", "--basis", "open-licence", "--form",
+                       "reformatted", "--derived-from", str(silent))
+    assert "--basis: open-licence under the agreement licence proprietary-agreement" in error
+    error = _cli_error(caplog, *base, "--source", "x", "--basis", "open-licence", "--form", "reformatted",
+                       "--license", "MIT", "--derived-terms", "MIT")
+    assert "--derived-terms: only an agreement source states terms" in error
+    assert not (tmp_path / "refused").exists()
