@@ -34,10 +34,10 @@ from mimir_megatron.data.prepared import (
     sha256_file,
 )
 from mimir_megatron.data.provenance import (
+    SIDECAR_SUFFIX,
     Provenance,
-    provenance_from_record,
+    checked_record,
     read_provenance,
-    record_problem,
     stored_record,
 )
 from mimir_megatron.errors import UserError
@@ -378,6 +378,8 @@ def prepare(
     paths = [Path(p) for p in inputs]
     out = Path(output_dir)
     checked_denylist = check_denylist(denylist, tokenizer_dir)  # before anything is written
+    if provenance is None:
+        provenance = _sidecar_provenance(paths, out)
     (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
     tokenizer_dir = str(Path(tokenizer_dir).resolve())
     settings = PrepareSettings(
@@ -394,8 +396,6 @@ def prepare(
         denylist_sha256=checked_denylist.sha256 if checked_denylist else "",
     )
     renderer = ChatRenderer(tokenizer_dir)  # fail early, in the driver, on a bad tokenizer
-    if provenance is None:
-        provenance = _sidecar_provenance(paths, out)
     tasks = plan_shards(paths, shard_bytes)
     formats = _decide_layouts(tasks, input_format, column_map)
     tasks = [replace(t, layout=formats[t.path]["format"]) for t in tasks]
@@ -433,13 +433,16 @@ def prepare(
 def _sidecar_provenance(paths: list[Path], out: Path) -> Provenance | None:
     """The record the inputs' provenance sidecars agree on (a pipeline's output), else None."""
     records = [read_provenance(p) for p in paths]
+    if False in records:
+        return None  # a missing input: planning the shards names it
+    for path, record in zip(paths, records):
+        if not isinstance(record, dict):
+            raise UserError(f"{path}{SIDECAR_SUFFIX}: not a provenance record (a JSON object expected)")
     digests = {r.get("digest") for r in records}
     if len(digests) == 1 and None not in digests:
-        problem = record_problem(records[0])
-        if problem:
-            raise UserError(f"{paths[0]}: {problem}")
+        provenance = checked_record(records[0], paths[0])
         log.info("%s: provenance from the inputs' sidecar (%s)", out, records[0]["id"])
-        return provenance_from_record(records[0])
+        return provenance
     log.warning("%s: no provenance declared (--source/--license/--basis/--form, or a provenance "
                 "section in the prepare YAML): the dataset's provenance is unknown, and the default "
                 "data policy refuses to train on it", out)

@@ -367,20 +367,22 @@ def resolve_declaration(
     before = len(errors)
     pending = set(pending)
     parents: list[Parent] = []
+    inherited_languages: dict[str, None] = {}
     for i, ref in enumerate(decl.derived_from):
         if ref in pending:
             parents.append(Parent(id=ref, digest=None, license=UNKNOWN, basis=UNKNOWN, source=UNKNOWN))
             continue
         try:
-            parent = _resolve_parent(ref, base, siblings or {})
+            resolved = _resolve_parent(ref, base, siblings or {})
         except UserError as exc:  # the parent's stored record does not validate
             errors.append(f"{where}.derived_from[{i}]: {exc}")
             continue
-        if parent is None:
+        if resolved is None:
             errors.append(f"{where}.derived_from[{i}]: {ref!r} is neither a prepared dataset, a file with a "
                           f"{SIDECAR_SUFFIX} sidecar, nor a dataset prepared earlier in this file")
         else:
-            parents.append(parent)
+            parents.append(resolved[0])
+            inherited_languages.update(dict.fromkeys(resolved[1]))
     for name in ("source", "basis", "form"):
         if not (getattr(decl, name) or "").strip():
             errors.append(f"{where}.{name}: required")
@@ -395,7 +397,7 @@ def resolve_declaration(
     else:  # inherited: every parent's terms, and the generator's
         generator_terms = [_normalised(decl.generator_license)] if decl.generator_license else []
         license_ = combine_licenses([*(p.terms for p in parents), *generator_terms])
-    languages = tuple(decl.languages) or _inherited_languages(decl.derived_from, base, siblings or {})
+    languages = tuple(decl.languages) or tuple(inherited_languages)
     provenance = Provenance(
         id=decl.id or default_id, source=str(decl.source), license=str(license_ or UNKNOWN),
         basis=str(decl.basis), form=str(decl.form), location=decl.location, revision=decl.revision,
@@ -420,7 +422,9 @@ def _normalised(expression: str | None) -> str | None:
     return normalise_license(expression)[0] or expression
 
 
-def _resolve_parent(ref: str, base: Path, siblings: Mapping[str, Path]) -> Parent | None:
+def _resolve_parent(ref: str, base: Path,
+                    siblings: Mapping[str, Path]) -> tuple[Parent, tuple[str, ...]] | None:
+    """The parent record ``ref`` names and its languages; None where it names nothing."""
     path = siblings.get(ref)
     if path is None:
         path = Path(ref).expanduser()
@@ -430,18 +434,8 @@ def _resolve_parent(ref: str, base: Path, siblings: Mapping[str, Path]) -> Paren
         return None
     found = checked_record(record, path)
     if found is None:  # it exists but declared nothing: kept, visibly unknown
-        return Parent(id=str(ref), digest=None, license=UNKNOWN, basis=UNKNOWN, source=UNKNOWN)
-    return found.as_parent()
-
-
-def _inherited_languages(refs: list[str], base: Path, siblings: Mapping[str, Path]) -> tuple[str, ...]:
-    languages: dict[str, None] = {}
-    for ref in refs:
-        path = siblings.get(ref) or (Path(ref) if Path(ref).is_absolute() else base / ref)
-        found = checked_record(read_provenance(path) or None, path)
-        if found:
-            languages.update(dict.fromkeys(found.languages))
-    return tuple(languages)
+        return Parent(id=str(ref), digest=None, license=UNKNOWN, basis=UNKNOWN, source=UNKNOWN), ()
+    return found.as_parent(), found.languages
 
 
 # -- where records live ---------------------------------------------------------------------------

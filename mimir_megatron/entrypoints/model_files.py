@@ -115,6 +115,10 @@ def _release_files(args: argparse.Namespace, model, found, origin: str) -> dict[
         info["training"] = f"Not recorded: exported from {origin}."
     else:
         path, state = found
+        from mimir_megatron.config import raise_errors
+        from mimir_megatron.release.summary import lineage_problems
+
+        raise_errors(lineage_problems(state, path), f"refusing to export {path}'s release documents")
         contamination = contamination_summary(_contamination_reports(args.contamination, path, state))
         summary = training_data_summary(state, model_name=name, provider=args.provider, checkpoint=str(path),
                                         contamination=contamination)

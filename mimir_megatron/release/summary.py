@@ -22,14 +22,43 @@ from pathlib import Path
 from typing import Any
 
 from mimir_megatron.checkpoint import BaseModel, DatasetLineage, TrainerState
+from mimir_megatron.data.prepared import MANIFEST_NAME, manifest_digest
 from mimir_megatron.data.provenance import BASES, FORMS, UNKNOWN, provenance_from_record
+from mimir_megatron.errors import UserError
 
 TEMPLATE = ("EU AI Office, Template for the Public Summary of Training Content for general-purpose "
             "AI models (24 July 2025)")
 
 
+def lineage_problems(state: TrainerState, source: str | Path) -> list[str]:
+    """Why the release documents of the checkpoint ``source`` cannot be trusted, one line per
+    dataset: its provenance as the lineage records it does not validate, or its manifest, still
+    on disk, is no longer the one the run trained on (the lineage pins its digest)."""
+    problems = []
+    for entry in state.lineage:
+        where = f"{source}: dataset {entry.name}"
+        try:
+            provenance_from_record(entry.provenance, f"{where}: lineage provenance")
+        except UserError as exc:
+            problems.append(str(exc))
+        manifest_path = Path(entry.path) / MANIFEST_NAME
+        if entry.manifest_digest is None or not manifest_path.is_file():
+            continue  # pinned before pins were recorded, or the data is gone: the lineage speaks
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            now = manifest.get("digest") if isinstance(manifest, dict) else None
+            intact = now == manifest_digest(manifest)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            now, intact = None, False
+        if now != entry.manifest_digest or not intact:
+            problems.append(f"{where}: its manifest {manifest_path} changed since this checkpoint was "
+                            f"trained on it (digest pinned {entry.manifest_digest[:12]}, now "
+                            f"{(now or 'none')[:12]}{'' if intact else ', not matching its content'})")
+    return problems
+
+
 def _provenance_row(entry: DatasetLineage, total: int) -> dict[str, Any]:
-    p = provenance_from_record(entry.provenance)
+    p = provenance_from_record(entry.provenance, f"dataset {entry.name}: lineage provenance")
     row = {
         "dataset": entry.name, "category": entry.category, "audit_group": entry.audit_group,
         "tokens": entry.tokens, "documents": entry.documents, "response_tokens": entry.response_tokens,

@@ -284,3 +284,98 @@ def test_agreement_data_passes_on_the_terms_its_agreement_states(tmp_path, caplo
                        "--license", "MIT", "--derived-terms", "MIT")
     assert "--derived-terms: only an agreement source states terms" in error
     assert not (tmp_path / "refused").exists()
+
+
+def _rewrite(manifest_path: Path, change) -> None:
+    """A hand edit that recomputes both digests, as a careful forger would."""
+    from mimir_megatron.data.prepared import manifest_digest
+    from mimir_megatron.data.provenance import record_digest
+
+    manifest = json.loads(manifest_path.read_text())
+    change(manifest)
+    if "digest" in manifest["provenance"]:
+        manifest["provenance"]["digest"] = record_digest(manifest["provenance"])
+    if "digest" in manifest:
+        manifest["digest"] = manifest_digest(manifest)
+    manifest_path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda m: m["provenance"].pop("basis"), "provenance.basis: required"),
+    (lambda m: m["provenance"].update(license="CC-BY-4"), "provenance.license: unknown licence id(s) 'CC-BY-4'"),
+    (lambda m: m["provenance"].update(source=""), "provenance.source: required"),
+    (lambda m: m["provenance"].update(languages="en"), "provenance.languages: a list of ISO 639 codes"),
+    (lambda m: m["provenance"].update(license="proprietary-agreement"), "provenance.basis: open-licence under"),
+    (lambda m: m["provenance"].update(derived_from=[{"id": "x"}]), "provenance.derived_from[0]: not a parent"),
+    (lambda m: m["provenance"].pop("digest"), "provenance record has no digest"),
+    (lambda m: m.pop("digest"), "manifest.json: has no digest"),
+])
+def test_a_stored_record_is_validated_whenever_it_is_read(tmp_path, caplog, change, field):
+    """Records edited by hand with consistent digests: one line naming the dataset, the file and
+    the field from the policy check, `mimir data report` and a prepare deriving from it; never a
+    traceback, nothing written."""
+    out = _prepare(tmp_path, "open", *OPEN)
+    _rewrite(out / "manifest.json", change)
+    problems = _problems(_mixture(tmp_path, "open"))
+    assert len(problems) == 1 and problems[0].startswith("dataset open: ") and field in problems[0], problems
+    assert str(out / "manifest.json") in problems[0]
+    if "no digest" in field:
+        return  # the record itself is well-formed: reports may read it
+    assert field in _cli_error(caplog, "data", "report", "--mixture", str(_mixture(tmp_path, "open")))
+    error = _cli_error(caplog, "prepare", "-i", str(_raw(tmp_path / "d.jsonl")), "-t", TOK, "-o",
+                       str(tmp_path / "child"), "--source", "s", "--basis", "synthetic", "--form",
+                       "derived-task", "--derived-from", str(out))
+    assert "--derived-from" in error and str(out / "manifest.json") in error and field in error, error
+    assert not (tmp_path / "child").exists()
+
+
+@pytest.mark.parametrize("licence, why", [
+    ("MIT AND", "'MIT AND' is not a licence expression"),
+    ("CC-BY-4", "unknown licence id(s) 'CC-BY-4'"),
+    (" ", "empty"),
+])
+def test_a_malformed_licence_flag_is_one_line(tmp_path, caplog, licence, why):
+    error = _cli_error(caplog, "prepare", "-i", str(_raw(tmp_path / "d.jsonl")), "-t", TOK, "-o",
+                       str(tmp_path / "out"), "--source", "s", "--basis", "open-licence", "--form",
+                       "reformatted", "--license", licence)
+    assert f"--license: {why}" in error, error
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_sidecar_is_refused_before_anything_is_written(tmp_path, caplog):
+    raw = _raw(tmp_path / "d.jsonl")
+    assert main(["data", "declare", str(raw), *OPEN]) == 0
+    sidecar = Path(str(raw) + ".provenance.json")
+    record = json.loads(sidecar.read_text())
+    from mimir_megatron.data.provenance import record_digest
+
+    record["license"] = "CC-BY-NC-4"
+    record["digest"] = record_digest(record)
+    sidecar.write_text(json.dumps(record))
+    error = _cli_error(caplog, "prepare", "-i", str(raw), "-t", TOK, "-o", str(tmp_path / "out"))
+    assert f"{sidecar}: provenance.license: unknown licence id(s) 'CC-BY-NC-4'" in error, error
+    sidecar.write_text("[1, 2]")
+    assert "not a provenance record" in _cli_error(caplog, "prepare", "-i", str(raw), "-t", TOK, "-o",
+                                                    str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_lineage_pins_each_manifest_and_export_names_one_changed_since(tmp_path):
+    """A licence changed after training with both digests recomputed passes every check of the
+    dataset itself; the checkpoint's lineage pinned the manifest's digest, and the release
+    documents' check names the dataset."""
+    from mimir_megatron.checkpoint import TrainerState
+    from mimir_megatron.data.mixture import load_mixture
+    from mimir_megatron.release.summary import lineage_problems
+    from mimir_megatron.train.lineage import mixture_lineage
+
+    out = _prepare(tmp_path, "open", *OPEN)
+    _prepare(tmp_path, "other", *OPEN)
+    state = TrainerState(step=1, lineage=tuple(mixture_lineage(load_mixture(_mixture(tmp_path, "open", "other")))))
+    assert state.lineage[0].manifest_digest == json.loads((out / "manifest.json").read_text())["digest"]
+    assert lineage_problems(state, "ckpt") == []
+    _rewrite(out / "manifest.json", lambda m: m["provenance"].update(license="CC0-1.0"))
+    assert _problems(_mixture(tmp_path, "open")) == []  # consistent: nothing in the dataset tells
+    problems = lineage_problems(state, "ckpt")
+    assert len(problems) == 1 and problems[0].startswith(
+        f"ckpt: dataset open: its manifest {out / 'manifest.json'} changed since this checkpoint was trained"), problems
