@@ -409,6 +409,24 @@ def _item_line(r: ItemResult) -> dict[str, Any]:
             "documents_truncated": r.hits_truncated, "sequences": r.sequences}
 
 
+def indexed_datasets(index: AuditIndex) -> list[dict]:
+    """The prepared datasets the index holds, each with its manifest's digest when the manifest
+    still describes the files indexed (what `mimir export` matches against a checkpoint's lineage
+    before it accepts the report); None where it no longer does or is gone."""
+    from mimir_megatron.data.prepared import read_manifest
+
+    datasets = []
+    for source in index.sources:
+        try:
+            manifest = read_manifest(source["path"])
+        except UserError:
+            manifest = {}
+        same = bool(manifest) and manifest.get("outputs") == source.get("outputs")
+        datasets.append({"name": source["name"], "path": source["path"],
+                         "manifest_digest": manifest.get("digest") if same else None})
+    return datasets
+
+
 def write_report(results: list[BenchmarkResult], out: Path, suite, index: AuditIndex, tokenizer: dict,
                  settings: ContaminationSettings) -> list[Path]:
     """``<suite>.json`` (the report eval and sweep read), ``<suite>.md`` / ``.csv`` (the table) and
@@ -422,6 +440,7 @@ def write_report(results: list[BenchmarkResult], out: Path, suite, index: AuditI
         "whitespace_variants": list(WHITESPACE_VARIANTS), "limit": settings.limit,
         "index": {"path": str(index.path.resolve()), "fingerprint": index.meta.get("fingerprint"),
                   "documents": index.num_documents, "tokens": index.num_tokens},
+        "datasets": indexed_datasets(index),
         "tokenizer": tokenizer, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "benchmarks": summaries,
     }
