@@ -268,8 +268,16 @@ def variants(tmp_path_factory):
                 if len(tokens(text)) > n:
                     break
 
-    items = {"caps": sentence(16), "lower": sentence(16), "nfkc": "Ｆｕｌｌ ｗｉｄｔｈ " + sentence(14),
-             "bare": sentence(8)[:-1] + ", " + sentence(8), "short": of_length(NGRAM - 4),
+    def punctuated(k: int) -> str:  # a comma or semicolon after every second word
+        words = sentence(k).split()
+        return " ".join(w + (",;"[i % 2] if i % 2 else "") for i, w in enumerate(words))
+
+    def full_width(text: str) -> str:  # what NFKC folds back: full-width letters, ideographic spaces
+        return "".join("\u3000" if c == " " else chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in text)
+
+    # Each changed throughout, so that no 13-token run of the item as written survives in its copy.
+    items = {"caps": sentence(16), "lower": sentence(16).title(), "nfkc": full_width(sentence(16)),
+             "bare": punctuated(16), "short": of_length(NGRAM - 4),
              "exact_n": of_length(NGRAM), "cut_n": of_length(NGRAM)}
     clean = {f"clean{i}": sentence(r.choice([5, 10, 16])) for i in range(16)}
     cut = tokenizer.decode(tokens(items["cut_n"])[:NGRAM - 1])
@@ -301,3 +309,5 @@ def test_normalised_variants_short_items_and_the_ngram_boundary(variants):
     assert results["exact_n"].longest.tokens == NGRAM and results["exact_n"].exact_tokens == NGRAM
     assert results["cut_n"].longest.tokens == NGRAM - 1 and not results["cut_n"].whole_item
     assert results["short"].whole_item and results["caps"].longest.exact is False
+    # without the normalised forms, the changed copies keep no 13-token run of the item as written
+    assert all(results[name].exact_tokens < NGRAM for name in ("caps", "lower", "nfkc", "bare"))
