@@ -65,6 +65,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="drop documents holding benchmark text that `mimir audit contamination --denylist` found "
         "(rejected as benchmark_overlap; docs/contamination.md)",
     )
+    p.add_argument(
+        "--personal-data",
+        choices=("reject", "redact", "report"),
+        default="reject",
+        help="documents holding personal data (e-mail, phone, IBAN, payment card, national id incl. "
+        "the Danish "
+        "CPR, IP address): reject those with a direct identifier (default), redact every one found, or only "
+        "report the counts (the manifest's personal_data; docs/data-governance.md)",
+    )
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: cores)")
     p.add_argument("--shard-mb", type=float, default=64.0, help="JSONL shard size in MiB")
@@ -228,6 +237,7 @@ def _prepare(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         provenance=provenance,
         denylist=args.denylist,
+        personal_data=args.personal_data,
     )
     return 0
 

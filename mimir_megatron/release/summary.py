@@ -104,7 +104,8 @@ def _manifest_processing(entry: DatasetLineage) -> dict[str, Any]:
             "documents": manifest.get("documents"), "rejected": manifest.get("rejected"),
             "rejects": {k: v for k, v in (manifest.get("rejects") or {}).items() if v},
             "tokenizer_sha256": (manifest.get("tokenizer") or {}).get("sha256"),
-            "seq_len": (manifest.get("settings") or {}).get("seq_len")}
+            "seq_len": (manifest.get("settings") or {}).get("seq_len"),
+            "personal_data": manifest.get("personal_data")}
 
 
 def contamination_summary(report_paths: list[Path],
@@ -309,6 +310,14 @@ def _table(title: str, tally: dict[str, int], total: int, labels: dict[str, str]
     return lines
 
 
+def _personal_data_text(screen: dict[str, Any] | None) -> str:
+    if not screen:
+        return "not screened for personal data"
+    found = ", ".join(f"{n:,} {kind}" for kind, n in screen.get("found", {}).items()) or "none found"
+    return (f"personal data ({screen.get('policy')} policy): {found}; "
+            f"{screen.get('documents_rejected', 0):,} documents rejected for it")
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     """The summary as a Markdown document (the JSON beside it holds the same figures)."""
     g, s, t = summary["general"], summary["sources"], summary["tables"]
@@ -377,7 +386,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         else:
             out.append(f"- {step['dataset']}: {step['documents']:,} documents kept of {step['lines_read']:,} "
                        f"lines, {step['rejected']:,} rejected {step['rejects'] or ''} (tokenizer "
-                       f"{str(step['tokenizer_sha256'])[:12]}, seq_len {step['seq_len']})")
+                       f"{str(step['tokenizer_sha256'])[:12]}, seq_len {step['seq_len']}); "
+                       + _personal_data_text(step.get("personal_data")))
     for gen in p["synthetic_generation"]:
         made_by = gen["generator"] or UNKNOWN
         out.append(f"- {gen['dataset']}: {FORMS.get(gen['form'], gen['form'])} by {made_by}"
