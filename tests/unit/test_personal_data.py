@@ -37,7 +37,7 @@ CLEAN = [  # look-alike numbers that are no personal data
     "Python 3.12.1 and version 1.2.3 are installed.", "ISBN 978-3-16-148410-0", "Ordre 20261203-0001 er sendt.",
     "pi is 3.14159 and e is 2.71828", "Resultatet blev 12-34-5678 i kampen.", "Kontonummer 1234",
     "send it to the team @ the office", "4111 1111 1111 1112 fails the check digit",
-    "Nej: 320199-1234 er ikke en dato.", "Kl. 10:30:45 gik toget.",
+    "Nej: 320199-1234 er ikke en dato.", "Sagsnummer 0101901235 (a date, but no CPR check digit)", "Kl. 10:30:45 gik toget.",
 ]
 
 
