@@ -77,9 +77,28 @@ def _phones(text: str) -> Iterator[tuple[str, int, int]]:
             raw = match.raw_string
             if not (raw.lstrip().startswith("+") or re.search(r"\d[\s().-]+\d", raw)):
                 continue  # a bare run of digits
+            if _is_date(raw):
+                continue  # 24.11.2015 is eight digits in pairs, as Danish numbers are written
             if (match.start, match.end) not in seen:
                 seen.add((match.start, match.end))
                 yield "phone", match.start, match.end
+
+
+def _is_date(text: str) -> bool:
+    import datetime
+
+    m = re.fullmatch(r"(\d{1,2})[./-](\d{1,2})[./-](\d{2}|\d{4})|(\d{4})-(\d{2})-(\d{2})", text.strip())
+    if not m:
+        return False
+    day, month, year = (m.group(1), m.group(2), m.group(3)) if m.group(1) else \
+        (m.group(6), m.group(5), m.group(4))
+    for d, mo in ((day, month), (month, day)):  # European or US order
+        try:
+            datetime.date(2000 + int(year) % 100 if len(year) == 2 else int(year), int(mo), int(d))
+            return True
+        except ValueError:
+            continue
+    return False
 
 
 def _valid_iban(candidate: str) -> bool:
