@@ -5,8 +5,13 @@ the ``provenance:`` section of a dataset in the prepare YAML), and stored in the
 dataset's manifest with the sha256 of every input file. A data file that a pipeline wrote
 (``mimir synth tools``, ``mimir synth run``) carries its record in a sidecar,
 ``<file>.provenance.json``, which ``mimir prepare`` takes when nothing is declared. A dataset
-made from others names them in ``derived_from``; it inherits their licences (all of them: AND)
-and languages unless it declares its own. Nothing declared is ``unknown``, visibly, everywhere.
+made from others names them in ``derived_from``; it inherits their terms (all of them: AND; an
+agreement source's ``derived_terms`` where it states them) and the generator's, and languages,
+unless it declares its own, which must keep every one of those terms (licences only get stricter
+downstream). Basis, licence and form are checked against each other. Nothing declared is
+``unknown``, visibly, everywhere. A stored record is validated as strictly as a declaration
+whenever it is read (:func:`provenance_from_record`): a hand-edited record with recomputed
+digests is still refused when it is not one this module would have written.
 
 Fields (the paper's §2 and Appendix A; Table 6 for the forms)::
 
@@ -17,7 +22,7 @@ Fields (the paper's §2 and Appendix A; Table 6 for the forms)::
     retrieved     the retrieval date, YYYY-MM-DD
     license       an SPDX expression (CC-BY-4.0, Apache-2.0 AND MIT, ...), or public-domain,
                   or proprietary-agreement
-    basis         open-licence | public-domain | agreement | synthetic
+    basis         open-licence | public-domain | agreement | tdm-research | synthetic
     form          reformatted | curated-reformatted | synthetic-audited | tool-call-formatted |
                   translated-audited | agreement-supplied | derived-task
     audit_group   the memorisation-audit group by opt-out status (the paper's A-D, or your own)
@@ -25,6 +30,12 @@ Fields (the paper's §2 and Appendix A; Table 6 for the forms)::
     derived_from  prepared datasets or files with a provenance sidecar this one was made from
     generator     the models or programs that generated synthetic data
     notes         free text
+    research_organisation, lawful_access
+                  basis tdm-research (DSM Directive Art. 3): who mines the data, and how it has
+                  lawful access to the works; both required there, refused elsewhere
+    derived_terms basis agreement: the licence the agreement lets derived data be used under
+    generator_license
+                  the generating models' terms; they bind the synthetic data too
 """
 
 from __future__ import annotations
