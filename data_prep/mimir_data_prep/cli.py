@@ -68,11 +68,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--personal-data",
         choices=("reject", "redact", "report"),
-        default="reject",
+        default=None,
         help="documents holding personal data (e-mail, phone, IBAN, payment card, national id incl. "
         "the Danish "
         "CPR, IP address): reject those with a direct identifier (default), redact every one found, or only "
-        "report the counts (the manifest's personal_data; docs/data-governance.md)",
+        "report the counts (the manifest's personal_data; docs/data-governance.md); with --config it "
+        "replaces the file's setting",
     )
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: cores)")
@@ -211,7 +212,7 @@ def _prepare(args: argparse.Namespace) -> int:
         from .prepare_config import run_prepare_config
 
         run_prepare_config(args.config, progress=not args.no_progress, workers=args.workers,
-                           denylist=args.denylist)
+                           denylist=args.denylist, personal_data=args.personal_data)
         return 0
     missing = [
         flag for flag, value in (("-i", args.input), ("-t", args.tokenizer), ("-o", args.output)) if not value
@@ -237,7 +238,7 @@ def _prepare(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         provenance=provenance,
         denylist=args.denylist,
-        personal_data=args.personal_data,
+        personal_data=args.personal_data or "reject",
     )
     return 0
 

@@ -109,3 +109,28 @@ def test_the_counts_reach_the_summary(tmp_path):
     assert "personal data (reject policy): 1 email, 1 ip_address, 1 national_id; 2 documents rejected for it" \
         in markdown
     assert "1 of 1 datasets' manifests read at export: 1 screened for personal data" in markdown
+
+
+def test_the_prepare_yaml_sets_the_policy_per_file_and_dataset_and_the_flag_wins(tmp_path):
+    from mimir_data_prep.prepare_config import load_prepare_config
+
+    from mimir_megatron.errors import ConfigError
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text(json.dumps({"prompt": "Mail?", "completion": PLANTED[0][0]}) + "\n"
+                   + json.dumps({"prompt": "Hi.", "completion": "Hello there, friend."}) + "\n")
+    config = tmp_path / "prep.yaml"
+    config.write_text(f"tokenizer: {TOK}\nseq_len: 64\npersonal_data: report\ndatasets:\n"
+                      f"  - {{name: a, input: [{raw}], output: out/a}}\n"
+                      f"  - {{name: b, input: [{raw}], output: out/b, personal_data: reject}}\n")
+    assert main(["prepare", "--config", str(config), "--workers", "1", "--no-progress"]) == 0
+    policies = {n: json.loads((tmp_path / "out" / n / "manifest.json").read_text())["personal_data"]
+                for n in "ab"}
+    assert (policies["a"]["policy"], policies["a"]["documents_rejected"]) == ("report", 0)
+    assert (policies["b"]["policy"], policies["b"]["documents_rejected"]) == ("reject", 1)
+    assert main(["prepare", "--config", str(config), "--workers", "1", "--no-progress",
+                 "--personal-data", "redact"]) == 0
+    assert json.loads((tmp_path / "out" / "b" / "manifest.json").read_text())["personal_data"]["policy"] == "redact"
+    config.write_text(config.read_text().replace("personal_data: report", "personal_data: drop"))
+    with pytest.raises(ConfigError, match=r"personal_data: one of \('reject', 'redact', 'report'\), got 'drop'"):
+        load_prepare_config(config)
