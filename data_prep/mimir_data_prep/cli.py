@@ -114,6 +114,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_provenance_flags(v)
     v.set_defaults(handler=_declare)
 
+    g = dsub.add_parser("keygen", help="make an Ed25519 key pair for signing manifests",
+                        description="Write KEY (private, mode 0600) and KEY.pub; a mixture's "
+                        "data_policy.public_key: KEY.pub then trains only on manifests signed with KEY.")
+    g.add_argument("--output", required=True, metavar="KEY", help="the private key file to create")
+    g.set_defaults(handler=_keygen)
+    s = dsub.add_parser("sign", help="sign prepared datasets' manifests (manifest.sig)")
+    s.add_argument("datasets", nargs="+", help="prepared dataset directories")
+    s.add_argument("--key", required=True, help="the private key (mimir data keygen)")
+    s.set_defaults(handler=_sign)
+
     k = dsub.add_parser("pack", help="build and cache the packing index ahead of training")
     k.add_argument("--mixture", "-m", required=True)
     k.add_argument("--seq-len", type=int, default=4096)
@@ -256,6 +266,22 @@ def _declare(args: argparse.Namespace) -> int:
             raise UserError("mimir data declare needs the provenance flags "
                             "(--source, --license, --basis, --form)")
         print(f"{path}: {write_sidecar(path, provenance)}")
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from mimir_megatron.data.signing import generate_key
+
+    private, public = generate_key(args.output)
+    print(f"private key: {private}\npublic key:  {public}")
+    return 0
+
+
+def _sign(args: argparse.Namespace) -> int:
+    from mimir_megatron.data.signing import sign_manifest
+
+    for dataset in args.datasets:
+        print(f"{dataset}: {sign_manifest(dataset, args.key)}")
     return 0
 
 

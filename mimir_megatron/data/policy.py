@@ -15,6 +15,7 @@ permissible data applies (§7, Appendix A)::
                                       # (derived from agreement data, the paper's route)
       allow_groups: null          # null: any audit group; else e.g. [A, C, D]
       allow_unknown: false        # datasets (or parents) with no declared provenance
+      public_key: null            # an Ed25519 public key: only manifests it signed (signing.py)
 
 The licence judged is the dataset's effective terms: its record's licence, which keeps every
 ancestor's terms (:mod:`mimir_megatron.data.provenance` refuses a record that drops one). Data
@@ -66,12 +67,21 @@ class DataPolicy:
     """Audit groups that may be trained on; None: any."""
     allow_unknown: bool = False
     """Train on datasets (or datasets derived from data) whose provenance nobody declared."""
+    public_key: str | None = None
+    """An Ed25519 public key (PEM): train only on datasets whose manifest it signed
+    (:mod:`mimir_megatron.data.signing`)."""
 
     def errors(self, where: str) -> list[str]:
         errors = [f"{where}.allow_bases: unknown basis {b!r} (one of {', '.join(BASES)})"
                   for b in self.allow_bases if b not in BASES]
         if self.allow_licenses is None:
             errors.append(f"{where}.allow_licenses: a list of licence ids ([{OPEN}] is every open licence)")
+        if self.public_key:
+            from .signing import public_key_problem
+
+            problem = public_key_problem(self.public_key)
+            if problem:
+                errors.append(f"{where}.public_key: {problem}")
         for name in ("allow_licenses", "deny_licenses"):
             for i, key in enumerate(getattr(self, name) or []):
                 if name == "allow_licenses" and key == OPEN:
@@ -246,6 +256,12 @@ def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world
                 if not edited:  # an edited record's verdict means nothing
                     problems += policy_problems(entry.name, record, mixture.policy,
                                                 entry.audit_group_of(provenance))
+            if mixture.policy.public_key:
+                from .signing import signature_problem
+
+                problem = signature_problem(entry.path, manifest, mixture.policy.public_key)
+                if problem:
+                    problems.append(f"dataset {entry.name}: {problem}")
             structural = shard_problems(entry.path, manifest)
             # A dataset with a structural problem is hashed whole by every rank: its digests then
             # name the damaged or swapped file itself, the same line on every rank.

@@ -379,3 +379,29 @@ def test_the_lineage_pins_each_manifest_and_export_names_one_changed_since(tmp_p
     problems = lineage_problems(state, "ckpt")
     assert len(problems) == 1 and problems[0].startswith(
         f"ckpt: dataset open: its manifest {out / 'manifest.json'} changed since this checkpoint was trained"), problems
+
+
+def test_signed_manifests_when_the_policy_names_a_public_key(tmp_path, caplog):
+    """A forger who recomputes both digests cannot recompute the signature: with
+    data_policy.public_key set, an unsigned, re-signed-elsewhere or edited manifest is named."""
+    out = _prepare(tmp_path, "open", *OPEN)
+    key = tmp_path / "key"
+    assert main(["data", "keygen", "--output", str(key)]) == 0
+    assert oct((key).stat().st_mode & 0o777) == "0o600"
+    policy = f"data_policy: {{public_key: {key}.pub}}\n"
+    assert "manifest.sig: missing" in _problems(_mixture(tmp_path, "open", policy=policy))[0]
+    assert main(["data", "sign", "--key", str(key), str(out)]) == 0
+    assert _problems(_mixture(tmp_path, "open", policy=policy)) == []
+    _rewrite(out / "manifest.json", lambda m: m["provenance"].update(license="CC0-1.0"))
+    problems = _problems(_mixture(tmp_path, "open", policy=policy))
+    assert problems == [f"dataset open: {out / 'manifest.sig'}: signs another manifest" + problems[0].split(
+        "signs another manifest")[1]] and "(digest " in problems[0]
+    other = tmp_path / "other"
+    assert main(["data", "keygen", "--output", str(other)]) == 0
+    assert main(["data", "sign", "--key", str(other), str(out)]) == 0  # the forger's own key
+    assert "not signed by the key" in _problems(_mixture(tmp_path, "open", policy=policy))[0]
+    assert "keygen never overwrites" in _cli_error(caplog, "data", "keygen", "--output", str(key))
+    from mimir_megatron.data.mixture import load_mixture
+
+    with pytest.raises(UserError, match=r"data_policy.public_key: .*: not a PEM public key"):
+        load_mixture(_mixture(tmp_path, "open", policy=f"data_policy: {{public_key: {out / 'manifest.json'}}}\n"))
