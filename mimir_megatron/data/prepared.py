@@ -84,9 +84,11 @@ def manifest_digest(manifest: dict) -> str:
 
 
 def manifest_problem(manifest: dict) -> str | None:
-    """Why a manifest cannot be trusted (edited after ``mimir prepare`` wrote it), or None.
-    Manifests written before digests were recorded have none to check."""
-    if "digest" in manifest and manifest["digest"] != manifest_digest(manifest):
+    """Why a manifest cannot be trusted (no digest, or edited after ``mimir prepare`` wrote it),
+    or None."""
+    if "digest" not in manifest:
+        return "has no digest (deleted by hand, or written before digests were recorded); prepare it again"
+    if manifest["digest"] != manifest_digest(manifest):
         return "edited after mimir prepare wrote it (its digest does not match its content)"
     return None
 

@@ -171,6 +171,8 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
                                                 world=env.world_size))
     if problems:
         raise UserError(f"refusing to train on {mixture.source}:\n  - " + "\n  - ".join(problems))
+    if env.rank == 0:
+        log.info("data policy: %s", mixture.policy.describe())
     stream = PackedMixture(cfg.data, mixture)
     parallel.init_model_parallel(cfg.model.parallel.tensor_parallel_size)
     rank, device = env.rank, backend.device()
@@ -239,7 +241,8 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
                       retry_seconds=cfg.tracking.retry_seconds, checkpoints=ckpt_dir)
     tp = cfg.model.parallel.tensor_parallel_size
     layout = f"TP={tp} DP={dp_size} SP={cfg.model.uses_sequence_parallel}"
-    tags = host_tags(env.world_size, layout) | {"data_fingerprint": fingerprint, "config": cfg.source}
+    tags = host_tags(env.world_size, layout) | {"data_fingerprint": fingerprint, "config": cfg.source,
+                                                "data_policy": mixture.policy.describe()[:5000]}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     if config_changes:
