@@ -222,10 +222,15 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
     dist.barrier()
 
     # -- data, tracking ------------------------------------------------------------------------
-    # The packing index is built once, by rank 0, up to the epoch being resumed; the other
-    # ranks then read it from its cache instead of each building it (minutes at 100B tokens).
+    # The packing index of every epoch the run will reach is built once, by rank 0, before the
+    # first step (its windows over the node's cores); the other ranks read it from the cache, so
+    # no rank packs an epoch at a boundary inside the step loop. The prefetcher runs up to
+    # prefetch + 1 micro-batches past the last step.
     if rank == 0:
-        stream.locate(consumed)
+        last = cfg.train.steps * cfg.train.global_batch_size
+        last += (cfg.data.prefetch + 1) * cfg.train.micro_batch_size * dp_size
+        epochs = stream.build_ahead(max(last, consumed + 1))
+        log.info("packing index: %d epoch(s) ready in %s", epochs, stream.index_dir)
     dist.barrier()
     loader = build_train_loader(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
                                 dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed, stream=stream)
