@@ -70,8 +70,7 @@ class PackedMixture:
         self.doc_starts = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
         self.repeats = [e.repeat for e in self.mixture.entries]
         self.fingerprint = mixture_fingerprint(cfg, self.mixture)
-        first = self.mixture.entries[0].path
-        self.index_dir = Path(cfg.index_dir) if cfg.index_dir else first.parent / "_index"
+        self.index_dir = cfg.index_directory(self.mixture.entries[0].path)
         self._lengths: dict[str, np.ndarray] = {}
         self._epochs: list[EpochIndex] = []
         self._ends: list[int] = []  # cumulative contexts at the end of each epoch located so far

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import stat
+import threading
 from concurrent.futures import Future
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -159,6 +160,77 @@ def _bin_bytes_covered(index_file, sequences: int, itemsize: int) -> int:
     pointer = int(np.frombuffer(os.pread(fd, 8, _IDX_HEAD + 4 * sequences + 8 * (sequences - 1)),
                                 dtype="<i8")[0])
     return pointer + length * itemsize
+
+
+class ByteShares:
+    """Which of ``world`` ranks hashes each file: the one with the fewest bytes so far (files
+    taken in the same order on every rank, so every rank decides the same). A split by file count
+    gave one rank every ``.bin`` and the other every ``.idx``."""
+
+    def __init__(self, world: int) -> None:
+        self.loads = [0] * world
+
+    def owner(self, size: int) -> int:
+        rank = self.loads.index(min(self.loads))
+        self.loads[rank] += size
+        return rank
+
+
+VERIFIED_CACHE_GLOB = "verified-sha256.*.json"
+
+
+class DigestCache:
+    """sha256 digests of files hashed on an earlier start, reused while a file's (path, size,
+    mtime, inode) are unchanged: a restart does not read a 100B-token corpus again. Each rank
+    keeps its own file (``verified-sha256.rank<r>.json``) in ``directory`` and reads all of them.
+    A file rewritten in place keeps its inode but not its mtime; ``touch``-ing an old mtime back
+    onto edited data defeats it (``data.verify_cache=false`` hashes everything)."""
+
+    def __init__(self, directory: Path, rank: int) -> None:
+        self.path = directory / VERIFIED_CACHE_GLOB.replace("*", f"rank{rank}")
+        self.known: dict[str, list] = {}
+        self.reused = 0
+        for part in sorted(directory.glob(VERIFIED_CACHE_GLOB)):
+            try:
+                entries = json.loads(part.read_text())
+            except (OSError, ValueError):
+                continue  # a damaged cache only costs hashing
+            if isinstance(entries, dict):
+                self.known.update({k: v for k, v in entries.items() if isinstance(v, list) and len(v) == 4})
+        self.seen: dict[str, list] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(st: os.stat_result) -> list:
+        return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+    def sha256(self, path: Path) -> str:
+        """The file's sha256: remembered if it is unchanged since, else read (thread-safe)."""
+        name = str(Path(path).resolve())
+        key = self._key(os.stat(name))
+        entry = self.known.get(name)
+        if entry is not None and entry[:3] == key:
+            with self._lock:
+                self.reused += 1
+            digest = entry[3]
+        else:
+            digest = sha256_file(name)
+            if self._key(os.stat(name)) != key:  # changed while it was read: remember nothing
+                return digest
+        self.seen[name] = [*key, digest]
+        return digest
+
+    def save(self) -> None:
+        """Write what this rank knows (atomically); a directory that is not writable costs only
+        the hashing next time."""
+        entries = {**self.known, **self.seen}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(entries))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
 
 
 def hash_outputs(path: Path, manifest: dict, submit) -> list[tuple[Path, str, Future]]:

@@ -167,8 +167,9 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
     # offending dataset at once. Each rank hashes a share of the files; all see every verdict.
     # The mixture is read here once; the stream, its fingerprint and the lineage use it.
     mixture = load_mixture(cfg.data.mixture)
+    digest_cache = cfg.data.index_directory(mixture.entries[0].path) if cfg.data.verify_cache else None
     problems = parallel.gather_lines(training_data_problems(mixture, verify=cfg.data.verify, rank=env.rank,
-                                                world=env.world_size))
+                                                            world=env.world_size, digest_cache=digest_cache))
     if problems:
         raise UserError(f"refusing to train on {mixture.source}:\n  - " + "\n  - ".join(problems))
     stream = PackedMixture(cfg.data, mixture)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -261,3 +263,75 @@ def test_sample_lengths_are_memory_mapped_from_the_index_dir(tmp_path):
     assert np.array_equal(again.sample_lengths, expected) and again.built_epochs == []
     assert stream.build_ahead(100, workers=1) >= 2 and again.build_ahead(100, workers=1) >= 2
     assert again.built_epochs == [] and stream.built_epochs == list(range(len(stream.built_epochs)))
+
+
+def _hashed_files(monkeypatch) -> list[str]:
+    """Record every file the data checks read for its sha256 (through the digest cache or not)."""
+    from mimir_megatron.data import policy, prepared
+
+    hashed: list[str] = []
+    real = prepared.sha256_file
+
+    def recording(path):
+        hashed.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(prepared, "sha256_file", recording)
+    monkeypatch.setattr(policy, "sha256_file", recording)
+    return hashed
+
+
+def test_ranks_split_the_hashing_by_bytes(tmp_path, monkeypatch):
+    """Shards whose .bin is 10-60x its .idx: every file is hashed by exactly one of two ranks, and
+    the two shares differ by less than the largest file (by count, one rank read every .bin)."""
+    from mimir_megatron.data.mixture import load_mixture
+    from mimir_megatron.data.policy import training_data_problems
+    from mimir_megatron.data.prepared import ByteShares
+
+    docs = [([7] * 3, [8] * int(n)) for n in np.random.default_rng(0).integers(50, 400, 12)]
+    write_prepared(tmp_path / "a", docs, docs_per_file=1)
+    mix = tmp_path / "mix.yaml"
+    mix.write_text("name: bytes\ndatasets:\n  - {path: a, category: A, language: en}\n")
+    hashed = _hashed_files(monkeypatch)
+    shares = []
+    for rank in (0, 1):
+        before = len(hashed)
+        assert training_data_problems(load_mixture(mix), rank=rank, world=2, digest_cache=tmp_path / f"c{rank}") == []
+        shares.append(hashed[before:])
+    files = sorted(str(p.resolve()) for p in (tmp_path / "a" / "shards").glob("*.*") if p.suffix in (".bin", ".idx"))
+    assert sorted(shares[0] + shares[1]) == files
+    sizes = [sum(Path(f).stat().st_size for f in share) for share in shares]
+    assert abs(sizes[0] - sizes[1]) <= max(Path(f).stat().st_size for f in files), sizes
+    by_count = ByteShares(2)
+    assert [by_count.owner(s) for s in (100, 1, 100, 1, 50, 50)] == [0, 1, 1, 0, 0, 1]
+
+
+def test_a_restart_does_not_hash_unchanged_files_again(tmp_path, monkeypatch):
+    """The digest cache: the second start reads no file; a file changed in place (same size, new
+    mtime) is read again and reported, one whose mtime alone changed is read again and passes;
+    verify_cache off (None) reads everything."""
+    import os
+
+    from mimir_megatron.data.mixture import load_mixture
+    from mimir_megatron.data.policy import training_data_problems
+
+    mix = make_mixture(tmp_path)
+    cache = tmp_path / "index"
+    hashed = _hashed_files(monkeypatch)
+    assert training_data_problems(load_mixture(mix), digest_cache=cache) == []
+    first = list(hashed)
+    assert len(first) == 4 and list(cache.glob("verified-sha256.*.json"))  # 2 datasets x .bin/.idx
+    hashed.clear()
+    assert training_data_problems(load_mixture(mix), digest_cache=cache) == []
+    assert hashed == []
+    damaged, touched = tmp_path / "a" / "shards" / "00000.bin", tmp_path / "b" / "shards" / "00000.idx"
+    data = bytearray(damaged.read_bytes())
+    data[0] ^= 1
+    damaged.write_bytes(bytes(data))
+    os.utime(touched, ns=(touched.stat().st_atime_ns, touched.stat().st_mtime_ns + 10**9))
+    problems = training_data_problems(load_mixture(mix), digest_cache=cache)
+    assert sorted(hashed) == sorted([str(damaged.resolve()), str(touched.resolve())])
+    assert len(problems) == 1 and f"{damaged}: sha256 differs" in problems[0]
+    hashed.clear()
+    assert len(training_data_problems(load_mixture(mix), digest_cache=None)) == 1
+    assert len(hashed) == 4
