@@ -68,6 +68,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: cores)")
     p.add_argument("--shard-mb", type=float, default=64.0, help="JSONL shard size in MiB")
+    p.add_argument("--part", default=None, metavar="I/N|START:END",
+                   help="prepare only these shards (the I-th of N ranges from 0, or shard ids START:END) and "
+                   "write no manifest: one job of a Slurm array (launchers/prepare_array.sh)")
+    p.add_argument("--merge", action="store_true",
+                   help="after every --part finished: check all shards are there and write the manifest")
     p.add_argument("--no-progress", action="store_true")
     _add_provenance_flags(p)
     p.set_defaults(handler=_prepare)
@@ -181,7 +186,12 @@ def register_synth_group(sub: argparse._SubParsersAction) -> argparse._SubParser
 def _prepare(args: argparse.Namespace) -> int:
     from mimir_megatron.errors import UserError
 
+    if args.part and args.merge:
+        raise UserError("--part prepares a range of shards, --merge assembles them afterwards: give one")
     if args.config:
+        if args.part or args.merge:
+            raise UserError("--part/--merge prepare one dataset over several jobs: "
+                            "use -i/-t/-o, not --config")
         if args.input or args.output or args.tokenizer:
             raise UserError("--config names inputs, outputs and the tokenizer; drop -i/-o/-t")
         flags = [f"--{flag.replace('_', '-')}" for flag in PROVENANCE_FLAGS if getattr(args, flag)]
@@ -217,6 +227,8 @@ def _prepare(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         provenance=provenance,
         denylist=args.denylist,
+        part=args.part,
+        merge=args.merge,
     )
     return 0
 
