@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -116,6 +117,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--pack-window", type=int, default=16384)
     k.add_argument("--index-dir", default=None)
     k.add_argument("--epochs", type=int, default=1, help="epochs to index (default 1)")
+    k.add_argument("--workers", type=int, default=None,
+                   help="processes packing an epoch's windows (default: the cores; the index is the same)")
     k.set_defaults(handler=_pack)
 
     register_synth_group(sub)
@@ -301,8 +304,9 @@ def _pack(args: argparse.Namespace) -> int:
         index_dir=args.index_dir,
     )
     stream = PackedMixture(cfg)
+    workers = args.workers or len(os.sched_getaffinity(0))
     for epoch in range(args.epochs):
-        index = stream.epoch(epoch)
+        index = stream.epoch(epoch, workers)
         pad = padding_fraction(index, stream.sample_lengths, cfg.seq_len)
         print(f"epoch {epoch}: {index.num_contexts:,} contexts, padding {100 * pad:.2f} %")
     print(f"index cached in {stream.index_dir}")
