@@ -128,3 +128,26 @@ def test_dp2_crosses_epoch_boundaries_without_packing_in_the_step_loop(demo_data
     for sample, docs in read.items():
         assert docs == stream.context_documents(sample).tolist(), sample
     assert stream.built_epochs == built[: len(stream.built_epochs)]
+
+
+# sha256 of two epochs' index (docs, offsets as int64) of the mixture below, computed by the
+# packer as it was before epochs were packed ahead in processes (commit e2c4ee7): the same
+# packing means the same samples, so this digest changes only with PACKING_VERSION.
+PACKED_DIGEST = "7adfa38816ffbdfc30c5a66254d956402a892d4670e87b7facef5bace25e661b"
+
+
+def test_packing_in_processes_gives_todays_index_exactly():
+    import hashlib
+
+    from mimir_megatron.data.packing import build_epoch_index
+
+    rng = np.random.default_rng(11)
+    lengths = np.clip(rng.lognormal(5, 1.0, 40_000), 2, 1024).astype(np.int32)
+    for workers in (1, 3):
+        digest = hashlib.sha256()
+        for epoch in (0, 1):
+            index = build_epoch_index(lengths, [10_000, 20_000, 10_000], [1, 2.5, 0.5], seq_len=1024, seed=3,
+                                      epoch=epoch, window=2048, workers=workers)
+            digest.update(np.ascontiguousarray(index.docs, dtype=np.int64).tobytes())
+            digest.update(np.asarray(index.offsets, np.int64).tobytes())
+        assert digest.hexdigest() == PACKED_DIGEST, workers
