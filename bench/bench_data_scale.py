@@ -205,6 +205,11 @@ def main() -> int:
     args.index_dir = args.index_dir or args.data / "_index"
     mixture = args.data / "mixture.yaml"
     if args.phase:
+        # The trainer has megatron-core imported before it opens the data: so do the phases,
+        # before their clocks start (the import alone takes seconds).
+        from megatron.core.datasets import indexed_dataset  # noqa: F401
+        import torch  # noqa: F401
+
         if args.phase == "cold":
             result = phase_cold(mixture, args.index_dir, args.contexts)
         else:
