@@ -121,6 +121,8 @@ def shard_problems(path: Path, manifest: dict) -> list[str]:
         except FileNotFoundError as exc:
             problem = f"{exc.filename}: missing"
         except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # the process's limit, not the data
+                raise _read_error(str(exc.filename or idx), exc) from None
             problem = f"{exc.filename or idx}: cannot read ({exc.strerror or exc})"
         if problem:
             problems.append(problem)

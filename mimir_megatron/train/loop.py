@@ -157,11 +157,13 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
         training_data_problems,
     )
     from mimir_megatron.checkpoint.load import start_collective_verification
+    from mimir_megatron.data.files import raise_open_file_limit
     from mimir_megatron.data.prefetch import DevicePrefetcher
     from mimir_megatron.model import build_model
 
     env = parallel.init_distributed(timeout_s=cfg.train.collective_timeout_s)
     cfg.validate(world_size=env.world_size)
+    raise_open_file_limit()  # before the data checks open thousands of shard files
     _lock_run_directory(lock, env.rank)
     # The data policy and the prepared data's integrity, before anything is built: every
     # offending dataset at once. Each rank hashes a share of the files; all see every verdict.
