@@ -58,3 +58,20 @@ def test_parts_cover_every_shard_once():
     for bad in ("3/3", "a/b", "5:2", "-1/4"):
         with pytest.raises(UserError, match="expected I/N"):
             select_shards(bad, 10)
+
+
+def test_the_command_line_refuses_part_with_merge_or_config(tmp_path, caplog):
+    from mimir_megatron.cli import main
+
+    src = write_lines(tmp_path / "in.jsonl", [chat("q", "an answer")])
+    assert main(["prepare", "-i", str(src), "-t", TOK, "-o", str(tmp_path / "o"), "--part", "0/2", "--merge"]) == 2
+    assert "--part prepares a range of shards, --merge assembles them afterwards: give one" in caplog.text
+    assert main(["prepare", "--config", str(tmp_path / "x.yaml"), "--merge"]) == 2
+    assert "--part/--merge prepare one dataset over several jobs" in caplog.text
+    assert main(["prepare", "-i", str(src), "-t", TOK, "-o", str(tmp_path / "o"), "--part", "0/2",
+                 "--workers", "1", "--no-progress"]) == 0
+    assert not (tmp_path / "o" / "manifest.json").exists()
+    assert main(["prepare", "-i", str(src), "-t", TOK, "-o", str(tmp_path / "o"), "--merge", "--workers", "1",
+                 "--no-progress"]) == 2
+    # One shard: part 0 of 2 holds none of it, so the merge names it.
+    assert "cannot merge: shard 0 of 1 shards are not finished" in caplog.text
