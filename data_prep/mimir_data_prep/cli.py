@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -78,6 +79,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: cores)")
     p.add_argument("--shard-mb", type=float, default=64.0, help="JSONL shard size in MiB")
+    p.add_argument("--part", default=None, metavar="I/N|START:END",
+                   help="prepare only these shards (the I-th of N ranges from 0, or shard ids START:END) and "
+                   "write no manifest: one job of a Slurm array (launchers/prepare_array.sh)")
+    p.add_argument("--merge", action="store_true",
+                   help="after every --part finished: check all shards are there and write the manifest")
     p.add_argument("--no-progress", action="store_true")
     _add_provenance_flags(p)
     p.set_defaults(handler=_prepare)
@@ -131,6 +137,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--pack-window", type=int, default=16384)
     k.add_argument("--index-dir", default=None)
     k.add_argument("--epochs", type=int, default=1, help="epochs to index (default 1)")
+    k.add_argument("--workers", type=int, default=None,
+                   help="processes packing an epoch's windows (default: the cores; the index is the same)")
     k.set_defaults(handler=_pack)
 
     register_synth_group(sub)
@@ -212,7 +220,12 @@ def register_synth_group(sub: argparse._SubParsersAction) -> argparse._SubParser
 def _prepare(args: argparse.Namespace) -> int:
     from mimir_megatron.errors import UserError
 
+    if args.part and args.merge:
+        raise UserError("--part prepares a range of shards, --merge assembles them afterwards: give one")
     if args.config:
+        if args.part or args.merge:
+            raise UserError("--part/--merge prepare one dataset over several jobs: "
+                            "use -i/-t/-o, not --config")
         if args.input or args.output or args.tokenizer:
             raise UserError("--config names inputs, outputs and the tokenizer; drop -i/-o/-t")
         flags = [f"--{flag.replace('_', '-')}" for flag in PROVENANCE_FLAGS if getattr(args, flag)]
@@ -249,6 +262,8 @@ def _prepare(args: argparse.Namespace) -> int:
         provenance=provenance,
         denylist=args.denylist,
         personal_data=args.personal_data or "reject",
+        part=args.part,
+        merge=args.merge,
     )
     return 0
 
@@ -337,8 +352,9 @@ def _pack(args: argparse.Namespace) -> int:
         index_dir=args.index_dir,
     )
     stream = PackedMixture(cfg)
+    workers = args.workers or len(os.sched_getaffinity(0))
     for epoch in range(args.epochs):
-        index = stream.epoch(epoch)
+        index = stream.epoch(epoch, workers)
         pad = padding_fraction(index, stream.sample_lengths, cfg.seq_len)
         print(f"epoch {epoch}: {index.num_contexts:,} contexts, padding {100 * pad:.2f} %")
     print(f"index cached in {stream.index_dir}")

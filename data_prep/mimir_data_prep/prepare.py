@@ -361,8 +361,16 @@ def prepare(
     provenance: Provenance | None = None,
     denylist: str | Path | None = None,
     personal_data: str = "reject",
-) -> dict:
+    part: str | None = None,
+    merge: bool = False,
+) -> dict | None:
     """Prepare ``inputs`` into ``output_dir`` and return the manifest (also written to disk).
+
+    Spread over machines (a Slurm array, ``launchers/prepare_array.sh``): each job runs with
+    ``part`` (``I/N``: the I-th of N contiguous ranges of the shards, from 0; or ``START:END``,
+    shard ids) and writes only those shards, returning None; then one run with ``merge`` checks
+    that every shard is finished and writes the manifest. The result equals a run over everything,
+    byte for byte. Every job must see the same inputs and options (the shards' keys check it).
 
     ``provenance`` is the dataset's declared record (:mod:`mimir_megatron.data.provenance`);
     without one, the record the inputs' sidecars agree on, else ``unknown``. ``denylist``: a file
@@ -408,8 +416,12 @@ def prepare(
     tasks = plan_shards(paths, shard_bytes)
     formats = _decide_layouts(tasks, input_format, column_map)
     tasks = [replace(t, layout=formats[t.path]["format"]) for t in tasks]
+    selected = select_shards(part, len(tasks)) if part else range(len(tasks))
     done = {t.shard_id: s for t in tasks if (s := _finished(t, settings, out)) is not None}
-    todo = [t for t in tasks if t.shard_id not in done]
+    todo = [t for t in tasks if t.shard_id not in done and t.shard_id in selected]
+    if merge and todo:
+        raise UserError(f"{out}: cannot merge: {_id_list([t.shard_id for t in todo])} of {len(tasks)} "
+                        "shards are not finished (run their --part first, with the same inputs and options)")
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     log.info(
         "%d input file(s), %d shard(s): %d already finished, %d to do with %d worker(s)",
@@ -420,6 +432,11 @@ def prepare(
         workers,
     )
     started = time.perf_counter()
+    if part:
+        _run(todo, settings, out, workers, progress)
+        log.info("%s: shards %s of %d finished (%.1f s); when every part is, run once more with --merge",
+                 out, _id_list(list(selected)), len(tasks), time.perf_counter() - started)
+        return None
     # The inputs' sha256 (recorded for the data policy's check) is read beside the workers.
     with ThreadPoolExecutor(max_workers=min(4, len(paths))) as hashing:
         input_hashes = hashing.map(sha256_file, paths)
@@ -437,6 +454,36 @@ def prepare(
         elapsed,
     )
     return manifest
+
+
+def select_shards(part: str, shards: int) -> range:
+    """The shard ids of ``part``: ``I/N`` (the I-th of N contiguous, near-equal ranges, I from 0;
+    a Slurm array's ``$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT``) or ``START:END``."""
+    try:
+        if "/" in part:
+            i, n = (int(x) for x in part.split("/"))
+            if not 0 <= i < n:
+                raise ValueError
+            return range(i * shards // n, (i + 1) * shards // n)
+        start, end = (int(x) for x in part.split(":"))
+        if not 0 <= start < end:
+            raise ValueError
+        return range(start, min(end, shards))
+    except ValueError:
+        raise UserError(f"--part {part!r}: expected I/N (0 <= I < N) or START:END shard ids") from None
+
+
+def _id_list(ids: list[int]) -> str:
+    """``3``, ``3-7`` or ``3-7 (and 2 more ranges)``: shard ids for a log or an error."""
+    if not ids:
+        return "none"
+    runs, start = [], ids[0]
+    for prev, cur in zip(ids, ids[1:] + [None]):
+        if cur != prev + 1:
+            runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    more = f" (and {len(runs) - 3} more ranges)" if len(runs) > 3 else ""
+    return "shard " + ", ".join(runs[:3]) + more if len(ids) == 1 else "shards " + ", ".join(runs[:3]) + more
 
 
 def _sidecar_provenance(paths: list[Path], out: Path) -> Provenance | None:

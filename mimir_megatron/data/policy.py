@@ -41,7 +41,7 @@ from typing import Any
 from mimir_megatron.errors import UserError
 
 from .licences import AGREEMENT, is_open, licence_category, license_keys, satisfiable
-from .prepared import hash_outputs, output_problems, sha256_file, shard_problems
+from .prepared import ByteShares, DigestCache, hash_outputs, output_problems, sha256_file, shard_problems
 from .provenance import BASES, UNKNOWN, Provenance, normalise_license, provenance_from_record, record_problem
 
 log = logging.getLogger(__name__)
@@ -205,30 +205,35 @@ def changed_inputs(manifest: dict[str, Any]) -> list[str]:
     return changed
 
 
-def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world: int = 1) -> list[str]:
+def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world: int = 1,
+                           digest_cache: Path | None = None) -> list[str]:
     """Every reason not to train on ``mixture`` (a :class:`~mimir_megatron.data.mixture.Mixture`):
     unreadable or edited manifests, changed inputs, damaged prepared files, policy violations;
     one line each.
 
     ``verify``: hash every prepared file against its manifest (threads, all datasets at once);
     off, only the structural checks run. ``rank``/``world``: a job's ranks hash a share each
-    (every ``world``-th file from ``rank``) and the caller gathers their lines; every other
-    check is cheap and made by every rank."""
+    (split by bytes, :class:`~.prepared.ByteShares`) and the caller gathers their lines; every
+    other check is cheap and made by every rank. ``digest_cache``: a directory where the digests
+    of files hashed before are kept (:class:`~.prepared.DigestCache`); unchanged files are not
+    read again. None: every file is hashed."""
     from .prepared import manifest_problem, read_manifest
 
     problems: list[str] = []
     files: list[tuple[str, list[str], list]] = []  # (dataset, structural lines, files being hashed)
     threads = max(1, min(8, os.cpu_count() or 1))
-    started, hashed = time.perf_counter(), [0, 0]
+    started, hashed, shares = time.perf_counter(), [0, 0], ByteShares(world)
+    cache = DigestCache(digest_cache, rank) if verify and digest_cache is not None else None
     with ThreadPoolExecutor(threads, thread_name_prefix="verify-data") as pool:
         def submit(path: Path, shared: bool = True) -> Future:
             hashed[0] += 1
-            if shared and (hashed[0] - 1) % world != rank:
+            size = path.stat().st_size if path.is_file() else 0
+            if shared and shares.owner(size) != rank:
                 skipped: Future = Future()
                 skipped.set_result(None)  # another rank's share
                 return skipped
-            hashed[1] += path.stat().st_size if path.is_file() else 0
-            return pool.submit(sha256_file, path)
+            hashed[1] += size
+            return pool.submit(cache.sha256 if cache is not None else sha256_file, path)
 
         for entry in mixture.entries:
             if entry.repeat == 0:
@@ -273,8 +278,12 @@ def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world
             problems += [f"dataset {name}: {line}" for line in lines]
     if verify:
         seconds = time.perf_counter() - started
-        log.info("prepared data: %d files (%.2f GB on this rank) verified against their manifests' sha256 "
-                 "in %.1f s", hashed[0], hashed[1] / 1e9, seconds)
+        reused = ""
+        if cache is not None:
+            cache.save()
+            reused = f", {cache.reused} unchanged since an earlier start and not read again"
+        log.info("prepared data: %d files (%.2f GB on this rank%s) verified against their manifests' sha256 "
+                 "in %.1f s", hashed[0], hashed[1] / 1e9, reused, seconds)
     else:
         log.warning("prepared data: structure checked, sha256 not verified (data.verify=false: for "
                     "trusted corpora only)")

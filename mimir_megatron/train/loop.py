@@ -157,18 +157,21 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
         training_data_problems,
     )
     from mimir_megatron.checkpoint.load import start_collective_verification
+    from mimir_megatron.data.files import raise_open_file_limit
     from mimir_megatron.data.prefetch import DevicePrefetcher
     from mimir_megatron.model import build_model
 
     env = parallel.init_distributed(timeout_s=cfg.train.collective_timeout_s)
     cfg.validate(world_size=env.world_size)
+    raise_open_file_limit()  # before the data checks open thousands of shard files
     _lock_run_directory(lock, env.rank)
     # The data policy and the prepared data's integrity, before anything is built: every
     # offending dataset at once. Each rank hashes a share of the files; all see every verdict.
     # The mixture is read here once; the stream, its fingerprint and the lineage use it.
     mixture = load_mixture(cfg.data.mixture)
+    digest_cache = cfg.data.index_directory(mixture.entries[0].path) if cfg.data.verify_cache else None
     problems = parallel.gather_lines(training_data_problems(mixture, verify=cfg.data.verify, rank=env.rank,
-                                                world=env.world_size))
+                                                            world=env.world_size, digest_cache=digest_cache))
     if problems:
         raise UserError(f"refusing to train on {mixture.source}:\n  - " + "\n  - ".join(problems))
     if env.rank == 0:
@@ -224,10 +227,15 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
     dist.barrier()
 
     # -- data, tracking ------------------------------------------------------------------------
-    # The packing index is built once, by rank 0, up to the epoch being resumed; the other
-    # ranks then read it from its cache instead of each building it (minutes at 100B tokens).
+    # The packing index of every epoch the run will reach is built once, by rank 0, before the
+    # first step (its windows over the node's cores); the other ranks read it from the cache, so
+    # no rank packs an epoch at a boundary inside the step loop. The prefetcher runs up to
+    # prefetch + 1 micro-batches past the last step.
     if rank == 0:
-        stream.locate(consumed)
+        last = cfg.train.steps * cfg.train.global_batch_size
+        last += (cfg.data.prefetch + 1) * cfg.train.micro_batch_size * dp_size
+        epochs = stream.build_ahead(max(last, consumed + 1))
+        log.info("packing index: %d epoch(s) ready in %s", epochs, stream.index_dir)
     dist.barrier()
     loader = build_train_loader(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
                                 dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed, stream=stream)
