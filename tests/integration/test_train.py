@@ -11,6 +11,7 @@ from conftest import REPO, train_overrides
 from mimir_megatron.errors import ConfigError, UserError
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
+from mimir_megatron.train.tracking import metric_name
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
 
@@ -73,13 +74,14 @@ def test_mlflow_run_holds_config_and_per_step_metrics(uninterrupted):
     assert (model.source_run_id, str(model.status)) == (uninterrupted.run_id, "READY")
     assert model.tags["mimir.checkpoints"] == str((Path(run_dir) / "checkpoints").resolve())
     assert model.tags["mlflow.model.isExternal"] == "true"
-    for metric in ("loss", "lr/L", "lr/H", "lr/embedding", "lr/head", "window_k", "k_L", "k_H",
-                   "grad_norm", "supervised_tokens", "tokens_per_s", "tflops_per_device", "peak_memory_gb"):
-        history = client.get_metric_history(uninterrupted.run_id, metric)
+    for metric in ("loss", "lr/L", "lr/H", "lr/embedding", "lr/head", "window_k", "k_L", "k_H", "grad_norm",
+                   "supervised_tokens", "tokens_seen", "tokens_per_s", "tflops_per_device", "mfu",
+                   "peak_memory_gb"):
+        history = client.get_metric_history(uninterrupted.run_id, metric_name(metric))
         assert [m.step for m in history] == [1, 2, 3, 4, 5, 6], metric
-    losses = [m.value for m in client.get_metric_history(uninterrupted.run_id, "loss")]
+    losses = [m.value for m in client.get_metric_history(uninterrupted.run_id, metric_name("loss"))]
     assert losses == pytest.approx(uninterrupted.losses)
-    k = [m.value for m in client.get_metric_history(uninterrupted.run_id, "window_k")]
+    k = [m.value for m in client.get_metric_history(uninterrupted.run_id, metric_name("window_k"))]
     assert k == [2, 3, 4, 5, 5, 5]  # ramp over 50 % of 6 steps: k = 2 + int(step / 3 * 3), step 0-based
 
 
