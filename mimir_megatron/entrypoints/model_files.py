@@ -107,7 +107,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         path, state = found
         log_exported_model(Path(args.output), path, state, args.name or Path(args.output).resolve().name,
-                           register=args.register)
+                           register=args.register,
+                           reports=_contamination_reports(args.contamination, path, state))
     return 0
 
 

@@ -25,10 +25,11 @@ CARD = "README.md"
 RELEASE_FILES = (CARD, "training_data_summary.md", "training_data_summary.json")
 
 
-def log_exported_model(output: Path, checkpoint: Path, state: Any, name: str,
-                       register: str | None = None) -> str | None:
+def log_exported_model(output: Path, checkpoint: Path, state: Any, name: str, register: str | None = None,
+                       reports: list[Path] = ()) -> str | None:
     """Log ``output`` (an export of ``checkpoint``, whose trainer ``state`` names its MLflow run)
-    as described above; the LoggedModel's id, or None with a warning."""
+    as described above, and the contamination ``reports`` its summary used into the run
+    (``contamination/``); the LoggedModel's id, or None with a warning."""
     from mimir_megatron.evaluation.tracking import tracking_target
     from mimir_megatron.mlflow_store import experiment_id, mlflow_client
 
@@ -40,6 +41,8 @@ def log_exported_model(output: Path, checkpoint: Path, state: Any, name: str,
         client = mlflow_client(target.uri, request_timeout_s=10)
         run = client.get_run(state.mlflow_run_id)
         exp_id = run.info.experiment_id or experiment_id(client, target.experiment, target.artifact_root)
+        for report in reports:
+            client.log_artifact(run.info.run_id, str(report), "contamination")
         return _log(client, exp_id, run, output, checkpoint, state, name, register)
     except Exception as exc:  # noqa: BLE001 - the export on disk is what counts
         log.warning("MLflow at %s: the export is not logged (%s: %s); it is complete in %s",
