@@ -100,7 +100,10 @@ def test_training_logs_through_a_server_outage_and_reads_back_over_rest(demo_dat
             params = {p["key"]: p["value"] for p in run["data"]["params"]}
             assert params["train.steps"] == str(STEPS)
             assert params["model.hidden_size"] == "64"
-            assert params["tracking.experiment"] == "server-test"
+            assert params["settings.tracking.experiment"] == "server-test"
+            # The run's files arrive too: the config from the start, the lineage of the last checkpoint.
+            files = get_json(f"{server.uri}/api/2.0/mlflow/artifacts/list?run_id={run['info']['run_id']}")
+            assert {"config.yaml", "data"} <= {f["path"] for f in files.get("files", [])}
 
             run_id = run["info"]["run_id"]
             steps = list(range(1, STEPS + 1))
