@@ -43,6 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     card.add_argument("--contamination", nargs="+", metavar="REPORT",
                       help="`mimir audit contamination` reports (files or directories) for the summary's "
                       "decontamination section (default: those in the training run's contamination/)")
+    tracking = p.add_argument_group(
+        "MLflow", "an export of a training checkpoint becomes a LoggedModel of its training run (its files, "
+        "the run's metrics at the checkpoint's step, the lineage), card and summary also in the run")
+    tracking.add_argument("--register", metavar="NAME",
+                          help="also register it in the MLflow model registry as NAME, with the card")
+    tracking.add_argument("--no-mlflow", action="store_true", help="do not log the export to MLflow")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the model config")
     p.set_defaults(handler=cmd_export, extra="hf", setup="megatron")
 
@@ -98,9 +104,18 @@ def cmd_export(args: argparse.Namespace) -> int:
         if source.kind == ModelKind.checkpoint:
             found = find(source.path)
         origin = f"{source.kind} ({source.path})"
+    if args.register and (found is None or args.no_mlflow):
+        raise UserError("--register needs a training checkpoint's export logged to MLflow (not --no-mlflow)")
     files = _release_files(args, model, found, origin)
     export_hf(model, args.output, tokenizer_dir=args.tokenizer, extra_files=files)
     print(f"exported to {args.output}")
+    if found is not None and not args.no_mlflow:
+        from mimir_megatron.release.tracking import log_exported_model
+
+        path, state = found
+        log_exported_model(Path(args.output), path, state, args.name or Path(args.output).resolve().name,
+                           register=args.register,
+                           reports=_contamination_reports(args.contamination, path, state))
     return 0
 
 

@@ -89,7 +89,8 @@ class TrainSection:
     precision: Precision = Precision.auto
     """auto (bf16 compute with fp32 master weights on GPU, fp32 on CPU), fp32 or bf16."""
     peak_tflops: float = 0.0
-    """Peak dense TFLOP/s of one device, for MFU (H100/H200 bf16: 989; 0: MFU not reported)."""
+    """Peak dense TFLOP/s of one device, for MFU; 0: a GPU's bf16 peak from train/plan/gpus.yaml,
+    on CPU this process's fp32 matmul peak measured at start-up (the run's description says which)."""
     on_nonfinite: OnNonfinite = OnNonfinite.skip
     """What a step whose loss or gradient norm is not finite does. skip: no optimizer step, no
     EMA update (its batch is consumed, the step counts), MLflow metric `nonfinite_skip` = 1; more
@@ -191,6 +192,9 @@ class TrackingSection:
     """MLflow tracking URI; default a sqlite store in the run directory."""
     experiment: str = "mimir"
     """MLflow experiment name."""
+    run_name: str = ""
+    """MLflow run name; empty: `<run.name>-k<window>-s<steps>-<config hash>` (e.g.
+    `demo-k2to5-s400-3fa1c2`), which tells runs of one recipe apart."""
     enabled: bool = True
     retry_seconds: float = 10.0
     """While the server is unreachable, metrics are buffered and delivery is retried this often."""

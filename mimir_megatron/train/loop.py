@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,14 @@ from mimir_megatron.train.resume import check_resumable, resume_path, verified_r
 from mimir_megatron.train.run_lock import RunLock
 from mimir_megatron.train.schedules import StepPlan, plan_step
 from mimir_megatron.train.step import StepHooks, StepOutcome, Trainer, build_trainer, train_step
-from mimir_megatron.train.tracking import SystemMetrics, Tracker, host_tags
+from mimir_megatron.train.tracking import (
+    SystemMetrics,
+    Tracker,
+    host_tags,
+    run_description,
+    run_name,
+    run_params,
+)
 
 log = logging.getLogger("mimir.train")
 
@@ -117,6 +124,8 @@ class _Run:
     """The checkpoint this invocation resumed from (None: a fresh start)."""
     plan: StartupPlan | None = None
     """`mimir plan`'s plan of this run (``train.plan_gpu``, rank 0)."""
+    peak_tflops: float = 0.0
+    """One device's peak for MFU (rank 0, which logs it; 0: no MFU)."""
 
     def save(self, at_step: int) -> None:
         """Checkpoint the current state as that after ``at_step`` steps (collective)."""
@@ -137,6 +146,7 @@ class _Run:
             data_policy=self.lineage.policy,
         )
         self.writer.save(at_step, t.model, t.optimizer, t.ema, trainer_state)
+        self.tracker.log_json([asdict(e) for e in trainer_state.lineage], "data/lineage.json")
 
     def evaluate(self) -> float | None:
         t = self.trainer
@@ -244,6 +254,7 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
     eval_samples = []
     if cfg.data.eval_path:
         eval_samples = _eval_subset(load_eval_samples(cfg.data.eval_path), cfg.eval.max_samples)
+    lineage = LineageCounter(mixture, resumed_lineage)
     tracker = Tracker(cfg.tracking.uri, run_dir, cfg.tracking.experiment,
                       enabled=cfg.tracking.enabled and rank == 0,
                       retry_seconds=cfg.tracking.retry_seconds, checkpoints=ckpt_dir)
@@ -257,9 +268,17 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
         tags[f"config_changed_at_step_{step}"] = "; ".join(config_changes)[:5000]
     # The plan of this very run, before its first step (rank 0; a warning if it cannot be made).
     plan = plan_at_start(cfg, env.world_size) if cfg.train.plan_gpu and rank == 0 else None
-    params = flatten(cfg.to_dict()) | (plan.params() if plan is not None else {})
-    tracker.start(cfg.run.name, params, tags, resume_run_id=run_id, resume_step=step,
+    effective = {"model.parallel.sequence_parallel": cfg.model.uses_sequence_parallel}  # as in the layout tag
+    params = run_params(flatten(cfg.to_dict()), effective)
+    params |= plan.params() if plan is not None else {}
+    peak, peak_source = (cfg.train.peak_tflops, "train.peak_tflops") if cfg.train.peak_tflops else (
+        backend.peak_tflops() if tracker.enabled else (0.0, ""))
+    tags["mlflow.note.content"] = run_description(cfg, peak, peak_source)
+    tracker.start(run_name(cfg), params, tags, resume_run_id=run_id, resume_step=step,
                   new_trajectory=bool(config_changes) or data_changed)
+    tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())), "config.yaml")
+    tracker.log_json({"decision": "allowed", "mixture": str(mixture.source), "policy": lineage.policy,
+                      "datasets": [asdict(e) for e in lineage.entries]}, "data/policy_decision.json")
     if plan is not None:
         tracker.log_text(plan.json(), "plan.json")
     system = _start_system_metrics(cfg, tracker, env.local_rank)
@@ -279,8 +298,8 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
     return _Run(cfg=cfg, trainer=trainer, loader=loader, eval_samples=eval_samples, tracker=tracker,
                 system=system, writer=writer, result=result, fingerprint=fingerprint, dp_rank=dp_rank,
                 dp_size=dp_size, accumulation=accumulation, step=step, consumed=consumed,
-                lineage=LineageCounter(mixture, resumed_lineage), base_model=base_model,
-                resumed_from=resume_from, plan=plan)
+                lineage=lineage, base_model=base_model, resumed_from=resume_from, plan=plan,
+                peak_tflops=peak)
 
 
 def _lock_run_directory(lock: RunLock, rank: int) -> None:
@@ -329,7 +348,8 @@ def _loop(run: _Run, stop: _StopFlag, stop_at_step: int | None, hooks: StepHooks
             result.losses.append(outcome.loss)
             result.final_step = run.step
             _log_step(run.tracker, cfg, run.step, plan, outcome, tokens_per_step, elapsed, devices,
-                      planned=run.plan if device.type == "cuda" else None)
+                      planned=run.plan if device.type == "cuda" else None,
+                      tokens_seen=run.consumed * cfg.data.seq_len, peak_tflops=run.peak_tflops)
 
             # -- what follows a step: checkpoint, evaluation, pre-emption -----------------------
             run.writer.poll()
@@ -429,9 +449,11 @@ def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> ckpt.BaseModel:
 
 
 def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan: StepPlan, outcome: StepOutcome,
-              tokens: int, seconds: float, devices: int, planned: StartupPlan | None = None) -> None:
-    """Metrics of every step to MLflow (host values the step already read: no synchronisation);
-    with ``planned`` (a GPU run), the plan's memory and step time next to the measured ones."""
+              tokens: int, seconds: float, devices: int, planned: StartupPlan | None = None,
+              tokens_seen: int = 0, peak_tflops: float = 0.0) -> None:
+    """Metrics of every step to MLflow (host values the step already read: no synchronisation;
+    names: tracking.METRIC_NAMES); with ``planned`` (a GPU run), the plan's memory and step time
+    next to the measured ones; MFU against ``peak_tflops`` (0: none)."""
     flops = flops_per_token(cfg.model, plan.window.k_L, plan.window.k_H, cfg.data.seq_len,
                             attended_keys=outcome.attended_keys) * tokens
     tflops_per_device = flops / seconds / devices / 1e12
@@ -442,6 +464,7 @@ def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan: StepPlan, out
         "k_L": plan.window.k_L,
         "k_H": plan.window.k_H,
         "supervised_tokens": outcome.supervised,
+        "tokens_seen": tokens_seen,
         "tokens_per_s": tokens / seconds,
         "tflops_per_device": tflops_per_device,
         "step_time_s": seconds,
@@ -449,8 +472,8 @@ def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan: StepPlan, out
         "nonfinite_skip": float(not outcome.finite),  # its sum over a run: the skipped steps
         **{f"lr/{g}": lr for g, lr in plan.group_lr.items()},
     }
-    if cfg.train.peak_tflops:
-        metrics["mfu"] = tflops_per_device / cfg.train.peak_tflops
+    if peak_tflops:
+        metrics["mfu"] = tflops_per_device / peak_tflops
     if planned is not None:
         metrics |= planned.metrics(plan.window.k)
     tracker.log_metrics(step, metrics)
@@ -479,11 +502,18 @@ def _evaluate(model, samples, cfg: TrainConfig, device, dp_rank, dp_size, dp_gro
                                    device=device, dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group,
                                    stop_token_ids=eval_stop_ids(cfg.data.eval_path))
         tracker.log_metrics(step, {"eval/exact_match": score})
+        result = {"step": step, "exact_match": score, "samples": count, "eval_path": cfg.data.eval_path,
+                  "max_new_tokens": cfg.eval.max_new_tokens}
+        tracker.log_json(result, f"eval/step_{step:07d}/exact_match.json")
         log.info("step %d: exact match %.3f on %d held-out samples", step, score, count)
     if cfg.eval.suite:
         if dist.get_rank() == 0:
-            metrics = suite_scores(model, cfg, Path(cfg.run.dir) / "eval_logs" / f"step_{step:07d}")
+            log_dir = Path(cfg.run.dir) / "eval_logs" / f"step_{step:07d}"
+            metrics = suite_scores(model, cfg, log_dir)
             tracker.log_metrics(step, metrics)
+            tracker.log_json({"step": step, **metrics}, f"eval/step_{step:07d}/suite.json")
+            if log_dir.is_dir():
+                tracker.log_path(log_dir, f"eval/step_{step:07d}/inspect_logs")
             log.info("step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())))
         dist.barrier()  # the other ranks wait for rank 0's suite
     return score

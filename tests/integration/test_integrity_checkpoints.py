@@ -28,6 +28,7 @@ from mimir_megatron.errors import UserError
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
 from mimir_megatron.train.step import StepHooks
+from mimir_megatron.train.tracking import metric_name
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
 
@@ -48,7 +49,7 @@ def latest(run_dir: Path) -> str:
 def loss_history(run_dir: Path, run_id: str) -> list[tuple[int, float]]:
     from mlflow.tracking import MlflowClient
 
-    history = MlflowClient(f"sqlite:///{run_dir}/mlflow.db").get_metric_history(run_id, "loss")
+    history = MlflowClient(f"sqlite:///{run_dir}/mlflow.db").get_metric_history(run_id, metric_name("loss"))
     return sorted((m.step, m.value) for m in history)
 
 
