@@ -6,7 +6,9 @@ trainer reduces gradients once after the whole backward (L and H run several tim
 a gradient is complete only at the end) and megatron's TP collectives sit on the critical path.
   - DP: a ring all-reduce of the fp32 gradient buffer (2 (DP-1)/DP x 4 bytes x weights), plus,
     with ZeRO-1, the owners' broadcast of updated weights ((DP-1)/DP x 4 bytes x weights);
-    over the network when the run spans nodes, else NVLink (TP stays inside a node).
+    over the network when the run spans nodes, else NVLink (TP stays inside a node). Bandwidths
+    are one direction: what a GPU sends while it receives as much (NVLink: half the datasheet's
+    bidirectional total).
   - TP: per layer and module application, two regions (attention, MLP), each an all-reduce or,
     with sequence parallelism, an all-gather plus a reduce-scatter: 2 (TP-1)/TP x tokens x D x 2
     bytes per region; in forward for every application, again in backward for the window's,
@@ -27,7 +29,10 @@ class Cluster:
     nodes: int
     peak_tflops: float
     nvlink_gbps: float
+    """One direction (half the datasheet's bidirectional total): a ring collective sends and
+    receives its bytes at once, each way at this rate."""
     network_gbps: float
+    """One direction, per GPU."""
 
     @property
     def gpus_per_node(self) -> int:
@@ -125,3 +130,17 @@ def efficiency_from_step(measured_s: float, at: StepTime, efficiency: float) -> 
     if compute <= 0:
         return math.inf
     return efficiency * at.compute_s / compute
+
+
+def efficiency_from_mean_step(mean_s: float, phases: list, efficiency: float) -> float:
+    """The efficiency at which the plan's whole schedule (``phases``: (phase, its step at
+    ``efficiency``) pairs) averages ``mean_s`` a step: communication as planned, compute scaled
+    by one factor in every phase (a paper's "1.1 s a step" is such an average, not the final
+    window's step)."""
+    steps = sum(phase.steps for phase, _ in phases)
+    compute = sum(phase.steps * t.compute_s for phase, t in phases)
+    comm = sum(phase.steps * (t.dp_comm_s + t.tp_comm_s) for phase, t in phases)
+    left = mean_s * steps - comm
+    if left <= 0:
+        return math.inf
+    return efficiency * compute / left
