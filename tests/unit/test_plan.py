@@ -69,31 +69,73 @@ def test_zero_shards_whole_tensors_greedily(tiny):
     assert plan_memory(tiny, tiny_shape(dp=3, shard_optimizer=False)).optimizer == 8 * TINY_WEIGHTS
 
 
+def test_distributed_optimizer_keeps_rows_evenly_by_hand(tiny):
+    """bf16 weights, fp32 gradients, and per data-parallel rank its rows of every tensor: fp32 main
+    weights, Adam's two moments, the EMA (Megatron's 2 + 4 + 16 / DP bytes a weight)."""
+    m = plan_memory(tiny, tiny_shape(dp=2, params_bytes=2, distributed_optimizer=True))
+    assert m.weights == 2 * (TINY_WEIGHTS + 256)  # bf16, and the bf16 z_L_init buffer
+    assert m.gradients == 4 * TINY_WEIGHTS
+    # Every tensor's rows (1,024, 256, 1,536, 256) split in two: 2,097,152 weights a rank.
+    assert (m.master_weights, m.optimizer, m.ema) == (4 * 2_097_152, 8 * 2_097_152, 4 * 2_097_152)
+    # DP=3: rows 1,024 -> 341, 341, 342; 256 -> 85, 85, 86; 1,536 -> 512 each. Rank 2 keeps the
+    # most: embedding and head 342 x 256 = 87,552 each; a layer: qkv 87,552 + proj 86 x 256 =
+    # 22,016 + fc1 512 x 256 = 131,072 + fc2 86 x 768 = 66,048 = 306,688; four 1,226,752;
+    # 1,401,856 in all (4,194,304 / 3 = 1,398,101; ZeRO-1 by whole tensors: 1,441,792).
+    three = plan_memory(tiny, tiny_shape(dp=3, params_bytes=2, distributed_optimizer=True))
+    assert three.optimizer == 8 * 1_401_856 and three.master_weights == 4 * 1_401_856
+    # CPU: Adam tensor by tensor over rank 2's largest rows (fc1's 131,072), then the all-gather's
+    # bf16 copy of them; the norm's scratch is the whole largest gradient (fc1, 393,216, fp32).
+    assert three.optimizer_phase == {"grad_norm": 4 * 393_216, "adam": 8 * 131_072, "gather": 2 * 131_072}
+    # fp32 weights: the main weights are views of them (no copy); the EMA is by rows still.
+    fp32 = plan_memory(tiny, tiny_shape(dp=2, distributed_optimizer=True))
+    assert (fp32.weights, fp32.master_weights, fp32.ema) == (4 * (TINY_WEIGHTS + 256), 0, 4 * 2_097_152)
+    # On a GPU, bf16 weights need no autocast copies, and the head's gradient comes in bf16.
+    gpu = plan_memory(tiny, tiny_shape(dp=2, params_bytes=2, distributed_optimizer=True, on_gpu=True,
+                                       compute_bytes=2)).temporaries
+    assert "autocast_weights" not in gpu and gpu["head_grad"] == 2 * 262_144
+
+
+def test_distributed_optimizer_gathers_bf16_rows_by_hand():
+    """The step's DP bytes: the fp32 gradients' all-reduce, then an all-gather of the updated bf16
+    rows instead of ZeRO-1's fp32 broadcast: (2 x 7/8 x 4 + 7/8 x 2) x 1,786,773,504 a GPU."""
+    cfg = load_train_config(V1, ["optim.distributed_optimizer=true", "model.params_dtype=bfloat16"])
+    final = plan_run(cfg, RunSettings(gpu=gpu_spec("b200"), gpus=8)).configured.last_step
+    assert final.dp_bytes == 15_634_268_160
+
+
 def test_activation_terms_by_hand(tiny):
     # Per token of one layer application, fp32 (4 bytes): layer input + mid residual (2 * 256)
     # + two rsqrt = 514 -> 2,056 B; both norm outputs 512 -> 2,048 B; q k v gate (1,024), q and k
     # after RoPE (512), attention output, sigmoid, gated product (768), fc1 (1,536), SwiGLU's
-    # activated half and output (1,536) = 5,376 -> 21,504 B; log-sum-exp 4 heads -> 16 B.
-    # 25,624 B x 128 tokens = 3,279,872 per layer application; 10 of them (3 L + 2 H
-    # applications x 2 layers) = 32,798,720; exit norms 5 x 128 x 257 x 4 = 657,920.
+    # output (768; its silu is recomputed in backward) = 4,608 -> 18,432 B; log-sum-exp 4 heads
+    # -> 16 B. 22,552 B x 128 tokens = 2,886,656 per layer application; 10 of them (3 L + 2 H
+    # applications x 2 layers) = 28,866,560; exit norms 5 x 128 x 257 x 4 = 657,920.
     m = plan_memory(tiny, tiny_shape())
-    assert m.activations == 32_798_720 + 657_920
+    assert m.activations == 28_866_560 + 657_920
     # Full recompute keeps each layer's input: 10 x 128 x 256 x 4 = 1,310,720, + exit norms.
     assert plan_memory(tiny, tiny_shape(recompute="full")).activations == 1_310_720 + 657_920
-    # Selective drops q, k after RoPE (512) and the log-sum-exp (4): 25,624 - 2,064 = 23,560 B.
+    # Selective drops q, k after RoPE (512) and the log-sum-exp (4): 22,552 - 2,064 = 20,488 B.
     assert plan_memory(tiny, tiny_shape(recompute="selective")).activations == \
-        10 * 128 * 23_560 + 657_920
+        10 * 128 * 20_488 + 657_920
     # CPU's dense attention: SDPA keeps an fp32 copy of the 2 x 64 x 64 mask per layer application.
     assert plan_memory(tiny, tiny_shape(dense_attention=True)).activations == \
-        32_798_720 + 657_920 + 10 * 2 * 64 * 64 * 4
+        28_866_560 + 657_920 + 10 * 2 * 64 * 64 * 4
     # k=2 (L H): 2 applications x 2 layers.
-    assert plan_memory(tiny, tiny_shape(k_L=1, k_H=1)).activations == 4 * 3_279_872 + 2 * 128 * 257 * 4
+    assert plan_memory(tiny, tiny_shape(k_L=1, k_H=1)).activations == 4 * 2_886_656 + 2 * 128 * 257 * 4
+    # bf16 weights: the residual stream is bf16 and the norms keep it as it is (not an fp32
+    # copy): 2 x 256 x 2 + two fp32 rsqrt 8 = 1,032 B; matmul inputs 1,024; TP region 4,608 x 2 =
+    # 9,216, log-sum-exp 16: 11,288 B x 128 = 1,444,864 a layer application; exit norms
+    # 5 x 128 x (256 x 2 + 4) = 330,240. Full recompute keeps the bf16 layer input.
+    bf16 = tiny_shape(compute_bytes=2, params_bytes=2)
+    assert plan_memory(tiny, bf16).activations == 10 * 1_444_864 + 330_240
+    assert plan_memory(tiny, tiny_shape(compute_bytes=2, params_bytes=2, recompute="full")).activations == \
+        10 * 128 * 256 * 2 + 330_240
 
 
 def test_temporaries_by_hand(tiny):
     t = plan_memory(tiny, tiny_shape()).temporaries
     assert t["loss"] == 128 * 1024 * 4  # fp32 logits (cross-entropy and its gradient in place)
-    assert t["backward"] == 3_279_872  # one layer application's working set
+    assert t["backward"] == 2_886_656  # one layer application's working set
     assert t["head_grad"] == 262_144 * 4  # the head's fp32 weight gradient before DDP takes it
     assert "attention_mask" not in t
     assert plan_memory(tiny, tiny_shape(dense_attention=True)).temporaries["attention_mask"] == 2 * 64 * 64

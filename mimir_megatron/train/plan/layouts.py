@@ -149,10 +149,13 @@ def step_shape(cfg, layout: Layout, phase: Phase, on_gpu: bool = True, precision
     """The memory model's input for a TrainConfig, a layout and a window."""
     m = cfg.model
     cpu_dense = not on_gpu and m.execution.attention_backend in ("auto", "dense")
+    params_bytes = 2 if m.params_dtype == "bfloat16" else 4
+    autocast = on_gpu and cfg.train.precision != "fp32"
     return StepShape(
         micro_batch=layout.micro_batch, seq_len=cfg.data.seq_len, tp=layout.tp, dp=layout.dp,
         k_L=phase.k_L, k_H=phase.k_H, recompute=layout.recompute,
-        compute_bytes=4 if (not on_gpu or cfg.train.precision == "fp32") else 2, on_gpu=on_gpu,
+        compute_bytes=2 if (autocast or params_bytes == 2) else 4, on_gpu=on_gpu,
+        params_bytes=params_bytes, distributed_optimizer=cfg.optim.distributed_optimizer,
         shard_optimizer=cfg.optim.shard_state, ema=cfg.optim.ema_decay > 0,
         loss_chunk_tokens=m.execution.loss_chunk_tokens, sequence_parallel=m.parallel.sequence_parallel,
         dense_attention=cpu_dense, fp8_weight_copies=precision in ("fp8", "mxfp8"))
@@ -167,6 +170,8 @@ def plan_layout(cfg, layout: Layout, phases: list[Phase], cluster: Cluster, sett
                            accumulation=layout.accumulation, seq_len=cfg.data.seq_len, k_L=p.k_L,
                            k_H=p.k_H, recompute=layout.recompute, efficiency=efficiency,
                            weights_per_rank=weights, zero=cfg.optim.shard_state and layout.dp > 1,
+                           gather_bytes=(2 if cfg.model.params_dtype == "bfloat16" else 4)
+                           if cfg.optim.distributed_optimizer else None,
                            sequence_parallel=cfg.model.parallel.sequence_parallel))
              for p in phases]
     seconds = sum(p.steps * t.seconds for p, t in timed)
