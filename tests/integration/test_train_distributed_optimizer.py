@@ -130,6 +130,7 @@ def test_a_dp2_run_resumes_on_two_ranks_bit_for_bit(demo_data, tmp_path, two_bf1
     assert_same_state(tmp_path / STEP_6, two_bf16[0] / STEP_6)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_killed_bf16_run_resumes_to_the_uninterrupted_state(demo_data, tmp_path, one_bf16):
     """SIGKILL once step 4 is logged (after step 3's checkpoint), then resume to the end."""
@@ -149,3 +150,24 @@ def test_a_killed_bf16_run_resumes_to_the_uninterrupted_state(demo_data, tmp_pat
     resumed = run(demo_data, run_dir, *BF16, "train.log_interval=1")
     assert resumed.losses == one_bf16[1][len(one_bf16[1]) - len(resumed.losses):]
     assert_same_state(run_dir / STEP_6, one_bf16[0] / STEP_6, ignore=UNSEEDED)  # another process
+
+
+def test_a_dp2_bf16_checkpoint_loads_for_inference_with_its_fp32_weights(two_bf16):
+    """`load_model` (export, serving, evaluation) reads the fp32 main weights the rows hold, and
+    the EMA: the checkpoint records fp32 weights whatever the run's parameters were."""
+    import torch
+    from checkpoint_states import checkpoint_state
+
+    from mimir_megatron import load_model, parallel
+    from mimir_megatron.checkpoint import read_trainer_state
+
+    parallel.init_distributed()  # the checkpoint readers are collective (a one-rank group here)
+    path = two_bf16[0] / STEP_6
+    assert read_trainer_state(path).model["params_dtype"] == "float32"
+    saved = checkpoint_state(path)
+    weights = dict(load_model(path).named_parameters())
+    ema = dict(load_model(path, ema=True).named_parameters())
+    assert {w.dtype for w in weights.values()} == {torch.float32}
+    for name in ("embedding.weight", "head.weight"):
+        assert torch.equal(weights[name], saved[name])
+        assert torch.equal(ema[name], saved[f"ema.{name}"])
