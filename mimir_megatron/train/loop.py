@@ -430,19 +430,21 @@ def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> ckpt.BaseModel:
     """Continued training: weights from a checkpoint or from project weights (`mimir import`)."""
     from mimir_megatron.interop import CONFIG_FILE, read_safetensors_dir
     from mimir_megatron.model.state import load_full_state
+    from mimir_megatron.train.optim import weights_loaded
 
     source = Path(cfg.checkpoint.init_from)
     if (source / CONFIG_FILE).is_file():
         load_full_state(model, read_safetensors_dir(source), source=str(source))
+        weights_loaded(model, optimizer, None)  # a distributed optimizer's fp32 main copy follows
         base = ckpt.BaseModel(source=str(source.resolve()))
     else:  # a new run: its own seed decides the RNG, not the source run's
         path = ckpt.resolve(source)
-        state = ckpt.load_checkpoint(path, model, optimizer if cfg.checkpoint.keep_optimizer else None, ema,
-                                     restore_rng=False)
+        state = ckpt.load_checkpoint(path, model, optimizer, ema, restore_rng=False,
+                                     optimizer_state=cfg.checkpoint.keep_optimizer)
         base = ckpt.BaseModel(source=str(path.resolve()), step=state.step, mlflow_run_id=state.mlflow_run_id,
                               lineage=state.lineage, base_model=state.base_model)
     if ema is not None and not (cfg.checkpoint.keep_optimizer and base.mlflow_run_id is not None):
-        ema.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        ema.reset(model)
     log.info("initialised weights from %s (optimizer %s)", source,
              "kept" if cfg.checkpoint.keep_optimizer else "reset")
     return base
