@@ -69,7 +69,7 @@ class FilePool:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._open: OrderedDict[str, int] = OrderedDict()
+        self._open: OrderedDict[str, tuple[int, int, int]] = OrderedDict()  # path -> fd, device, inode
         self._lock = threading.Lock()
         self.opened = 0  # files opened in all (reopens included): what the benchmark reports
 
@@ -83,13 +83,19 @@ class FilePool:
             return os.pread(fd, size, offset)
 
     def _fd(self, path: str) -> int:
-        fd = self._open.get(path)
-        if fd is not None:
-            self._open.move_to_end(path)
-            return fd
+        held = self._open.get(path)
+        if held is not None:
+            # A file replaced under its name (a dataset prepared again in place: shards are
+            # written beside and renamed over) is another inode: its old descriptor would read
+            # the old bytes, so it is closed and the path opened again.
+            current = os.stat(path)
+            if (current.st_dev, current.st_ino) == held[1:]:
+                self._open.move_to_end(path)
+                return held[0]
+            os.close(self._open.pop(path)[0])
         while len(self._open) >= self.capacity:
             _, old = self._open.popitem(last=False)
-            os.close(old)
+            os.close(old[0])
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
@@ -99,14 +105,15 @@ class FilePool:
             raise
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        self._open[path] = fd
+        opened = os.fstat(fd)
+        self._open[path] = (fd, opened.st_dev, opened.st_ino)
         self.opened += 1
         return fd
 
     def close(self) -> None:
         with self._lock:
             while self._open:
-                os.close(self._open.popitem()[1])
+                os.close(self._open.popitem()[1][0])
 
 
 _pool: FilePool | None = None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mimir_megatron import backend, parallel
@@ -22,6 +24,10 @@ def build_model(cfg: ModelConfig, *, device: str | torch.device | None = None) -
     # Same seed on every rank: megatron initialises full master weights and keeps each rank's
     # slice, so one seed gives the same model for any TP size.
     torch.manual_seed(cfg.seed)
+    # Python's and numpy's generators too (as megatron's training does): their states are part of
+    # a checkpoint, so a run's must not depend on what the process did before it.
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
     backend.seed_rng_tracker(cfg.seed)
     target = torch.device(device) if device is not None else backend.device()
     if target.type == "meta":

@@ -93,7 +93,7 @@ class TrainSection:
     on CPU this process's fp32 matmul peak measured at start-up (the run's description says which)."""
     on_nonfinite: OnNonfinite = OnNonfinite.skip
     """What a step whose loss or gradient norm is not finite does. skip: no optimizer step, no
-    EMA update (its batch is consumed, the step counts), MLflow metric `nonfinite_skip` = 1; more
+    EMA update (its batch is consumed, the step counts), MLflow metric `5-step/nonfinite_skip` = 1; more
     than `max_nonfinite_skips` in a row stop as `stop` does. stop: save the last good state (the
     weights before that step) and exit non-zero naming the step."""
     max_nonfinite_skips: int = 5

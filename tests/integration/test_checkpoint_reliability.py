@@ -59,6 +59,13 @@ def copy_of(reference, tmp_path: Path) -> Path:
 
 
 def test_a_resumed_run_ends_in_the_state_of_an_uninterrupted_one(demo_data, tmp_path, reference):
+    import random
+
+    import numpy as np
+
+    # What ran in this process before (other tests, a notebook's cells) must not matter: the run
+    # seeds Python's and numpy's generators as it seeds torch's, and their states are compared.
+    random.random(), np.random.rand()
     first = run(demo_data, tmp_path, stop_at_step=3)
     second = run(demo_data, tmp_path)
     assert first.losses + second.losses == reference[1]

@@ -53,11 +53,17 @@ def test_an_audit_of_a_training_checkpoint_is_a_child_run_of_its_training_run(tr
 def test_an_export_is_a_logged_model_of_its_training_run_and_registrable(trained, tmp_path):
     from mlflow.tracking import MlflowClient
 
+    from mimir_megatron.checkpoint import read_trainer_state
+
     run_dir, result = trained
     out = tmp_path / "demo-hf"
     report = tmp_path / "contamination.json"  # the fields the summary reads, as `mimir audit contamination` writes
+    # ... on this run's training data: every dataset it trained on, as its manifest was then.
+    state = read_trainer_state(run_dir / "checkpoints" / "step_0000002")
+    datasets = [{"name": e.name, "manifest_digest": e.manifest_digest} for e in state.lineage]
     report.write_text(json.dumps({"format": "mimir-contamination-v1", "suite": "demo", "ngram": 13, "benchmarks": {
-        "arith": {"items": 40, "contaminated": 2, "longest_span": {"tokens": 21}, "data_sha256": "x"}}}))
+        "arith": {"items": 40, "contaminated": 2, "longest_span": {"tokens": 21}, "data_sha256": "x"}},
+        "datasets": datasets}))
     assert main(["export", "--checkpoint", str(run_dir / "checkpoints" / "step_0000002"), "--output", str(out),
                  "--contamination", str(report), "--register", "demo-model"]) == 0
 

@@ -18,6 +18,7 @@ from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
 from mimir_megatron.train.optim import local_optimizer
 from mimir_megatron.train.step import StepHooks
+from mimir_megatron.train.tracking import metric_name
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
 
@@ -127,7 +128,7 @@ def test_a_nonfinite_step_is_skipped_whole(skipped_run):
     assert _same(states[2], states[3])       # weights, EMA and Adam state untouched by step 3
     assert not _same(states[3], states[4])   # and training goes on after it
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
-    skips = [m.value for m in client.get_metric_history(result.run_id, "nonfinite_skip")]
+    skips = [m.value for m in client.get_metric_history(result.run_id, metric_name("nonfinite_skip"))]
     assert skips == [0, 0, 1, 0]
 
 

@@ -212,6 +212,23 @@ def test_the_file_pool_keeps_at_most_its_capacity_open(tmp_path):
     assert len(pool) == 0
 
 
+def test_the_file_pool_reads_a_file_replaced_under_its_name_anew(tmp_path):
+    """A dataset prepared again in place (shards written beside, renamed over) in a process that
+    read it before: the pool's old descriptor must not serve the old file's bytes."""
+    from mimir_megatron.data.files import FilePool
+
+    path = tmp_path / "shard.bin"
+    path.write_bytes(b"old-bytes")
+    pool = FilePool(4)
+    assert pool.pread(str(path), 3, 0) == b"old"
+    replacement = tmp_path / "shard.bin.tmp"
+    replacement.write_bytes(b"new-bytes")
+    replacement.replace(path)
+    assert pool.pread(str(path), 3, 0) == b"new"
+    assert len(pool) == 1 and pool.opened == 2
+    pool.close()
+
+
 def test_the_open_file_limit_is_raised_or_named_in_one_line(monkeypatch):
     import resource
 
