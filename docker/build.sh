@@ -62,8 +62,8 @@ build_cmd="$(find_client)" \
     || die "no docker client with BuildKit: install the buildx plugin, or Debian's docker.io (its client has BuildKit built in)"
 read -r -a build <<<"$build_cmd"
 docker=("${build[0]}")
-if ! info_err="$("${docker[@]}" info 2>&1 >/dev/null)"; then
-    case "$info_err" in
+if ! server_err="$("${docker[@]}" version --format '{{.Server.Version}}' 2>&1 >/dev/null)"; then
+    case "$server_err" in
         *"permission denied"*) die "no permission on the Docker socket: run as root or join the docker group (usermod -aG docker \$USER)" ;;
         *) die "no Docker daemon answers: start it (systemctl start docker, or as root: dockerd &)" ;;
     esac

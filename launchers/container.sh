@@ -14,7 +14,7 @@
 #   DOCKER_MOUNTS  comma-separated host paths (mounted at the same path) or SRC:DST[:ro]
 #                  [the repository; add the data and run directories when they live elsewhere]
 #   DOCKER_USER    uid:gid in the container                    [the submitting user: $(id -u):$(id -g)]
-#   DOCKER_GPUS    --gpus value                                 [all when nvidia-smi exists, else none]
+#   DOCKER_GPUS    --gpus value (with it: memlock and stack ulimits) [all when nvidia-smi exists, else none]
 #   DOCKER_NETWORK the container's network: host for the rendezvous and NCCL     [host]
 #   DOCKER_ARGS    more `docker run` options, space-separated (e.g. "--shm-size=16g")
 #   DOCKER         docker client                                [docker]
@@ -60,13 +60,13 @@ if [ -z "$gpus" ] && command -v nvidia-smi >/dev/null 2>&1; then
 fi
 gpu_args=()
 if [ -n "$gpus" ] && [ "$gpus" != none ]; then
-    gpu_args=("--gpus=$gpus")
+    # NCCL over InfiniBand pins memory; NVIDIA's containers ask for a large stack.
+    gpu_args=("--gpus=$gpus" --ulimit memlock=-1 --ulimit stack=67108864)
 fi
 read -r -a extra <<<"${DOCKER_ARGS:-}"
 
 name="mimir-${SLURM_JOB_ID:-local}-${SLURM_STEP_ID:-0}-${SLURM_PROCID:-0}"
 command=("$docker" run --rm --init --name "$name" --network "${DOCKER_NETWORK:-host}" --ipc host
-    --ulimit memlock=-1 --ulimit stack=67108864
     "--user=${DOCKER_USER:-$(id -u):$(id -g)}" --workdir "$REPO"
     "${volumes[@]}" "${environment[@]}" "${gpu_args[@]}" "${extra[@]}" "$DOCKER_IMAGE" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then
