@@ -371,7 +371,9 @@ def test_served_from_the_container(image, reference_run):
     run_dir = reference_run[0]
     name = "mimir-test-serve"
     image.run("rm", "-f", name)
+    # As the owner of the run directory (the way docs/operations.md runs it on the host's files).
     image.run("run", "-d", "--init", "--name", name, "-p", "127.0.0.1::8000", f"--volume={run_dir}:{run_dir}:ro",
+              f"--user={os.getuid()}:{os.getgid()}",
               "--health-interval=1s", "--health-start-period=300s", TAG,
               "serve", "--checkpoint", str(run_dir), "--host", "0.0.0.0", check=True)
     try:
@@ -394,19 +396,23 @@ def test_served_from_the_container(image, reference_run):
         def stream() -> None:
             for chunk in client.completions.create(model=model, prompt="Hello", max_tokens=48, stream=True,
                                                    temperature=0, extra_body={"ignore_eos": True}):
-                chunks.append(chunk.choices[0].text)
+                chunks.append(chunk.choices[0].finish_reason)
                 first.set()
             done.set()
 
         streaming = threading.Thread(target=stream, daemon=True)
         streaming.start()
         assert first.wait(120), "the stream never started"
-        stop = image.run("stop", "--time", "120", name, timeout=180)
+        stop = image.run("stop", "-t", "120", name, timeout=180)
         streaming.join(60)
         assert done.is_set(), "the stream in flight was cut by docker stop"
-        assert len(chunks) >= 48
+        assert chunks[-1] == "length", chunks  # all 48 tokens (ignore_eos), not a cut stream
         state = json.loads(image.run("inspect", name, check=True).stdout)[0]["State"]
-        assert stop.returncode == 0 and state["ExitCode"] == 0, image.run("logs", name).stderr[-4000:]
+        logs = image.run("logs", name).stderr
+        # uvicorn re-raises the SIGTERM it caught once the shutdown is complete, so the process
+        # ends by that signal (143); a SIGKILL at docker stop's timeout would read 137.
+        assert stop.returncode == 0 and state["ExitCode"] in (0, 143), logs[-4000:]
+        assert "Application shutdown complete" in logs, logs[-4000:]
     finally:
         image.run("rm", "-f", name)
 
