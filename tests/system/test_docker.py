@@ -178,6 +178,37 @@ def test_entrypoint_from_the_copied_files(tmp_path):
     assert all(path.startswith(str(workdir)) for path in where.stdout.split()), where.stdout
 
 
+def test_slurm_container_launcher_commands():
+    """launchers/v1.sh with DOCKER_IMAGE runs each task through launchers/container.sh, which
+    execs `docker run --init` on the node's network with the task's Slurm variables (DRY_RUN)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "DOCKER"))}
+    job = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu01", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_NTASKS_PER_NODE": "2", "SLURM_SUBMIT_DIR": str(REPO), "MASTER_ADDR": "gpu01", "DRY_RUN": "1",
+           "DOCKER_IMAGE": "mimir-megatron:0.1.0", "CONFIG": "configs/train/demo.yaml"}
+    v1 = subprocess.run(["bash", str(REPO / "launchers" / "v1.sh")], env={**clean, **job}, cwd="/",
+                        capture_output=True, text=True, timeout=60)
+    assert v1.returncode == 0, v1.stderr
+    srun = next(line for line in v1.stderr.splitlines() if line.startswith("v1.sh: srun "))
+    assert f"bash {REPO}/launchers/container.sh train --config configs/train/demo.yaml" in srun
+
+    task = {**job, "SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "MASTER_PORT": "24242", "DOCKER_GPUS": "all",
+            "DOCKER_MOUNTS": f"/shared/data,{REPO}:{REPO}:ro"}
+    proc = subprocess.run(["bash", str(REPO / "launchers" / "container.sh"), "train", "--config", "x.yaml"],
+                          env={**clean, **task}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = proc.stdout.split()
+    assert argv[:3] == ["docker", "run", "--rm"] and "--init" in argv
+    assert argv[-4:] == ["mimir-megatron:0.1.0", "train", "--config", "x.yaml"]
+    for option in ("--network host", "--ipc host", "--name mimir-4242-0-1", f"--workdir {REPO}"):
+        assert option in proc.stdout, option
+    for option in ("--volume=/shared/data:/shared/data", f"--volume={REPO}:{REPO}:ro", "--gpus=all",
+                   "--env=SLURM_PROCID", "--env=MASTER_ADDR", "--env=MASTER_PORT", f"--user={os.getuid()}:{os.getgid()}"):
+        assert option in argv, option
+    missing = subprocess.run(["bash", str(REPO / "launchers" / "container.sh"), "train"],
+                             env={**clean, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "DOCKER_IMAGE" in missing.stderr
+
+
 # -- the image, built and run -------------------------------------------------------------------
 
 
