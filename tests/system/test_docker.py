@@ -400,6 +400,7 @@ def test_served_from_the_container(image, reference_run):
     """`mimir serve --host 0.0.0.0` on a published loopback port: healthy through the image's
     HEALTHCHECK, answers the openai client, and `docker stop` lets a stream in flight finish
     before the container exits 0. The run directory is mounted read-only."""
+    import httpx
     from openai import OpenAI
 
     run_dir = reference_run[0]
@@ -416,8 +417,18 @@ def test_served_from_the_container(image, reference_run):
             assert state["Running"], image.run("logs", name).stderr[-4000:]
             return state["Health"]["Status"]
 
-        wait_for(lambda: health() == "healthy", "the container to turn healthy", timeout=300, interval=0.5)
         port = image.run("port", name, "8000/tcp", check=True).stdout.split()[0].rsplit(":", 1)[1]
+
+        def answers() -> bool:
+            health()  # still running
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(answers, "the server to answer on the published port", timeout=300, interval=0.5)
+        # The HEALTHCHECK (every second here) agrees within a few of its runs.
+        wait_for(lambda: health() == "healthy", "the container to turn healthy", timeout=60, interval=0.5)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         out = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0,
