@@ -3,6 +3,7 @@ peak memory for a 103B-token mixture with synthetic document lengths.
 
     python bench/bench_data.py            # full: 103,214,604,702 tokens (several minutes)
     python bench/bench_data.py --small    # 1B tokens, a few seconds
+    python bench/bench_data.py --against-tokenizer [--small]   # prepare vs encode_batch
 
 Not a test: numbers depend on the machine. Peak memory is the process's maximum resident set
 size, read after each phase (it includes the Python/torch baseline, printed first).
@@ -75,6 +76,43 @@ def bench_prepare(documents: int, workers: list[int], tokenizer: str | None) -> 
             )
 
 
+def bench_against_tokenizer(documents: int, tokenizer: str | None) -> None:
+    """`mimir prepare` on one worker against the tokenizer's own `encode_batch` of the same texts
+    (the rendered prefix and response of every conversation, one thread): the ratio is how close
+    preparation comes to tokenizing alone."""
+    import json
+    import os
+
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # encode_batch on one core, as one worker
+    from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
+    from mimir_data_prep.prepare import prepare
+
+    from megatron.core.datasets import indexed_dataset  # noqa: F401 (imported before the clock starts)
+
+    from mimir_megatron.chat import ChatRenderer
+
+    tok_dir = tokenizer or DEMO_TOKENIZER_DIR
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus.jsonl"
+        write_corpus(corpus, documents)
+        renderer = ChatRenderer(tok_dir)
+        texts = []
+        for line in corpus.read_text().splitlines():
+            prefix, response = renderer.render(json.loads(line)["messages"])
+            texts += [prefix, response]
+        backend = renderer.tokenizer.backend_tokenizer
+        start = time.perf_counter()
+        tokens = sum(len(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False))
+        encode_s = time.perf_counter() - start
+        start = time.perf_counter()
+        m = prepare([corpus], tok_dir, Path(tmp) / "out", seq_len=4096, workers=1, progress=False)
+        prepare_s = time.perf_counter() - start
+    assert m["tokens"]["total"] == tokens, (m["tokens"]["total"], tokens)
+    print(f"tokenizer encode_batch (1 thread): {tokens / encode_s:,.0f} tokens/s; mimir prepare (1 worker, "
+          f"read + render + encode + write): {tokens / prepare_s:,.0f} tokens/s; ratio "
+          f"{encode_s / prepare_s:.2f}x ({documents:,} conversations, {tokens:,} tokens)")
+
+
 def synthetic_mixture(total_tokens: int, seed: int = 0):
     """Per-dataset document lengths (int32) and repeat factors summing to ``total_tokens``."""
     rng = np.random.default_rng(seed)
@@ -132,8 +170,13 @@ def main() -> int:
     parser.add_argument("--tokenizer", default=None, help="default: the demo tokenizer")
     parser.add_argument("--skip-prepare", action="store_true")
     parser.add_argument("--skip-index", action="store_true")
+    parser.add_argument("--against-tokenizer", action="store_true",
+                        help="only: mimir prepare against the tokenizer's encode_batch on the same texts")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.against_tokenizer:
+        bench_against_tokenizer(2000 if args.small else 20000, args.tokenizer)
+        return 0
     if not args.skip_prepare:
         bench_prepare(2000 if args.small else 40000, args.workers, args.tokenizer)
     if not args.skip_index:

@@ -1,4 +1,7 @@
-"""Usage: python bench/bench_plan_fake_memory.py SHAPE MICRO SEQ_LEN K RECOMPUTE
+"""Usage: python bench/bench_plan_fake_memory.py SHAPE MICRO SEQ_LEN K RECOMPUTE [dist]
+
+``dist``: bf16 weights with the distributed optimizer (the paper's recipes' configs): fp32 main
+weights, moments and EMA by rows, bf16 compute (on CPU: the weights' dtype, no autocast).
 
 The trainer's step at any shape (the full Mimir one included) on fake tensors, under torch's
 MemTracker, next to `mimir plan`'s memory model: no weights are allocated, so the 1.78B shape at
@@ -50,15 +53,18 @@ from mimir_megatron.train.schedules import GROUPS, StepPlan  # noqa: E402
 def main() -> None:
     shape, recompute = sys.argv[1], sys.argv[5]
     micro, seq, k = (int(v) for v in sys.argv[2:5])
+    distributed = sys.argv[6:] == ["dist"]
     parallel.init_distributed()
     parallel.init_model_parallel(1)
-    cfg = model_config(shape, None, [f"execution.recompute={recompute}", "execution.loss_chunk_tokens=0"])
+    cfg = model_config(shape, None, [f"execution.recompute={recompute}", "execution.loss_chunk_tokens=0"]
+                       + (["params_dtype=bfloat16"] if distributed else []))
     hrm.lecun_normal_ = lambda t, *a, **kw: t
     hrm.vocab_rows_init = lambda vocab: (lambda t, *a, **kw: t)
     hrm.z_l_init_ = lambda t, *a, **kw: t
     batch = bench_batch(cfg.vocab_size, micro, seq)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        trainer = step_module.build_trainer(hrm.HRMTextModel(cfg.validate()), OptimSection(),
+        trainer = step_module.build_trainer(hrm.HRMTextModel(cfg.validate()),
+                                            OptimSection(distributed_optimizer=distributed),
                                             device=torch.device("cpu"), dp_size=1,
                                             dp_group=parallel_state.get_data_parallel_group())
         values = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
@@ -73,6 +79,8 @@ def main() -> None:
         tracker._track_module_params_and_buffers = lambda m, *a, **kw: (
             (0, 0) if not callable(m.buffers) else track_module(m, *a, **kw))
         external = [b.grad_data for b in trainer.ddp.buffers] + list(trainer.ema.shadow.values())
+        if distributed:  # the fp32 main weights (copies of the bf16 weights)
+            external += [s.main for s in trainer.optimizer.all_shards()]
         tracker.track_external(trainer.model, parallel.local_optimizer(trainer.optimizer), *external)
         with tracker:
             try:
@@ -81,8 +89,11 @@ def main() -> None:
                 print(f"step stopped at the host read: {type(exc).__name__}", file=sys.stderr)
     peak = tracker.get_tracker_snapshot("peak")
     measured = {str(kind).rpartition(".")[2]: v / 1e9 for kind, v in next(iter(peak.values())).items()}
-    planned = plan_memory(cfg, StepShape(micro, seq, 1, 1, window.k_L, window.k_H, recompute, compute_bytes=4,
-                                         on_gpu=False, loss_chunk_tokens=0, dense_attention=True))
+    width = 2 if distributed else 4
+    planned = plan_memory(cfg, StepShape(micro, seq, 1, 1, window.k_L, window.k_H, recompute,
+                                         compute_bytes=width, on_gpu=False, loss_chunk_tokens=0,
+                                         dense_attention=True, params_bytes=width,
+                                         distributed_optimizer=distributed))
     print(json.dumps({"measured_gb": {k: round(v, 2) for k, v in measured.items()},
                       "plan_gb": planned.terms_gb()}, indent=1))
 

@@ -6,7 +6,8 @@ forced call (``tool_choice: required``) is sampled with ``--seeds`` seeds at a b
 shortest call plus ``--extra`` tokens; each reply is read back as the server reads it
 (``parse_tool_calls``) and validated with jsonschema. The cost: time per decoding step and row
 spent keeping the budget (``GrammarConstraint.accept`` beyond llguidance's own ``consume_token``),
-next to the grammar's mask and the whole step.
+next to the grammar's mask and the whole step; then the mask of a forced call, a response format
+and the two together (tools offered with a response format: a call or the typed answer).
 
     python bench/bench_structured_finish.py                          # tiny model, random weights
     python bench/bench_structured_finish.py --checkpoint runs/demo   # the trained demo
@@ -127,6 +128,43 @@ def main() -> None:
     print(f"per step and row: budget check {check * 1e6:.0f} us (accept {accept.seconds / steps * 1e6:.0f} "
           f"us - consume_token {consume * 1e6:.0f} us), grammar mask {mask * 1e6:.0f} us, "
           f"decoding step {step_row * 1e6:.0f} us per row ({steps} accepted tokens)")
+    accept.restore()
+    allowed.restore()
+    _union_cost(engine, grammars, args.seeds)
+
+
+def _union_cost(engine, grammars: Grammars, seeds: int) -> None:
+    """The mask per step and row of each grammar a chat request can carry: a forced call, a
+    response format alone, and the two together (tools offered with a response format: a call or
+    the answer), on the same tool and schema; each reply read back as the server reads it."""
+    tool = {"type": "function", "function": {"name": "get_nested", "parameters": PARAMETERS["nested"]}}
+    schema = PARAMETERS["nested"]
+    prompt = engine.render_chat([{"role": "user", "content": "Call get_nested or answer."}], [tool])
+    kinds = {"forced call": grammars.tool_calls([tool], True), "response format": grammars.json(schema),
+             "union (tools + response format)": grammars.union([tool], True, schema)}
+    print("| grammar | shortest reply (tokens) | max_tokens | parse and validate (calls / answers) "
+          "| mask per step and row (us) |")
+    print("| --- | --- | --- | --- | --- |")
+    for kind, grammar in kinds.items():
+        timer = MethodTimer(GrammarConstraint, "allowed")
+        shortest = grammar.min_tokens(engine.max_context)
+        # room for every branch (a union whose budget fits only its answer never calls)
+        budget = max([shortest] + [b.min_tokens(engine.max_context) for b in grammar.branches]) + 40
+        sampling = [SamplingParams(max_new_tokens=budget, temperature=1.0, seed=s) for s in range(seeds)]
+        results = engine.generate([GenerationRequest(prompt, p, constraint=grammar) for p in sampling])
+        timer.restore()
+        calls = answers = 0
+        for r in results:
+            _, found = parse_tool_calls(r.text)
+            if found and r.finish_reason == "stop":
+                for call in found:
+                    jsonschema.validate(json.loads(call.arguments), strict_schema(schema))
+                calls += 1
+            elif not found and r.finish_reason == "stop":
+                jsonschema.validate(json.loads(r.text), strict_schema(schema))
+                answers += 1
+        print(f"| {kind} | {shortest} | {budget} | {calls + answers}/{len(results)} "
+              f"({calls} / {answers}) | {timer.seconds / timer.calls * 1e6:.0f} |")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,30 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
 
 
+def peak_tflops() -> tuple[float, str]:
+    """One device's peak dense TFLOP/s for MFU, and where it comes from: a GPU's bf16 peak from
+    the project's GPU table (train/plan/gpus.yaml), or this process's CPU threads measured on an
+    fp32 matmul (best of five, inputs without RNG); (0, why) for a GPU the table lacks."""
+    if has_gpu():
+        from mimir_megatron.train.plan.gpus import spec_for_device
+
+        name = torch.cuda.get_device_name()
+        spec = spec_for_device(name)
+        if spec is None:
+            return 0.0, f"{name} is not in train/plan/gpus.yaml: set train.peak_tflops"
+        return float(spec.bf16_tflops), f"{spec.name} bf16 peak, train/plan/gpus.yaml"
+    import time
+
+    n = 1024
+    a, b = torch.ones(n, n), torch.full((n, n), 0.5)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+    return 2 * n**3 / best / 1e12, f"CPU, {torch.get_num_threads()} threads, measured fp32 matmul"
+
+
 def transformer_engine_missing() -> str | None:
     """Why Transformer Engine cannot be used here, or None when it can (GPU and TE imports)."""
     if not has_gpu():

@@ -111,8 +111,8 @@ class ModelShape:
     make_vocab_size_divisible_by: int = 128
     """The padded vocabulary is a multiple of this times the tensor-parallel size."""
     params_dtype: ParamsDtype = ParamsDtype.float32
-    """Storage dtype of the weights: float32 (CPU, master weights) or bfloat16 (inference and
-    export only: `mimir train` refuses it, the trainer keeps fp32 weights)."""
+    """Storage dtype of the weights: float32 (CPU, master weights) or bfloat16 (inference, export,
+    and training with `optim.distributed_optimizer`, which keeps an fp32 main copy)."""
     seed: int = 1234
     """Seed of the weight initialisation (the same weights for every TP size)."""
     tokenizer: str | None = None

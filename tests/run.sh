@@ -6,7 +6,8 @@
 #
 # As root with apt-get available, installs the system packages the tests use (Slurm and munge
 # for the real Slurm tests, iproute2 and util-linux for their two simulated nodes, shellcheck
-# for the launcher lint, docker.io and debootstrap for the image's build and runs); without them those
+# for the launcher lint, chromium for the MLflow UI in a browser, docker.io and debootstrap for the
+# image's build and runs); without them those
 # tests skip with a reason (and fail under CI=true, see tests/expected_skips.txt). Then creates
 # .venv with the test extras and runs pytest.
 set -euo pipefail
@@ -17,7 +18,7 @@ case "${1:-}" in
     unit | integration | system) targets=("tests/$1"); shift ;;
 esac
 
-packages=(slurmctld slurmd slurm-client munge iproute2 util-linux shellcheck procps debootstrap)
+packages=(slurmctld slurmd slurm-client munge iproute2 util-linux shellcheck procps chromium debootstrap)
 # Docker for tests/system/test_docker.py (it starts dockerd itself when none runs); a machine
 # with another Docker (docker-ce) keeps it.
 command -v dockerd >/dev/null 2>&1 || packages+=(docker.io)
@@ -53,6 +54,9 @@ if [ "$workers" -gt 1 ]; then
     # needs ~540). Sleeping at once changes no result (same threads, same reduction order).
     export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 fi
+# Files the tests keep for people to look at (the MLflow UI's screenshots: tests/system/test_ui_browser.py)
+# go to $MIMIR_TEST_ARTIFACTS, default build/test-artifacts: CI keeps that folder.
+export MIMIR_TEST_ARTIFACTS="${MIMIR_TEST_ARTIFACTS:-$repo/build/test-artifacts}"
 # -rs lists every skip with its reason; under CI=true a skip not in tests/expected_skips.txt
 # fails the run (tests/helpers/skip_policy.py); --durations=30 lists the slowest tests of every run.
 exec "${VENV:-$repo/.venv}/bin/python" -m pytest -q -rs --durations=30 -p no:cacheprovider "${parallel[@]}" \

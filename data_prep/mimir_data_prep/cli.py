@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -65,9 +66,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="drop documents holding benchmark text that `mimir audit contamination --denylist` found "
         "(rejected as benchmark_overlap; docs/contamination.md)",
     )
+    p.add_argument(
+        "--personal-data",
+        choices=("reject", "redact", "report"),
+        default=None,
+        help="documents holding personal data (e-mail, phone, IBAN, payment card, national id incl. "
+        "the Danish "
+        "CPR, IP address): reject those with a direct identifier (default), redact every one found, or only "
+        "report the counts (the manifest's personal_data; docs/data-governance.md); with --config it "
+        "replaces the file's setting",
+    )
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: cores)")
     p.add_argument("--shard-mb", type=float, default=64.0, help="JSONL shard size in MiB")
+    p.add_argument("--part", default=None, metavar="I/N|START:END",
+                   help="prepare only these shards (the I-th of N ranges from 0, or shard ids START:END) and "
+                   "write no manifest: one job of a Slurm array (launchers/prepare_array.sh)")
+    p.add_argument("--merge", action="store_true",
+                   help="after every --part finished: check all shards are there and write the manifest")
     p.add_argument("--no-progress", action="store_true")
     _add_provenance_flags(p)
     p.set_defaults(handler=_prepare)
@@ -104,6 +120,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_provenance_flags(v)
     v.set_defaults(handler=_declare)
 
+    g = dsub.add_parser("keygen", help="make an Ed25519 key pair for signing manifests",
+                        description="Write KEY (private, mode 0600) and KEY.pub; a mixture's "
+                        "data_policy.public_key: KEY.pub then trains only on manifests signed with KEY.")
+    g.add_argument("--output", required=True, metavar="KEY", help="the private key file to create")
+    g.set_defaults(handler=_keygen)
+    s = dsub.add_parser("sign", help="sign prepared datasets' manifests (manifest.sig)")
+    s.add_argument("datasets", nargs="+", help="prepared dataset directories")
+    s.add_argument("--key", required=True, help="the private key (mimir data keygen)")
+    s.set_defaults(handler=_sign)
+
     k = dsub.add_parser("pack", help="build and cache the packing index ahead of training")
     k.add_argument("--mixture", "-m", required=True)
     k.add_argument("--seq-len", type=int, default=4096)
@@ -111,6 +137,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--pack-window", type=int, default=16384)
     k.add_argument("--index-dir", default=None)
     k.add_argument("--epochs", type=int, default=1, help="epochs to index (default 1)")
+    k.add_argument("--workers", type=int, default=None,
+                   help="processes packing an epoch's windows (default: the cores; the index is the same)")
     k.set_defaults(handler=_pack)
 
     register_synth_group(sub)
@@ -121,7 +149,9 @@ PROVENANCE_FLAGS = {
     "provenance_id": "id", "source": "source", "source_location": "location",
     "source_revision": "revision", "retrieved": "retrieved", "license": "license", "basis": "basis",
     "form": "form", "audit_group": "audit_group", "language": "languages",
-    "derived_from": "derived_from", "generator": "generator",
+    "derived_from": "derived_from", "generator": "generator", "generator_license": "generator_license",
+    "research_organisation": "research_organisation", "lawful_access": "lawful_access",
+    "derived_terms": "derived_terms",
 }
 
 
@@ -149,6 +179,15 @@ def _add_provenance_flags(p: argparse.ArgumentParser) -> None:
                    help="a prepared dataset, or a file with a provenance sidecar, this data was made from; "
                    "repeat")
     g.add_argument("--generator", help="the models or programs that generated synthetic data")
+    g.add_argument("--generator-license",
+                   help="the generator models' terms (an SPDX expression); they bind synthetic data too")
+    g.add_argument("--research-organisation",
+                   help="basis tdm-research: the research organisation mining the data (DSM Art. 3)")
+    g.add_argument("--lawful-access",
+                   help="basis tdm-research: how the organisation has lawful access to the works")
+    g.add_argument("--derived-terms",
+                   help="basis agreement: the licence the agreement lets derived data be used under "
+                   "(synthetic data made from it takes these terms)")
 
 
 def provenance_from_flags(args: argparse.Namespace, default_id: str):
@@ -181,7 +220,12 @@ def register_synth_group(sub: argparse._SubParsersAction) -> argparse._SubParser
 def _prepare(args: argparse.Namespace) -> int:
     from mimir_megatron.errors import UserError
 
+    if args.part and args.merge:
+        raise UserError("--part prepares a range of shards, --merge assembles them afterwards: give one")
     if args.config:
+        if args.part or args.merge:
+            raise UserError("--part/--merge prepare one dataset over several jobs: "
+                            "use -i/-t/-o, not --config")
         if args.input or args.output or args.tokenizer:
             raise UserError("--config names inputs, outputs and the tokenizer; drop -i/-o/-t")
         flags = [f"--{flag.replace('_', '-')}" for flag in PROVENANCE_FLAGS if getattr(args, flag)]
@@ -191,7 +235,7 @@ def _prepare(args: argparse.Namespace) -> int:
         from .prepare_config import run_prepare_config
 
         run_prepare_config(args.config, progress=not args.no_progress, workers=args.workers,
-                           denylist=args.denylist)
+                           denylist=args.denylist, personal_data=args.personal_data)
         return 0
     missing = [
         flag for flag, value in (("-i", args.input), ("-t", args.tokenizer), ("-o", args.output)) if not value
@@ -217,6 +261,9 @@ def _prepare(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         provenance=provenance,
         denylist=args.denylist,
+        personal_data=args.personal_data or "reject",
+        part=args.part,
+        merge=args.merge,
     )
     return 0
 
@@ -234,6 +281,22 @@ def _declare(args: argparse.Namespace) -> int:
             raise UserError("mimir data declare needs the provenance flags "
                             "(--source, --license, --basis, --form)")
         print(f"{path}: {write_sidecar(path, provenance)}")
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from mimir_megatron.data.signing import generate_key
+
+    private, public = generate_key(args.output)
+    print(f"private key: {private}\npublic key:  {public}")
+    return 0
+
+
+def _sign(args: argparse.Namespace) -> int:
+    from mimir_megatron.data.signing import sign_manifest
+
+    for dataset in args.datasets:
+        print(f"{dataset}: {sign_manifest(dataset, args.key)}")
     return 0
 
 
@@ -289,8 +352,9 @@ def _pack(args: argparse.Namespace) -> int:
         index_dir=args.index_dir,
     )
     stream = PackedMixture(cfg)
+    workers = args.workers or len(os.sched_getaffinity(0))
     for epoch in range(args.epochs):
-        index = stream.epoch(epoch)
+        index = stream.epoch(epoch, workers)
         pad = padding_fraction(index, stream.sample_lengths, cfg.seq_len)
         print(f"epoch {epoch}: {index.num_contexts:,} contexts, padding {100 * pad:.2f} %")
     print(f"index cached in {stream.index_dir}")

@@ -34,15 +34,17 @@ from mimir_megatron.data.prepared import (
     sha256_file,
 )
 from mimir_megatron.data.provenance import (
+    SIDECAR_SUFFIX,
     Provenance,
-    provenance_from_record,
+    checked_record,
     read_provenance,
-    record_problem,
     stored_record,
 )
 from mimir_megatron.errors import UserError
 
 from .layouts import DETECT_LINES, INPUT_FORMATS, detect_layout, normalise, parse_columns
+from .personal_data import POLICIES as PERSONAL_DATA_POLICIES
+from .personal_data import screen_personal_data
 from .records import (
     CONTROL_CHAR_POLICIES,
     REJECT_REASONS,
@@ -86,6 +88,7 @@ class PrepareSettings:
     control_chars: str = "reject"
     denylist: str = ""  # `--denylist` file: documents holding one of its sequences are rejected
     denylist_sha256: str = ""
+    personal_data: str = "reject"  # personal_data.POLICIES
 
 
 # Settings added after datasets were prepared: left out of the shard key while unset, so that a
@@ -105,6 +108,7 @@ class ShardStats:
     response_tokens: int = 0
     truncated: int = 0
     control_chars_stripped: int = 0  # lines that had control characters removed (strip policy)
+    personal_data: dict[str, int] = field(default_factory=dict)  # personal data found, per kind
     rejects: dict[str, int] = field(default_factory=lambda: {r: 0 for r in REJECT_REASONS})
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     sizes: dict[str, int] = field(default_factory=dict)
@@ -247,6 +251,7 @@ def _fill_shard(
                     raise conv
                 conv, stripped = clean_control_chars(conv, settings.control_chars)
                 stats.control_chars_stripped += stripped > 0
+                conv = screen_personal_data(conv, settings.personal_data, stats.personal_data)
                 try:
                     prefix, response = renderer.tokenize(conv.messages, conv.tools)
                 except ChatTemplateError as exc:
@@ -270,7 +275,7 @@ def _fill_shard(
                     "reason": exc.reason,
                     "detail": exc.detail,
                 }
-                if raw is not None:
+                if raw is not None and exc.reason != "personal_data":  # never copy personal data out
                     entry["excerpt"] = raw[:200].decode("utf-8", errors="replace")
                 rejects.write(json.dumps(entry, ensure_ascii=False) + "\n")
                 pending[2] += 1
@@ -355,8 +360,17 @@ def prepare(
     progress: bool = True,
     provenance: Provenance | None = None,
     denylist: str | Path | None = None,
-) -> dict:
+    personal_data: str = "reject",
+    part: str | None = None,
+    merge: bool = False,
+) -> dict | None:
     """Prepare ``inputs`` into ``output_dir`` and return the manifest (also written to disk).
+
+    Spread over machines (a Slurm array, ``launchers/prepare_array.sh``): each job runs with
+    ``part`` (``I/N``: the I-th of N contiguous ranges of the shards, from 0; or ``START:END``,
+    shard ids) and writes only those shards, returning None; then one run with ``merge`` checks
+    that every shard is finished and writes the manifest. The result equals a run over everything,
+    byte for byte. Every job must see the same inputs and options (the shards' keys check it).
 
     ``provenance`` is the dataset's declared record (:mod:`mimir_megatron.data.provenance`);
     without one, the record the inputs' sidecars agree on, else ``unknown``. ``denylist``: a file
@@ -370,6 +384,8 @@ def prepare(
         raise UserError("no input files given")
     if input_format not in INPUT_FORMATS:
         raise UserError(f"--input-format must be one of {INPUT_FORMATS}, got {input_format!r}")
+    if personal_data not in PERSONAL_DATA_POLICIES:
+        raise UserError(f"--personal-data must be one of {PERSONAL_DATA_POLICIES}, got {personal_data!r}")
     if control_chars not in CONTROL_CHAR_POLICIES:
         raise UserError(f"--control-chars must be one of {CONTROL_CHAR_POLICIES}, got {control_chars!r}")
     column_map = parse_columns(columns)
@@ -378,6 +394,8 @@ def prepare(
     paths = [Path(p) for p in inputs]
     out = Path(output_dir)
     checked_denylist = check_denylist(denylist, tokenizer_dir)  # before anything is written
+    if provenance is None:
+        provenance = _sidecar_provenance(paths, out)
     (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
     tokenizer_dir = str(Path(tokenizer_dir).resolve())
     settings = PrepareSettings(
@@ -392,15 +410,18 @@ def prepare(
         control_chars=control_chars,
         denylist=str(checked_denylist.path.resolve()) if checked_denylist else "",
         denylist_sha256=checked_denylist.sha256 if checked_denylist else "",
+        personal_data=personal_data,
     )
     renderer = ChatRenderer(tokenizer_dir)  # fail early, in the driver, on a bad tokenizer
-    if provenance is None:
-        provenance = _sidecar_provenance(paths, out)
     tasks = plan_shards(paths, shard_bytes)
     formats = _decide_layouts(tasks, input_format, column_map)
     tasks = [replace(t, layout=formats[t.path]["format"]) for t in tasks]
+    selected = select_shards(part, len(tasks)) if part else range(len(tasks))
     done = {t.shard_id: s for t in tasks if (s := _finished(t, settings, out)) is not None}
-    todo = [t for t in tasks if t.shard_id not in done]
+    todo = [t for t in tasks if t.shard_id not in done and t.shard_id in selected]
+    if merge and todo:
+        raise UserError(f"{out}: cannot merge: {_id_list([t.shard_id for t in todo])} of {len(tasks)} "
+                        "shards are not finished (run their --part first, with the same inputs and options)")
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     log.info(
         "%d input file(s), %d shard(s): %d already finished, %d to do with %d worker(s)",
@@ -411,6 +432,11 @@ def prepare(
         workers,
     )
     started = time.perf_counter()
+    if part:
+        _run(todo, settings, out, workers, progress)
+        log.info("%s: shards %s of %d finished (%.1f s); when every part is, run once more with --merge",
+                 out, _id_list(list(selected)), len(tasks), time.perf_counter() - started)
+        return None
     # The inputs' sha256 (recorded for the data policy's check) is read beside the workers.
     with ThreadPoolExecutor(max_workers=min(4, len(paths))) as hashing:
         input_hashes = hashing.map(sha256_file, paths)
@@ -430,16 +456,49 @@ def prepare(
     return manifest
 
 
+def select_shards(part: str, shards: int) -> range:
+    """The shard ids of ``part``: ``I/N`` (the I-th of N contiguous, near-equal ranges, I from 0;
+    a Slurm array's ``$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT``) or ``START:END``."""
+    try:
+        if "/" in part:
+            i, n = (int(x) for x in part.split("/"))
+            if not 0 <= i < n:
+                raise ValueError
+            return range(i * shards // n, (i + 1) * shards // n)
+        start, end = (int(x) for x in part.split(":"))
+        if not 0 <= start < end:
+            raise ValueError
+        return range(start, min(end, shards))
+    except ValueError:
+        raise UserError(f"--part {part!r}: expected I/N (0 <= I < N) or START:END shard ids") from None
+
+
+def _id_list(ids: list[int]) -> str:
+    """``3``, ``3-7`` or ``3-7 (and 2 more ranges)``: shard ids for a log or an error."""
+    if not ids:
+        return "none"
+    runs, start = [], ids[0]
+    for prev, cur in zip(ids, ids[1:] + [None]):
+        if cur != prev + 1:
+            runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    more = f" (and {len(runs) - 3} more ranges)" if len(runs) > 3 else ""
+    return "shard " + ", ".join(runs[:3]) + more if len(ids) == 1 else "shards " + ", ".join(runs[:3]) + more
+
+
 def _sidecar_provenance(paths: list[Path], out: Path) -> Provenance | None:
     """The record the inputs' provenance sidecars agree on (a pipeline's output), else None."""
     records = [read_provenance(p) for p in paths]
+    if False in records:
+        return None  # a missing input: planning the shards names it
+    for path, record in zip(paths, records):
+        if not isinstance(record, dict):
+            raise UserError(f"{path}{SIDECAR_SUFFIX}: not a provenance record (a JSON object expected)")
     digests = {r.get("digest") for r in records}
     if len(digests) == 1 and None not in digests:
-        problem = record_problem(records[0])
-        if problem:
-            raise UserError(f"{paths[0]}: {problem}")
+        provenance = checked_record(records[0], paths[0])
         log.info("%s: provenance from the inputs' sidecar (%s)", out, records[0]["id"])
-        return provenance_from_record(records[0])
+        return provenance
     log.warning("%s: no provenance declared (--source/--license/--basis/--form, or a provenance "
                 "section in the prepare YAML): the dataset's provenance is unknown, and the default "
                 "data policy refuses to train on it", out)
@@ -550,6 +609,7 @@ def _write_manifest(
     provenance: Provenance | None,
 ) -> dict:
     rejects = {r: 0 for r in REJECT_REASONS}
+    personal: dict[str, int] = {}
     totals = {"lines": 0, "documents": 0, "prefix": 0, "response": 0, "truncated": 0, "stripped": 0}
     outputs: dict[str, str] = {}
     shards = []
@@ -565,6 +625,8 @@ def _write_manifest(
             totals["stripped"] += s.control_chars_stripped
             for reason, n in s.rejects.items():
                 rejects[reason] += n
+            for kind, n in s.personal_data.items():
+                personal[kind] = personal.get(kind, 0) + n
             outputs.update({k: v for k, v in s.files.items() if not k.endswith(".rejects.jsonl")})
             shards.append(
                 {
@@ -617,6 +679,8 @@ def _write_manifest(
         "rejects": rejects,
         "truncated": totals["truncated"],
         "control_chars_stripped": totals["stripped"],
+        "personal_data": {"policy": settings.personal_data, "found": dict(sorted(personal.items())),
+                          "documents_rejected": rejects["personal_data"]},
         "documents": totals["documents"],
         "tokens": {
             "prefix": totals["prefix"],

@@ -3,6 +3,7 @@
 tokenizer: ../../data_prep/mimir_data_prep/demo/tokenizer   # paths are relative to this file
 seq_len: 4096
 denylist: contamination/denylist.json   # optional: drop documents holding benchmark text
+personal_data: reject                   # reject | redact | report (personal_data.py); per dataset too
 datasets:
   - name: openmath
     input: [raw/openmath.jsonl]
@@ -41,6 +42,7 @@ from mimir_megatron.data.provenance import (
 from mimir_megatron.config import raise_errors, read_yaml, typed_section
 
 from .layouts import INPUT_FORMATS, parse_columns
+from .personal_data import POLICIES as PERSONAL_DATA_POLICIES
 from .prepare import TOO_LONG_POLICIES
 from .records import CONTROL_CHAR_POLICIES
 
@@ -55,6 +57,7 @@ class DatasetJob:
     input_format: str = "auto"
     columns: dict[str, str] = field(default_factory=dict)  # target -> column, for `columns`
     control_chars: str | None = None  # default: the file-level setting
+    personal_data: str | None = None  # default: the file-level setting
     provenance: Any = None  # a mapping: mimir_megatron.data.provenance.ProvenanceDeclaration
 
 
@@ -69,6 +72,7 @@ class PrepareJob:
     control_chars: str = "reject"
     workers: int | None = None
     denylist: str = ""  # `mimir audit contamination --denylist` output, applied to every dataset
+    personal_data: str = "reject"  # mimir_data_prep.personal_data.POLICIES
     datasets: list[DatasetJob] = field(default_factory=list)
 
 
@@ -113,6 +117,12 @@ def _errors(job: PrepareJob) -> list[str]:
         errs.append(f"too_long: one of {TOO_LONG_POLICIES}, got {job.too_long!r}")
     if job.control_chars not in CONTROL_CHAR_POLICIES:
         errs.append(f"control_chars: one of {CONTROL_CHAR_POLICIES}, got {job.control_chars!r}")
+    if job.personal_data not in PERSONAL_DATA_POLICIES:
+        errs.append(f"personal_data: one of {PERSONAL_DATA_POLICIES}, got {job.personal_data!r}")
+    for i, d in enumerate(job.datasets):
+        if d.personal_data is not None and d.personal_data not in PERSONAL_DATA_POLICIES:
+            errs.append(f"datasets[{i}].personal_data: one of {PERSONAL_DATA_POLICIES}, "
+                        f"got {d.personal_data!r}")
     if not job.datasets:
         errs.append("datasets: at least one dataset is required")
     outputs: dict[str, int] = {}
@@ -163,10 +173,11 @@ def dataset_provenance(d: DatasetJob, where: str, base: Path, job: PrepareJob, i
 
 
 def run_prepare_config(
-    path: str | Path, *, progress: bool = True, workers: int | None = None, denylist: str | None = None
+    path: str | Path, *, progress: bool = True, workers: int | None = None, denylist: str | None = None,
+    personal_data: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Prepare every dataset of the file in order; returns their manifests. ``denylist`` (the
-    command line's) replaces the file's."""
+    """Prepare every dataset of the file in order; returns their manifests. ``denylist`` and
+    ``personal_data`` (the command line's) replace the file's settings."""
     from mimir_megatron.config import raise_errors
 
     from .prepare import check_denylist, prepare
@@ -194,6 +205,7 @@ def run_prepare_config(
                 progress=progress,
                 provenance=provenance,
                 denylist=job.denylist or None,
+                personal_data=personal_data or d.personal_data or job.personal_data,
             )
         )
     return manifests

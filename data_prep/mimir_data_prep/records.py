@@ -26,6 +26,7 @@ REJECT_REASONS = (
     "too_long",
     "corrupt_row_group",
     "benchmark_overlap",  # contains benchmark text of a `--denylist` (mimir audit contamination)
+    "personal_data",  # a direct identifier under `--personal-data reject` (personal_data.py)
 )
 
 CONTROL_CHAR_POLICIES = ("reject", "strip")

@@ -47,7 +47,9 @@ def dataset_rows(mixture: Mixture) -> list[DatasetRow]:
     rows = []
     for e in mixture.entries:
         tokens, declared = _tokens(e)
-        provenance = None if declared else provenance_from_record(read_manifest(e.path).get("provenance"))
+        provenance = None if declared else provenance_from_record(
+            read_manifest(e.path).get("provenance"),
+            f"dataset {e.name}: {e.path / 'manifest.json'}: provenance")
         known = {}
         if provenance is not None:
             known = {"form": FORMS[provenance.form], "license": provenance.license, "basis": provenance.basis}

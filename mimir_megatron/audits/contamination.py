@@ -56,6 +56,10 @@ WHITESPACE_VARIANTS = (" ", "\n", "  ", "\n\n", " \n", "\t", "\r\n")
 """Whitespace a re-spaced copy may have between two words (besides the item's own)."""
 MAX_BRANCHES = 4
 """Spacings of one run followed at once (more than one survives only for short common runs)."""
+WHOLE_ITEM_MIN_TOKENS = 6
+"""The whole-item rule: a text shorter than ``ngram`` tokens (it can never hold an n-gram) is
+contaminated when all of it occurs in one training document, if it has at least this many tokens
+(shorter texts, "Yes", "42", a name, occur everywhere by chance)."""
 _WORD = re.compile(r"\S+")
 
 
@@ -88,10 +92,12 @@ class ItemResult:
     """The longest run as the first training document that holds it writes it."""
     exact_tokens: int = 0
     """The longest run of the item's own token ids (the exact pass alone)."""
+    whole_item: bool = False
+    """A text shorter than the n-gram occurs whole in a training document (the whole-item rule)."""
     lookups: int = 0
 
     def contaminated(self, ngram: int) -> bool:
-        return self.longest is not None and self.longest.tokens >= ngram
+        return self.whole_item or (self.longest is not None and self.longest.tokens >= ngram)
 
 
 @dataclass
@@ -258,6 +264,27 @@ def _respaced(index: _CountingIndex, text: _Text, ngram: int) -> tuple[Overlap |
     return longest, [{"ids": list(s), "window": len(s), "part": text.part} for s in sequences]
 
 
+_PUNCTUATION = re.compile(r"[^\w\s]+")
+
+
+def normalised_variants(text: str) -> list[tuple[str, bool]]:
+    """The forms of a text looked up: itself (``False``: not normalised), then NFKC-normalised,
+    lower-cased, upper-cased, and without punctuation (as is and lower-cased), whitespace collapsed
+    where punctuation went; each distinct form once. A training copy that changed case or dropped
+    punctuation throughout, or wrote compatibility characters (full-width letters, ligatures) in
+    their plain form, is found; one that mixes changes (title case, punctuation changed not
+    dropped) is not (docs/contamination.md)."""
+    import unicodedata
+
+    nfkc = unicodedata.normalize("NFKC", text)
+    bare = " ".join(_PUNCTUATION.sub(" ", nfkc).split())
+    forms = {text: False}
+    for form in (nfkc, nfkc.lower(), nfkc.upper(), bare, bare.lower()):
+        if form.strip():
+            forms.setdefault(form, True)
+    return list(forms.items())
+
+
 def check_item(index: AuditIndex, encoder: _Encoder, benchmark: str, item_id: str,
                texts: list[tuple[str, str]], ngram: int, max_hits: int) -> ItemResult:
     """One item: its longest run in the training data, its offending sequences and their hits."""
@@ -266,15 +293,25 @@ def check_item(index: AuditIndex, encoder: _Encoder, benchmark: str, item_id: st
     for part, raw in texts:
         if not raw.strip():
             continue
-        text = _Text(part, raw, encoder)
-        exact = _exact(counting, text, ngram)
-        result.exact_tokens = max(result.exact_tokens, exact[0].tokens if exact[0] else 0)
-        for longest, sequences in (exact, _respaced(counting, text, ngram)):
-            result.sequences += sequences
-            if longest is not None and (result.longest is None or longest.tokens > result.longest.tokens
-                                        or (longest.tokens == result.longest.tokens and longest.exact
-                                            and not result.longest.exact)):
-                result.longest = longest
+        for variant, normalised in normalised_variants(raw):
+            text = _Text(part, variant, encoder)
+            exact = _exact(counting, text, ngram)
+            if not normalised:
+                result.exact_tokens = max(result.exact_tokens, exact[0].tokens if exact[0] else 0)
+            for longest, sequences in (exact, _respaced(counting, text, ngram)):
+                result.sequences += sequences
+                if longest is None:
+                    continue
+                if normalised:
+                    longest.exact = False
+                if WHOLE_ITEM_MIN_TOKENS <= len(text.ids) < ngram and longest.tokens >= len(text.ids):
+                    result.whole_item = True
+                    result.sequences.append({"ids": list(longest.sequence), "window": len(longest.sequence),
+                                             "part": part})
+                if (result.longest is None or longest.tokens > result.longest.tokens
+                        or (longest.tokens == result.longest.tokens and longest.exact
+                            and not result.longest.exact)):
+                    result.longest = longest
     seen: dict[tuple[str, int], Hit] = {}
     for entry in result.sequences:
         ids, window = entry["ids"], entry["window"]
@@ -409,6 +446,24 @@ def _item_line(r: ItemResult) -> dict[str, Any]:
             "documents_truncated": r.hits_truncated, "sequences": r.sequences}
 
 
+def indexed_datasets(index: AuditIndex) -> list[dict]:
+    """The prepared datasets the index holds, each with its manifest's digest when the manifest
+    still describes the files indexed (what `mimir export` matches against a checkpoint's lineage
+    before it accepts the report); None where it no longer does or is gone."""
+    from mimir_megatron.data.prepared import read_manifest
+
+    datasets = []
+    for source in index.sources:
+        try:
+            manifest = read_manifest(source["path"])
+        except UserError:
+            manifest = {}
+        same = bool(manifest) and manifest.get("outputs") == source.get("outputs")
+        datasets.append({"name": source["name"], "path": source["path"],
+                         "manifest_digest": manifest.get("digest") if same else None})
+    return datasets
+
+
 def write_report(results: list[BenchmarkResult], out: Path, suite, index: AuditIndex, tokenizer: dict,
                  settings: ContaminationSettings) -> list[Path]:
     """``<suite>.json`` (the report eval and sweep read), ``<suite>.md`` / ``.csv`` (the table) and
@@ -422,6 +477,7 @@ def write_report(results: list[BenchmarkResult], out: Path, suite, index: AuditI
         "whitespace_variants": list(WHITESPACE_VARIANTS), "limit": settings.limit,
         "index": {"path": str(index.path.resolve()), "fingerprint": index.meta.get("fingerprint"),
                   "documents": index.num_documents, "tokens": index.num_tokens},
+        "datasets": indexed_datasets(index),
         "tokenizer": tokenizer, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "benchmarks": summaries,
     }

@@ -69,10 +69,11 @@ def match_length_figure(lengths_by_setting: dict[str, list[int]], path: Path, th
     return path
 
 
-def log_to_mlflow(uri: str, artifact_location: str, experiment: str, run_name: str, params: dict,
-                  metrics: dict[str, float], artifacts: list[Path]) -> str | None:
-    """One MLflow run with the audit's parameters, headline metrics and files; its id, or None
-    (with a warning) when the tracking store cannot be reached: the files on disk are the record.
+def log_to_mlflow(uri: str, artifact_location: str, experiment: str, parent_run_id: str | None, run_name: str,
+                  params: dict, metrics: dict[str, float], artifacts: list[Path]) -> str | None:
+    """One MLflow run with the audit's parameters, headline metrics and files (a child run of
+    ``parent_run_id``, the training run of the audited checkpoint); its id, or None (with a
+    warning) when the tracking store cannot be reached: the files on disk are the record.
     A new experiment keeps its artifacts in ``artifact_location`` (MLflow's default would be
     ``./mlruns`` of whatever directory the command runs in)."""
     try:
@@ -80,7 +81,8 @@ def log_to_mlflow(uri: str, artifact_location: str, experiment: str, run_name: s
 
         client = mlflow_client(uri)
         exp_id = experiment_id(client, experiment, artifact_location)
-        run = client.create_run(exp_id, run_name=run_name, tags={"mimir.kind": "audit"})
+        tags = {"mimir.kind": "audit"} | ({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})
+        run = client.create_run(exp_id, run_name=run_name, tags=tags)
         for key, value in params.items():
             client.log_param(run.info.run_id, key, str(value)[:500])
         for key, value in metrics.items():

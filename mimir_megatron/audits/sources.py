@@ -33,7 +33,9 @@ def resolve_sources(mixture: str | None = None, data: list[str] | None = None) -
     if mixture:
         mix = load_mixture(mixture)
         sources = [AuditSource(e.name, e.path, e.audit_group_of(
-            provenance_from_record(read_manifest(e.path).get("provenance")))) for e in mix.entries]
+            provenance_from_record(read_manifest(e.path).get("provenance"),
+                                   f"dataset {e.name}: {e.path / 'manifest.json'}: provenance")))
+            for e in mix.entries]
     else:
         sources, names = [], set()
         for item in data or []:

@@ -56,6 +56,8 @@ from .model_dir import (
     load_model_dir,
     model_dir_from_args,
     resolve_model_dir,
+    tokenizer_dir,
+    trained_schedule,
 )
 from .trainer_state import BaseModel, DatasetLineage, TrainerState, read_trainer_state
 
@@ -71,7 +73,7 @@ __getattr__ = lazy_exports(__name__, _LAZY)
 __all__ = [
     "FORMAT", "FORMS_HELP", "MODEL_FORMS_HELP", "RUN_CHECKPOINTS", "BaseModel", "ModelDir", "ModelKind",
     "add_model_arguments", "detect_model_dir", "load_model_dir", "model_dir_from_args", "resolve_model_dir",
-    "DatasetLineage", "TrainerState", "find",
+    "tokenizer_dir", "trained_schedule", "DatasetLineage", "TrainerState", "find",
     "is_checkpoint", "is_checkpoint_source", "latest_checkpoint", "read_trainer_state", "resolve",
     "step_dir_name", *_LAZY,
 ]

@@ -12,8 +12,10 @@ from .trainer_state import TrainerState
 
 # Shape fields the weights do not depend on: the recurrence schedule and metadata may change
 # between save and load (execution and parallel settings are not part of the shape at all).
+# params_dtype: checkpoints hold fp32 weights (a bf16 run saves its fp32 main copy), which load
+# into either.
 FREE_SHAPE_FIELDS = {"bp_window", "window_policy", "tokenizer", "seed", "h_cycles", "l_cycles",
-                     "max_position_embeddings"}
+                     "max_position_embeddings", "params_dtype"}
 
 
 def check_format(saved: TrainerState, path: Path) -> None:

@@ -26,7 +26,7 @@ from mimir_megatron.parallel import gather_lines
 from .compat import check_compatible, check_format
 from .digests import CheckpointDamaged, Verification, start_verification
 from .layout import resolve, rng_file
-from .state import restore_optimizer, set_rng_state, sharded_state
+from .state import is_row_sharded, restore_optimizer, restore_row_sharded, set_rng_state, sharded_state
 from .trainer_state import TrainerState
 
 
@@ -61,22 +61,32 @@ def _read(path: Path, sharded: dict) -> dict:
 
 
 def load_checkpoint(path: Path, model, optimizer, ema, *, restore_rng: bool = True,
-                    verified: TrainerState | None = None) -> TrainerState:
+                    verified: TrainerState | None = None, optimizer_state: bool = True) -> TrainerState:
     """Load model (and optimizer, EMA when given) from the checkpoint ``path`` into a built model;
     returns the trainer state. ``restore_rng`` (a resume) also sets this rank's saved RNG state.
     The files are verified first (collectively) unless ``verified`` is the state a verification
-    of ``path`` already returned."""
+    of ``path`` already returned. ``optimizer_state=False`` leaves the optimizer's moments as
+    they are (a distributed optimizer still takes the weights into its fp32 main copy)."""
     trainer_state = verified if verified is not None else verify_collectively(path)
     check_compatible(trainer_state, model.cfg, path)
-    sharded = sharded_state(model, optimizer, ema.shadow if ema is not None else None)
-    loaded = _read(path, sharded)
-    model.load_state_dict(loaded["model"], strict=False)
-    if optimizer is not None:
-        restore_optimizer(model, optimizer, loaded["optimizer"], trainer_state.optimizer_group_steps)
-    if ema is not None:
-        with torch.no_grad():
-            for name, tensor in loaded["ema"].items():
-                ema.shadow[name].copy_(tensor)
+    shadow = ema.shadow if ema is not None else None
+    if is_row_sharded(optimizer):
+        moments = optimizer if optimizer_state else None
+        # The read may consume its request: a second one names where each part goes.
+        requested = sharded_state(model, moments, shadow, main_params=optimizer)
+        loaded = _read(path, sharded_state(model, moments, shadow, main_params=optimizer))
+        restore_row_sharded(model, optimizer, loaded, requested,
+                            trainer_state.optimizer_group_steps if optimizer_state else None, shadow)
+    else:
+        optimizer = optimizer if optimizer_state else None
+        loaded = _read(path, sharded_state(model, optimizer, shadow))
+        model.load_state_dict(loaded["model"], strict=False)
+        if optimizer is not None:
+            restore_optimizer(model, optimizer, loaded["optimizer"], trainer_state.optimizer_group_steps)
+        if ema is not None:
+            with torch.no_grad():
+                for name, tensor in loaded["ema"].items():
+                    ema.shadow[name].copy_(tensor)
     saved_rng = rng_file(path, dist.get_rank())
     if restore_rng and saved_rng.is_file():
         try:

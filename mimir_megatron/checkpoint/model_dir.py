@@ -112,6 +112,50 @@ def load_model_dir(source: ModelDir, *, ema: bool = False, tensor_parallel_size:
     return load(source.path, settings)
 
 
+# -- what a model directory says about its model (no weights are loaded) ----------------------------
+
+
+def _model_settings(source: ModelDir) -> dict:
+    """The model's recorded settings: a checkpoint's trainer state, a weights directory's
+    ``model.yaml`` (h_cycles, l_cycles, tokenizer, ...). Empty for a transformers directory."""
+    if source.kind == ModelKind.checkpoint:
+        from .layout import find
+
+        found = find(source.path)
+        return dict(found[1].model) if found else {}
+    if source.kind == ModelKind.weights:
+        from mimir_megatron.config import read_yaml
+
+        return dict(read_yaml(source.path / WEIGHTS_CONFIG, "model settings"))
+    return {}
+
+
+def trained_schedule(source: ModelDir) -> tuple[int, int] | None:
+    """(H_cycles, L_cycles) the weights were trained with, from whatever form ``source`` has:
+    the checkpoint's trainer state, ``model.yaml`` of project weights, a transformers
+    ``config.json``. None when the directory does not say."""
+    if source.kind == ModelKind.hf:
+        import json
+
+        config = json.loads((source.path / HF_CONFIG).read_text())
+        pair = config.get("H_cycles"), config.get("L_cycles")
+    else:
+        settings = _model_settings(source)
+        pair = settings.get("h_cycles"), settings.get("l_cycles")
+    return (int(pair[0]), int(pair[1])) if None not in pair else None
+
+
+def tokenizer_dir(source: ModelDir, given: str | Path | None = None) -> Path | None:
+    """The tokenizer that goes with the model: ``given``, else a transformers or weights
+    directory's own ``tokenizer.json``, else the one the model's settings name. None: none known."""
+    if given:
+        return Path(given)
+    if source.kind != ModelKind.checkpoint and (source.path / "tokenizer.json").is_file():
+        return source.path
+    named = _model_settings(source).get("tokenizer")
+    return Path(named) if named else None
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool = True,
                         ema: bool = True) -> argparse._MutuallyExclusiveGroup:
     """``--model`` / ``--checkpoint`` / ``--weights`` / ``--hf`` (one of them) and ``--ema``;

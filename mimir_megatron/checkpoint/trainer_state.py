@@ -43,6 +43,9 @@ class DatasetLineage:
     """Their tokens (prefix + response, as the manifest counts them)."""
     response_tokens: int = 0
     """The supervised part of ``tokens``."""
+    manifest_digest: str | None = None
+    """The digest the dataset's manifest carried when the run trained on it: export and reports
+    name a dataset whose manifest changed since (None in checkpoints written before it was)."""
 
 
 @dataclass(frozen=True)

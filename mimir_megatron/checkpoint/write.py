@@ -40,7 +40,7 @@ from .layout import write_latest as _write_latest
 from .prune import prune_checkpoints as _prune
 from .signal_safe import start_shielded, write_results_queue
 from .state import rng_state as _rng_state
-from .state import sharded_state
+from .state import is_row_sharded, sharded_state
 from .trainer_state import TrainerState, write_trainer_state
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,8 @@ class CheckpointWriter:
         try:
             # A helper that died since the last save is started again.
             write_results_queue(cross_process=self._queue is not None)
-            sharded = sharded_state(model, optimizer, ema.shadow if ema is not None else None)
+            sharded = sharded_state(model, optimizer, ema.shadow if ema is not None else None,
+                                    main_params=optimizer if is_row_sharded(optimizer) else None)
             self._needed = _bytes_to_write(sharded)
             request = dist_checkpointing.save(sharded, str(tmp),
                                               async_sharded_save=self._queue is not None,
@@ -123,6 +124,10 @@ class CheckpointWriter:
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - it wraps the OSError
             error = exc
         self._agree(step, tmp, error)
+        if trainer_state.model.get("params_dtype", "float32") != "float32":
+            # bf16 parameters are saved as their fp32 main copy (see state.sharded_state): the
+            # checkpoint's weights are fp32 whatever the run's parameters were.
+            trainer_state = replace(trainer_state, model={**trainer_state.model, "params_dtype": "float32"})
         commit = partial(self._commit, step, tmp, final, trainer_state)
         if request is None:
             commit()

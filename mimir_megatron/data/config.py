@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 
@@ -41,6 +42,15 @@ class DataConfig:
     (sizes, document counts, dtype), for trusted, very large corpora; logged as a warning.
     ``mimir train --skip-data-verify`` sets it false."""
 
+    verify_cache: bool = True
+    """Remember the sha256 of every verified file in ``index_dir`` with its size, mtime and inode,
+    and do not read a file again on a later start while those are unchanged. false: hash every
+    file every start (``mimir train --reverify-data``)."""
+
+    def index_directory(self, first_dataset: Path) -> Path:
+        """``index_dir``, or its default beside the mixture's first dataset."""
+        return Path(self.index_dir) if self.index_dir else Path(first_dataset).parent / "_index"
+
     def errors(self) -> list[str]:
         """Every invalid value, one line each. Values only; files are checked when the loader
         opens them, so configs load (and can be tested) before any data has been prepared."""
@@ -57,6 +67,8 @@ class DataConfig:
             errors.append(f"data.prefetch must be an integer >= 0, got {self.prefetch!r}")
         if not isinstance(self.verify, bool):
             errors.append(f"data.verify must be true or false, got {self.verify!r}")
+        if not isinstance(self.verify_cache, bool):
+            errors.append(f"data.verify_cache must be true or false, got {self.verify_cache!r}")
         if not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
             errors.append(f"data.pad_token_id must be >= 0, got {self.pad_token_id!r}")
         return errors

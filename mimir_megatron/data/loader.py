@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from functools import cached_property
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -34,6 +34,10 @@ from .prepared import PreparedDataset
 log = logging.getLogger(__name__)
 
 Sample = tuple[np.ndarray, np.ndarray]  # (prefix ids, response ids)
+
+MAX_EPOCHS_AHEAD = 64
+"""Epochs :meth:`PackedMixture.build_ahead` packs at most (a run reaching more trains a mixture
+so small that packing it takes moments)."""
 
 
 def mixture_fingerprint(cfg: DataConfig, mixture: Mixture | None = None) -> str:
@@ -66,26 +70,70 @@ class PackedMixture:
         self.doc_starts = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
         self.repeats = [e.repeat for e in self.mixture.entries]
         self.fingerprint = mixture_fingerprint(cfg, self.mixture)
-        first = self.mixture.entries[0].path
-        self.index_dir = Path(cfg.index_dir) if cfg.index_dir else first.parent / "_index"
-        self._sample_lengths: np.ndarray | None = None
+        self.index_dir = cfg.index_directory(self.mixture.entries[0].path)
+        self._lengths: dict[str, np.ndarray] = {}
         self._epochs: list[EpochIndex] = []
-        self._ends: list[int] = []  # cumulative contexts at the end of each built epoch
+        self._ends: list[int] = []  # cumulative contexts at the end of each epoch located so far
+        self.built_epochs: list[int] = []
+        """Epochs this process packed (not read from the cache), in order: start-up builds them
+        ahead of the step loop (:meth:`build_ahead`); a test checks no rank does inside it."""
 
     @property
     def sample_lengths(self) -> np.ndarray:
-        """Packed length (prefix + response - 1) of every global document, int32."""
-        if self._sample_lengths is None:
-            parts = [
-                (d.prefix_lengths.astype(np.int32) + d.response_lengths - 1) for d in self.datasets
-            ]
-            self._sample_lengths = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-        return self._sample_lengths
+        """Packed length (prefix + response - 1) of every global document, int32, memory-mapped
+        from the index directory (written once from the shards' ``.idx`` files): the ranks of a
+        node share its pages instead of each holding its own copy."""
+        return self._cached_lengths("sample")
 
-    @cached_property
+    @property
     def _response_lengths(self) -> np.ndarray:
-        parts = [d.response_lengths.astype(np.int64) for d in self.datasets]
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return self._cached_lengths("response")
+
+    def _cached_lengths(self, kind: str) -> np.ndarray:
+        if kind not in self._lengths:
+            path = self.index_dir / f"{self.mixture.name}-{self.fingerprint[:16]}.{kind}-lengths.npy"
+            if not path.is_file():
+                self._write_lengths()
+            self._lengths[kind] = np.load(path, mmap_mode="r")
+        return self._lengths[kind]
+
+    def _write_lengths(self) -> None:
+        """Both length files, one shard at a time (memory: one shard's lengths)."""
+        total = int(self.doc_starts[-1])
+        stem = f"{self.mixture.name}-{self.fingerprint[:16]}"
+        paths = {k: self.index_dir / f"{stem}.{k}-lengths.npy" for k in ("sample", "response")}
+
+        def write(tmp: dict[str, Path]) -> None:
+            out = {k: np.lib.format.open_memmap(p, mode="w+", dtype=np.int32, shape=(total,))
+                   for k, p in tmp.items()}
+            pos = 0
+            for ds in self.datasets:
+                for shard in range(len(ds.shard_prefixes)):
+                    lengths = ds.shard_lengths(shard)
+                    n = len(lengths)
+                    out["sample"][pos : pos + n] = lengths[:, 0] + lengths[:, 1] - 1
+                    out["response"][pos : pos + n] = lengths[:, 1]
+                    pos += n
+            for array in out.values():
+                array.flush()
+            del out
+
+        self._save(paths, write, needed=8 * total)
+
+    def _save(self, paths: dict[str, Path], write, needed: int) -> None:
+        """Write cache files under temporary names, then rename them: ranks racing to write the
+        same files write identical ones harmlessly, and a reader never sees half a file."""
+        tmp = {k: p.with_name(p.name + f".tmp{os.getpid()}.npy") for k, p in paths.items()}
+        try:
+            self.index_dir.mkdir(parents=True, exist_ok=True)
+            write(tmp)
+            for k, path in paths.items():
+                os.replace(tmp[k], path)
+        except OSError as exc:
+            for path in tmp.values():
+                path.unlink(missing_ok=True)
+            raise write_error(exc, self.index_dir, "set data.index_dir to a writable directory (the packing "
+                              "index is cached there)", needed=needed) from None
 
     def source_counts(self, docs: np.ndarray) -> np.ndarray:
         """``[datasets, 3]`` int64: documents, tokens (prefix + response) and response tokens of
@@ -96,19 +144,20 @@ class PackedMixture:
         counts = np.zeros((n, 3), dtype=np.int64)
         np.add.at(counts[:, 0], dataset, 1)
         np.add.at(counts[:, 1], dataset, tokens)
-        np.add.at(counts[:, 2], dataset, self._response_lengths[docs])
+        np.add.at(counts[:, 2], dataset, self._response_lengths[docs].astype(np.int64))
         return counts
 
-    def _cache_paths(self, epoch: int) -> tuple[Path, Path]:
+    def _cache_paths(self, epoch: int) -> dict[str, Path]:
         stem = f"{self.mixture.name}-{self.fingerprint[:16]}-e{epoch:04d}"
-        return self.index_dir / f"{stem}.docs.npy", self.index_dir / f"{stem}.offsets.npy"
+        return {kind: self.index_dir / f"{stem}.{kind}.npy" for kind in ("docs", "offsets")}
 
-    def epoch(self, epoch: int) -> EpochIndex:
-        """Load the cached index of ``epoch`` or build and cache it (tmp name, then rename, so
-        ranks racing to build it write identical files harmlessly)."""
-        docs_path, offsets_path = self._cache_paths(epoch)
-        if docs_path.is_file() and offsets_path.is_file():
-            return EpochIndex(np.load(docs_path, mmap_mode="r"), np.load(offsets_path))
+    def epoch(self, epoch: int, workers: int = 1) -> EpochIndex:
+        """Load the cached index of ``epoch`` (memory-mapped) or build and cache it. ``workers``:
+        processes that pack its windows (the result does not depend on it)."""
+        paths = self._cache_paths(epoch)
+        if all(p.is_file() for p in paths.values()):
+            return EpochIndex(np.load(paths["docs"], mmap_mode="r"), np.load(paths["offsets"], mmap_mode="r"))
+        started = time.perf_counter()
         index = build_epoch_index(
             self.sample_lengths,
             self.doc_counts,
@@ -117,33 +166,52 @@ class PackedMixture:
             seed=self.cfg.seed,
             epoch=epoch,
             window=self.cfg.pack_window,
+            workers=workers,
         )
+        self.built_epochs.append(epoch)
         log.info(
-            "epoch %d: %d contexts of %d tokens, padding %.2f %%",
+            "epoch %d: %d contexts of %d tokens, padding %.2f %% (packed in %.1f s)",
             epoch,
             index.num_contexts,
             self.cfg.seq_len,
             100 * padding_fraction(index, self.sample_lengths, self.cfg.seq_len),
+            time.perf_counter() - started,
         )
-        try:
-            self.index_dir.mkdir(parents=True, exist_ok=True)
-            for path, array in ((docs_path, index.docs), (offsets_path, index.offsets)):
-                tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-                with tmp.open("wb") as f:
+
+        def write(tmp: dict[str, Path]) -> None:
+            for key, array in (("docs", index.docs), ("offsets", index.offsets)):
+                with tmp[key].open("wb") as f:
                     np.save(f, array)
-                os.replace(tmp, path)
-        except OSError as exc:
-            needed = index.docs.nbytes + index.offsets.nbytes
-            raise write_error(exc, self.index_dir, "set data.index_dir to a writable directory (the packing "
-                              "index is cached there)", needed=needed) from None
+
+        self._save(paths, write, needed=index.docs.nbytes + index.offsets.nbytes)
         return index
+
+    def build_ahead(self, samples: int, workers: int | None = None) -> int:
+        """Pack and cache every epoch that global samples ``[0, samples)`` reach (the cached ones
+        are only opened), so that no rank packs one at an epoch boundary of the step loop: the
+        trainer's rank 0 calls this at start-up with the run's planned end while the other ranks
+        wait, then they all read the cache. ``workers``: packing processes (default: the cores
+        this process may use). Returns the number of epochs."""
+        if workers is None:
+            workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            workers = workers or 1
+        self._locate(0, workers)
+        while self._ends[-1] < samples and len(self._ends) < MAX_EPOCHS_AHEAD:
+            self._locate(self._ends[-1], workers)
+        if self._ends[-1] < samples:  # a tiny mixture trained for long: its epochs pack in moments
+            log.info("packing index: %d epochs built ahead; later ones are packed when reached",
+                     len(self._ends))
+        return len(self._ends)
 
     def locate(self, sample: int) -> tuple[int, int]:
         """(epoch, context within the epoch) of global sample ``sample``."""
+        return self._locate(sample, 1)
+
+    def _locate(self, sample: int, workers: int) -> tuple[int, int]:
         if sample < 0:
             raise IndexError(f"sample {sample} < 0")
         while not self._ends or self._ends[-1] <= sample:
-            index = self.epoch(len(self._epochs))
+            index = self.epoch(len(self._epochs), workers)
             if index.num_contexts == 0:
                 raise UserError(f"{self.mixture.source}: the mixture yields no samples")
             self._epochs.append(index)

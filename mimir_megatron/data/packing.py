@@ -94,13 +94,9 @@ def _best_fit(lengths: list[int], seq_len: int) -> list[list[int]]:
     return bins
 
 
-def pack(lengths: np.ndarray, seq_len: int, window: int, seed: int, epoch: int) -> EpochIndex:
-    """Pack samples (``lengths[i]`` positions each, all <= seq_len) into contexts.
-
-    Returns an EpochIndex whose ``docs`` are *positions into lengths*; the caller maps them.
-    """
-    if len(lengths) and int(lengths.max()) > seq_len:
-        raise ValueError(f"a sample of {int(lengths.max())} tokens exceeds seq_len={seq_len}")
+def _pack_windows(lengths: np.ndarray, seq_len: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Best fit of consecutive windows of ``lengths``: (window positions of every context's
+    items, context after context; items per context)."""
     dtype = _id_dtype(len(lengths))
     items: list[np.ndarray] = []
     sizes: list[np.ndarray] = []
@@ -112,10 +108,47 @@ def pack(lengths: np.ndarray, seq_len: int, window: int, seed: int, epoch: int) 
         items.append(window_items)
         sizes.append(np.fromiter(map(len, bins), np.int64, len(bins)))
     if not items:
+        return np.zeros(0, dtype), np.zeros(0, np.int64)
+    return np.concatenate(items), np.concatenate(sizes)
+
+
+def _packed_windows(
+    lengths: np.ndarray, seq_len: int, window: int, workers: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_pack_windows` of all of ``lengths``, its windows spread over ``workers`` processes
+    (windows are independent: the result is the same for any number of workers)."""
+    windows = -(-len(lengths) // window)
+    workers = max(1, min(workers, windows // 4))  # a few windows are not worth a process
+    if workers == 1:
+        return _pack_windows(lengths, seq_len, window)
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    per_task = window * max(1, -(-windows // (4 * workers)))  # 4 tasks per worker: even finish
+    bounds = range(0, len(lengths), per_task)
+    dtype = _id_dtype(len(lengths))
+    # spawn: the caller (a trainer) has torch threads running, which fork would copy mid-state.
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        parts = list(pool.map(_pack_windows, (lengths[b : b + per_task] for b in bounds),
+                              [seq_len] * len(bounds), [window] * len(bounds)))
+    flat = np.concatenate([items.astype(dtype) + b for b, (items, _) in zip(bounds, parts)])
+    return flat, np.concatenate([size for _, size in parts])
+
+
+def pack(
+    lengths: np.ndarray, seq_len: int, window: int, seed: int, epoch: int, workers: int = 1
+) -> EpochIndex:
+    """Pack samples (``lengths[i]`` positions each, all <= seq_len) into contexts.
+
+    Returns an EpochIndex whose ``docs`` are *positions into lengths*; the caller maps them.
+    ``workers`` > 1 packs windows in that many processes, with the same result.
+    """
+    if len(lengths) and int(lengths.max()) > seq_len:
+        raise ValueError(f"a sample of {int(lengths.max())} tokens exceeds seq_len={seq_len}")
+    dtype = _id_dtype(len(lengths))
+    flat, size = _packed_windows(np.asarray(lengths), seq_len, window, workers)
+    if not len(size):
         return EpochIndex(np.zeros(0, dtype), np.zeros(1, np.int64))
-    flat = np.concatenate(items)
-    del items
-    size = np.concatenate(sizes)
     starts = np.concatenate([[0], np.cumsum(size)[:-1]])
     # Shuffle whole contexts, then gather their items in the new order.
     perm = np.random.default_rng([seed, epoch, 2]).permutation(len(size))
@@ -135,8 +168,10 @@ def build_epoch_index(
     seed: int,
     epoch: int,
     window: int,
+    workers: int = 1,
 ) -> EpochIndex:
-    """Plan and pack one epoch; ``sample_lengths[g]`` is the packed length of global doc g."""
+    """Plan and pack one epoch; ``sample_lengths[g]`` is the packed length of global doc g.
+    ``workers``: processes packing its windows (the result does not depend on it)."""
     plan = epoch_plan(doc_counts, repeats, seed, epoch)
     lengths = sample_lengths[plan]
     too_long = lengths > seq_len
@@ -149,7 +184,7 @@ def build_epoch_index(
             seq_len,
         )
         plan, lengths = plan[~too_long], lengths[~too_long]
-    packed = pack(lengths, seq_len, window, seed, epoch)
+    packed = pack(lengths, seq_len, window, seed, epoch, workers)
     del lengths
     return EpochIndex(plan[packed.docs], packed.offsets)
 

@@ -20,10 +20,12 @@ structure of each shard, a few bytes read; :func:`output_problems`: the sha256 o
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import stat
+import threading
 from concurrent.futures import Future
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -31,6 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from mimir_megatron.errors import UserError
+
+from .files import data_files, too_many_files_line
 
 MANIFEST_NAME = "manifest.json"
 REJECTS_NAME = "rejects.jsonl"
@@ -84,9 +88,11 @@ def manifest_digest(manifest: dict) -> str:
 
 
 def manifest_problem(manifest: dict) -> str | None:
-    """Why a manifest cannot be trusted (edited after ``mimir prepare`` wrote it), or None.
-    Manifests written before digests were recorded have none to check."""
-    if "digest" in manifest and manifest["digest"] != manifest_digest(manifest):
+    """Why a manifest cannot be trusted (no digest, or edited after ``mimir prepare`` wrote it),
+    or None."""
+    if "digest" not in manifest:
+        return "has no digest (deleted by hand, or written before digests were recorded); prepare it again"
+    if manifest["digest"] != manifest_digest(manifest):
         return "edited after mimir prepare wrote it (its digest does not match its content)"
     return None
 
@@ -117,6 +123,8 @@ def shard_problems(path: Path, manifest: dict) -> list[str]:
         except FileNotFoundError as exc:
             problem = f"{exc.filename}: missing"
         except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # the process's limit, not the data
+                raise _read_error(str(exc.filename or idx), exc) from None
             problem = f"{exc.filename or idx}: cannot read ({exc.strerror or exc})"
         if problem:
             problems.append(problem)
@@ -158,6 +166,77 @@ def _bin_bytes_covered(index_file, sequences: int, itemsize: int) -> int:
     return pointer + length * itemsize
 
 
+class ByteShares:
+    """Which of ``world`` ranks hashes each file: the one with the fewest bytes so far (files
+    taken in the same order on every rank, so every rank decides the same). A split by file count
+    gave one rank every ``.bin`` and the other every ``.idx``."""
+
+    def __init__(self, world: int) -> None:
+        self.loads = [0] * world
+
+    def owner(self, size: int) -> int:
+        rank = self.loads.index(min(self.loads))
+        self.loads[rank] += size
+        return rank
+
+
+VERIFIED_CACHE_GLOB = "verified-sha256.*.json"
+
+
+class DigestCache:
+    """sha256 digests of files hashed on an earlier start, reused while a file's (path, size,
+    mtime, inode) are unchanged: a restart does not read a 100B-token corpus again. Each rank
+    keeps its own file (``verified-sha256.rank<r>.json``) in ``directory`` and reads all of them.
+    A file rewritten in place keeps its inode but not its mtime; ``touch``-ing an old mtime back
+    onto edited data defeats it (``data.verify_cache=false`` hashes everything)."""
+
+    def __init__(self, directory: Path, rank: int) -> None:
+        self.path = directory / VERIFIED_CACHE_GLOB.replace("*", f"rank{rank}")
+        self.known: dict[str, list] = {}
+        self.reused = 0
+        for part in sorted(directory.glob(VERIFIED_CACHE_GLOB)):
+            try:
+                entries = json.loads(part.read_text())
+            except (OSError, ValueError):
+                continue  # a damaged cache only costs hashing
+            if isinstance(entries, dict):
+                self.known.update({k: v for k, v in entries.items() if isinstance(v, list) and len(v) == 4})
+        self.seen: dict[str, list] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(st: os.stat_result) -> list:
+        return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+    def sha256(self, path: Path) -> str:
+        """The file's sha256: remembered if it is unchanged since, else read (thread-safe)."""
+        name = str(Path(path).resolve())
+        key = self._key(os.stat(name))
+        entry = self.known.get(name)
+        if entry is not None and entry[:3] == key:
+            with self._lock:
+                self.reused += 1
+            digest = entry[3]
+        else:
+            digest = sha256_file(name)
+            if self._key(os.stat(name)) != key:  # changed while it was read: remember nothing
+                return digest
+        self.seen[name] = [*key, digest]
+        return digest
+
+    def save(self) -> None:
+        """Write what this rank knows (atomically); a directory that is not writable costs only
+        the hashing next time."""
+        entries = {**self.known, **self.seen}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(entries))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+
 def hash_outputs(path: Path, manifest: dict, submit) -> list[tuple[Path, str, Future]]:
     """Start hashing the files a manifest lists: ``submit(path)`` returns a future of the file's
     sha256 (None: not this caller's to check), so that many datasets hash in parallel;
@@ -186,7 +265,10 @@ def output_problems(pending: list[tuple[Path, str, Future]]) -> list[str]:
 class PreparedDataset:
     """Random access to the documents of one prepared dataset, shard boundaries hidden.
 
-    Shards open lazily (memory-mapped), so constructing many of these is cheap.
+    Documents are read with ``os.pread`` through the process's bounded pool of open files
+    (:mod:`.files`): nothing is opened until a document is read, and a mixture of any number of
+    shards stays within the open-file limit. The ``.idx`` layout is megatron-core's (see
+    :func:`shard_problems`); a document's two sequences lie back to back in the ``.bin``.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -194,8 +276,10 @@ class PreparedDataset:
         self.manifest = read_manifest(self.path)
         shards = [s for s in self.manifest["shards"] if s["documents"] > 0]
         self._shard_prefixes = [str(self.path / s["prefix"]) for s in shards]
-        counts = np.array([s["documents"] for s in shards], dtype=np.int64)
+        self._shard_documents = [int(s["documents"]) for s in shards]
+        counts = np.array(self._shard_documents, dtype=np.int64)
         self._doc_starts = np.concatenate([[0], np.cumsum(counts)])
+        self._dtype = np.dtype(self.manifest.get("dtype", "int32")).newbyteorder("<")
         self._opened: dict[int, object] = {}
 
     @property
@@ -203,15 +287,14 @@ class PreparedDataset:
         """Path prefixes (without ``.bin``/``.idx``) of the non-empty shards, in document order."""
         return list(self._shard_prefixes)
 
-    def shard(self, index: int):
-        """The megatron-core ``IndexedDataset`` of shard ``index`` (opened once, memory-mapped)."""
-        return self._shard(index)
-
     @property
-    def num_documents(self) -> int:
-        return int(self._doc_starts[-1])
+    def shard_documents(self) -> list[int]:
+        """Documents of each non-empty shard, in the order of :attr:`shard_prefixes`."""
+        return list(self._shard_documents)
 
-    def _shard(self, index: int):
+    def shard(self, index: int):
+        """The megatron-core ``IndexedDataset`` of shard ``index`` (opened once, memory-mapped; for
+        tools that scan whole shards: training reads through :meth:`document`)."""
         if index not in self._opened:
             from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -219,17 +302,34 @@ class PreparedDataset:
             try:
                 self._opened[index] = IndexedDataset(prefix)
             except (OSError, ValueError, AssertionError) as exc:  # megatron asserts on a bad header
-                raise UserError(f"{prefix}.idx/.bin: cannot open ({exc}); `mimir train` checks prepared "
-                                "data before step 1 (prepare the dataset again)") from None
+                raise UserError(f"{prefix}.idx/.bin: cannot open ({_reason(exc)}); `mimir train` checks "
+                                "prepared data before step 1 (prepare the dataset again)") from None
         return self._opened[index]
+
+    @property
+    def num_documents(self) -> int:
+        return int(self._doc_starts[-1])
+
+    def shard_lengths(self, index: int) -> np.ndarray:
+        """``[documents, 2]`` int32 (prefix, response) token counts of shard ``index``, read from its
+        ``.idx`` (a file opened and closed: this scans, it does not keep the shard open)."""
+        documents = self._shard_documents[index]
+        idx = self._shard_prefixes[index] + ".idx"
+        size = 4 * SEQUENCES_PER_DOCUMENT * documents
+        try:
+            with open(idx, "rb") as f:
+                raw = os.pread(f.fileno(), size, _IDX_HEAD)
+        except OSError as exc:
+            raise _read_error(idx, exc) from None
+        if len(raw) != size:
+            raise UserError(f"{idx}: shorter than its {documents} documents need (damaged); prepare the "
+                            "dataset again")
+        return np.frombuffer(raw, dtype="<i4").reshape(documents, SEQUENCES_PER_DOCUMENT).astype(np.int32)
 
     @cached_property
     def _lengths(self) -> np.ndarray:
         """``[documents, 2]`` int32 array of (prefix, response) token counts."""
-        parts = [
-            np.asarray(self._shard(i).sequence_lengths, dtype=np.int32).reshape(-1, 2)
-            for i in range(len(self._shard_prefixes))
-        ]
+        parts = [self.shard_lengths(i) for i in range(len(self._shard_prefixes))]
         if not parts:
             return np.zeros((0, 2), dtype=np.int32)
         return np.concatenate(parts)
@@ -248,11 +348,36 @@ class PreparedDataset:
             raise IndexError(f"document {index} outside [0, {self.num_documents}) in {self.path}")
         shard = int(np.searchsorted(self._doc_starts, index, side="right") - 1)
         local = index - int(self._doc_starts[shard])
-        ds = self._shard(shard)
+        prefix_path = self._shard_prefixes[shard]
+        sequences = SEQUENCES_PER_DOCUMENT * self._shard_documents[shard]
+        seq = SEQUENCES_PER_DOCUMENT * local
+        pool = data_files()
+        idx, data = prefix_path + ".idx", prefix_path + ".bin"
         try:
-            prefix = ds.get(SEQUENCES_PER_DOCUMENT * local).astype(np.int64)
-            response = ds.get(SEQUENCES_PER_DOCUMENT * local + 1).astype(np.int64)
-        except (OSError, ValueError) as exc:  # a .bin shorter than its index (numpy's ValueError)
-            raise UserError(f"{self._shard_prefixes[shard]}.bin: cannot read document {local} ({exc}); "
-                            "the file is damaged: prepare the dataset again") from None
-        return prefix, response
+            lengths = np.frombuffer(pool.pread(idx, 8, _IDX_HEAD + 4 * seq), dtype="<i4")
+            pointer = np.frombuffer(pool.pread(idx, 8, _IDX_HEAD + 4 * sequences + 8 * seq), dtype="<i8")
+            if len(lengths) != 2 or len(pointer) != 1:
+                raise ValueError(f"{idx} is shorter than its index needs")
+            p, r = int(lengths[0]), int(lengths[1])
+            want = (p + r) * self._dtype.itemsize
+            raw = pool.pread(data, want, int(pointer[0]))
+            if len(raw) != want or p < 0 or r < 0:
+                raise ValueError(f"{len(raw)} of {want} bytes at offset {int(pointer[0])}")
+        except (OSError, ValueError) as exc:  # short file, or an index pointing past it
+            if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise UserError(too_many_files_line(f"{data}: cannot read ({exc.strerror})")) from None
+            raise UserError(f"{data}: cannot read document {local} ({_reason(exc)}); the file is damaged: "
+                            "prepare the dataset again") from None
+        tokens = np.frombuffer(raw, dtype=self._dtype).astype(np.int64)
+        return tokens[:p], tokens[p:]
+
+
+def _reason(exc: BaseException) -> str:
+    return (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)) or type(exc).__name__
+
+
+def _read_error(path: str, exc: OSError) -> UserError:
+    """A one-line error for a file that cannot be read: out of descriptors says so."""
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return UserError(too_many_files_line(f"{path}: cannot open ({exc.strerror})"))
+    return UserError(f"{path}: cannot read ({_reason(exc)})")

@@ -5,8 +5,13 @@ the ``provenance:`` section of a dataset in the prepare YAML), and stored in the
 dataset's manifest with the sha256 of every input file. A data file that a pipeline wrote
 (``mimir synth tools``, ``mimir synth run``) carries its record in a sidecar,
 ``<file>.provenance.json``, which ``mimir prepare`` takes when nothing is declared. A dataset
-made from others names them in ``derived_from``; it inherits their licences (all of them: AND)
-and languages unless it declares its own. Nothing declared is ``unknown``, visibly, everywhere.
+made from others names them in ``derived_from``; it inherits their terms (all of them: AND; an
+agreement source's ``derived_terms`` where it states them) and the generator's, and languages,
+unless it declares its own, which must keep every one of those terms (licences only get stricter
+downstream). Basis, licence and form are checked against each other. Nothing declared is
+``unknown``, visibly, everywhere. A stored record is validated as strictly as a declaration
+whenever it is read (:func:`provenance_from_record`): a hand-edited record with recomputed
+digests is still refused when it is not one this module would have written.
 
 Fields (the paper's §2 and Appendix A; Table 6 for the forms)::
 
@@ -17,7 +22,7 @@ Fields (the paper's §2 and Appendix A; Table 6 for the forms)::
     retrieved     the retrieval date, YYYY-MM-DD
     license       an SPDX expression (CC-BY-4.0, Apache-2.0 AND MIT, ...), or public-domain,
                   or proprietary-agreement
-    basis         open-licence | public-domain | agreement | synthetic
+    basis         open-licence | public-domain | agreement | tdm-research | synthetic
     form          reformatted | curated-reformatted | synthetic-audited | tool-call-formatted |
                   translated-audited | agreement-supplied | derived-task
     audit_group   the memorisation-audit group by opt-out status (the paper's A-D, or your own)
@@ -25,6 +30,12 @@ Fields (the paper's §2 and Appendix A; Table 6 for the forms)::
     derived_from  prepared datasets or files with a provenance sidecar this one was made from
     generator     the models or programs that generated synthetic data
     notes         free text
+    research_organisation, lawful_access
+                  basis tdm-research (DSM Directive Art. 3): who mines the data, and how it has
+                  lawful access to the works; both required there, refused elsewhere
+    derived_terms basis agreement: the licence the agreement lets derived data be used under
+    generator_license
+                  the generating models' terms; they bind the synthetic data too
 """
 
 from __future__ import annotations
@@ -35,14 +46,28 @@ import json
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from mimir_megatron.errors import UserError
+
+from .licences import (  # noqa: F401 - re-exported: callers import them from here
+    AGREEMENT,
+    EXTRA_LICENCES,
+    PUBLIC_DOMAIN,
+    combine_licenses,
+    dropped_terms,
+    imposes_no_terms,
+    license_allowed,
+    license_keys,
+    normalise_license,
+)
 
 BASES = {
     "open-licence": "openly licensed",
     "public-domain": "in the public domain",
-    "agreement": "made available by agreement (not for public sharing)",
+    "agreement": "made available by agreement (not for public sharing; used only to derive data)",
+    "tdm-research": "the EU's text-and-data-mining exception for research organisations (DSM Art. 3)",
     "synthetic": "synthetic, derived from permissible data or generated",
 }
 FORMS = {  # Table 6 of the Mimir paper: the form in which a dataset entered the corpus
@@ -54,9 +79,6 @@ FORMS = {  # Table 6 of the Mimir paper: the form in which a dataset entered the
     "agreement-supplied": "Agreement-supplied",
     "derived-task": "Derived task data",
 }
-EXTRA_LICENCES = ("public-domain", "proprietary-agreement")
-"""Licence names beside the SPDX list: public-domain material, and data supplied under an
-agreement whose terms are not an SPDX licence."""
 UNKNOWN = "unknown"
 UNKNOWN_RECORD: dict[str, Any] = {"status": UNKNOWN}
 """What a manifest holds where nothing was declared."""
@@ -65,6 +87,9 @@ SIDECAR_SUFFIX = ".provenance.json"
 _LANGUAGE = re.compile(r"^[a-z]{2,3}(-[A-Za-z0-9]{2,8})*$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://\S+$")
+_OMITTED_WHEN_UNSET = ("research_organisation", "lawful_access", "derived_terms", "generator_license")
+"""Fields added after records were first written: left out of a record while unset, so that the
+digest of a record written before them is still its digest."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +102,16 @@ class Parent:
     license: str
     basis: str
     source: str
+    derived_terms: str | None = None
+    """For an agreement source: the terms its agreement lets derived data be used under."""
+
+    @property
+    def terms(self) -> str:
+        """The terms data derived from this parent must keep."""
+        return self.derived_terms or self.license
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in _OMITTED_WHEN_UNSET}
 
 
 @dataclass(frozen=True)
@@ -87,7 +122,7 @@ class Provenance:
     source: str
     license: str
     """Normalised SPDX expression, an extra licence name, or ``unknown`` (inherited from an
-    undeclared parent)."""
+    undeclared parent): the dataset's effective terms, which keep every ancestor's."""
     basis: str
     form: str
     location: str | None = None
@@ -98,11 +133,19 @@ class Provenance:
     derived_from: tuple[Parent, ...] = ()
     generator: str | None = None
     notes: str | None = None
+    research_organisation: str | None = None
+    """Basis tdm-research: the research organisation that mines the data (DSM Art. 3)."""
+    lawful_access: str | None = None
+    """Basis tdm-research: how it has lawful access to the works (subscription, open web, ...)."""
+    derived_terms: str | None = None
+    """Basis agreement: the licence its agreement lets data derived from it be used under."""
+    generator_license: str | None = None
+    """The terms of the models that generated synthetic data (they bind its output too)."""
 
     def to_dict(self) -> dict[str, Any]:
-        record = asdict(self)
+        record = {k: v for k, v in asdict(self).items() if v is not None or k not in _OMITTED_WHEN_UNSET}
         record["languages"] = list(self.languages)
-        record["derived_from"] = [asdict(p) for p in self.derived_from]
+        record["derived_from"] = [p.to_dict() for p in self.derived_from]
         return record
 
     @property
@@ -111,7 +154,7 @@ class Provenance:
         return record_digest(self.to_dict())
 
     def as_parent(self) -> Parent:
-        return Parent(self.id, self.digest, self.license, self.basis, self.source)
+        return Parent(self.id, self.digest, self.license, self.basis, self.source, self.derived_terms)
 
     def unknown_ancestors(self) -> list[str]:
         """The ids of parents that declared nothing."""
@@ -123,14 +166,17 @@ def record_digest(record: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
-def provenance_from_record(record: Mapping[str, Any] | None) -> Provenance | None:
-    """The record a manifest or sidecar stores; None where it is unknown."""
-    if not record or record.get("status") == UNKNOWN:
+def provenance_from_record(record: Mapping[str, Any] | None, where: str = "provenance") -> Provenance | None:
+    """The record a manifest or sidecar stores, validated as strictly as a declaration is; None
+    where it is unknown. A :class:`UserError` (one line: ``where``, the field, the problem) when
+    the record is not one this project would have written."""
+    if not record or (isinstance(record, Mapping) and record.get("status") == UNKNOWN):
         return None
-    values = {k: v for k, v in record.items() if k in {f.name for f in fields(Provenance)}}
-    values["languages"] = tuple(values.get("languages", ()))
-    values["derived_from"] = tuple(Parent(**p) for p in values.get("derived_from", ()))
-    return Provenance(**values)
+    errors: list[str] = []
+    provenance = _record_to_provenance(record, where, errors)
+    if errors:
+        raise UserError("; ".join(errors))
+    return provenance
 
 
 def stored_record(provenance: Provenance | None) -> dict[str, Any]:
@@ -141,82 +187,132 @@ def stored_record(provenance: Provenance | None) -> dict[str, Any]:
 
 
 def record_problem(record: Mapping[str, Any] | None) -> str | None:
-    """Why a stored record cannot be trusted (its digest does not match: edited by hand), or None."""
+    """Why a stored record cannot be trusted (no digest, or one that does not match: edited by
+    hand), or None."""
     if not record or record.get("status") == UNKNOWN:
         return None
+    if "digest" not in record:
+        return "its provenance record has no digest (deleted by hand?); declare and prepare it again"
     if record.get("digest") != record_digest(record):
         return "its provenance record was edited after it was written (digest mismatch)"
     return None
 
 
-# -- licences -----------------------------------------------------------------------------------
+_PARENT_KEYS = {f.name for f in fields(Parent)}
+_RECORD_KEYS = {f.name for f in fields(Provenance)} | {"digest"}
 
 
-@lru_cache(maxsize=1)
-def _licensing():
-    """The SPDX licence list (the license-expression package ships it) plus EXTRA_LICENCES."""
-    from license_expression import LicenseSymbol, Licensing, get_spdx_licensing
-
-    spdx = get_spdx_licensing()
-    return Licensing(list(spdx.known_symbols.values()) + [LicenseSymbol(k) for k in EXTRA_LICENCES])
-
-
-def normalise_license(expression: str) -> tuple[str | None, str | None]:
-    """(normalised expression, None) for a valid SPDX expression or extra licence name, else
-    (None, the reason)."""
-    if expression.strip().lower() == UNKNOWN:
-        return None, "'unknown' is what an undeclared dataset is; declare the licence"
-    try:
-        info = _licensing().validate(expression)
-    except Exception as exc:  # noqa: BLE001 - the parser raises on malformed expressions
-        return None, f"not a licence expression: {exc}"
-    if info.invalid_symbols:
-        return None, (f"unknown licence id(s) {', '.join(map(repr, info.invalid_symbols))} (not on the SPDX "
-                      f"list; or use {' / '.join(EXTRA_LICENCES)})")
-    if info.errors or not info.normalized_expression:
-        return None, f"not a licence expression: {'; '.join(info.errors) or expression!r}"
-    return str(info.normalized_expression), None
-
-
-def license_keys(expression: str) -> list[str]:
-    """The licence ids an expression names (``unknown`` for an unknown one)."""
-    if expression == UNKNOWN:
-        return [UNKNOWN]
-    licensing = _licensing()
-    return licensing.license_keys(licensing.parse(expression))
-
-
-def license_allowed(expression: str, allowed: set[str] | None, denied: set[str]) -> bool:
-    """Whether the expression can be complied with using allowed, not denied licences: every
-    operand of an AND must be, one operand of an OR suffices. ``allowed`` None allows any."""
-    if expression == UNKNOWN:
-        return False
-    from license_expression import AND, OR
-
-    def ok(node) -> bool:
-        if isinstance(node, AND):
-            return all(ok(arg) for arg in node.args)
-        if isinstance(node, OR):
-            return any(ok(arg) for arg in node.args)
-        key = node.key
-        return key not in denied and (allowed is None or key in allowed)
-
-    return ok(_licensing().parse(expression))
+def _record_to_provenance(record: Any, where: str, errors: list[str]) -> Provenance | None:
+    """The typed record of a stored dict; each problem appends one line to ``errors``."""
+    if not isinstance(record, Mapping):
+        errors.append(f"{where}: a JSON object expected, got {type(record).__name__}")
+        return None
+    unknown = sorted(set(record) - _RECORD_KEYS)
+    if unknown:
+        errors.append(f"{where}.{unknown[0]}: not a provenance field")
+    for name in ("id", "source", "license", "basis", "form"):
+        if not isinstance(record.get(name), str) or not record[name].strip():
+            errors.append(f"{where}.{name}: required (a non-empty string), got {record.get(name)!r}")
+    for name in ("location", "revision", "retrieved", "audit_group", "generator", "notes",
+                 *_OMITTED_WHEN_UNSET):
+        if record.get(name) is not None and not isinstance(record[name], str):
+            errors.append(f"{where}.{name}: a string, got {record[name]!r}")
+    languages = record.get("languages", [])
+    if not isinstance(languages, list) or not all(isinstance(x, str) for x in languages):
+        errors.append(f"{where}.languages: a list of ISO 639 codes, got {languages!r}")
+        languages = []
+    parents: list[Parent] = []
+    derived = record.get("derived_from", [])
+    if not isinstance(derived, list):
+        errors.append(f"{where}.derived_from: a list, got {derived!r}")
+        derived = []
+    for i, p in enumerate(derived):
+        if not isinstance(p, Mapping) or set(p) - _PARENT_KEYS or not {"id", "license", "basis"} <= set(p):
+            errors.append(f"{where}.derived_from[{i}]: not a parent record "
+                          "(id, digest, license, basis, source)")
+            continue
+        parents.append(Parent(**{"digest": None, "source": UNKNOWN, **p}))
+    if errors:
+        return None
+    license_ = record["license"]
+    if license_ != UNKNOWN:
+        normalised, problem = normalise_license(license_)
+        if problem:
+            errors.append(f"{where}.license: {problem}")
+        elif normalised != license_:
+            errors.append(f"{where}.license: {license_!r} is not as mimir prepare writes it ({normalised!r})")
+    values = {k: record.get(k) for k in _OMITTED_WHEN_UNSET}
+    provenance = Provenance(
+        id=record["id"], source=record["source"], license=license_, basis=record["basis"],
+        form=record["form"],
+        location=record.get("location"), revision=record.get("revision"), retrieved=record.get("retrieved"),
+        audit_group=record.get("audit_group"), languages=tuple(languages), derived_from=tuple(parents),
+        generator=record.get("generator"), notes=record.get("notes"), **values)
+    consistency_errors(provenance, where, errors, declared_license=license_ != UNKNOWN)
+    return None if errors else provenance
 
 
-def combine_licenses(expressions: Iterable[str]) -> str:
-    """The licence of data made from several inputs: all their terms apply (AND), deduplicated;
-    ``unknown`` when any input's is."""
-    expressions = list(dict.fromkeys(expressions))
-    if not expressions:
-        return UNKNOWN
-    if UNKNOWN in expressions:
-        return UNKNOWN
-    if len(expressions) == 1:
-        return expressions[0]
-    licensing = _licensing()
-    joined = " AND ".join(f"({e})" for e in expressions)
-    return str(licensing.dedup(licensing.parse(joined)))
+def consistency_errors(p: Provenance, where: str, errors: list[str], *, declared_license: bool) -> None:
+    """The checks a record passes whether it is being declared or read back: known basis and
+    form, dates, codes and locations well-formed, basis, licence and form consistent with each
+    other, and no licence more permissive than an ancestor's terms. One line per problem."""
+    if p.basis not in BASES:
+        errors.append(f"{where}.basis: one of {', '.join(BASES)}, got {p.basis!r}")
+    if p.form not in FORMS:
+        errors.append(f"{where}.form: one of {', '.join(FORMS)}, got {p.form!r}")
+    for i, lang in enumerate(p.languages):
+        if not _LANGUAGE.match(str(lang)):
+            errors.append(f"{where}.languages[{i}]: {lang!r} is not an ISO 639 code (e.g. en, da, en-GB)")
+    if p.retrieved:
+        try:
+            datetime.date.fromisoformat(p.retrieved)
+        except ValueError:
+            errors.append(f"{where}.retrieved: a date YYYY-MM-DD, got {p.retrieved!r}")
+    if p.location and not (_URL.match(p.location) or _HUB_ID.match(p.location)):
+        errors.append(f"{where}.location: a URL (https://...) or a Hugging Face Hub id (owner/name), "
+                      f"got {p.location!r}")
+    for name in ("derived_terms", "generator_license"):
+        value = getattr(p, name)
+        if value:
+            normalised, problem = normalise_license(value)
+            if problem:
+                errors.append(f"{where}.{name}: {problem}")
+            elif normalised != value:
+                errors.append(f"{where}.{name}: {value!r} is not as mimir prepare writes it ({normalised!r})")
+    if any(e.startswith(f"{where}.") for e in errors):
+        return  # the cross-checks below need well-formed values
+    keys = [] if p.license == UNKNOWN else license_keys(p.license)
+    if p.form == "agreement-supplied" and p.basis != "agreement":
+        errors.append(f"{where}.basis: form agreement-supplied is data supplied under an agreement: "
+                      f"basis agreement, got {p.basis}")
+    if AGREEMENT in keys and p.basis in ("open-licence", "public-domain"):
+        errors.append(f"{where}.basis: {p.basis} under the agreement licence {AGREEMENT} (agreement data "
+                      "is basis agreement; data derived from it basis synthetic)")
+    if p.basis == "public-domain" and keys and not all(imposes_no_terms(k) for k in keys):
+        errors.append(f"{where}.license: basis public-domain needs a public-domain licence (public-domain, "
+                      f"CC0-1.0, PDDL-1.0, ...), got {p.license}")
+    if p.basis == "tdm-research":
+        for name in ("research_organisation", "lawful_access"):
+            if not getattr(p, name):
+                errors.append(f"{where}.{name}: required for basis tdm-research (the DSM Directive's Art. 3 "
+                              "covers research organisations mining works they have lawful access to)")
+    elif p.research_organisation or p.lawful_access:
+        errors.append(f"{where}.research_organisation: only basis tdm-research records it, "
+                      f"got basis {p.basis}")
+    if p.derived_terms and p.basis != "agreement":
+        errors.append(f"{where}.derived_terms: only an agreement source states terms for data derived from "
+                      f"it, got basis {p.basis}")
+    if not declared_license:
+        return
+    inherited = [(parent.id, parent.terms) for parent in p.derived_from]
+    if p.generator_license:
+        inherited.append((f"generator {p.generator or ''}".strip(), p.generator_license))
+    for name, terms in inherited:
+        relaxed = dropped_terms(p.license, terms)
+        if relaxed:
+            errors.append(f"{where}.license: {p.license} is more permissive than {name}'s terms {terms} "
+                          f"(drops {', '.join(relaxed)}); declare {combine_licenses([p.license, terms])}, "
+                          "or leave the licence out to inherit")
 
 
 # -- declarations -------------------------------------------------------------------------------
@@ -240,6 +336,10 @@ class ProvenanceDeclaration:
     derived_from: list[str] = field(default_factory=list)
     generator: str | None = None
     notes: str | None = None
+    research_organisation: str | None = None
+    lawful_access: str | None = None
+    derived_terms: str | None = None
+    generator_license: str | None = None
 
     def is_empty(self) -> bool:
         return not any(getattr(self, f.name) for f in fields(self))
@@ -278,27 +378,26 @@ def resolve_declaration(
     before = len(errors)
     pending = set(pending)
     parents: list[Parent] = []
+    inherited_languages: dict[str, None] = {}
     for i, ref in enumerate(decl.derived_from):
         if ref in pending:
             parents.append(Parent(id=ref, digest=None, license=UNKNOWN, basis=UNKNOWN, source=UNKNOWN))
             continue
-        parent = _resolve_parent(ref, base, siblings or {})
-        if parent is None:
+        try:
+            resolved = _resolve_parent(ref, base, siblings or {})
+        except UserError as exc:  # the parent's stored record does not validate
+            errors.append(f"{where}.derived_from[{i}]: {exc}")
+            continue
+        if resolved is None:
             errors.append(f"{where}.derived_from[{i}]: {ref!r} is neither a prepared dataset, a file with a "
                           f"{SIDECAR_SUFFIX} sidecar, nor a dataset prepared earlier in this file")
         else:
-            parents.append(parent)
+            parents.append(resolved[0])
+            inherited_languages.update(dict.fromkeys(resolved[1]))
     for name in ("source", "basis", "form"):
-        if not getattr(decl, name):
+        if not (getattr(decl, name) or "").strip():
             errors.append(f"{where}.{name}: required")
-    if decl.basis and decl.basis not in BASES:
-        errors.append(f"{where}.basis: one of {', '.join(BASES)}, got {decl.basis!r}")
-    if decl.form and decl.form not in FORMS:
-        errors.append(f"{where}.form: one of {', '.join(FORMS)}, got {decl.form!r}")
-    if decl.form == "agreement-supplied" and decl.basis in BASES and decl.basis != "agreement":
-        errors.append(f"{where}.basis: form agreement-supplied is data supplied under an agreement: "
-                      f"basis agreement, got {decl.basis}")
-    license_ = None
+    license_, declared = None, bool(decl.license)
     if decl.license:
         license_, problem = normalise_license(decl.license)
         if problem:
@@ -306,31 +405,37 @@ def resolve_declaration(
     elif not decl.derived_from:
         errors.append(f"{where}.license: required (an SPDX expression, or {' / '.join(EXTRA_LICENCES)}); "
                       "only a dataset with derived_from inherits one")
-    else:
-        license_ = combine_licenses(p.license for p in parents)
-    for i, lang in enumerate(decl.languages):
-        if not _LANGUAGE.match(str(lang)):
-            errors.append(f"{where}.languages[{i}]: {lang!r} is not an ISO 639 code (e.g. en, da, en-GB)")
-    if decl.retrieved:
-        try:
-            datetime.date.fromisoformat(decl.retrieved)
-        except ValueError:
-            errors.append(f"{where}.retrieved: a date YYYY-MM-DD, got {decl.retrieved!r}")
-    if decl.location and not (_URL.match(decl.location) or _HUB_ID.match(decl.location)):
-        errors.append(f"{where}.location: a URL (https://...) or a Hugging Face Hub id (owner/name), "
-                      f"got {decl.location!r}")
-    if len(errors) > before:
-        return None
-    languages = tuple(decl.languages) or _inherited_languages(decl.derived_from, base, siblings or {})
-    return Provenance(
-        id=decl.id or default_id, source=str(decl.source), license=str(license_), basis=str(decl.basis),
-        form=str(decl.form), location=decl.location, revision=decl.revision, retrieved=decl.retrieved,
-        audit_group=decl.audit_group, languages=languages, derived_from=tuple(parents),
-        generator=decl.generator, notes=decl.notes,
+    else:  # inherited: every parent's terms, and the generator's
+        generator_terms = [_normalised(decl.generator_license)] if decl.generator_license else []
+        license_ = combine_licenses([*(p.terms for p in parents), *generator_terms])
+    languages = tuple(decl.languages) or tuple(inherited_languages)
+    provenance = Provenance(
+        id=decl.id or default_id, source=str(decl.source), license=str(license_ or UNKNOWN),
+        basis=str(decl.basis), form=str(decl.form), location=decl.location, revision=decl.revision,
+        retrieved=decl.retrieved, audit_group=decl.audit_group, languages=languages,
+        derived_from=tuple(parents), generator=decl.generator, notes=decl.notes,
+        research_organisation=decl.research_organisation, lawful_access=decl.lawful_access,
+        derived_terms=_normalised(decl.derived_terms), generator_license=_normalised(decl.generator_license),
     )
+    checks: list[str] = []
+    consistency_errors(provenance, where, checks, declared_license=declared and license_ is not None)
+    # A field already reported (a missing basis) is not reported twice.
+    said = {e.split(":")[0] for e in errors[before:]}
+    errors += [e for e in checks if e.split(":")[0] not in said]
+    return None if len(errors) > before else provenance
 
 
-def _resolve_parent(ref: str, base: Path, siblings: Mapping[str, Path]) -> Parent | None:
+def _normalised(expression: str | None) -> str | None:
+    """The normalised form of an optional licence expression (as given when it is invalid: the
+    record's checks then name it)."""
+    if not expression:
+        return None
+    return normalise_license(expression)[0] or expression
+
+
+def _resolve_parent(ref: str, base: Path,
+                    siblings: Mapping[str, Path]) -> tuple[Parent, tuple[str, ...]] | None:
+    """The parent record ``ref`` names and its languages; None where it names nothing."""
     path = siblings.get(ref)
     if path is None:
         path = Path(ref).expanduser()
@@ -338,20 +443,10 @@ def _resolve_parent(ref: str, base: Path, siblings: Mapping[str, Path]) -> Paren
     record = read_provenance(path)
     if record is False:
         return None
-    found = provenance_from_record(record)
+    found = checked_record(record, path)
     if found is None:  # it exists but declared nothing: kept, visibly unknown
-        return Parent(id=str(ref), digest=None, license=UNKNOWN, basis=UNKNOWN, source=UNKNOWN)
-    return found.as_parent()
-
-
-def _inherited_languages(refs: list[str], base: Path, siblings: Mapping[str, Path]) -> tuple[str, ...]:
-    languages: dict[str, None] = {}
-    for ref in refs:
-        path = siblings.get(ref) or (Path(ref) if Path(ref).is_absolute() else base / ref)
-        found = provenance_from_record(read_provenance(path) or None)
-        if found:
-            languages.update(dict.fromkeys(found.languages))
-    return tuple(languages)
+        return Parent(id=str(ref), digest=None, license=UNKNOWN, basis=UNKNOWN, source=UNKNOWN), ()
+    return found.as_parent(), found.languages
 
 
 # -- where records live ---------------------------------------------------------------------------
@@ -374,9 +469,26 @@ def read_provenance(path: str | Path) -> dict[str, Any] | bool:
     if path.is_file():
         sidecar = sidecar_path(path)
         if sidecar.is_file():
-            return json.loads(sidecar.read_text())
+            try:
+                return json.loads(sidecar.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise UserError(f"{sidecar}: not a provenance record ({exc})") from None
         return dict(UNKNOWN_RECORD)
     return False
+
+
+def checked_record(record: Mapping[str, Any] | None, path: str | Path) -> Provenance | None:
+    """The record stored for ``path`` (a prepared dataset or a data file), checked for hand edits
+    and validated; a one-line :class:`UserError` naming the file and the field otherwise."""
+    from .prepared import MANIFEST_NAME
+
+    path = Path(path)
+    where = path / MANIFEST_NAME if (path / MANIFEST_NAME).is_file() else sidecar_path(path)
+    if isinstance(record, Mapping):
+        problem = record_problem(record)
+        if problem:
+            raise UserError(f"{where}: {problem}")
+    return provenance_from_record(record, f"{where}: provenance")
 
 
 def write_sidecar(data_file: str | Path, provenance: Provenance | None) -> Path:
@@ -398,7 +510,7 @@ def derived_provenance(
     parents, languages = [], {}
     for path in inputs:
         record = read_provenance(path)
-        found = provenance_from_record(record or None)
+        found = checked_record(record or None, path)
         if found is None:
             parents.append(Parent(id=Path(path).name, digest=None, license=UNKNOWN, basis=UNKNOWN,
                                   source=UNKNOWN))
@@ -408,6 +520,9 @@ def derived_provenance(
     if basis is None:
         bases = {p.basis for p in parents}
         basis = bases.pop() if len(bases) == 1 and UNKNOWN not in bases else "synthetic"
-    return Provenance(id=id, source=source, license=combine_licenses(p.license for p in parents),
+    # A conversion keeps its inputs' licences; data generated from them takes the terms they
+    # pass on (an agreement's terms for derived data).
+    terms = [p.terms if basis == "synthetic" else p.license for p in parents]
+    return Provenance(id=id, source=source, license=combine_licenses(terms),
                       basis=basis, form=form, languages=tuple(languages), derived_from=tuple(parents),
                       generator=generator, notes=notes)

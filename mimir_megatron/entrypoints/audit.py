@@ -132,13 +132,22 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tracking(args: argparse.Namespace, out: Path) -> tuple[str, str]:
-    """(store, artifact location): ``--tracking-uri``, else a sqlite database in the output
-    directory; artifacts beside that database, never in ``./mlruns`` of the working directory."""
+def _tracking(args: argparse.Namespace, out: Path) -> tuple[str, str, str, str | None]:
+    """Where the audit's MLflow run goes, (store, artifact location, experiment, parent run):
+    ``--tracking-uri``, else for a training checkpoint its training run's store and experiment,
+    as a child run of it (its figures and tables then sit beside the run's curves), else a sqlite
+    database in the output directory; artifacts beside that database, never in ``./mlruns`` of
+    the working directory."""
+    from mimir_megatron.evaluation.tracking import tracking_target
     from mimir_megatron.ops.mlflow_server import run_store
 
+    model = getattr(args, "checkpoint", None) or getattr(args, "model", None)
+    if model and not args.tracking_uri:
+        target = tracking_target(out, checkpoint=model)
+        if target.parent_run_id:
+            return target.uri, target.artifact_root, target.experiment, target.parent_run_id
     default_uri, artifacts = run_store(out)
-    return args.tracking_uri or default_uri, artifacts.as_uri()
+    return args.tracking_uri or default_uri, artifacts.as_uri(), args.experiment, None
 
 
 def cmd_prefix(args: argparse.Namespace) -> int:
@@ -166,7 +175,7 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     print((out / "table11.md").read_text())
     metrics = {f"{r['setting']}/{k}": v for r in rows for k, v in r.items()
                if isinstance(v, (int, float)) and k != "setting"}
-    log_to_mlflow(*_tracking(args, out), args.experiment, "prefix-audit",
+    log_to_mlflow(*_tracking(args, out), "prefix-audit",
                   {**{k: v for k, v in vars(args).items() if k != "handler"}, "model_name": model.name},
                   metrics, files)
     return 0
@@ -204,7 +213,7 @@ def cmd_continuation(args: argparse.Namespace) -> int:
                                    mask="training"))
     print((out / "table12.md").read_text())
     metrics = {f"{r['category']}/{k}": v for r in rows for k, v in r.items() if isinstance(v, (int, float))}
-    log_to_mlflow(*_tracking(args, out), args.experiment, "continuation-audit",
+    log_to_mlflow(*_tracking(args, out), "continuation-audit",
                   {**{k: v for k, v in vars(args).items() if k != "handler"}, "model_name": model.name},
                   metrics, files)
     return 0
@@ -267,7 +276,7 @@ def cmd_contamination(args: argparse.Namespace) -> int:
         metrics.update({f"{b.name}/contaminated items": len(dirty),
                         f"{b.name}/contaminated fraction": len(dirty) / len(b.items) if b.items else 0.0,
                         f"{b.name}/longest span": longest, f"{b.name}/documents hit": len(documents)})
-    log_to_mlflow(*_tracking(args, out), args.experiment, "contamination-audit",
+    log_to_mlflow(*_tracking(args, out), "contamination-audit",
                   {**{k: v for k, v in vars(args).items() if k != "handler"}, "suite_name": suite.name,
                    "tokenizer_sha256": tokenizer["sha256"], "index_documents": index.num_documents,
                    "index_tokens": index.num_tokens}, metrics, files)

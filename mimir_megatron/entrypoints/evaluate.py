@@ -125,20 +125,37 @@ def _source_name(args: argparse.Namespace) -> str:
     return name + ("-ema" if args.ema else "")
 
 
-def _tokenizer_dir(args: argparse.Namespace) -> str | None:
-    """The tokenizer the log-likelihood client renders chat contexts with."""
-    if args.tokenizer:
-        return args.tokenizer
-    for directory in (args.hf, args.weights):
-        if directory and (Path(directory) / "tokenizer.json").is_file():
-            return directory
-    if args.checkpoint:
-        from mimir_megatron.checkpoint import find
+def _model(args: argparse.Namespace):
+    """The model directory the (resolved) flags name; None with ``--base-url``."""
+    from mimir_megatron.checkpoint import resolve_model_dir
 
-        found = find(args.checkpoint)
-        if found:
-            return found[1].model.get("tokenizer") or None
-    return None
+    if not (args.checkpoint or args.weights or args.hf):
+        return None
+    return resolve_model_dir(checkpoint=args.checkpoint, weights=args.weights, hf=args.hf)
+
+
+def _tokenizer_dir(args: argparse.Namespace) -> str | None:
+    """The tokenizer the log-likelihood client renders chat contexts with: the one the server
+    loads for the same model (:func:`mimir_megatron.checkpoint.tokenizer_dir`)."""
+    from mimir_megatron.checkpoint import tokenizer_dir
+
+    source = _model(args)
+    if source is None:
+        return args.tokenizer
+    found = tokenizer_dir(source, args.tokenizer)
+    return str(found) if found is not None else None
+
+
+def _trained_schedule(args: argparse.Namespace) -> tuple[int, int] | None:
+    """The schedule a sweep marks as trained: ``--trained-schedule``, else what the model's
+    directory records (any form: checkpoint, weights, transformers)."""
+    from mimir_megatron.checkpoint import trained_schedule
+    from mimir_megatron.evaluation.sweep import parse_schedules
+
+    if args.trained_schedule:
+        return tuple(parse_schedules(args.trained_schedule)[0])
+    source = _model(args)
+    return trained_schedule(source) if source is not None else None
 
 
 @contextlib.contextmanager
@@ -238,15 +255,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     from mimir_megatron.evaluation.runner import run_suite, server_model_name
     from mimir_megatron.evaluation.sweep import (SweepResult, markdown, parse_schedules, schedule_name,
-                                                 trained_schedule, write_sweep)
+                                                 write_sweep)
     from mimir_megatron.evaluation.tracking import EvalRun, tracking_target
 
     _resolve_model(args)
     suite = _suite(args)
     marks, report = _marks(args, suite)
     schedules = parse_schedules(args.schedules)
-    trained = (tuple(parse_schedules(args.trained_schedule)[0]) if args.trained_schedule
-               else trained_schedule(args.checkpoint, args.hf))
+    trained = _trained_schedule(args)
     output = Path(args.output or Path("evals") / f"sweep-{suite.name}" / _source_name(args))
     target = tracking_target(output, args.tracking_uri, args.checkpoint, args.experiment)
     results = {}

@@ -31,11 +31,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     card.add_argument("--name", help="the model's name in the card (default: the output directory's name)")
     card.add_argument("--license", help="the model's licence, an SPDX id (default: 'other', unspecified)")
     card.add_argument("--provider", help="who places the model on the market (the EU summary's provider)")
+    card.add_argument("--provider-contact", help="how to reach the provider (the EU summary's contact)")
+    card.add_argument("--model-version", help="the model's version (default: the checkpoint's step)")
+    card.add_argument("--placed-on-market", metavar="YYYY-MM-DD",
+                      help="the date the model is placed on the EU market (the EU summary's section 1)")
+    card.add_argument("--accept-licence-risk", action="store_true",
+                      help="release under a --license that drops copyleft, non-commercial or other terms "
+                      "of the training data (refused otherwise); the card states it")
     card.add_argument("--base-model", help="Hub id of the weights training started from (default: the "
                       "init_from path the checkpoint records)")
     card.add_argument("--contamination", nargs="+", metavar="REPORT",
                       help="`mimir audit contamination` reports (files or directories) for the summary's "
                       "decontamination section (default: those in the training run's contamination/)")
+    tracking = p.add_argument_group(
+        "MLflow", "an export of a training checkpoint becomes a LoggedModel of its training run (its files, "
+        "the run's metrics at the checkpoint's step, the lineage), card and summary also in the run")
+    tracking.add_argument("--register", metavar="NAME",
+                          help="also register it in the MLflow model registry as NAME, with the card")
+    tracking.add_argument("--no-mlflow", action="store_true", help="do not log the export to MLflow")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the model config")
     p.set_defaults(handler=cmd_export, extra="hf", setup="megatron")
 
@@ -91,19 +104,36 @@ def cmd_export(args: argparse.Namespace) -> int:
         if source.kind == ModelKind.checkpoint:
             found = find(source.path)
         origin = f"{source.kind} ({source.path})"
+    if args.register and (found is None or args.no_mlflow):
+        raise UserError("--register needs a training checkpoint's export logged to MLflow (not --no-mlflow)")
     files = _release_files(args, model, found, origin)
     export_hf(model, args.output, tokenizer_dir=args.tokenizer, extra_files=files)
     print(f"exported to {args.output}")
+    if found is not None and not args.no_mlflow:
+        from mimir_megatron.release.tracking import log_exported_model
+
+        path, state = found
+        log_exported_model(Path(args.output), path, state, args.name or Path(args.output).resolve().name,
+                           register=args.register,
+                           reports=_contamination_reports(args.contamination, path, state))
     return 0
 
 
 def _release_files(args: argparse.Namespace, model, found, origin: str) -> dict[str, str]:
     """The model card and the training-data summary (from the checkpoint's lineage, if any)."""
+    from mimir_megatron.errors import UserError
     from mimir_megatron.model import count_parameters
     from mimir_megatron.release.card import hf_license, model_card
     from mimir_megatron.release.summary import contamination_summary, summary_markdown, training_data_summary
 
     hf_license(args.license)  # a bad --license is refused before anything is written
+    if args.placed_on_market:
+        import datetime
+
+        try:
+            datetime.date.fromisoformat(args.placed_on_market)
+        except ValueError:
+            raise UserError(f"--placed-on-market: a date YYYY-MM-DD, got {args.placed_on_market!r}") from None
     name = args.name or Path(args.output).resolve().name
     cfg = model.cfg
     info = {"layers_l": cfg.num_layers_L, "layers_h": cfg.num_layers_H, "hidden": cfg.hidden_size,
@@ -115,9 +145,15 @@ def _release_files(args: argparse.Namespace, model, found, origin: str) -> dict[
         info["training"] = f"Not recorded: exported from {origin}."
     else:
         path, state = found
-        contamination = contamination_summary(_contamination_reports(args.contamination, path, state))
+        from mimir_megatron.config import raise_errors
+        from mimir_megatron.release.summary import lineage_problems
+
+        raise_errors(lineage_problems(state, path), f"refusing to export {path}'s release documents")
+        contamination = contamination_summary(_contamination_reports(args.contamination, path, state), state)
         summary = training_data_summary(state, model_name=name, provider=args.provider, checkpoint=str(path),
-                                        contamination=contamination)
+                                        contamination=contamination, provider_contact=args.provider_contact,
+                                        model_version=args.model_version,
+                                        placed_on_market=args.placed_on_market)
         files["training_data_summary.json"] = json.dumps(summary, indent=2, ensure_ascii=False) + "\n"
         files["training_data_summary.md"] = summary_markdown(summary)
         if base_model is None and state.base_model is not None:
@@ -126,7 +162,7 @@ def _release_files(args: argparse.Namespace, model, found, origin: str) -> dict[
         info["training"] = (f"{state.step:,} optimizer steps ({state.consumed_samples:,} packed contexts); "
                             f"exported from {path.name} ({weights}).")
     files["README.md"] = model_card(model_name=name, model_info=info, summary=summary, license=args.license,
-                                    base_model=base_model)
+                                    base_model=base_model, accept_licence_risk=args.accept_licence_risk)
     return files
 
 

@@ -22,9 +22,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--efficiency", type=float, default=0.30,
                    help="fraction of peak the step's FLOPs achieve (default 0.30; calibrate from runs)")
     p.add_argument("--step-time", type=float, default=None, metavar="S",
-                   help="a measured step (configured layout, final window): sets the efficiency")
+                   help="a measured step (configured layout, final window, e.g. MLflow's step_time_s): "
+                   "sets the efficiency")
+    p.add_argument("--mean-step-time", type=float, default=None, metavar="S",
+                   help="a whole run's average step (wall-clock / steps, as papers report it): sets the "
+                   "efficiency so that the planned schedule averages S")
     p.add_argument("--margin", type=float, default=0.10,
-                   help="share of GPU memory kept free (default 0.10)")
+                   help="share of GPU memory kept free, 0 to 0.5 (default 0.10)")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: the config's)")
     p.add_argument("--micro-batch", type=int, help="contexts per micro-batch (default: the config's)")
     p.add_argument("--recompute", choices=("none", "selective", "full"),
@@ -47,7 +51,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_train_config(args.config, args.overrides)
     settings = RunSettings(gpu=gpu_spec(args.gpu), gpus=args.gpus, nodes=args.nodes,
                            precision=args.precision, efficiency=args.efficiency, margin=args.margin,
-                           step_time_s=args.step_time, tp=args.tp, micro_batch=args.micro_batch,
+                           step_time_s=args.step_time,
+                           mean_step_time_s=args.mean_step_time, tp=args.tp, micro_batch=args.micro_batch,
                            recompute=args.recompute)
     plan = plan_run(cfg, settings)
     print(table(plan, args.top))

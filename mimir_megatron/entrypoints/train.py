@@ -21,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-data-verify", action="store_true",
                    help="check the prepared data's structure only, not its sha256 against the manifests "
                         "(data.verify=false: for trusted, very large corpora)")
+    p.add_argument("--reverify-data", action="store_true",
+                   help="hash every prepared file, also those unchanged since an earlier start verified them "
+                        "(data.verify_cache=false)")
     p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides: section.key=value")
     p.set_defaults(handler=cmd_train, early_stop_signals=True)
 
@@ -34,6 +37,8 @@ def overrides_from(args: argparse.Namespace) -> list[str]:
         overrides.append("checkpoint.allow_config_change=true")
     if args.skip_data_verify:
         overrides.append("data.verify=false")
+    if args.reverify_data:
+        overrides.append("data.verify_cache=false")
     return overrides
 
 

@@ -173,19 +173,3 @@ def write_sweep(sweep: SweepResult, output: Path) -> list[Path]:
                                    indent=2) + "\n")
     heatmap(sweep, paths[3])
     return paths
-
-
-def trained_schedule(checkpoint: str | None = None, hf: str | None = None) -> Schedule | None:
-    """(H, L) the weights were trained with, from the checkpoint's state or the HF config."""
-    from mimir_megatron.checkpoint import find
-
-    if checkpoint:
-        found = find(checkpoint)
-        if found:
-            model = found[1].model
-            return int(model["h_cycles"]), int(model["l_cycles"])
-    if hf and (Path(hf) / "config.json").is_file():
-        config = json.loads((Path(hf) / "config.json").read_text())
-        if "H_cycles" in config:
-            return int(config["H_cycles"]), int(config["L_cycles"])
-    return None

@@ -15,6 +15,12 @@ tool-call end tag), found by :func:`completion` with the matcher itself. The inv
 again without it; after a few refusals it takes the completion's next token), and when the
 budget left equals the completion, the row follows the completion. A request whose budget is
 smaller than the completion from the start is refused before decoding.
+
+Numbers. llguidance's JSON number admits any exponent; a row also refuses a token that would
+make the number being written overflow a double or take its exponent past :data:`MAX_EXPONENT`
+(and completions never write one), and an ``integer`` without bounds is bounded to
+:data:`INTEGER_BOUNDS` in the schema. :meth:`Grammars.union` is OpenAI's rule for tools offered
+with a response format: a tool call or the schema's answer.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -52,40 +60,93 @@ def _llguidance():
     return llguidance
 
 
-def strict_schema(schema: Any) -> Any:
-    """The schema in OpenAI's strict sense: every object schema that does not say otherwise gets
-    ``additionalProperties: false`` (no keys beyond its ``properties``), at every depth."""
+def _rewrite(schema: Any, node) -> Any:
+    """A deep copy of ``schema`` with ``node(copy)`` applied to every (sub)schema object, inner
+    ones first (``node`` edits the dict it is given)."""
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
         if key in _SUBSCHEMA:
-            out[key] = strict_schema(value)
+            out[key] = _rewrite(value, node)
         elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            out[key] = [strict_schema(v) for v in value]
+            out[key] = [_rewrite(v, node) for v in value]
         elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: strict_schema(v) for name, v in value.items()}
+            out[key] = {name: _rewrite(v, node) for name, v in value.items()}
         else:
             out[key] = copy.deepcopy(value)
-    kind = out.get("type")
-    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
-    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
+    node(out)
     return out
+
+
+def _has_type(schema: dict, name: str) -> bool:
+    kind = schema.get("type")
+    return kind == name or (isinstance(kind, list) and name in kind)
+
+
+def strict_schema(schema: Any) -> Any:
+    """The schema in OpenAI's strict sense: every object schema that does not say otherwise gets
+    ``additionalProperties: false`` (no keys beyond its ``properties``), at every depth."""
+    def strict(out: dict) -> None:
+        is_object = _has_type(out, "object") or "properties" in out
+        if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+            out["additionalProperties"] = False
+
+    return _rewrite(schema, strict)
+
+
+def bounded_integers(schema: Any) -> Any:
+    """The schema with every ``integer`` that has no bound of its own on a side bounded there by
+    :data:`INTEGER_BOUNDS` (exact in every JSON parser, within every typed client's int64)."""
+    def bound(out: dict) -> None:
+        if _has_type(out, "integer"):
+            if "minimum" not in out and "exclusiveMinimum" not in out:
+                out["minimum"] = INTEGER_BOUNDS[0]
+            if "maximum" not in out and "exclusiveMaximum" not in out:
+                out["maximum"] = INTEGER_BOUNDS[1]
+
+    return _rewrite(schema, bound)
+
+
+_NUMBER_START = frozenset(b"-0123456789")
+_NUMBER_BYTES = frozenset(b"-+.eE0123456789")
+MAX_EXPONENT = 308
+"""A JSON number's exponent is at most this in magnitude (a double's largest decimal exponent)."""
+INTEGER_BOUNDS = (-(2**53 - 1), 2**53 - 1)
+"""An ``integer`` schema without a bound of its own is bounded to the integers every JSON parser
+reads exactly (a double's, JavaScript's safe integers, I-JSON's; llguidance's range compiler
+takes its bounds as doubles, so a 64-bit bound itself cannot be compiled exactly)."""
+
+
+def finite_number_prefix(text: str) -> bool:
+    """Whether a JSON number written so far (``-``, ``1.``, ``2e``, ``1e30``, ...) is still a
+    finite double with an exponent of at most :data:`MAX_EXPONENT` in magnitude."""
+    mantissa, _, exponent = text.lower().partition("e")
+    digits = exponent.lstrip("+-")
+    if digits and int(digits) > MAX_EXPONENT:
+        return False
+    mantissa = mantissa.rstrip(".")
+    if mantissa in ("", "-"):
+        return True
+    sign = exponent[:1] if exponent[:1] in ("+", "-") else ""
+    return math.isfinite(float(f"{mantissa}e{sign}{digits}" if digits else mantissa))
 
 
 class _JsonLexState:
     """Whether the bytes so far end inside a JSON string (the completion search prefers ``"``
-    there, and closers ``}`` / ``]`` outside, where inside a string they would be content)."""
+    there, and closers ``}`` / ``]`` outside, where inside a string they would be content), and
+    the number being written, if any (a row refuses a token that would make it overflow)."""
 
-    __slots__ = ("in_string", "escape")
+    __slots__ = ("in_string", "escape", "number")
 
     def __init__(self) -> None:
         self.in_string, self.escape = False, False
+        self.number: bytearray | None = None
 
     def copy(self) -> "_JsonLexState":
         out = _JsonLexState()
         out.in_string, out.escape = self.in_string, self.escape
+        out.number = None if self.number is None else bytearray(self.number)
         return out
 
     def feed(self, data: bytes) -> None:
@@ -96,6 +157,18 @@ class _JsonLexState:
                 self.escape = True
             elif byte == 0x22:  # double quote
                 self.in_string = not self.in_string
+                self.number = None
+            elif self.in_string:
+                continue
+            elif self.number is not None and byte in _NUMBER_BYTES:
+                self.number.append(byte)
+            else:  # outside strings a number starts with - or a digit (true/false/null have none)
+                self.number = bytearray([byte]) if byte in _NUMBER_START else None
+
+    @property
+    def finite(self) -> bool:
+        """The number being written (if any) is still finite, its exponent bounded."""
+        return self.number is None or finite_number_prefix(self.number.decode("ascii"))
 
 
 class Vocabulary:
@@ -133,6 +206,15 @@ class Vocabulary:
         separators = [by_bytes[b] for b in (b",", b", ") if b in by_bytes]
         self.rank_in_string = ranks(closes_string)
         self.rank_outside = ranks(closers + separators + values)
+
+
+def _finite_after(lex: _JsonLexState, data: bytes) -> bool:
+    """Whether the number being written stays finite (:attr:`_JsonLexState.finite`) after ``data``."""
+    if lex.in_string or (lex.number is None and not any(b in _NUMBER_START for b in data)):
+        return True
+    after = lex.copy()
+    after.feed(data)
+    return after.finite
 
 
 def _allowed_bits(matcher, size: int) -> np.ndarray:
@@ -173,6 +255,11 @@ def completion(matcher, lex: _JsonLexState, vocab: Vocabulary, limit: int) -> li
             return None
         rank = vocab.rank_in_string if lex.in_string else vocab.rank_outside
         token = int(np.where(bits, rank, _NEVER).argmin())
+        while not _finite_after(lex, vocab.bytes[token]):  # a number must not overflow on the way
+            bits[token] = 0
+            if not bits.any():
+                return None
+            token = int(np.where(bits, rank, _NEVER).argmin())
         if not m.consume_token(token):
             return None
         lex.feed(vocab.bytes[token])
@@ -221,6 +308,8 @@ class GrammarConstraint:
             self._take(token)
             self.finish = self.finish[1:]
             return True
+        if not _finite_after(self._lex, vocab.bytes[token]):  # a number would overflow (or its exponent)
+            return False
         lex = self._lex.copy()
         if not self._matcher.consume_token(token):
             self.budget = left  # the mask allowed it, so never expected: the row ends as done
@@ -230,6 +319,8 @@ class GrammarConstraint:
             self.budget, self.finish = left, []
             return True
         finish = self.finish if self.finish and self._still_finishes(self.finish) else None
+        if finish is not None and not self._finite_along(finish):
+            finish = None
         if finish is None or len(finish) > left:
             finish = completion(self._matcher, self._lex, vocab, left)
         if finish is None or len(finish) > left:
@@ -243,6 +334,18 @@ class GrammarConstraint:
         self._matcher.consume_token(token)
         self._lex.feed(self._vocab.bytes[token])
         self.budget -= 1
+
+    def _finite_along(self, tokens: list[int]) -> bool:
+        """Whether the number being written (if any) stays finite while ``tokens`` are written
+        from here (the numbers they start were checked when they were found)."""
+        lex = self._lex.copy()
+        for token in tokens:
+            if lex.number is None:
+                return True
+            if not _finite_after(lex, self._vocab.bytes[token]):
+                return False
+            lex.feed(self._vocab.bytes[token])
+        return True
 
     def _still_finishes(self, tokens: list[int]) -> bool:
         """Whether ``tokens`` (the completion before the last token) still finish the grammar."""
@@ -260,13 +363,19 @@ class GrammarConstraint:
 class Grammar:
     """A compiled grammar; :meth:`start` gives a fresh per-row state."""
 
-    def __init__(self, lib, tokenizer, text: str, vocab: Vocabulary) -> None:
+    def __init__(self, lib, tokenizer, text: str, vocab: Vocabulary,
+                 branches: tuple["Grammar", ...] = ()) -> None:
         self._lib, self._tokenizer, self.text, self._vocab = lib, tokenizer, text, vocab
+        self.branches = branches
+        """For a union: its alternatives compiled alone (the shortest reply is the shortest of theirs)."""
         self._shortest: list[int] | None = None
         self._searched_to = -1
 
     def shortest(self, budget: int) -> list[int] | None:
         """The completion from the grammar's start (None: none within ``budget`` tokens)."""
+        if self.branches:  # each alternative searched alone: the greedy search would follow one only
+            found = [b.shortest(budget) for b in self.branches]
+            return min((f for f in found if f is not None), key=len, default=None)
         if self._shortest is None and budget > self._searched_to:
             matcher = self._lib.LLMatcher(self._tokenizer, self.text)
             self._shortest = completion(matcher, _JsonLexState(), self._vocab, budget)
@@ -291,32 +400,41 @@ class Grammars:
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> None:
         self._hf_tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
-        self._tokenizer = None
-        self._vocab: Vocabulary | None = None
+        self._built: tuple[Any, Vocabulary] | None = None
+        """(llguidance's tokenizer, its :class:`Vocabulary`), published together once both exist."""
+        self._building = threading.Lock()
+
+    def _tokenizer_and_vocab(self, lib) -> tuple[Any, Vocabulary]:
+        """Built once, on the first grammar: the server's worker threads compile concurrently, and
+        a thread must never see the tokenizer without its vocabulary (one lock, one assignment)."""
+        built = self._built
+        if built is None:
+            with self._building:
+                built = self._built
+                if built is None:
+                    tokenizer = lib.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                      eos_token=list(self.stop_ids) or None)
+                    built = self._built = (tokenizer, Vocabulary(tokenizer, self.vocab_size, self.stop_ids))
+        return built
 
     def _compile(self, text: str, field: str) -> Grammar:
         lib = _llguidance()
         if self._hf_tokenizer is None:
             raise RequestError("structured output needs the model's tokenizer", field)
-        if self._tokenizer is None:
-            self._tokenizer = lib.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                    eos_token=list(self.stop_ids) or None)
-            self._vocab = Vocabulary(self._tokenizer, self.vocab_size, self.stop_ids)
-        failed, messages = lib.LLMatcher.validate_grammar_with_warnings(text, self._tokenizer)
+        tokenizer, vocab = self._tokenizer_and_vocab(lib)
+        failed, messages = lib.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
         if failed:
             raise RequestError(f"{field} cannot be compiled: {messages[0]}", field)
-        return Grammar(lib, self._tokenizer, text, self._vocab)
+        return Grammar(lib, tokenizer, text, vocab)
 
     def json(self, schema: dict[str, Any] | None, field: str = "response_format",
              strict: bool = True) -> Grammar:
         """Any JSON object (``schema`` None), or JSON valid under ``schema`` (``strict``: in
         OpenAI's strict sense, :func:`strict_schema`; else as written, JSON Schema's defaults)."""
         lib = _llguidance()
-        if schema is not None and strict:
-            schema = strict_schema(schema)
         try:
-            text = lib.LLMatcher.grammar_from_json_schema(
-                {"type": "object"} if schema is None else schema, defaults=_JSON_STYLE)
+            text = lib.LLMatcher.grammar_from_json_schema(self._answer_schema(schema, strict),
+                                                          defaults=_JSON_STYLE)
         except Exception as exc:  # noqa: BLE001 - the library's own message names the problem
             raise RequestError(f"{field} cannot be compiled: {exc}", field) from exc
         return self._compile(text, field)
@@ -325,16 +443,39 @@ class Grammars:
         """One call (or, ``parallel``, one or more) of the given tools, in the chat template's
         syntax: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. Each tool's
         parameters are compiled in OpenAI's strict sense unless the tool says ``strict: false``."""
+        lark = f"start: call{'+' if parallel else ''}\ncall: {self._call_rule(tools)}\n"
+        return self._compile(_llguidance().LLMatcher.grammar_from_lark(lark), field)
+
+    def union(self, tools: list[dict[str, Any]], parallel: bool, schema: dict[str, Any] | None,
+              strict: bool = True, tools_field: str = "tools", field: str = "response_format") -> Grammar:
+        """Tools and a response format together, as OpenAI defines them: one call (or, ``parallel``,
+        one or more) of the tools as :meth:`tool_calls` writes them, or a final answer as
+        :meth:`json` writes it. Its shortest reply is the shorter of the two's."""
+        branches = (self.tool_calls(tools, parallel, tools_field), self.json(schema, field, strict))
+        answer = {**self._answer_schema(schema, strict), "x-guidance": _JSON_STYLE}
+        lark = (f"start: call{'+' if parallel else ''} | answer\ncall: {self._call_rule(tools)}\n"
+                f"answer: %json {json.dumps(answer)}\n")
+        union = self._compile(_llguidance().LLMatcher.grammar_from_lark(lark), field)
+        union.branches = branches
+        return union
+
+    @staticmethod
+    def _answer_schema(schema: dict[str, Any] | None, strict: bool) -> dict[str, Any]:
+        if schema is None:
+            return {"type": "object"}
+        return bounded_integers(strict_schema(schema) if strict else schema)
+
+    @staticmethod
+    def _call_rule(tools: list[dict[str, Any]]) -> str:
+        """The lark rule of one call of any of ``tools``."""
         calls = []
         for tool in tools:
             fn = tool.get("function", tool)
             parameters = fn.get("parameters") or {"type": "object", "properties": {}}
             if fn.get("strict") is not False:
                 parameters = strict_schema(parameters)
+            parameters = bounded_integers(parameters)
             calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                           "properties": {"name": {"const": fn["name"]}, "arguments": parameters}})
         schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": _JSON_STYLE}
-        repeat = "+" if parallel else ""
-        call = f"{json.dumps(TOOL_CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_CLOSE)}"
-        lark = f"start: call{repeat}\ncall: {call}\n"
-        return self._compile(_llguidance().LLMatcher.grammar_from_lark(lark), field)
+        return f"{json.dumps(TOOL_CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_CLOSE)}"

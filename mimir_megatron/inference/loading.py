@@ -17,14 +17,6 @@ from mimir_megatron.inference.engine import InferenceEngine
 log = logging.getLogger(__name__)
 
 
-def _tokenizer(directory: str | Path | None):
-    if not directory or not (Path(directory) / "tokenizer.json").is_file():
-        return None
-    from mimir_megatron.chat import load_tokenizer
-
-    return load_tokenizer(directory)
-
-
 def load_engine(
     *,
     model: str | Path | None = None,
@@ -46,13 +38,14 @@ def load_engine(
     ``compile_decode``: see :class:`InferenceEngine`.
     """
     found = checkpoint_pkg.resolve_model_dir(model=model, checkpoint=checkpoint, weights=weights, hf=hf)
-    source, kind = found.path, found.kind
+    source = found.path
     net = checkpoint_pkg.load_model_dir(found, ema=ema, tensor_parallel_size=tensor_parallel_size)
-    # The tokenizer: a transformers or weights directory's own, else the one the config names.
-    kinds = checkpoint_pkg.ModelKind
-    own = kind == kinds.hf or (kind == kinds.weights and (source / "tokenizer.json").is_file())
-    fallback = source if own else net.cfg.tokenizer
-    tok = _tokenizer(tokenizer or fallback)
+    tok_dir = checkpoint_pkg.tokenizer_dir(found, tokenizer)
+    tok = None
+    if tok_dir is not None and (tok_dir / "tokenizer.json").is_file():
+        from mimir_megatron.chat import load_tokenizer
+
+        tok = load_tokenizer(tok_dir)
     if tok is None:
         log.warning("no tokenizer found for %s: the engine takes and returns token ids only", source)
     name = source.name if source.name not in ("latest", "") else source.parent.name

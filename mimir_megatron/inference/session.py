@@ -76,7 +76,10 @@ class DecodeSession:
             )
         text = None
         if engine.tokenizer is not None:
-            text = StreamingText(engine.tokenizer, p.stop_strings, p.skip_special_tokens)
+            # Stop strings apply to free text: a grammar's reply (JSON, a tool call) is never cut
+            # into something that does not parse; it ends when the grammar completes.
+            stop_strings = () if request.constraint is not None else p.stop_strings
+            text = StreamingText(engine.tokenizer, stop_strings, p.skip_special_tokens)
         constraint = None
         if request.constraint is not None:
             constraint = request.constraint.start(engine.limits.budget(request))

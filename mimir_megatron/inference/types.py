@@ -71,8 +71,10 @@ class SamplingParams:
                 out.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if not 0 < self.repetition_penalty < math.inf:
             out.append(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
-            out.append("logit_bias values must be in [-100, 100]")
+        outside = [(token, bias) for token, bias in self.logit_bias if not -100 <= bias <= 100]
+        if outside:
+            out.append(f"logit_bias values must be in [-100, 100], got {outside[0][1]!r} for token "
+                       f"{outside[0][0]}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
             out.append(f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
                        f"got {self.min_tokens!r}")

@@ -5,7 +5,9 @@ Megatron's unfused path (``MLP.forward``'s ``glu``) runs ``chunk``, ``silu``, ``
 gradients with a ``cat``. This computes the same products with the same kernels (``silu``,
 ``mul``, ``silu_backward``) and writes the two gradient halves straight into one tensor: the same
 bits (the one difference, ``x2 + 0.0`` turning a ``-0.0`` into ``+0.0``, changes only the sign of
-a zero product), one node instead of five, no copy of ``x2`` saved for backward.
+a zero product), one node instead of five, no copy of ``x2`` saved for backward. Only the input
+is kept for backward: ``silu(x1)`` (FFN-wide) is recomputed there, an elementwise pass that frees
+a third of the MLP's activations (the reference keeps the same: the projection's output).
 
 It sits in megatron's MLP activation slot (``MLPSubmodules.activation_func``), which megatron uses
 when ``TransformerConfig.use_te_activation_func`` is set: the name says TE, but the slot takes any
@@ -22,14 +24,14 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         gate, linear = torch.chunk(x, 2, dim=-1)
-        activated = F.silu(gate)
-        ctx.save_for_backward(x, activated)
-        return activated * linear
+        ctx.save_for_backward(x)
+        return F.silu(gate) * linear
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        x, activated = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         gate, linear = torch.chunk(x, 2, dim=-1)
+        activated = F.silu(gate)  # recomputed (the same kernel, the same bits): not kept from forward
         half = gate.shape[-1]
         out = torch.empty(x.shape, dtype=grad.dtype, device=grad.device)
         torch.mul(grad, activated, out=out[..., half:])  # d/d linear

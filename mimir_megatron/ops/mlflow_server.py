@@ -47,12 +47,14 @@ def server_command(
     host: str = DEFAULT_HOST,
     port: int = 5000,
     python: str = sys.executable,
+    app_name: str | None = None,
 ) -> list[str]:
     """``mlflow server`` on this store; artifacts are served from (and uploaded to) artifacts_dir.
 
     Runs whose experiment already has an artifact location (the trainer's sqlite default pins
     ``<run.dir>/mlartifacts``) keep it; experiments created through this server get
     ``mlflow-artifacts:/``, proxied to ``artifacts_dir``. Nothing lands in the working directory.
+    ``app_name``: an MLflow server app plugin (``--app-name``), e.g. ``mimir`` (ops/ui_app.py).
     """
     return [
         python, "-m", "mlflow", "server",
@@ -61,6 +63,7 @@ def server_command(
         "--host", host,
         "--port", str(port),
         "--workers", "1",
+        *(["--app-name", app_name] if app_name else []),
     ]
 
 
@@ -119,6 +122,7 @@ class MlflowServer:
         host: str = DEFAULT_HOST,
         port: int | None = None,
         startup_timeout: float = 90.0,
+        app_name: str | None = None,
     ) -> None:
         self.store_dir = Path(store_dir).resolve()
         default_uri, self.artifacts_dir = run_store(self.store_dir)
@@ -126,6 +130,7 @@ class MlflowServer:
         self.host = host
         self.port = port
         self.startup_timeout = startup_timeout
+        self.app_name = app_name
         self.log_path = self.store_dir / "mlflow-server.log"
         self.process: subprocess.Popen | None = None
 
@@ -138,7 +143,8 @@ class MlflowServer:
         self.artifacts_dir.mkdir(parents=True, exist_ok=True)
         if self.port is None:
             self.port = free_port(self.host)
-        cmd = server_command(self.backend_store_uri, self.artifacts_dir, self.host, self.port)
+        cmd = server_command(self.backend_store_uri, self.artifacts_dir, self.host, self.port,
+                             app_name=self.app_name)
         with open(self.log_path, "ab") as log:
             # Own process group: mlflow spawns uvicorn, which stop() must end as well.
             self.process = subprocess.Popen(

@@ -3,7 +3,11 @@
     mimir ui --run-dir runs/demo            # sqlite:///runs/demo/mlflow.db, artifacts beside it
     mimir ui --backend-store-uri sqlite:////abs/path/mlflow.db --port 5001
 
-Open http://127.0.0.1:5000; from a laptop, tunnel first: ``ssh -L 5000:127.0.0.1:5000 HOST``.
+Open the URL it prints (the latest run's experiment, in the model-training view); from a laptop,
+tunnel first: ``ssh -L 5000:127.0.0.1:5000 HOST``. The server is MLflow's with the ``mimir`` app
+plugin (ops/ui_app.py), which makes the training view the UI's default; where that plugin is not
+installed (its entry point missing), the printed URL still opens the training view
+(``?workflowType=machine_learning``) and a warning says the UI's default is MLflow's own.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 
 from mimir_megatron.errors import UserError
 from mimir_megatron.ops.mlflow_server import DEFAULT_HOST, run_store, server_command, server_env
+from mimir_megatron.ops.ui_app import APP_NAME, TRAINING_VIEW
 
 log = logging.getLogger("mimir")
 
@@ -44,7 +49,33 @@ def ui_command(
         artifacts_dir = artifacts_dir or str(default_artifacts)
     if artifacts_dir is None:
         raise UserError("--backend-store-uri without --run-dir needs --artifacts-dir")
-    return server_command(backend_store_uri, artifacts_dir, host=host, port=port)
+    return server_command(backend_store_uri, artifacts_dir, host=host, port=port,
+                          app_name=APP_NAME if app_installed() else None)
+
+
+def app_installed() -> bool:
+    """Whether MLflow can find the ``mimir`` server app (the package's ``mlflow.app`` entry point)."""
+    from importlib.metadata import entry_points
+
+    return any(e.name == APP_NAME for e in entry_points(group="mlflow.app"))
+
+
+def start_url(base: str, backend_store_uri: str) -> str:
+    """The page to open: the experiment of the store's latest run in the training view (the
+    experiment list where the store has no run or cannot be read)."""
+    view = f"?workflowType={TRAINING_VIEW}"
+    try:
+        from mimir_megatron.mlflow_store import mlflow_client
+
+        client = mlflow_client(backend_store_uri, request_timeout_s=5)
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        runs = client.search_runs(experiments, max_results=1, order_by=["attributes.start_time DESC"])
+    except Exception as exc:  # noqa: BLE001 - only the printed link depends on it
+        log.debug("no latest run in %s: %s", backend_store_uri, exc)
+        runs = []
+    if not runs:
+        return f"{base}/#/experiments{view}"
+    return f"{base}/#/experiments/{runs[0].info.experiment_id}/runs{view}"
 
 
 def serve(
@@ -63,7 +94,13 @@ def serve(
     cmd = ui_command(run_dir, backend_store_uri, artifacts_dir, host, port)
     if host not in _LOOPBACK:
         log.warning("binding %s: the MLflow UI has no authentication", host)
-    log.info("MLflow UI on http://%s:%d (store %s); Ctrl-C stops it", host, port, cmd[5])
+    if "--app-name" not in cmd:
+        log.warning("the mimir MLflow app is not installed (reinstall mimir-megatron): the UI opens "
+                    "in MLflow's GenAI view by default; the link below opens the training view")
+    shown = f"[{host}]" if ":" in host else host
+    url = start_url(f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{port}", cmd[5])
+    log.info("MLflow UI on http://%s:%d (store %s); Ctrl-C stops it", shown, port, cmd[5])
+    log.info("open %s", url)
     for handler in logging.getLogger().handlers:
         handler.flush()
     sys.stdout.flush()

@@ -22,14 +22,43 @@ from pathlib import Path
 from typing import Any
 
 from mimir_megatron.checkpoint import BaseModel, DatasetLineage, TrainerState
+from mimir_megatron.data.prepared import MANIFEST_NAME, manifest_digest
 from mimir_megatron.data.provenance import BASES, FORMS, UNKNOWN, provenance_from_record
+from mimir_megatron.errors import UserError
 
 TEMPLATE = ("EU AI Office, Template for the Public Summary of Training Content for general-purpose "
             "AI models (24 July 2025)")
 
 
+def lineage_problems(state: TrainerState, source: str | Path) -> list[str]:
+    """Why the release documents of the checkpoint ``source`` cannot be trusted, one line per
+    dataset: its provenance as the lineage records it does not validate, or its manifest, still
+    on disk, is no longer the one the run trained on (the lineage pins its digest)."""
+    problems = []
+    for entry in state.lineage:
+        where = f"{source}: dataset {entry.name}"
+        try:
+            provenance_from_record(entry.provenance, f"{where}: lineage provenance")
+        except UserError as exc:
+            problems.append(str(exc))
+        manifest_path = Path(entry.path) / MANIFEST_NAME
+        if entry.manifest_digest is None or not manifest_path.is_file():
+            continue  # pinned before pins were recorded, or the data is gone: the lineage speaks
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            now = manifest.get("digest") if isinstance(manifest, dict) else None
+            intact = now == manifest_digest(manifest)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            now, intact = None, False
+        if now != entry.manifest_digest or not intact:
+            problems.append(f"{where}: its manifest {manifest_path} changed since this checkpoint was "
+                            f"trained on it (digest pinned {entry.manifest_digest[:12]}, now "
+                            f"{(now or 'none')[:12]}{'' if intact else ', not matching its content'})")
+    return problems
+
+
 def _provenance_row(entry: DatasetLineage, total: int) -> dict[str, Any]:
-    p = provenance_from_record(entry.provenance)
+    p = provenance_from_record(entry.provenance, f"dataset {entry.name}: lineage provenance")
     row = {
         "dataset": entry.name, "category": entry.category, "audit_group": entry.audit_group,
         "tokens": entry.tokens, "documents": entry.documents, "response_tokens": entry.response_tokens,
@@ -75,12 +104,16 @@ def _manifest_processing(entry: DatasetLineage) -> dict[str, Any]:
             "documents": manifest.get("documents"), "rejected": manifest.get("rejected"),
             "rejects": {k: v for k, v in (manifest.get("rejects") or {}).items() if v},
             "tokenizer_sha256": (manifest.get("tokenizer") or {}).get("sha256"),
-            "seq_len": (manifest.get("settings") or {}).get("seq_len")}
+            "seq_len": (manifest.get("settings") or {}).get("seq_len"),
+            "personal_data": manifest.get("personal_data")}
 
 
-def contamination_summary(report_paths: list[Path]) -> dict[str, Any] | None:
+def contamination_summary(report_paths: list[Path],
+                          state: TrainerState | None = None) -> dict[str, Any] | None:
     """The decontamination result from ``mimir audit contamination`` reports: per suite and
-    benchmark, items checked, items found in the training data and the longest shared span."""
+    benchmark, items checked, items found in the training data and the longest shared span.
+    With ``state``, a report is accepted only when it checked this checkpoint's training data
+    (:func:`report_mismatch`); otherwise a one-line :class:`UserError` names it."""
     from mimir_megatron.evaluation.contamination import ContaminationReport
 
     if not report_paths:
@@ -88,43 +121,103 @@ def contamination_summary(report_paths: list[Path]) -> dict[str, Any] | None:
     suites: dict[str, Any] = {}
     for path in report_paths:
         report = ContaminationReport(path)
+        if state is not None:
+            problem = report_mismatch(report.body, state)
+            if problem:
+                raise UserError(f"{path}: {problem}")
         benchmarks = {}
         for task, bench in sorted(report.body.get("benchmarks", {}).items()):
+            if not isinstance(bench, dict):
+                raise UserError(f"{path}: benchmarks.{task}: not a benchmark result")
             if bench.get("error"):
                 benchmarks[task] = {"error": bench["error"]}
                 continue
-            items, found = bench["items"], bench["contaminated"]
+            try:
+                items, found = int(bench["items"]), int(bench["contaminated"])
+                longest = int(bench["longest_span"]["tokens"])
+            except (KeyError, TypeError, ValueError):
+                raise UserError(f"{path}: benchmarks.{task}: items, contaminated and longest_span.tokens "
+                                "are required (a report `mimir audit contamination` wrote)") from None
             benchmarks[task] = {"items": items, "contaminated": found,
-                                "fraction": found / items if items else 0.0,
-                                "longest_span_tokens": bench["longest_span"]["tokens"]}
+                                "fraction": found / items if items else 0.0, "longest_span_tokens": longest}
         suites[report.suite or path.stem] = {"report": str(path), "ngram": report.ngram,
                                              "benchmarks": benchmarks}
     return {"suites": suites}
 
 
+def report_mismatch(body: dict[str, Any], state: TrainerState) -> str | None:
+    """Why a contamination report does not speak for this checkpoint's training data, or None: it
+    must have checked every dataset the run trained on, as its manifest was when trained on (the
+    lineage pins the manifests' digests; the report records those of its index's datasets)."""
+    checked = body.get("datasets")
+    if not isinstance(checked, list):
+        return ("the report does not record which prepared datasets it checked (written before reports "
+                "did); run `mimir audit contamination` again on this run's training data")
+    digests = {d.get("manifest_digest") for d in checked if isinstance(d, dict)}
+    missing = [e.name for e in state.lineage
+               if (e.tokens or e.documents) and e.manifest_digest not in digests]
+    if missing:
+        return (f"built on other data than this checkpoint was trained on: its index does not hold "
+                f"{', '.join(missing)} as trained (manifest digests differ); index the run's mixture "
+                "(`mimir audit index --mixture`) and run `mimir audit contamination` on it")
+    return None
+
+
+def _undeclared_share(rows: list[dict[str, Any]], total: int) -> float:
+    return sum(r["tokens"] for r in rows if r["basis"] == UNKNOWN) / total if total else 0.0
+
+
+def _latest_collection(rows: list[dict[str, Any]]) -> str | None:
+    dates = [r["retrieved"] for r in rows if r.get("retrieved")]
+    return max(dates) if dates else None
+
+
 def training_data_summary(state: TrainerState, *, model_name: str, provider: str | None = None,
-                          checkpoint: str | None = None,
-                          contamination: dict[str, Any] | None = None) -> dict[str, Any]:
+                          checkpoint: str | None = None, contamination: dict[str, Any] | None = None,
+                          provider_contact: str | None = None, model_version: str | None = None,
+                          placed_on_market: str | None = None) -> dict[str, Any]:
     """The summary of what the checkpoint in ``state`` was trained on, as a JSON-ready dict."""
+    from mimir_megatron.data.licences import licence_category, license_keys
+    from mimir_megatron.data.policy import DataPolicy
+
     lineage = [e for e in state.lineage if e.tokens or e.documents]
     total = sum(e.tokens for e in lineage)
     rows = [_provenance_row(e, total) for e in lineage]
     by_basis: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         by_basis[row["basis"]].append(row)
+    trained_ids = {row.get("id") for row in rows}
+    # Agreement sources that are only parents: one trained on directly is listed there instead.
     agreement_sources = {d["id"]: d for row in rows for d in row.get("derived_from", [])
-                         if d["basis"] == "agreement"}
+                         if d["basis"] == "agreement" and d["id"] not in trained_ids}
+    commercial = [r for r in rows if r["license"] != UNKNOWN
+                  and any(licence_category(k) == "Commercial" for k in license_keys(r["license"]))]
+    undeclared = _undeclared_share(rows, total)
+    unknown_note = (f"; provenance was not declared for {100 * undeclared:.1f} % of tokens, for which "
+                    "this cannot be said") if undeclared else ""
+    policy = state.data_policy
+    try:
+        policy_kind = "default" if policy is not None and DataPolicy(**policy).is_default else "custom"
+    except TypeError:
+        policy_kind = "custom"
+    tdm = by_basis["tdm-research"]
     return {
         "template": TEMPLATE,
         "general": {
             "provider": provider or UNKNOWN,
+            "provider_contact": provider_contact or UNKNOWN,
             "model": model_name,
+            "model_version": model_version or f"step {state.step}",
+            "placed_on_market": placed_on_market or "not stated",
             "modalities": ["text"],
+            "content_types": sorted({str(r["category"]) for r in rows}),
             "checkpoint": checkpoint, "step": state.step,
             "datasets": len(rows),
             "training_tokens": total,
             "training_documents": sum(e.documents for e in lineage),
             "supervised_tokens": sum(e.response_tokens for e in lineage),
+            "undeclared_token_share": undeclared,
+            "latest_data_collection": _latest_collection(rows) or "not recorded",
             "languages": _tally(rows, "languages"),
             "base_models": _base_models(state.base_model),
         },
@@ -132,11 +225,15 @@ def training_data_summary(state: TrainerState, *, model_name: str, provider: str
             "public_datasets": by_basis["open-licence"] + by_basis["public-domain"],
             "licensed_private_datasets": {
                 "trained_on_directly": by_basis["agreement"],
+                "commercially_licensed": commercial,
                 "used_only_to_derive_synthetic_data": sorted(agreement_sources.values(),
                                                              key=lambda d: d["id"]),
             },
-            "crawled_data": "none: this project trains on prepared datasets only and runs no crawler",
-            "user_data": "none",
+            "tdm_research_datasets": tdm,
+            "crawled_data": "none declared: every dataset's provenance names its source, and none declares "
+                            "data crawled or scraped by the provider" + unknown_note,
+            "user_data": "none declared: no dataset's provenance declares data from the model's users"
+                         + unknown_note,
             "synthetic_data": by_basis["synthetic"],
             "other_undeclared": by_basis[UNKNOWN],
         },
@@ -149,9 +246,10 @@ def training_data_summary(state: TrainerState, *, model_name: str, provider: str
             "by_audit_group": _tally(rows, "audit_group"),
         },
         "processing": {
-            "data_policy": state.data_policy,
-            "opt_outs": "datasets are grouped by opt-out status into audit groups (by_audit_group); "
-                        "the memorisation audits (mimir audit) report per group",
+            "data_policy": policy,
+            "data_policy_kind": policy_kind,
+            "opt_outs": _opt_out_statement(rows, tdm, total),
+            "illegal_content": _illegal_content_statement(lineage),
             "tokenisation": [_manifest_processing(e) for e in lineage],
             "synthetic_generation": [
                 {"dataset": r["dataset"], "form": r["form"], "generator": r.get("generator"),
@@ -162,12 +260,62 @@ def training_data_summary(state: TrainerState, *, model_name: str, provider: str
     }
 
 
+def _opt_out_statement(rows: list[dict[str, Any]], tdm: list[dict[str, Any]], total: int) -> str:
+    """How reservations of rights (TDM opt-outs) bear on the data, from the declared bases."""
+    share = {b: sum(r["tokens"] for r in rows if r["basis"] == b) / total if total else 0.0
+             for b in ("open-licence", "public-domain", "synthetic", "agreement", "tdm-research", UNKNOWN)}
+    parts = [f"{100 * (share['open-licence'] + share['public-domain']):.1f} % of tokens are openly licensed "
+             "or in the public domain (their licences permit mining)",
+             f"{100 * share['synthetic']:.1f} % synthetic (judged by the terms of the data they derive from)"]
+    if share["agreement"]:
+        parts.append(f"{100 * share['agreement']:.1f} % supplied under agreement (its terms govern)")
+    if tdm:
+        orgs = sorted({str(r.get('research_organisation')) for r in tdm})
+        parts.append(f"{100 * share['tdm-research']:.1f} % mined under the DSM Directive's Art. 3 research "
+                     f"exception by {', '.join(orgs)}, to which opt-outs do not apply")
+    if share[UNKNOWN]:
+        parts.append(f"{100 * share[UNKNOWN]:.1f} % had no declared provenance: its opt-out status is "
+                     "unknown")
+    else:  # every basis the project knows is one of the above: none relies on Art. 4
+        parts.append("no dataset relies on the general Art. 4 exception, so no machine-readable "
+                     "reservation (robots.txt, TDMRep) needed honouring")
+    parts.append("audit groups record the opt-out confidence per dataset")
+    return "; ".join(parts)
+
+
+def _illegal_content_statement(lineage: list[DatasetLineage]) -> str:
+    """What `mimir prepare` did against unwanted content, from the manifests still on disk."""
+    screened, denylisted, seen = 0, 0, 0
+    for entry in lineage:
+        manifest_path = Path(entry.path) / MANIFEST_NAME
+        if not manifest_path.is_file():
+            continue
+        manifest = json.loads(manifest_path.read_text())
+        seen += 1
+        screened += bool(manifest.get("personal_data"))
+        denylisted += bool((manifest.get("settings") or {}).get("denylist"))
+    if not seen:
+        return "not recorded: the datasets' manifests were not available at export"
+    return (f"{seen} of {len(lineage)} datasets' manifests read at export: {screened} screened for personal "
+            f"data by `mimir prepare`, {denylisted} prepared with a benchmark denylist; every dataset was "
+            "checked against the data policy before training; no classifier for other illegal content "
+            "was run")
+
+
 def _table(title: str, tally: dict[str, int], total: int, labels: dict[str, str] | None = None) -> list[str]:
     lines = [f"| {title} | tokens | share |", "| --- | ---: | ---: |"]
     for key, tokens in tally.items():
         lines.append(f"| {(labels or {}).get(key, key)} | {tokens:,} | {100 * tokens / total:.1f} % |"
                      if total else f"| {key} | {tokens:,} | - |")
     return lines
+
+
+def _personal_data_text(screen: dict[str, Any] | None) -> str:
+    if not screen:
+        return "not screened for personal data"
+    found = ", ".join(f"{n:,} {kind}" for kind, n in screen.get("found", {}).items()) or "none found"
+    return (f"personal data ({screen.get('policy')} policy): {found}; "
+            f"{screen.get('documents_rejected', 0):,} documents rejected for it")
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:
@@ -178,11 +326,15 @@ def summary_markdown(summary: dict[str, Any]) -> str:
            f"Organised after the {summary['template']}. Every figure comes from the checkpoint's data "
            "lineage and the datasets' manifests.", "",
            "## 1. General information", "",
-           f"- Provider: {g['provider']}",
-           f"- Model: {g['model']} (checkpoint {g['checkpoint']}, step {g['step']:,})",
-           "- Modalities: text",
+           f"- Provider: {g['provider']} (contact: {g['provider_contact']})",
+           f"- Model: {g['model']}, version {g['model_version']} (checkpoint {g['checkpoint']}, "
+           f"step {g['step']:,}); placed on the market: {g['placed_on_market']}",
+           "- Modalities: text; content types: " + (", ".join(g["content_types"]) or "none"),
            f"- Training data: {total:,} tokens in {g['training_documents']:,} documents as sampled "
-           f"(repeats counted), {g['supervised_tokens']:,} of them supervised (responses)",
+           f"(repeats counted), {g['supervised_tokens']:,} of them supervised (responses); "
+           + (f"{100 * g['undeclared_token_share']:.1f} % of tokens had no declared provenance"
+              if g["undeclared_token_share"] else "every token's provenance was declared"),
+           f"- Latest data collection (the latest retrieval date declared): {g['latest_data_collection']}",
            "- Languages: " + ", ".join(f"{k} ({100 * v / total:.1f} %)" for k, v in g["languages"].items())
            if total else "- Languages: none"]
     for base in g["base_models"]:
@@ -195,6 +347,10 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                         ("Synthetic data", s["synthetic_data"]),
                         ("Private datasets licensed from third parties, trained on directly",
                          s["licensed_private_datasets"]["trained_on_directly"]),
+                        ("Private datasets commercially licensed (licence category Commercial)",
+                         s["licensed_private_datasets"]["commercially_licensed"]),
+                        ("Data mined under the text-and-data-mining exception for research (DSM Art. 3)",
+                         s["tdm_research_datasets"]),
                         ("Other (provenance not declared)", s["other_undeclared"])):
         out += [f"### {title}", ""]
         if not rows:
@@ -210,7 +366,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     derived = s["licensed_private_datasets"]["used_only_to_derive_synthetic_data"]
     out += ["### Data supplied under agreement, used only to derive synthetic data", ""]
     out += [f"- {d['id']}: {d['source']} ({d['license']})" for d in derived] or ["None."]
-    out += ["", f"Crawled data: {s['crawled_data']}. User data: {s['user_data']}.", ""]
+    out += ["", f"Crawled or scraped data: {s['crawled_data']}.", "", f"User data: {s['user_data']}.", ""]
     out += ["### Tokens by form (Table 6), language (Table 7), licence, basis and audit group", ""]
     out += _table("form", t["by_form"], total, FORMS) + [""]
     out += _table("language", t["by_language"], total) + [""]
@@ -220,15 +376,18 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     out += _table("category", t["by_category"], total) + [""]
     p = summary["processing"]
     out += ["## 3. Processing", "",
-            f"- Data policy checked before training: `{json.dumps(p['data_policy'])}`",
-            f"- Opt-outs: {p['opt_outs']}"]
+            f"- Data policy checked before training ({p['data_policy_kind']}): "
+            f"`{json.dumps(p['data_policy'])}`",
+            f"- Reservations of rights (text-and-data-mining opt-outs): {p['opt_outs']}",
+            f"- Illegal and unwanted content: {p['illegal_content']}"]
     for step in p["tokenisation"]:
         if "manifest" in step:
             out.append(f"- {step['dataset']}: manifest {step['manifest']}")
         else:
             out.append(f"- {step['dataset']}: {step['documents']:,} documents kept of {step['lines_read']:,} "
                        f"lines, {step['rejected']:,} rejected {step['rejects'] or ''} (tokenizer "
-                       f"{str(step['tokenizer_sha256'])[:12]}, seq_len {step['seq_len']})")
+                       f"{str(step['tokenizer_sha256'])[:12]}, seq_len {step['seq_len']}); "
+                       + _personal_data_text(step.get("personal_data")))
     for gen in p["synthetic_generation"]:
         made_by = gen["generator"] or UNKNOWN
         out.append(f"- {gen['dataset']}: {FORMS.get(gen['form'], gen['form'])} by {made_by}"

@@ -89,7 +89,8 @@ class TrainSection:
     precision: Precision = Precision.auto
     """auto (bf16 compute with fp32 master weights on GPU, fp32 on CPU), fp32 or bf16."""
     peak_tflops: float = 0.0
-    """Peak dense TFLOP/s of one device, for MFU (H100/H200 bf16: 989; 0: MFU not reported)."""
+    """Peak dense TFLOP/s of one device, for MFU; 0: a GPU's bf16 peak from train/plan/gpus.yaml,
+    on CPU this process's fp32 matmul peak measured at start-up (the run's description says which)."""
     on_nonfinite: OnNonfinite = OnNonfinite.skip
     """What a step whose loss or gradient norm is not finite does. skip: no optimizer step, no
     EMA update (its batch is consumed, the step counts), MLflow metric `nonfinite_skip` = 1; more
@@ -149,7 +150,14 @@ class OptimSection:
     ema_decay: float = 0.9999
     """EMA of the weights (fp32); 0 disables it."""
     shard_state: bool = True
-    """Shard optimizer state over data-parallel ranks (ZeRO-1); no effect with one DP rank."""
+    """Shard optimizer state over data-parallel ranks (ZeRO-1 by whole tensors, torch's
+    ZeroRedundancyOptimizer); no effect with one DP rank. See `distributed_optimizer`."""
+    distributed_optimizer: bool = False
+    """Megatron's distributed-optimizer layout (train/dist_optim.py): fp32 main weights, Adam's
+    moments and the EMA kept for each data-parallel rank's rows of every weight (even: 16 / DP
+    bytes a weight), gradients reduced in fp32, updated rows all-gathered. Needed for
+    `model.params_dtype: bfloat16` (Megatron's mixed precision: bf16 weights, fp32 main copy);
+    with fp32 weights it is an even ZeRO-1. Needs `shard_state` (left true)."""
     divide_lr_by_window: bool = True
     """Divide the L and H learning rates by their applications in the window (paper, section 3)."""
 
@@ -191,6 +199,9 @@ class TrackingSection:
     """MLflow tracking URI; default a sqlite store in the run directory."""
     experiment: str = "mimir"
     """MLflow experiment name."""
+    run_name: str = ""
+    """MLflow run name; empty: `<run.name>-k<window>-s<steps>-<config hash>` (e.g.
+    `demo-k2to5-s400-3fa1c2`), which tells runs of one recipe apart."""
     enabled: bool = True
     retry_seconds: float = 10.0
     """While the server is unreachable, metrics are buffered and delivery is retried this often."""
@@ -286,12 +297,16 @@ class TrainConfig(RunSections):
                         "`mimir eval`")
         if self.eval.limit < 1:
             errs.append(f"eval.limit must be >= 1, got {self.eval.limit}")
-        if self.model.params_dtype != ParamsDtype.float32:
-            # The optimizer updates the weights in place from fp32 DDP gradients: bf16 storage
-            # would need separate fp32 master weights, which this trainer does not keep.
-            errs.append(f"model.params_dtype={self.model.params_dtype} cannot be trained: the trainer "
-                        "keeps fp32 weights (the master weights) and computes in bf16 under autocast "
-                        "on GPU (train.precision); use model.params_dtype=float32")
+        if self.model.params_dtype != ParamsDtype.float32 and not o.distributed_optimizer:
+            # The plain and ZeRO-1 optimizers update the weights in place from fp32 gradients:
+            # bf16 weights need the distributed optimizer's fp32 main copy.
+            errs.append(f"model.params_dtype={self.model.params_dtype} needs "
+                        "optim.distributed_optimizer=true (fp32 main weights sharded over data-parallel "
+                        "ranks); or use "
+                        "model.params_dtype=float32 (fp32 weights, bf16 autocast on GPU)")
+        if o.distributed_optimizer and not o.shard_state:
+            errs.append("optim.distributed_optimizer=true shards the optimizer state: it contradicts "
+                        "optim.shard_state=false")
         if world_size is not None and t.micro_batch_size >= 1 and tp >= 1:
             dp = world_size // tp
             if world_size % tp:

@@ -1,5 +1,9 @@
 """The data lineage of a run: what of each dataset went into the weights, counted from the batches.
 
+Each dataset's entry also pins the digest its manifest carried when the run trained on it, so
+that a manifest rewritten later (a licence changed and both digests recomputed) is named at
+export (:func:`mimir_megatron.release.summary.lineage_problems`).
+
 Every batch of the training loader carries the counts of the documents packed into it, per
 dataset of the mixture (``Batch.sources``). Each rank adds up the micro-batches it trains on; a
 checkpoint sums them over the data-parallel group (tensor-parallel peers see the same batches and
@@ -25,12 +29,14 @@ def mixture_lineage(mixture: Mixture) -> list[DatasetLineage]:
     """One zero-count entry per dataset of ``mixture``, in its order, with its provenance."""
     entries = []
     for entry in mixture.entries:
-        record = read_manifest(entry.path).get("provenance") or dict(UNKNOWN_RECORD)
-        provenance = provenance_from_record(record)
+        manifest = read_manifest(entry.path)
+        record = manifest.get("provenance") or dict(UNKNOWN_RECORD)
+        provenance = provenance_from_record(record, f"dataset {entry.name}: {entry.path}: provenance")
         entries.append(DatasetLineage(
             name=entry.name, path=str(entry.path), category=entry.category, language=entry.language,
             audit_group=entry.audit_group_of(provenance), provenance=record,
             provenance_digest=provenance.digest if provenance else None,
+            manifest_digest=manifest.get("digest"),
         ))
     return entries
 

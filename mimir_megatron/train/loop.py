@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,14 @@ from mimir_megatron.train.resume import check_resumable, resume_path, verified_r
 from mimir_megatron.train.run_lock import RunLock
 from mimir_megatron.train.schedules import StepPlan, plan_step
 from mimir_megatron.train.step import StepHooks, StepOutcome, Trainer, build_trainer, train_step
-from mimir_megatron.train.tracking import SystemMetrics, Tracker, host_tags
+from mimir_megatron.train.tracking import (
+    SystemMetrics,
+    Tracker,
+    host_tags,
+    run_description,
+    run_name,
+    run_params,
+)
 
 log = logging.getLogger("mimir.train")
 
@@ -117,6 +124,8 @@ class _Run:
     """The checkpoint this invocation resumed from (None: a fresh start)."""
     plan: StartupPlan | None = None
     """`mimir plan`'s plan of this run (``train.plan_gpu``, rank 0)."""
+    peak_tflops: float = 0.0
+    """One device's peak for MFU (rank 0, which logs it; 0: no MFU)."""
 
     def save(self, at_step: int) -> None:
         """Checkpoint the current state as that after ``at_step`` steps (collective)."""
@@ -137,6 +146,7 @@ class _Run:
             data_policy=self.lineage.policy,
         )
         self.writer.save(at_step, t.model, t.optimizer, t.ema, trainer_state)
+        self.tracker.log_json([asdict(e) for e in trainer_state.lineage], "data/lineage.json")
 
     def evaluate(self) -> float | None:
         t = self.trainer
@@ -157,20 +167,25 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
         training_data_problems,
     )
     from mimir_megatron.checkpoint.load import start_collective_verification
+    from mimir_megatron.data.files import raise_open_file_limit
     from mimir_megatron.data.prefetch import DevicePrefetcher
     from mimir_megatron.model import build_model
 
     env = parallel.init_distributed(timeout_s=cfg.train.collective_timeout_s)
     cfg.validate(world_size=env.world_size)
+    raise_open_file_limit()  # before the data checks open thousands of shard files
     _lock_run_directory(lock, env.rank)
     # The data policy and the prepared data's integrity, before anything is built: every
     # offending dataset at once. Each rank hashes a share of the files; all see every verdict.
     # The mixture is read here once; the stream, its fingerprint and the lineage use it.
     mixture = load_mixture(cfg.data.mixture)
+    digest_cache = cfg.data.index_directory(mixture.entries[0].path) if cfg.data.verify_cache else None
     problems = parallel.gather_lines(training_data_problems(mixture, verify=cfg.data.verify, rank=env.rank,
-                                                world=env.world_size))
+                                                            world=env.world_size, digest_cache=digest_cache))
     if problems:
         raise UserError(f"refusing to train on {mixture.source}:\n  - " + "\n  - ".join(problems))
+    if env.rank == 0:
+        log.info("data policy: %s", mixture.policy.describe())
     stream = PackedMixture(cfg.data, mixture)
     parallel.init_model_parallel(cfg.model.parallel.tensor_parallel_size)
     rank, device = env.rank, backend.device()
@@ -222,10 +237,15 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
     dist.barrier()
 
     # -- data, tracking ------------------------------------------------------------------------
-    # The packing index is built once, by rank 0, up to the epoch being resumed; the other
-    # ranks then read it from its cache instead of each building it (minutes at 100B tokens).
+    # The packing index of every epoch the run will reach is built once, by rank 0, before the
+    # first step (its windows over the node's cores); the other ranks read it from the cache, so
+    # no rank packs an epoch at a boundary inside the step loop. The prefetcher runs up to
+    # prefetch + 1 micro-batches past the last step.
     if rank == 0:
-        stream.locate(consumed)
+        last = cfg.train.steps * cfg.train.global_batch_size
+        last += (cfg.data.prefetch + 1) * cfg.train.micro_batch_size * dp_size
+        epochs = stream.build_ahead(max(last, consumed + 1))
+        log.info("packing index: %d epoch(s) ready in %s", epochs, stream.index_dir)
     dist.barrier()
     loader = build_train_loader(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
                                 dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed, stream=stream)
@@ -234,21 +254,31 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
     eval_samples = []
     if cfg.data.eval_path:
         eval_samples = _eval_subset(load_eval_samples(cfg.data.eval_path), cfg.eval.max_samples)
+    lineage = LineageCounter(mixture, resumed_lineage)
     tracker = Tracker(cfg.tracking.uri, run_dir, cfg.tracking.experiment,
                       enabled=cfg.tracking.enabled and rank == 0,
                       retry_seconds=cfg.tracking.retry_seconds, checkpoints=ckpt_dir)
     tp = cfg.model.parallel.tensor_parallel_size
     layout = f"TP={tp} DP={dp_size} SP={cfg.model.uses_sequence_parallel}"
-    tags = host_tags(env.world_size, layout) | {"data_fingerprint": fingerprint, "config": cfg.source}
+    tags = host_tags(env.world_size, layout) | {"data_fingerprint": fingerprint, "config": cfg.source,
+                                                "data_policy": mixture.policy.describe()[:5000]}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     if config_changes:
         tags[f"config_changed_at_step_{step}"] = "; ".join(config_changes)[:5000]
     # The plan of this very run, before its first step (rank 0; a warning if it cannot be made).
     plan = plan_at_start(cfg, env.world_size) if cfg.train.plan_gpu and rank == 0 else None
-    params = flatten(cfg.to_dict()) | (plan.params() if plan is not None else {})
-    tracker.start(cfg.run.name, params, tags, resume_run_id=run_id, resume_step=step,
+    effective = {"model.parallel.sequence_parallel": cfg.model.uses_sequence_parallel}  # as in the layout tag
+    params = run_params(flatten(cfg.to_dict()), effective)
+    params |= plan.params() if plan is not None else {}
+    peak, peak_source = (cfg.train.peak_tflops, "train.peak_tflops") if cfg.train.peak_tflops else (
+        backend.peak_tflops() if tracker.enabled else (0.0, ""))
+    tags["mlflow.note.content"] = run_description(cfg, peak, peak_source)
+    tracker.start(run_name(cfg), params, tags, resume_run_id=run_id, resume_step=step,
                   new_trajectory=bool(config_changes) or data_changed)
+    tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())), "config.yaml")
+    tracker.log_json({"decision": "allowed", "mixture": str(mixture.source), "policy": lineage.policy,
+                      "datasets": [asdict(e) for e in lineage.entries]}, "data/policy_decision.json")
     if plan is not None:
         tracker.log_text(plan.json(), "plan.json")
     system = _start_system_metrics(cfg, tracker, env.local_rank)
@@ -268,8 +298,8 @@ def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
     return _Run(cfg=cfg, trainer=trainer, loader=loader, eval_samples=eval_samples, tracker=tracker,
                 system=system, writer=writer, result=result, fingerprint=fingerprint, dp_rank=dp_rank,
                 dp_size=dp_size, accumulation=accumulation, step=step, consumed=consumed,
-                lineage=LineageCounter(mixture, resumed_lineage), base_model=base_model,
-                resumed_from=resume_from, plan=plan)
+                lineage=lineage, base_model=base_model, resumed_from=resume_from, plan=plan,
+                peak_tflops=peak)
 
 
 def _lock_run_directory(lock: RunLock, rank: int) -> None:
@@ -318,7 +348,8 @@ def _loop(run: _Run, stop: _StopFlag, stop_at_step: int | None, hooks: StepHooks
             result.losses.append(outcome.loss)
             result.final_step = run.step
             _log_step(run.tracker, cfg, run.step, plan, outcome, tokens_per_step, elapsed, devices,
-                      planned=run.plan if device.type == "cuda" else None)
+                      planned=run.plan if device.type == "cuda" else None,
+                      tokens_seen=run.consumed * cfg.data.seq_len, peak_tflops=run.peak_tflops)
 
             # -- what follows a step: checkpoint, evaluation, pre-emption -----------------------
             run.writer.poll()
@@ -399,28 +430,32 @@ def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> ckpt.BaseModel:
     """Continued training: weights from a checkpoint or from project weights (`mimir import`)."""
     from mimir_megatron.interop import CONFIG_FILE, read_safetensors_dir
     from mimir_megatron.model.state import load_full_state
+    from mimir_megatron.train.optim import weights_loaded
 
     source = Path(cfg.checkpoint.init_from)
     if (source / CONFIG_FILE).is_file():
         load_full_state(model, read_safetensors_dir(source), source=str(source))
+        weights_loaded(model, optimizer, None)  # a distributed optimizer's fp32 main copy follows
         base = ckpt.BaseModel(source=str(source.resolve()))
     else:  # a new run: its own seed decides the RNG, not the source run's
         path = ckpt.resolve(source)
-        state = ckpt.load_checkpoint(path, model, optimizer if cfg.checkpoint.keep_optimizer else None, ema,
-                                     restore_rng=False)
+        state = ckpt.load_checkpoint(path, model, optimizer, ema, restore_rng=False,
+                                     optimizer_state=cfg.checkpoint.keep_optimizer)
         base = ckpt.BaseModel(source=str(path.resolve()), step=state.step, mlflow_run_id=state.mlflow_run_id,
                               lineage=state.lineage, base_model=state.base_model)
     if ema is not None and not (cfg.checkpoint.keep_optimizer and base.mlflow_run_id is not None):
-        ema.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        ema.reset(model)
     log.info("initialised weights from %s (optimizer %s)", source,
              "kept" if cfg.checkpoint.keep_optimizer else "reset")
     return base
 
 
 def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan: StepPlan, outcome: StepOutcome,
-              tokens: int, seconds: float, devices: int, planned: StartupPlan | None = None) -> None:
-    """Metrics of every step to MLflow (host values the step already read: no synchronisation);
-    with ``planned`` (a GPU run), the plan's memory and step time next to the measured ones."""
+              tokens: int, seconds: float, devices: int, planned: StartupPlan | None = None,
+              tokens_seen: int = 0, peak_tflops: float = 0.0) -> None:
+    """Metrics of every step to MLflow (host values the step already read: no synchronisation;
+    names: tracking.METRIC_NAMES); with ``planned`` (a GPU run), the plan's memory and step time
+    next to the measured ones; MFU against ``peak_tflops`` (0: none)."""
     flops = flops_per_token(cfg.model, plan.window.k_L, plan.window.k_H, cfg.data.seq_len,
                             attended_keys=outcome.attended_keys) * tokens
     tflops_per_device = flops / seconds / devices / 1e12
@@ -431,6 +466,7 @@ def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan: StepPlan, out
         "k_L": plan.window.k_L,
         "k_H": plan.window.k_H,
         "supervised_tokens": outcome.supervised,
+        "tokens_seen": tokens_seen,
         "tokens_per_s": tokens / seconds,
         "tflops_per_device": tflops_per_device,
         "step_time_s": seconds,
@@ -438,8 +474,8 @@ def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan: StepPlan, out
         "nonfinite_skip": float(not outcome.finite),  # its sum over a run: the skipped steps
         **{f"lr/{g}": lr for g, lr in plan.group_lr.items()},
     }
-    if cfg.train.peak_tflops:
-        metrics["mfu"] = tflops_per_device / cfg.train.peak_tflops
+    if peak_tflops:
+        metrics["mfu"] = tflops_per_device / peak_tflops
     if planned is not None:
         metrics |= planned.metrics(plan.window.k)
     tracker.log_metrics(step, metrics)
@@ -468,11 +504,18 @@ def _evaluate(model, samples, cfg: TrainConfig, device, dp_rank, dp_size, dp_gro
                                    device=device, dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group,
                                    stop_token_ids=eval_stop_ids(cfg.data.eval_path))
         tracker.log_metrics(step, {"eval/exact_match": score})
+        result = {"step": step, "exact_match": score, "samples": count, "eval_path": cfg.data.eval_path,
+                  "max_new_tokens": cfg.eval.max_new_tokens}
+        tracker.log_json(result, f"eval/step_{step:07d}/exact_match.json")
         log.info("step %d: exact match %.3f on %d held-out samples", step, score, count)
     if cfg.eval.suite:
         if dist.get_rank() == 0:
-            metrics = suite_scores(model, cfg, Path(cfg.run.dir) / "eval_logs" / f"step_{step:07d}")
+            log_dir = Path(cfg.run.dir) / "eval_logs" / f"step_{step:07d}"
+            metrics = suite_scores(model, cfg, log_dir)
             tracker.log_metrics(step, metrics)
+            tracker.log_json({"step": step, **metrics}, f"eval/step_{step:07d}/suite.json")
+            if log_dir.is_dir():
+                tracker.log_path(log_dir, f"eval/step_{step:07d}/inspect_logs")
             log.info("step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())))
         dist.barrier()  # the other ranks wait for rank 0's suite
     return score

@@ -88,7 +88,9 @@ def init_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
 
 def build_optimizer(model: torch.nn.Module, optim_cfg, dp_group=None, shard: bool = False
                     ) -> torch.optim.Optimizer:
-    """Per-group optimizer; ``shard`` spreads its state over the data-parallel group (ZeRO-1).
+    """Per-group optimizer; ``shard`` spreads its state over the data-parallel group (ZeRO-1);
+    ``optim_cfg.distributed_optimizer`` shards fp32 main weights and state evenly instead
+    (:class:`~mimir_megatron.train.dist_optim.DistributedOptimizer`).
 
     Sharding uses torch's ZeroRedundancyOptimizer: each rank keeps and updates the Adam state of
     the parameters it owns, then broadcasts them. (megatron's DistributedOptimizer needs CUDA
@@ -106,6 +108,13 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, dp_group=None, shard: boo
     else:
         raise ValueError(f"unknown optimizer {optim_cfg.optimizer!r}")
     kwargs |= dict(lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay)
+    if optim_cfg.distributed_optimizer:
+        from mimir_megatron.train.dist_optim import DistributedOptimizer
+
+        opt = DistributedOptimizer(groups, cls, kwargs, optim_cfg.lr, dp_group=dp_group)
+        for main in (p for g in opt.param_groups for p in g["params"]):
+            init_state(opt.optim, main)
+        return opt
     if shard:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -124,7 +133,13 @@ def optimizer_step(optimizer: torch.optim.Optimizer, plan: StepPlan) -> None:
 
     ``param.grad`` points at the DDP buffer only during the update: left there, the next backward
     would accumulate into the buffer through ``.grad`` and DDP's hook would add it a second time.
+    The distributed optimizer (train/dist_optim.py) does the same on its row shards.
     """
+    from mimir_megatron.train.dist_optim import DistributedOptimizer
+
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.step(plan)
+        return
     for group in optimizer.param_groups:
         frozen = group["name"] in plan.frozen
         group["lr"] = plan.group_lr[group["name"]]
@@ -169,6 +184,10 @@ class EMA:
 
     def __init__(self, model: torch.nn.Module, decay: float):
         self.decay = decay
+        self.reset(model)
+
+    def reset(self, model: torch.nn.Module) -> None:
+        """The EMA restarted at the model's current weights."""
         self.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
     @torch.no_grad()
@@ -180,3 +199,23 @@ class EMA:
     def copy_to(self, model: torch.nn.Module) -> None:
         for name, param in model.named_parameters():
             param.copy_(self.shadow[name])
+
+
+def build_ema(model: torch.nn.Module, optimizer, decay: float):
+    """The EMA of the trainer: of the distributed optimizer's fp32 row shards, or of the weights."""
+    from mimir_megatron.train.dist_optim import DistributedOptimizer, ShardedEMA
+
+    if decay <= 0:
+        return None
+    return ShardedEMA(optimizer, decay) if isinstance(optimizer, DistributedOptimizer) else EMA(model, decay)
+
+
+def weights_loaded(model: torch.nn.Module, optimizer, ema) -> None:
+    """After weights were put into the model by other means than a checkpoint load (imported
+    weights): the distributed optimizer's main weights follow them, and the EMA restarts there."""
+    from mimir_megatron.train.dist_optim import DistributedOptimizer
+
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.main_from_params()
+    if ema is not None:
+        ema.reset(model)

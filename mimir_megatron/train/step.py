@@ -24,7 +24,15 @@ import torch.distributed as dist
 
 from mimir_megatron.batch import Batch
 from mimir_megatron.train.flops import attended_keys_per_token
-from mimir_megatron.train.optim import EMA, build_optimizer, clip_, grad_norm, optimizer_step
+from mimir_megatron.train.optim import (
+    EMA,
+    build_ema,
+    build_optimizer,
+    clip_,
+    grad_norm,
+    optimizer_step,
+    param_groups,
+)
 from mimir_megatron.train.schedules import StepPlan
 
 AfterReduction = Callable[[int, torch.Tensor, list[torch.nn.Parameter]], None]
@@ -46,6 +54,7 @@ class Trainer:
     model: torch.nn.Module
     ddp: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    """A torch optimizer, ZeRO-1's wrapper of one, or the distributed optimizer (train/dist_optim.py)."""
     ema: EMA | None
     params: list[torch.nn.Parameter]
     device: torch.device
@@ -89,8 +98,8 @@ def build_trainer(model: torch.nn.Module, optim_cfg, *, device: torch.device, dp
     )
     optimizer = build_optimizer(model, optim_cfg, dp_group=dp_group,
                                 shard=optim_cfg.shard_state and dp_size > 1)
-    ema = EMA(model, optim_cfg.ema_decay) if optim_cfg.ema_decay > 0 else None
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ema = build_ema(model, optimizer, optim_cfg.ema_decay)
+    params = [p for _, named in param_groups(model).items() for _, p in named]
     bf16 = backend.has_gpu() and precision in ("auto", "bf16")
 
     def autocast() -> AbstractContextManager:

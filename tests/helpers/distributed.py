@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from polling import hang_limit
+
 WORKERS = Path(__file__).resolve().parent.parent / "workers"
 
 
@@ -18,7 +20,9 @@ def free_port() -> int:
 
 
 def run_ranks(worker: str, world_size: int, *args: str, timeout: float = 600) -> None:
-    """Start ``tests/workers/<worker>`` once per rank; fail with every rank's output on error."""
+    """Start ``tests/workers/<worker>`` once per rank; fail with every rank's output on error
+    (``timeout``, scaled by :func:`polling.hang_limit`, only detects a hang)."""
+    timeout = hang_limit(timeout)
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -35,7 +39,7 @@ def run_ranks(worker: str, world_size: int, *args: str, timeout: float = 600) ->
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            out, failed = f"rank {rank} timed out after {timeout}s", True
+            out, failed = f"rank {rank} timed out after {timeout:.0f} s", True
         outputs.append(out)
         failed |= proc.returncode != 0
     if failed:

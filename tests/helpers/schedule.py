@@ -17,8 +17,11 @@ LONGEST_FIRST = (
     "tests/system/test_docker.py",
     "tests/system/test_readme_results.py",  # trains the demo (~5 min), then `mimir sweep`
     "tests/system/test_slurm.py",  # one- and two-node clusters, ~4 min
+    "tests/system/test_ui_browser.py",  # a 6-step run, `mimir ui`, three chromium pages, ~3 min
+    "tests/integration/test_data_epochs.py",  # a 2-rank run across epoch boundaries, resumes, ~2 min
     "tests/integration/test_train_parallel.py",  # four 2-rank gloo runs, ~1 min
-    "tests/integration/test_plan_memory.py",  # 18 measured train steps, 1 and 2 ranks, ~25 s
+    "tests/integration/test_train_distributed_optimizer.py",  # two 2-rank runs, six 1-rank, a kill -9
+    "tests/integration/test_plan_memory.py",  # 27 measured train steps, 1 and 2 ranks, ~40 s
     "tests/integration/test_checkpoint_reliability.py",
     "tests/integration/test_checkpoint_signals.py",
     "tests/integration/test_integrity_checkpoints.py",  # a second trainer's start, three resumes

@@ -13,12 +13,14 @@ import logging
 import random
 import re
 import shutil
+import unicodedata
 from pathlib import Path
 
 import pytest
 from conftest import REPO
 
 from mimir_megatron.audits import AuditSource, build_index
+from mimir_megatron.audits.contamination import check_item
 from mimir_megatron.cli import main
 from mimir_megatron.evaluation.suite import load_suite
 
@@ -232,3 +234,80 @@ def test_bad_input_is_one_line_and_writes_nothing(planted, caplog, tmp_path):
     config.write_text(f"tokenizer: {TOKENIZER}\ndenylist: {foreign}\ndatasets:\n"
                       f"  - {{input: [{planted['train']}], output: {out}}}\n")
     _one_line_error(caplog, ["prepare", "--config", str(config)], "tokenizer.sha256", out)
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """Items planted in variants that change no word (re-cased, NFKC forms, punctuation dropped),
+    short items planted whole, the n-gram boundary (an item of exactly n tokens planted whole and
+    with its last token cut), and 16 clean items planted nowhere; one index, checked with
+    check_item directly (the checks the command runs per item)."""
+    from mimir_megatron.audits.contamination import _Encoder
+    from mimir_megatron.chat import encoding, load_tokenizer
+    from mimir_data_prep.prepare import prepare
+
+    root = tmp_path_factory.mktemp("variants")
+    tokenizer = load_tokenizer(str(TOKENIZER))
+    vocabulary = sorted(set(re.findall(r"[a-z]{3,}", (REPO / "data_prep" / "mimir_data_prep" / "demo"
+                                                      / "text_en.txt").read_text())))
+    r = random.Random(1)
+
+    def tokens(text: str) -> list[int]:
+        return list(encoding(tokenizer, text).ids)
+
+    def sentence(k: int) -> str:
+        return " ".join(r.choice(vocabulary) for _ in range(k)).capitalize() + "."
+
+    def of_length(n: int) -> str:  # a text of exactly n tokens
+        while True:
+            words = sentence(40).split()
+            for k in range(1, len(words)):
+                text = " ".join(words[:k])
+                if len(tokens(text)) == n:
+                    return text
+                if len(tokens(text)) > n:
+                    break
+
+    def punctuated(k: int) -> str:  # a comma or semicolon after every second word
+        words = sentence(k).split()
+        return " ".join(w + (",;"[i % 2] if i % 2 else "") for i, w in enumerate(words))
+
+    def full_width(text: str) -> str:  # what NFKC folds back: full-width letters, ideographic spaces
+        return "".join("\u3000" if c == " " else chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in text)
+
+    # Each changed throughout, so that no 13-token run of the item as written survives in its copy.
+    items = {"caps": sentence(16), "lower": sentence(16).title(), "nfkc": full_width(sentence(16)),
+             "bare": punctuated(16), "short": of_length(NGRAM - 4),
+             "exact_n": of_length(NGRAM), "cut_n": of_length(NGRAM)}
+    clean = {f"clean{i}": sentence(r.choice([5, 10, 16])) for i in range(16)}
+    cut = tokenizer.decode(tokens(items["cut_n"])[:NGRAM - 1])
+    planted = {"caps": items["caps"].upper(), "lower": items["lower"].lower(),
+               "nfkc": unicodedata.normalize("NFKC", items["nfkc"]),
+               "bare": re.sub(r"[^\w\s]", "", items["bare"]), "short": items["short"],
+               "exact_n": items["exact_n"], "cut_n": cut}
+    docs = [chat("Context follows.", text) for text in planted.values()]
+    docs += [chat("Tell me something.", sentence(25)) for _ in range(30)]
+    (root / "train.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    prepare([root / "train.jsonl"], TOKENIZER, root / "train", workers=1, progress=False)
+    from mimir_megatron.audits import AuditIndex
+
+    index = AuditIndex(build_index([AuditSource("train", root / "train", "A")], root / "idx", progress=False))
+    encoder = _Encoder(tokenizer)
+    results = {name: check_item(index, encoder, "b", name, [("prompt", text)], NGRAM, 100)
+               for name, text in {**items, **clean}.items()}
+    return {"results": results, "items": items, "tokens": tokens}
+
+
+def test_normalised_variants_short_items_and_the_ngram_boundary(variants):
+    results, items, tokens = variants["results"], variants["items"], variants["tokens"]
+    assert len(tokens(items["exact_n"])) == len(tokens(items["cut_n"])) == NGRAM
+    assert 6 <= len(tokens(items["short"])) < NGRAM
+    flagged = {name for name, result in results.items() if result.contaminated(NGRAM)}
+    assert flagged == {"caps", "lower", "nfkc", "bare", "short", "exact_n"}, {
+        name: (r.longest.tokens if r.longest else 0) for name, r in results.items()}
+    # the boundary: exactly n shared tokens flag an item, n - 1 do not
+    assert results["exact_n"].longest.tokens == NGRAM and results["exact_n"].exact_tokens == NGRAM
+    assert results["cut_n"].longest.tokens == NGRAM - 1 and not results["cut_n"].whole_item
+    assert results["short"].whole_item and results["caps"].longest.exact is False
+    # without the normalised forms, the changed copies keep no 13-token run of the item as written
+    assert all(results[name].exact_tokens < NGRAM for name in ("caps", "lower", "nfkc", "bare"))

@@ -19,6 +19,7 @@ import torch
 from conftest import REPO, train_overrides
 
 from mimir_megatron.cli import main
+from mimir_megatron.train.tracking import metric_name
 
 STEP = "step_0000003"
 FORMS = ("step", "checkpoints", "run")
@@ -129,8 +130,7 @@ def test_evaluation_reads_the_checkpoint(trained, form, tmp_path):
     import argparse
 
     from mimir_megatron.checkpoint import read_trainer_state
-    from mimir_megatron.entrypoints.evaluate import _source_name, _tokenizer_dir
-    from mimir_megatron.evaluation.sweep import trained_schedule
+    from mimir_megatron.entrypoints.evaluate import _source_name, _tokenizer_dir, _trained_schedule
     from mimir_megatron.evaluation.tracking import tracking_target
 
     state = read_trainer_state(trained / "checkpoints" / STEP)
@@ -138,9 +138,9 @@ def test_evaluation_reads_the_checkpoint(trained, form, tmp_path):
     target = tracking_target(tmp_path, checkpoint=path)
     assert (target.parent_run_id, target.checkpoint_step) == (state.mlflow_run_id, 3)
     assert target.uri == f"sqlite:///{(trained / 'mlflow.db').resolve()}"
-    assert trained_schedule(path) == (state.model["h_cycles"], state.model["l_cycles"])
     args = argparse.Namespace(checkpoint=path, hf=None, weights=None, base_url=None, tokenizer=None,
-                              ema=False)
+                              ema=False, trained_schedule=None)
+    assert _trained_schedule(args) == (state.model["h_cycles"], state.model["l_cycles"])
     assert _tokenizer_dir(args) == state.model["tokenizer"]
     assert _source_name(args) == f"{trained.name}-{STEP}"
 
@@ -155,9 +155,12 @@ def audit_index(trained, demo_data, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("form", FORMS)
 def test_audits(trained, audit_index, form, tmp_path, monkeypatch):
-    """Both audits on a checkpoint; their MLflow artifacts go beside the database in --output,
-    not into ./mlruns of the working directory."""
+    """Both audits on a training checkpoint; their MLflow runs are child runs of its training run
+    in the training run's store, their artifacts in the run directory's artifact store, not in
+    ./mlruns of the working directory."""
     from mlflow.tracking import MlflowClient
+
+    from mimir_megatron.checkpoint import read_trainer_state
 
     dataset, index = audit_index
     (tmp_path / "cwd").mkdir()
@@ -171,11 +174,15 @@ def test_audits(trained, audit_index, form, tmp_path, monkeypatch):
                  "--prefix-tokens", "8", "--continuation-tokens", "4", "--output", str(tmp_path / "cont")]) == 0
     assert (tmp_path / "cont" / "table12.json").is_file()
     assert not (tmp_path / "cwd" / "mlruns").exists()
-    client = MlflowClient(tracking_uri=f"sqlite:///{out.resolve()}/mlflow.db")
-    run = client.search_runs([client.get_experiment_by_name("mimir-audit").experiment_id])[0]
-    assert run.info.artifact_uri.startswith((out / "mlartifacts").resolve().as_uri())
-    assert (out / "mlartifacts").is_dir() and {a.path for a in client.list_artifacts(run.info.run_id)} >= {
-        "table11.md"}
+    assert not (out / "mlflow.db").exists()
+    training_run = read_trainer_state(trained / "checkpoints" / STEP).mlflow_run_id
+    client = MlflowClient(tracking_uri=f"sqlite:///{trained.resolve()}/mlflow.db")
+    experiment = client.get_run(training_run).info.experiment_id
+    audits = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{training_run}' and "
+                                "tags.`mimir.kind` = 'audit'", order_by=["attributes.start_time DESC"])
+    run = next(r for r in audits if r.info.run_name == "prefix-audit")
+    assert run.info.artifact_uri.startswith((trained / "mlartifacts").resolve().as_uri())
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"table11.md"}
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -198,7 +205,7 @@ def test_train_init_from_and_resume(trained, demo_data, form, tmp_path):
 
     logged = MlflowClient(f"sqlite:///{tmp_path / 'resumed' / 'mlflow.db'}").get_run(resumed.run_id)
     assert logged.data.tags["mimir.resumed_from_run_id"] == read_trainer_state(trained / "checkpoints" / STEP).mlflow_run_id
-    assert logged.info.status == "FINISHED" and "loss" in logged.data.metrics
+    assert logged.info.status == "FINISHED" and metric_name("loss") in logged.data.metrics
     continued = run(tmp_path / "continued", f"checkpoint.init_from={path}", "train.steps=1")
     assert continued.final_step == 1
 

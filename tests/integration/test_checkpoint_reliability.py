@@ -26,6 +26,7 @@ from mimir_megatron.errors import UserError
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
 from mimir_megatron.train.tracking import Tracker
+from mimir_megatron.train.tracking import metric_name
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
 WORKERS = Path(__file__).resolve().parents[1] / "workers"
@@ -276,6 +277,6 @@ def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_losses(demo_d
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         _kill_on(proc, log_path, run_dir, event)
     final = run(demo_data, run_dir, *extra)
-    history = MlflowClient(f"sqlite:///{run_dir}/mlflow.db").get_metric_history(final.run_id, "loss")
+    history = MlflowClient(f"sqlite:///{run_dir}/mlflow.db").get_metric_history(final.run_id, metric_name("loss"))
     assert {m.step for m in history} == set(range(1, steps + 1))  # no step missing
     assert all(m.value == expected[m.step - 1] for m in history)  # re-run steps: the same losses

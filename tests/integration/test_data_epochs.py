@@ -98,3 +98,56 @@ def test_training_resumed_across_epoch_boundaries_is_bit_exact(demo_data, small_
         finals.append(gather_full_state(model))
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
     assert np.isfinite(losses).all()
+
+
+def test_dp2_crosses_epoch_boundaries_without_packing_in_the_step_loop(demo_data, small_epochs, tmp_path):
+    """Two ranks train 6 steps of 4 samples over epochs of about 10 contexts: rank 0 packs every
+    epoch the run reaches before step 1, rank 1 packs none, nobody packs inside the step loop, and
+    every sample a rank read holds the documents that today's packing puts there (an epoch
+    packed afresh in this process, one window after another)."""
+    import json
+
+    from distributed import run_ranks
+
+    out = tmp_path / "out"
+    out.mkdir()
+    index_dir = tmp_path / "index"
+    run_ranks("data_epochs_worker.py", 2, str(demo_data), str(tmp_path / "run"), str(out),
+              f"data.mixture={small_epochs}", f"data.index_dir={index_dir}", "checkpoint.interval=100")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [b for r in ranks for b in r["builds"] if b["in_step_loop"]] == []
+    assert ranks[1]["builds"] == []
+    built = [b["epoch"] for b in ranks[0]["builds"]]
+    assert built == list(range(len(built))) and len(built) >= 3, built  # epochs 0, 1, 2 at least
+
+    stream = PackedMixture(DataConfig(mixture=str(small_epochs), seq_len=64, seed=1234,
+                                      index_dir=str(tmp_path / "fresh")))
+    read = {int(s): docs for r in ranks for s, docs in r["samples"].items()}
+    assert set(range(24)) <= set(read)  # 6 steps x 4 samples: both ranks' shares
+    assert stream.locate(23)[0] == 2  # the run reached epoch 2
+    for sample, docs in read.items():
+        assert docs == stream.context_documents(sample).tolist(), sample
+    assert stream.built_epochs == built[: len(stream.built_epochs)]
+
+
+# sha256 of two epochs' index (docs, offsets as int64) of the mixture below, computed by the
+# packer as it was before epochs were packed ahead in processes (commit e2c4ee7): the same
+# packing means the same samples, so this digest changes only with PACKING_VERSION.
+PACKED_DIGEST = "7adfa38816ffbdfc30c5a66254d956402a892d4670e87b7facef5bace25e661b"
+
+
+def test_packing_in_processes_gives_todays_index_exactly():
+    import hashlib
+
+    from mimir_megatron.data.packing import build_epoch_index
+
+    rng = np.random.default_rng(11)
+    lengths = np.clip(rng.lognormal(5, 1.0, 40_000), 2, 1024).astype(np.int32)
+    for workers in (1, 3):
+        digest = hashlib.sha256()
+        for epoch in (0, 1):
+            index = build_epoch_index(lengths, [10_000, 20_000, 10_000], [1, 2.5, 0.5], seq_len=1024, seed=3,
+                                      epoch=epoch, window=2048, workers=workers)
+            digest.update(np.ascontiguousarray(index.docs, dtype=np.int64).tobytes())
+            digest.update(np.asarray(index.offsets, np.int64).tobytes())
+        assert digest.hexdigest() == PACKED_DIGEST, workers

@@ -91,7 +91,7 @@ def one_epoch(tmp_path_factory):
              "--source", "Counting", "--source-location", "org/counting", "--license", "CC-BY-4.0",
              "--basis", "open-licence", "--form", "reformatted", "--language", "en", "--audit-group", "C")
     _prepare(root, "synth-da", [{"prompt": f"Gentag {i}.", "completion": f"{i} {i} {i}"} for i in range(8)],
-             "--source", "Gentagelser", "--license", "Apache-2.0", "--basis", "synthetic",
+             "--source", "Gentagelser", "--license", "Apache-2.0 AND CC-BY-4.0", "--basis", "synthetic",
              "--form", "synthetic-audited", "--language", "da", "--audit-group", "D",
              "--derived-from", str(root / "open-en"))
     mixture = root / "mix.yaml"
@@ -107,11 +107,46 @@ def one_epoch(tmp_path_factory):
     train(cfg)
     out = root / "export"
     report = root / "contamination.json"  # the fields the summary reads, as `mimir audit contamination` writes
+    datasets = [{"name": n, "manifest_digest": json.loads((root / n / "manifest.json").read_text())["digest"]}
+                for n in ("open-en", "synth-da")]
     report.write_text(json.dumps({"format": "mimir-contamination-v1", "suite": "demo", "ngram": 13, "benchmarks": {
-        "arith": {"items": 40, "contaminated": 2, "longest_span": {"tokens": 21}, "data_sha256": "x"}}}))
+        "arith": {"items": 40, "contaminated": 2, "longest_span": {"tokens": 21}, "data_sha256": "x"}},
+        "datasets": datasets}))
     assert main(["export", "--checkpoint", str(root / "run"), "--output", str(out), "--license", "Apache-2.0",
                  "--provider", "Test Lab", "--contamination", str(report)]) == 0
-    return mixture, out
+    return mixture, out, root, report
+
+
+def test_export_refuses_an_unrelated_report_and_a_manifest_changed_since_training(one_epoch, caplog):
+    """A contamination report built on other data, and a manifest whose licence was changed after
+    training with both digests recomputed: each named, exit 2, nothing written."""
+    from mimir_megatron.data.prepared import manifest_digest
+    from mimir_megatron.data.provenance import record_digest
+
+    _, _, root, report = one_epoch
+    export = ["export", "--checkpoint", str(root / "run"), "--output", str(root / "refused"), "--license",
+              "Apache-2.0"]
+    unrelated = root / "unrelated.json"
+    body = json.loads(report.read_text())
+    body["datasets"] = body["datasets"][:1]
+    unrelated.write_text(json.dumps(body))
+    assert main([*export, "--contamination", str(unrelated)]) == 2
+    assert f"{unrelated}: built on other data than this checkpoint was trained on: its index does not hold " \
+           "synth-da as trained" in caplog.text
+    manifest_path = root / "open-en" / "manifest.json"
+    original = manifest_path.read_text()
+    manifest = json.loads(original)
+    manifest["provenance"]["license"] = "CC0-1.0"
+    manifest["provenance"]["digest"] = record_digest(manifest["provenance"])
+    manifest["digest"] = manifest_digest(manifest)
+    manifest_path.write_text(json.dumps(manifest))
+    try:
+        caplog.clear()
+        assert main([*export, "--contamination", str(report)]) == 2
+        assert f"dataset open-en: its manifest {manifest_path} changed since this checkpoint was trained" in caplog.text
+    finally:
+        manifest_path.write_text(original)
+    assert not (root / "refused").exists()
 
 
 def test_one_epoch_summary_and_card_hold_the_data_reports_numbers(one_epoch):
@@ -120,7 +155,7 @@ def test_one_epoch_summary_and_card_hold_the_data_reports_numbers(one_epoch):
 
     from mimir_megatron.data import load_mixture
 
-    mixture, out = one_epoch
+    mixture, out, _, _ = one_epoch
     summary = json.loads((out / "training_data_summary.json").read_text())
     rows = {r.name: r for r in dataset_rows(load_mixture(mixture))}
     trained = {r["dataset"]: r for r in summary["sources"]["public_datasets"] + summary["sources"]["synthetic_data"]}
@@ -130,7 +165,7 @@ def test_one_epoch_summary_and_card_hold_the_data_reports_numbers(one_epoch):
     assert {"Reformatted": summary["tables"]["by_form"]["reformatted"],
             "Synthetic + audited": summary["tables"]["by_form"]["synthetic-audited"]} == report_forms
     assert summary["general"]["languages"] == {"da": trained["synth-da"]["tokens"], "en": trained["open-en"]["tokens"]}
-    assert trained["synth-da"]["license"] == "Apache-2.0" and trained["synth-da"]["derived_from"][0]["id"] == "open-en"
+    assert trained["synth-da"]["license"] == "Apache-2.0 AND CC-BY-4.0" and trained["synth-da"]["derived_from"][0]["id"] == "open-en"
 
     card = ModelCard((out / "README.md").read_text())
     assert (card.data.license, sorted(card.data.language), card.data.datasets) == ("apache-2.0", ["da", "en"],

@@ -2,7 +2,9 @@
 weights, a full disk, and one trainer per run directory.
 
 Each test injects one fault into a copy of the session's 6-step reference run (checkpoints at
-steps 3 and 6, its MLflow run in ``mlflow.db``) and asserts what the user sees.
+steps 3 and 6, its MLflow run in ``mlflow.db``) and asserts what the user sees. Every kind of file
+a checkpoint records is damaged once (a data shard, torch_dist's and megatron's metadata, the RNG
+state, the trainer state): a reader that skipped any kind would load it silently.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from mimir_megatron.errors import UserError
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
 from mimir_megatron.train.step import StepHooks
+from mimir_megatron.train.tracking import metric_name
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
 
@@ -46,7 +49,7 @@ def latest(run_dir: Path) -> str:
 def loss_history(run_dir: Path, run_id: str) -> list[tuple[int, float]]:
     from mlflow.tracking import MlflowClient
 
-    history = MlflowClient(f"sqlite:///{run_dir}/mlflow.db").get_metric_history(run_id, "loss")
+    history = MlflowClient(f"sqlite:///{run_dir}/mlflow.db").get_metric_history(run_id, metric_name("loss"))
     return sorted((m.step, m.value) for m in history)
 
 
@@ -60,15 +63,36 @@ def copied(reference_run, tmp_path) -> Path:
 # -- the faults ------------------------------------------------------------------------------------
 
 
-def flip_bytes(path: Path) -> str:
-    """64 bytes of the largest data file overwritten (its size unchanged)."""
-    data_file = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
-    with open(data_file, "r+b") as f:
-        f.seek(data_file.stat().st_size // 2)
-        block = f.read(64)
-        f.seek(-64, os.SEEK_CUR)
+def flip_in(file: Path) -> str:
+    """Up to 64 bytes in the middle of ``file`` inverted (its size unchanged)."""
+    size = file.stat().st_size
+    length = min(64, size)
+    with open(file, "r+b") as f:
+        f.seek((size - length) // 2)
+        block = f.read(length)
+        f.seek(-length, os.SEEK_CUR)
         f.write(bytes(b ^ 0xFF for b in block))
-    return f"{data_file.name} differs from what was written"
+    return f"{file.name} differs from what was written"
+
+
+def flip_bytes(path: Path) -> str:
+    """The largest data file (a torch_dist shard) damaged."""
+    return flip_in(max(path.glob("*.distcp"), key=lambda p: p.stat().st_size))
+
+
+def flip_metadata(path: Path) -> str:
+    """torch_dist's metadata (``.metadata``), which says where each tensor lies in the shards."""
+    return flip_in(path / ".metadata")
+
+
+def flip_megatron_metadata(path: Path) -> str:
+    """megatron's ``metadata.json`` (the sharded backend and its version)."""
+    return flip_in(path / "metadata.json")
+
+
+def flip_rng(path: Path) -> str:
+    """The RNG state of rank 0 (read only on resume: nothing else would notice)."""
+    return flip_in(path / "rng_rank0.safetensors")
 
 
 def truncate_data(path: Path) -> str:
@@ -85,7 +109,8 @@ def truncate_state(path: Path) -> str:
 
 
 FAULTS = {"flipped bytes": flip_bytes, "truncated data file": truncate_data,
-          "truncated trainer state": truncate_state}
+          "truncated trainer state": truncate_state, "flipped metadata": flip_metadata,
+          "flipped megatron metadata": flip_megatron_metadata, "flipped RNG state": flip_rng}
 
 
 @pytest.mark.parametrize("fault", FAULTS)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, train_overrides
-from polling import wait_for
+from polling import hang_limit, wait_for
 
 pytest.importorskip("mlflow", reason="the MLflow server tests need `pip install mlflow`")
 pytest.importorskip("flask", reason="the MLflow server needs the full mlflow, not mlflow-skinny")
@@ -28,6 +28,7 @@ from mimir_megatron.ops.mlflow_server import (
     post_json,
     wait_healthy,
 )
+from mimir_megatron.train.tracking import metric_name
 
 STEPS = 40  # long enough for the outage to fall inside the run
 
@@ -55,14 +56,14 @@ def listening_addresses(port: int) -> set[str]:
 def loss_steps(server: MlflowServer) -> list[int]:
     """The steps of the logged losses of the server's one run so far ([] before it exists)."""
     runs = server.api("runs/search", {"experiment_ids": ["0", "1", "2"], "max_results": 5}).get("runs")
-    return [s for s, _ in history(server.uri, runs[0]["info"]["run_id"], "loss")] if runs else []
+    return [s for s, _ in history(server.uri, runs[0]["info"]["run_id"], metric_name("loss"))] if runs else []
 
 
 def test_training_logs_through_a_server_outage_and_reads_back_over_rest(demo_data, tmp_path):
     """The server is stopped mid-run and started again on its port: training goes on, warns once,
     and delivers every metric when the server returns; the run then reads back over REST."""
     store = tmp_path / "store"
-    server = MlflowServer(store).start()
+    server = MlflowServer(store, startup_timeout=hang_limit(300)).start()
     log = tmp_path / "train.log"
     cmd = [sys.executable, "-m", "mimir_megatron.cli", "train", "--config", "configs/train/demo.yaml",
            *train_overrides(demo_data, tmp_path / "run", f"train.steps={STEPS}", "checkpoint.interval=1000",
@@ -82,7 +83,7 @@ def test_training_logs_through_a_server_outage_and_reads_back_over_rest(demo_dat
         wait_for(lambda: log.read_text()[down:].count(" loss ") >= 2 or train.poll() is not None,
                  "two steps trained during the outage", timeout=120, interval=0.2)
         assert train.poll() is None, "training ended during the outage:\n" + log.read_text()[-3000:]
-        with MlflowServer(store, port=server.port) as server:
+        with MlflowServer(store, port=server.port, startup_timeout=hang_limit(300)) as server:
             assert train.wait(timeout=300) == 0, log.read_text()[-3000:]
             text = log.read_text()
             assert text.count("unreachable") == 1  # warned once
@@ -99,18 +100,21 @@ def test_training_logs_through_a_server_outage_and_reads_back_over_rest(demo_dat
             params = {p["key"]: p["value"] for p in run["data"]["params"]}
             assert params["train.steps"] == str(STEPS)
             assert params["model.hidden_size"] == "64"
-            assert params["tracking.experiment"] == "server-test"
+            assert params["settings.tracking.experiment"] == "server-test"
+            # The run's files arrive too: the config from the start, the lineage of the last checkpoint.
+            files = get_json(f"{server.uri}/api/2.0/mlflow/artifacts/list?run_id={run['info']['run_id']}")
+            assert {"config.yaml", "data"} <= {f["path"] for f in files.get("files", [])}
 
             run_id = run["info"]["run_id"]
             steps = list(range(1, STEPS + 1))
-            loss = history(server.uri, run_id, "loss")
+            loss = history(server.uri, run_id, metric_name("loss"))
             assert [s for s, _ in loss] == steps  # every step, those of the outage too
             assert all(0 < v < 20 for _, v in loss)
-            assert [s for s, _ in history(server.uri, run_id, "lr/L")] == steps
-            assert history(server.uri, run_id, "window_k") == [(s, 2.0) for s in steps]
+            assert [s for s, _ in history(server.uri, run_id, metric_name("lr/L"))] == steps
+            assert history(server.uri, run_id, metric_name("window_k")) == [(s, 2.0) for s in steps]
             # The latest run values (runs/search) agree with the last point of each history.
             latest = {m["key"]: m["value"] for m in run["data"]["metrics"]}
-            assert latest["loss"] == pytest.approx(loss[-1][1])
+            assert latest[metric_name("loss")] == pytest.approx(loss[-1][1])
         assert server.process is None
     finally:
         if train.poll() is None:
@@ -162,7 +166,7 @@ def test_mimir_ui_serves_the_run_store_on_loopback_only(tmp_path):
     uri = f"http://127.0.0.1:{port}"
     try:
         try:
-            wait_healthy(uri, timeout=90, process=ui)
+            wait_healthy(uri, timeout=hang_limit(300), process=ui)
         except RuntimeError as exc:
             raise AssertionError(f"{exc}\n{log_path.read_text()[-4000:]}") from None
         assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, nothing else

@@ -4,8 +4,9 @@ One server for the module (the tiny random model, the demo tokenizer); every cli
 against it: the openai SDK (chat, a forced tool call with a plain string parameter, ``parse``
 with a Pydantic model, the Responses API), langchain-openai (``bind_tools``,
 ``with_structured_output`` with each method), litellm, the OpenAI Agents SDK running a tool
-loop to its end, and a Pydantic AI agent with a tool and a structured output. Random weights:
-only the grammar makes a call well-formed, which is the point.
+loop to its end, and a Pydantic AI agent with a tool and a structured output; then each
+framework's agent with a tool and a typed output in one run (tools and a response format on the
+same request). Random weights: only the grammar makes a call well-formed, which is the point.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.timeout(600)
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "Current weather in a city",
                                             "parameters": CITY}}
+WEATHER_CHAT = {"type": "function", "function": {"name": "weather", "parameters": CITY}}  # as Responses sends it
 ASK = [{"role": "user", "content": "Do I need an umbrella in Aarhus?"}]
 MAX = 90  # above the shortest forced call (~60 tokens of the demo tokenizer), small enough to be quick
 
@@ -69,18 +71,28 @@ def test_openai_chat_forced_call_with_a_plain_string_and_parse(client):
     assert isinstance(parsed.choices[0].message.parsed, Forecast)
 
 
-def test_openai_responses_text_messages_tools_and_streaming(client, served):
+def test_openai_responses_text_messages_tools_and_streaming(client, served, monkeypatch):
     from openai import BadRequestError
 
     _, server = served
+    engine, rendered = server.engine, []
+    render = engine.render_chat
+
+    def recording(messages, tools=None, template_kwargs=None):
+        rendered.append(render(messages, tools, template_kwargs))
+        return rendered[-1]
+
+    monkeypatch.setattr(engine, "render_chat", recording)
     first = client.responses.create(model="tiny", input="Hello", instructions="Answer briefly.",
                                     max_output_tokens=4, temperature=None)
     assert first.output_text and first.status == "incomplete" and first.usage.output_tokens == 4
     assert first.incomplete_details.reason == "max_output_tokens"
     follow = client.responses.create(model="tiny", input=[{"role": "user", "content": "And then?"}],
                                      previous_response_id=first.id, max_output_tokens=4)
-    # the earlier turn (without its instructions) and its reply come back as the conversation's start
-    assert follow.usage.input_tokens > first.usage.input_tokens - 8
+    # exactly the earlier turn (without its instructions), its reply, then the new turn
+    history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "And then?"}]
+    assert rendered[-1] == render(history) and follow.usage.input_tokens == len(rendered[-1])
 
     tool = {"type": "function", "name": "weather", "parameters": CITY}
     called = client.responses.create(model="tiny", input=ASK, tools=[tool], tool_choice="required",
@@ -91,6 +103,11 @@ def test_openai_responses_text_messages_tools_and_streaming(client, served):
         model="tiny", previous_response_id=called.id, tools=[tool], max_output_tokens=4,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"rain_mm": 4}'}])
     assert answered.output[0].type == "message"
+    # exactly: the question, the model's call as an assistant turn, the tool's output
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [{
+        "id": call.call_id, "type": "function", "function": {"name": "weather", "arguments": call.arguments}}]},
+               {"role": "tool", "tool_call_id": call.call_id, "content": '{"rain_mm": 4}'}]
+    assert rendered[-1] == render(history, [WEATHER_CHAT]) and answered.usage.input_tokens == len(rendered[-1])
 
     events = list(client.responses.create(model="tiny", input="Hi", max_output_tokens=4, stream=True))
     kinds = [e.type for e in events]
@@ -108,6 +125,34 @@ def test_openai_responses_text_messages_tools_and_streaming(client, served):
     with pytest.raises(BadRequestError) as caught:
         client.responses.create(model="tiny", input="y", previous_response_id=first.id, max_output_tokens=1)
     assert caught.value.body["param"] == "previous_response_id" and len(server.stored_responses) == 4
+
+
+def test_openai_responses_logprobs_are_served_as_in_chat_or_refused_by_name(client):
+    """``include: ["message.output_text.logprobs"]`` and ``top_logprobs`` give the output text's
+    log-probs, the same as chat's for the same conversation (never an empty list); an ``include``
+    this server cannot serve is a 400 naming it."""
+    from openai import BadRequestError
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    expected = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+                for t in chat.choices[0].logprobs.content]
+    kw = dict(model="tiny", input="Hello", max_output_tokens=4, temperature=0)
+    whole = client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=3)
+    got = whole.output[0].content[0].logprobs
+    assert [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in got] == expected
+    only_top = client.responses.create(**kw, top_logprobs=3).output[0].content[0].logprobs
+    assert [t.logprob for t in only_top] == [e[1] for e in expected]
+    streamed = [e for e in client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=3,
+                                                   stream=True)]
+    deltas = [t for e in streamed if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert [(t.token, t.logprob) for t in deltas] == [e[:2] for e in expected]
+    assert [t.logprob for t in streamed[-1].response.output[0].content[0].logprobs] == [e[1] for e in expected]
+    assert client.responses.create(**kw).output[0].content[0].logprobs == []  # not asked for
+
+    with pytest.raises(BadRequestError) as caught:
+        client.responses.create(**kw, include=["file_search_call.results"])
+    assert caught.value.body["param"] == "include"
 
 
 def test_openai_responses_retrieve_list_input_items_and_delete(client, served):
@@ -151,8 +196,16 @@ def test_openai_responses_retrieve_list_input_items_and_delete(client, served):
         client.responses.create(model="tiny", input="y", previous_response_id=created.id, max_output_tokens=1)
 
 
-def test_every_error_is_openais_error_object(served):
+def test_every_error_is_openais_error_object(served, client):
+    from openai import BadRequestError, NotFoundError
+
     url, _ = served
+    with pytest.raises(NotFoundError) as caught:  # OpenAI's and vLLM's answer to an unknown model
+        client.chat.completions.create(model="gpt-4o", messages=ASK, max_tokens=1)
+    assert caught.value.body["code"] == "model_not_found"
+    with pytest.raises(BadRequestError) as caught:  # OpenAI's range: 0-2
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1, temperature=3)
+    assert caught.value.body["param"] == "temperature"
     root = url.removesuffix("/v1")
     for method, path, status in (("GET", "/v1/nothing", 404), ("POST", "/v2/chat", 404),
                                  ("GET", "/v1/chat/completions", 405), ("DELETE", "/v1/responses", 405)):
@@ -270,6 +323,98 @@ def test_pydantic_ai_agent_runs_a_tool_then_its_structured_output(served):
 
     native = Agent(model, output_type=NativeOutput(Forecast), model_settings=settings)
     assert isinstance(native.run_sync("Forecast for Oslo?").output, Forecast)
+
+
+# -- a tool and a typed output in one run (tools and a response format together) ---------------------------
+
+
+def _first_token(served, text: str) -> str:
+    return str(served[1].engine.encode(text)[0])
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_agents_sdk_runs_a_tool_then_its_typed_output(served, api):
+    """``output_type`` and a tool on one agent: the Agents SDK sends the output's schema with the
+    tools, ``tool_choice`` auto. The model may call the tool or answer typed; a bias on ``<`` (the
+    first token of a call) pushes it to the call, and the tool is offered until it has run once
+    (random weights would call it forever): then the typed answer ends the run."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @agents.function_tool(is_enabled=lambda ctx, agent: not calls)
+    def weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append(city)
+        return json.dumps({"city": city, "rain_mm": 4})
+
+    client = AsyncOpenAI(base_url=served[0], api_key="x", max_retries=0)
+    model = (agents.OpenAIChatCompletionsModel(model="tiny", openai_client=client) if api == "chat"
+             else agents.OpenAIResponsesModel(model="tiny", openai_client=client))
+    settings = agents.ModelSettings(max_tokens=MAX, temperature=1.0,
+                                    extra_body={"logit_bias": {_first_token(served, "<"): 100}})
+    agent = agents.Agent(name="forecaster", instructions="Use the weather tool, then answer.", tools=[weather],
+                         model=model, model_settings=settings, output_type=Forecast)
+    result = agents.Runner.run_sync(agent, "Do I need an umbrella in Aarhus?", max_turns=4)
+    kinds = [item.type for item in result.new_items]
+    assert calls and isinstance(calls[0], str)  # the tool ran with the model's argument
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+    assert isinstance(result.final_output, Forecast)
+
+
+def test_pydantic_ai_native_output_and_a_tool_in_one_run(served):
+    """``NativeOutput`` (the schema as ``response_format``) and a tool offered on the same request:
+    the first turn calls the tool (pushed there by a bias on ``<``, the first token of a call),
+    which is then hidden (random weights would call it forever); the next turn's answer validates."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.usage import UsageLimits
+
+    model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key="x"))
+    settings = {"max_tokens": MAX, "temperature": 1.0, "seed": 1, "logit_bias": {_first_token(served, "<"): 100}}
+    calls: list[str] = []
+    agent = Agent(model, output_type=NativeOutput(Forecast), model_settings=settings)
+
+    async def until_called(ctx, tool):
+        return None if calls else tool
+
+    @agent.tool_plain(prepare=until_called)
+    def weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append(city)
+        return json.dumps({"city": city, "rain_mm": 4})
+
+    result = agent.run_sync("Forecast for Aarhus?", usage_limits=UsageLimits(request_limit=3))
+    assert calls and isinstance(calls[0], str) and isinstance(result.output, Forecast)
+
+
+def test_langchain_bind_tools_and_with_structured_output_in_one_agent(served):
+    """The loop a LangChain user writes: the tool-calling model (``bind_tools`` with the output's
+    ``response_format``; the first call required), the tool's result as a ToolMessage, then
+    ``with_structured_output(..., tools=[...])``, which may call again or answer typed (pushed
+    to the answer by a bias on ``{``)."""
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    def weather(city: str) -> str:
+        """Current weather in a city."""
+        return json.dumps({"city": city, "rain_mm": 4})
+
+    llm = ChatOpenAI(model="tiny", base_url=served[0], api_key="x", max_tokens=MAX, temperature=1.0, seed=3,
+                     max_retries=0, logit_bias={int(_first_token(served, "{")): 100})
+    messages = [HumanMessage("Do I need an umbrella in Aarhus?")]
+    called = llm.bind_tools([weather], tool_choice="required", response_format=Forecast, strict=True).invoke(messages)
+    (call,) = called.tool_calls[:1]
+    assert call["name"] == "weather" and isinstance(call["args"]["city"], str)
+    messages += [called, ToolMessage(weather(**call["args"]), tool_call_id=call["id"])]
+    typed = llm.with_structured_output(Forecast, method="json_schema", tools=[weather], strict=True,
+                                       include_raw=True).invoke(messages)
+    assert not typed["raw"].tool_calls and isinstance(typed["parsed"], Forecast), typed
 
 
 def test_the_serve_extra_brings_what_serving_a_chat_model_imports():

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.timeout(600)
 
 GOOD = {"model": "tiny", "prompt": "Hi", "max_tokens": 1, "temperature": 0}
 CHAT = {"model": "tiny", "max_tokens": 1}
+HI = [{"role": "user", "content": "Hi"}]
 HUGE = 20_000_000  # the issue's 20 MB prompt
 
 
@@ -61,6 +62,17 @@ REFUSED = [
      "messages", None),
     ("a body of the wrong type (FastAPI's 422)", "POST", "/completions", {**GOOD, "max_tokens": "5"}, 400,
      "max_tokens", None),
+    ("an unknown model (OpenAI's and vLLM's 404)", "POST", "/completions", {**GOOD, "model": "gpt-4o"}, 404, "model",
+     "model_not_found"),
+    ("an unknown model, chat", "POST", "/chat/completions", {**CHAT, "model": "other", "messages": HI}, 404, "model",
+     "model_not_found"),
+    ("temperature 3 (OpenAI's range is 0-2)", "POST", "/completions", {**GOOD, "temperature": 3}, 400,
+     "temperature", None),
+    ("top_p 1.5", "POST", "/completions", {**GOOD, "top_p": 1.5}, 400, "top_p", None),
+    ("presence_penalty -2.5", "POST", "/completions", {**GOOD, "presence_penalty": -2.5}, 400, "presence_penalty",
+     None),
+    ("logit_bias 101", "POST", "/completions", {**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias", None),
+    ("n 0", "POST", "/chat/completions", {**CHAT, "n": 0, "messages": HI}, 400, "n", None),
     ("an unknown path", "GET", "/nothing", None, 404, None, "not_found"),
     ("a wrong method", "GET", "/completions", None, 405, None, "method_not_allowed"),
 ]
@@ -145,3 +157,14 @@ def test_huge_bodies_and_deep_schedules_do_not_stall_other_clients(url, engine, 
     assert (whole.status_code, streamed.status_code, deep.status_code) == (413, 413, 400)
     assert whole.json()["error"]["code"] == streamed.json()["error"]["code"] == "request_too_large"
     assert len(latencies) >= 4 and max(latencies) < 10, latencies
+
+
+def test_top_p_zero_keeps_the_most_likely_token_as_openai_does(url):
+    """OpenAI takes top_p in [0, 1]; 0 is the smallest nucleus, the most likely token alone: a sampled
+    request decodes as a greedy one."""
+    body = {**GOOD, "prompt": "Once upon", "max_tokens": 6}
+    greedy = httpx.post(url + "/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    for seed in (1, 2):
+        nucleus = httpx.post(url + "/completions", timeout=60,
+                             json={**body, "temperature": 1.0, "top_p": 0, "seed": seed}).json()
+        assert nucleus["choices"][0]["text"] == greedy

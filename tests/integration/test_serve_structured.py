@@ -160,6 +160,38 @@ def test_json_schema_rows_validate_and_free_rows_are_unaffected(served, client):
     assert isinstance(json.loads(anything.message.content), dict)
 
 
+def test_concurrent_first_grammars_all_get_the_vocabulary(engine, served, client, monkeypatch):
+    """The server's first grammars compile on several worker threads at once: every one must get
+    the tokenizer's vocabulary (a thread that saw the tokenizer built but not yet its vocabulary
+    answered 500, ``'NoneType' object has no attribute 'bytes'``). The vocabulary build is slowed
+    down (as a 262,144-token one is) so that the requests overlap it."""
+    import time
+
+    from mimir_megatron.inference import grammar
+
+    _, server = served
+    built = grammar.Vocabulary.__init__
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.5)
+        built(self, *args, **kwargs)
+
+    monkeypatch.setattr(grammar.Vocabulary, "__init__", slow)
+    monkeypatch.setattr(server.translate, "grammars",
+                        grammar.Grammars(engine.tokenizer, engine.limits.vocab_size, engine.default_stop_ids))
+    response_format = {"type": "json_schema", "json_schema": {"name": "review", "schema": SCHEMA}}
+
+    def first(i):
+        return client.chat.completions.create(model="tiny", messages=ASK, max_tokens=160, temperature=1.0, seed=i,
+                                              response_format=response_format).choices[0]
+
+    with ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(first, range(6)))
+    for reply in replies:
+        assert reply.finish_reason == "stop"
+        __import__("jsonschema").validate(json.loads(reply.message.content), SCHEMA)
+
+
 @pytest.mark.parametrize(("change", "param"), [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      "response_format"),
@@ -169,6 +201,15 @@ def test_json_schema_rows_validate_and_free_rows_are_unaffected(served, client):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [WEATHER, CLOCK, WEATHER]}, "tools[2]"),  # a call could not say which one it means
+    ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "strin"}}}}, "response_format"),  # the union's answer cannot be compiled
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
+      "response_format": {"type": "json_object"}}, "tools"),  # the union's call cannot be compiled
+    ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}},
+     "max_tokens"),  # neither branch of the union finishes within 2 tokens
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),  # changes the output: refused
     ({"modalities": ["audio"]}, "modalities"),
     ({"min_tokens": 3}, "min_tokens"),  # more than max_tokens (2)
@@ -270,6 +311,107 @@ def test_tool_choice_required_and_named_give_well_formed_calls(engine, client):
             (0, call.function.name, call.function.arguments)]
         assert deltas[0].id and chunks[-1].choices[0].finish_reason == "tool_calls"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == (reply.message.content or "")
+
+
+def _a_call_or_the_answer(choice, kind: str) -> None:
+    """A chat choice is well-formed calls of the tools (``call``) or the schema's answer."""
+    import jsonschema
+
+    if kind == "call":
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message
+        for call in choice.message.tool_calls:
+            tool = {"weather": WEATHER, "clock": CLOCK}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    else:
+        assert choice.finish_reason == "stop" and not choice.message.tool_calls, choice.message
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_tools_and_a_response_format_together_give_a_call_or_the_typed_answer(engine, client):
+    """OpenAI's rule: with tools offered and a response format, the model either calls a tool or
+    answers in the schema. The model is pushed to either branch with a bias on its first token
+    (``<`` starts a call, ``{`` the answer); a required or named call is a call now."""
+    start_call, start_answer = engine.encode("<")[0], engine.encode("{")[0]
+    kw = dict(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], max_tokens=160, temperature=1.0, seed=1,
+              response_format={"type": "json_schema", "json_schema": {"name": "review", "schema": SCHEMA}})
+    calls = client.chat.completions.create(**kw, n=3, logit_bias={str(start_call): 100}).choices
+    for choice in calls:
+        _a_call_or_the_answer(choice, "call")
+    assert max(len(c.message.tool_calls) for c in calls) > 1  # parallel calls by default
+    for choice in client.chat.completions.create(**kw, n=3, logit_bias={str(start_answer): 100}).choices:
+        _a_call_or_the_answer(choice, "answer")
+    one = client.chat.completions.create(**kw, n=3, parallel_tool_calls=False,
+                                         logit_bias={str(start_call): 100}).choices
+    for choice in one:
+        _a_call_or_the_answer(choice, "call")
+        assert len(choice.message.tool_calls) == 1
+
+    chunks = list(client.chat.completions.create(**kw, parallel_tool_calls=False, stream=True,
+                                                 logit_bias={str(start_call): 100}))
+    deltas = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
+    first = one[0].message.tool_calls[0]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [(first.function.name,
+                                                                          first.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # required (was a 400) or named, with a format: a call now; the format is for a later turn
+    biased = {**kw, "logit_bias": {str(start_answer): 100}}
+    _a_call_or_the_answer(client.chat.completions.create(**biased, tool_choice="required").choices[0], "call")
+    named = client.chat.completions.create(**biased, tool_choice={"type": "function", "function": {"name": "clock"}})
+    _a_call_or_the_answer(named.choices[0], "call")
+    assert named.choices[0].message.tool_calls[0].function.name == "clock"
+
+
+def test_responses_text_format_with_tools_gives_a_call_or_the_typed_answer(engine, client):
+    import jsonschema
+
+    start_call, start_answer = engine.encode("<")[0], engine.encode("{")[0]
+    tool = {"type": "function", **WEATHER["function"]}
+    kw = dict(model="tiny", input=ASK, tools=[tool], max_output_tokens=160, temperature=1.0,
+              text={"format": {"type": "json_schema", "name": "review", "schema": SCHEMA}})
+    called = client.responses.create(**kw, extra_body={"logit_bias": {str(start_call): 100}})
+    assert called.output and all(item.type == "function_call" for item in called.output)
+    jsonschema.validate(json.loads(called.output[0].arguments), WEATHER["function"]["parameters"])
+    answered = client.responses.create(**kw, extra_body={"logit_bias": {str(start_answer): 100}})
+    assert [item.type for item in answered.output] == ["message"]
+    jsonschema.validate(json.loads(answered.output_text), SCHEMA)
+    forced = client.responses.create(**kw, tool_choice="required", extra_body={"logit_bias": {str(start_answer): 100}})
+    assert forced.output and {item.type for item in forced.output} == {"function_call"}
+    for bias, kind in ((start_call, "function_call"), (start_answer, "message")):  # streamed: the same
+        greedy = {**kw, "temperature": 0, "extra_body": {"logit_bias": {str(bias): 100}}}
+        whole = client.responses.create(**greedy)
+        events = list(client.responses.create(**greedy, stream=True))
+        done = events[-1].response
+        assert events[-1].type == "response.completed" and {item.type for item in done.output} == {kind}
+        assert [item.model_dump(exclude={"id", "call_id"}) for item in done.output] == [
+            item.model_dump(exclude={"id", "call_id"}) for item in whole.output]
+
+
+def test_stop_strings_never_cut_a_grammars_reply(client):
+    """A forced call with ``stop=["a"]`` came back as ``<tool_c``, finish ``stop``, no call; a
+    schema's reply with ``stop=["e"]`` as ``{"answ``. Stop strings apply to free text only."""
+    import jsonschema
+
+    for kw in ({}, {"stream": True}):
+        called = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                                max_tokens=100, temperature=0, stop=["a"], **kw)
+        if kw:
+            chunks = list(called)
+            finish = chunks[-1].choices[0].finish_reason
+            calls = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls
+                     for t in c.choices[0].delta.tool_calls]
+        else:
+            finish, calls = called.choices[0].finish_reason, called.choices[0].message.tool_calls
+        assert finish == "tool_calls" and len(calls) == 1
+        jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    answer = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    replied = client.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=60, temperature=1.0, seed=1, stop=["e", "}"],
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": answer}}).choices[0]
+    assert replied.finish_reason == "stop"
+    jsonschema.validate(json.loads(replied.message.content), answer)
+    free = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0, stop=["e"])
+    assert "e" not in free.choices[0].message.content  # free text is still cut
 
 
 def test_tool_choice_none_offers_no_tools_and_a_template_without_tools_refuses_them(engine, served, client,
@@ -394,6 +536,50 @@ def test_strict_by_default_and_strict_false_as_written(engine):
     assert accepts(loose)
     both = {**_tool("string")["function"]["parameters"], "additionalProperties": True}
     assert accepts({"type": "function", "function": {"name": "get_string", "parameters": both}})
+
+
+def test_grammars_write_only_finite_numbers_and_bounded_integers(engine):
+    """A JSON number's exponent is at most 308 and its value a finite double; an ``integer``
+    without bounds stays within +-(2**53 - 1). Token by token, as a row takes them (a refused
+    token leaves the row unchanged)."""
+    from mimir_megatron.inference.grammar import Grammars
+
+    grammars = Grammars(engine.tokenizer, engine.limits.vocab_size, engine.default_stop_ids)
+
+    def writes(schema: dict, text: str) -> bool:
+        row = grammars.json(schema).start(1000)
+        return all(row.accept(t) for t in engine.encode(text)) and row.done and not row._matcher.is_error()
+
+    number = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    for value, finite in (("1.5", True), ("-1e308", True), ("1.7976931348623157e308", True), ("1e-308", True),
+                          ("1e999", False), ("-2e308", False), ("1e-309", False), ("1" + "0" * 308, True),
+                          ("1" + "0" * 309, False)):
+        assert writes(number, f'{{"x": {value}}}') == finite, value
+    integer = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    for value, kept in ((2**53 - 1, True), (-(2**53 - 1), True), (2**53, False), (-(2**53), False),
+                        (10**30, False)):
+        assert writes(integer, f'{{"x": {value}}}') == kept, value
+    own = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 2**60}}}
+    assert writes(own, f'{{"x": {2**60}}}')  # a schema's own bound is kept
+
+
+def test_a_schemas_numbers_come_back_finite_when_the_model_pushes_exponents(engine, client):
+    """The model pushed towards ``9`` and ``e`` (logit_bias): without the bound, a number runs to
+    ``9e999...`` (``inf`` when parsed) and an integer past 64 bits."""
+    import math
+
+    bias = {next(i for i in range(engine.limits.vocab_size) if engine.tokenizer.decode([i]) == text): value
+            for text, value in (("9", 50), ("e", 100))}  # "e" wherever the grammar allows it, else "9"
+    schema = {"type": "object", "required": ["x", "n"],
+              "properties": {"x": {"type": "number"}, "n": {"type": "array", "items": {"type": "integer"}}}}
+    for temperature in (0, 1.0):
+        reply = client.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=150, temperature=temperature, seed=3,
+            logit_bias={str(i): value for i, value in bias.items()},
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}).choices[0]
+        value = json.loads(reply.message.content)
+        assert math.isfinite(value["x"]) and "e" in reply.message.content.lower(), reply.message.content
+        assert all(abs(n) <= 2**53 - 1 for n in value["n"]), reply.message.content
 
 
 # -- sampling fields, null values, platform fields ----------------------------------------------------------

@@ -1,6 +1,7 @@
 """`mimir train` in one process: resume is bit-exact, refusals, groups, MLflow run contents."""
 
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from conftest import REPO, train_overrides
 from mimir_megatron.errors import ConfigError, UserError
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
+from mimir_megatron.train.tracking import metric_name
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
 
@@ -62,6 +64,14 @@ def test_mlflow_run_holds_config_and_per_step_metrics(uninterrupted):
     assert mlrun.info.status == "FINISHED"
     assert mlrun.data.params["model.hidden_size"] == "64"
     assert mlrun.data.params["optim.lr"] == "0.003"
+    assert mlrun.data.params["settings.checkpoint.interval"] == "3"  # a setting, not a hyperparameter
+    sp = mlrun.data.params["settings.model.parallel.sequence_parallel"]
+    assert f"SP={sp}" in mlrun.data.tags["parallel_layout"]  # no param contradicts a tag
+    assert re.fullmatch(r"demo-k2to5-s6-[0-9a-f]{6}", mlrun.info.run_name)
+    assert "lr_H = lr / k_H" in mlrun.data.tags["mlflow.note.content"]
+    files = {f.path for f in client.list_artifacts(uninterrupted.run_id)}
+    files |= {f.path for f in client.list_artifacts(uninterrupted.run_id, "data")}
+    assert {"config.yaml", "data/lineage.json", "data/policy_decision.json"} <= files
     for tag in ("git_commit", "host", "world_size", "parallel_layout", "data_fingerprint", "checkpoint.latest"):
         assert tag in mlrun.data.tags
     # Where MLflow 3's UI files it: a model-training experiment, and the run outputs the model it
@@ -73,14 +83,30 @@ def test_mlflow_run_holds_config_and_per_step_metrics(uninterrupted):
     assert (model.source_run_id, str(model.status)) == (uninterrupted.run_id, "READY")
     assert model.tags["mimir.checkpoints"] == str((Path(run_dir) / "checkpoints").resolve())
     assert model.tags["mlflow.model.isExternal"] == "true"
-    for metric in ("loss", "lr/L", "lr/H", "lr/embedding", "lr/head", "window_k", "k_L", "k_H",
-                   "grad_norm", "supervised_tokens", "tokens_per_s", "tflops_per_device", "peak_memory_gb"):
-        history = client.get_metric_history(uninterrupted.run_id, metric)
+    for metric in ("loss", "lr/L", "lr/H", "lr/embedding", "lr/head", "window_k", "k_L", "k_H", "grad_norm",
+                   "supervised_tokens", "tokens_seen", "tokens_per_s", "tflops_per_device", "mfu",
+                   "peak_memory_gb"):
+        history = client.get_metric_history(uninterrupted.run_id, metric_name(metric))
         assert [m.step for m in history] == [1, 2, 3, 4, 5, 6], metric
-    losses = [m.value for m in client.get_metric_history(uninterrupted.run_id, "loss")]
+    losses = [m.value for m in client.get_metric_history(uninterrupted.run_id, metric_name("loss"))]
     assert losses == pytest.approx(uninterrupted.losses)
-    k = [m.value for m in client.get_metric_history(uninterrupted.run_id, "window_k")]
+    k = [m.value for m in client.get_metric_history(uninterrupted.run_id, metric_name("window_k"))]
     assert k == [2, 3, 4, 5, 5, 5]  # ramp over 50 % of 6 steps: k = 2 + int(step / 3 * 3), step 0-based
+    seen = [m.value for m in client.get_metric_history(uninterrupted.run_id, metric_name("tokens_seen"))]
+    assert seen == [4 * 64 * step for step in range(1, 7)]  # global batch x seq_len per step
+
+
+def test_evaluation_during_training_changes_no_training_number(demo_data, tmp_path, uninterrupted):
+    """Periodic held-out evaluation (eval.interval) logs its points and leaves the losses bit-exact."""
+    from mlflow.tracking import MlflowClient
+
+    evaluated = run(demo_data, tmp_path, "eval.interval=2", "eval.max_samples=4", "eval.max_new_tokens=8")
+    assert evaluated.losses == uninterrupted.losses
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    points = client.get_metric_history(evaluated.run_id, metric_name("eval/exact_match"))
+    assert [m.step for m in points] == [2, 4, 6]
+    files = {f.path for f in client.list_artifacts(evaluated.run_id, "eval")}
+    assert files == {f"eval/step_{s:07d}" for s in (2, 4, 6)}
 
 
 def test_frozen_modules_do_not_move(demo_data, tmp_path):

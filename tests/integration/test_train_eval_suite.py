@@ -7,6 +7,7 @@ from conftest import REPO, train_overrides
 from mimir_megatron.errors import ConfigError
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
+from mimir_megatron.train.tracking import metric_name
 
 DEMO = REPO / "configs" / "train" / "demo.yaml"
 SUITE = REPO / "configs" / "eval" / "demo.yaml"
@@ -21,7 +22,7 @@ def test_suite_scores_reach_mlflow_at_each_evaluation(demo_data, tmp_path):
     result = train(cfg)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     for metric in ("eval/exact_match", "eval/text_en", "eval/arith_da", "eval/avg/text_tasks"):
-        history = client.get_metric_history(result.run_id, metric)
+        history = client.get_metric_history(result.run_id, metric_name(metric))
         assert [m.step for m in history] == [2, 4], metric
         assert all(0.0 <= m.value <= 1.0 for m in history)
     assert (tmp_path / "eval_logs" / "step_0000004").is_dir()  # InspectAI's logs, per evaluation

@@ -154,10 +154,11 @@ def test_skips_in_a_row_beyond_the_limit_stop(demo_data, tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("model.params_dtype=bfloat16", "model.params_dtype=bfloat16 cannot be trained"),
+    ("model.params_dtype=bfloat16", "model.params_dtype=bfloat16 needs optim.distributed_optimizer=true"),
+    ("optim.distributed_optimizer=true optim.shard_state=false", "contradicts optim.shard_state=false"),
     ("train.on_nonfinite=ignore", "train.on_nonfinite must be one of skip, stop"),
     ("train.max_nonfinite_skips=-1", "train.max_nonfinite_skips must be >= 0"),
 ])
 def test_refused_at_start_up(demo_data, tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
-        load_train_config(DEMO, train_overrides(demo_data, tmp_path, override))
+        load_train_config(DEMO, train_overrides(demo_data, tmp_path, *override.split()))

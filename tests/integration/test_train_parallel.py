@@ -34,6 +34,7 @@ from distributed import run_ranks
 
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
+from mimir_megatron.train.tracking import metric_name
 
 pytestmark = pytest.mark.multiprocess
 RTOL = 2e-5
@@ -56,7 +57,7 @@ def grad_norms(run_dir: Path) -> list[float]:
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("mimir-demo").experiment_id])
-    return [m.value for m in sorted(client.get_metric_history(run.info.run_id, "grad_norm"),
+    return [m.value for m in sorted(client.get_metric_history(run.info.run_id, metric_name("grad_norm")),
                                     key=lambda m: m.step)]
 
 

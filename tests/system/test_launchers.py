@@ -219,3 +219,25 @@ def test_setup_env_finds_this_venv_complete():
     proc = run("setup_env.sh", {"VENV": sys.prefix}, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "setup_env: mimir-megatron[test] is installed" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_prepare_array_submits_its_parts_then_the_merge_and_each_job_runs_its_part():
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    args = ["-i", "raw/a.jsonl", "-t", "tok", "-o", "prepared/a"]
+
+    def launch(**env: str) -> list[str]:
+        proc = subprocess.run(["bash", str(LAUNCHERS / "prepare_array.sh"), *args], env={**clean, **env}, cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.splitlines()
+
+    script = str(LAUNCHERS / "prepare_array.sh")
+    submit = launch(DRY_RUN="1", PARTS="3", SBATCH_ARGS="--partition=cpu")
+    assert submit[0] == f"sbatch --parsable --array=0-2 --partition=cpu {script} {' '.join(args)}"
+    assert submit[1].startswith("sbatch --parsable --dependency=afterok:ARRAY_JOB_ID "
+                                "--export=ALL,MIMIR_PREPARE_MERGE=1 --partition=cpu ")
+    job = {"SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(REPO), "SLURM_CPUS_PER_TASK": "4", "PYTHON": "echo"}
+    part = launch(**job, SLURM_ARRAY_TASK_ID="1", SLURM_ARRAY_TASK_COUNT="3")
+    assert part == [f"-m mimir_megatron.cli prepare --part 1/3 --workers 4 --no-progress {' '.join(args)}"]
+    merge = launch(**job, MIMIR_PREPARE_MERGE="1")
+    assert merge == [f"-m mimir_megatron.cli prepare --merge --workers 4 --no-progress {' '.join(args)}"]

@@ -40,6 +40,7 @@ from slurm_cluster import (
     processes_of,
     write_fake_trainer,
 )
+from mimir_megatron.train.tracking import metric_name
 
 REPO = Path(__file__).resolve().parents[2]
 V1 = REPO / "launchers" / "v1.sh"
@@ -201,7 +202,7 @@ def mlflow_losses(run_dir: Path) -> dict[int, list[float]]:
     assert [r.info.status for r in runs] == ["FINISHED"], "not one finished MLflow run"
     assert runs[0].data.params["train.steps"] == str(STEPS)
     losses: dict[int, list[float]] = {}
-    for metric in client.get_metric_history(runs[0].info.run_id, "loss"):
+    for metric in client.get_metric_history(runs[0].info.run_id, metric_name("loss")):
         losses.setdefault(metric.step, []).append(metric.value)
     assert sorted(losses) == list(range(1, STEPS + 1)), "steps missing from the MLflow run"
     return losses

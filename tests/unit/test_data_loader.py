@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -186,3 +188,150 @@ def test_a_manifest_is_read_once_until_it_is_rewritten(tmp_path, monkeypatch):
     edited = {**first, "documents": first["documents"], "note": "rewritten"}
     (path / "manifest.json").write_text(json_module.dumps(edited))
     assert prepared.read_manifest(path)["note"] == "rewritten"
+
+
+def test_the_file_pool_keeps_at_most_its_capacity_open(tmp_path):
+    """Ten files read through a pool of three: every read returns its file's bytes, never more
+    than three descriptors stay open, and the least recently used one is the one closed."""
+    from mimir_megatron.data.files import FilePool
+
+    paths = []
+    for i in range(10):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(bytes([i]) * 16)
+    pool = FilePool(3)
+    for _ in range(2):
+        for i, path in enumerate(paths):
+            assert pool.pread(str(path), 4, 8) == bytes([i]) * 4
+            assert len(pool) <= 3
+    assert pool.opened == 20  # a round of ten through three slots reopens every file
+    pool.pread(str(paths[8]), 1, 0)  # 7, 8, 9 open: 8 used last, 7 least recently
+    pool.pread(str(paths[0]), 1, 0)
+    assert list(pool._open) == [str(paths[9]), str(paths[8]), str(paths[0])]
+    pool.close()
+    assert len(pool) == 0
+
+
+def test_the_open_file_limit_is_raised_or_named_in_one_line(monkeypatch):
+    import resource
+
+    from mimir_megatron.data import files
+    from mimir_megatron.errors import UserError
+
+    calls = []
+    monkeypatch.setattr(files.resource, "setrlimit", lambda which, limits: calls.append(limits))
+    monkeypatch.setattr(files.resource, "getrlimit", lambda which: (1024, 4096))
+    assert files.raise_open_file_limit() == 4096 and calls == [(4096, 4096)]
+    assert files.pool_capacity(4096) == 1024 and files.pool_capacity(256) == 64
+    monkeypatch.setattr(files.resource, "getrlimit", lambda which: (32, 32))
+    with pytest.raises(UserError) as low:
+        files.raise_open_file_limit()
+    assert str(low.value).startswith("the open-file limit is 32 (hard limit 32); mimir needs at least 64: "
+                                     "raise the open-file limit (`ulimit -n 65536`")
+    assert "prepare the dataset again" not in str(low.value)
+    assert resource.RLIMIT_NOFILE is files.resource.RLIMIT_NOFILE
+
+
+def test_documents_read_by_pread_equal_megatrons_reader(tmp_path):
+    """The loader's own reader of the .idx/.bin layout against megatron-core's IndexedDataset,
+    over several shards; and the lengths it scans from the .idx files."""
+    rng = np.random.default_rng(3)
+    docs = [(rng.integers(0, 1000, int(rng.integers(1, 9))).tolist(),
+             rng.integers(0, 1000, int(rng.integers(2, 9))).tolist()) for _ in range(25)]
+    from mimir_megatron.data import PreparedDataset
+
+    ds = PreparedDataset(write_prepared(tmp_path / "ds", docs, docs_per_file=7))
+    assert ds.shard_documents == [7, 7, 7, 4]
+    for i, (p, r) in enumerate(docs):
+        prefix, response = ds.document(i)
+        assert prefix.tolist() == p and response.tolist() == r
+        shard, local = divmod(i, 7)
+        mega = ds.shard(shard)
+        assert mega.get(2 * local).tolist() == p and mega.get(2 * local + 1).tolist() == r
+    assert ds.prefix_lengths.tolist() == [len(p) for p, _ in docs]
+    assert ds.response_lengths.tolist() == [len(r) for _, r in docs]
+
+
+def test_sample_lengths_are_memory_mapped_from_the_index_dir(tmp_path):
+    cfg = DataConfig(mixture=str(make_mixture(tmp_path)), seq_len=32, seed=5, pack_window=64)
+    stream = PackedMixture(cfg)
+    lengths = stream.sample_lengths
+    assert isinstance(lengths, np.memmap)
+    expected = np.concatenate([d.prefix_lengths + d.response_lengths - 1 for d in stream.datasets])
+    assert np.array_equal(lengths, expected)
+    again = PackedMixture(cfg)  # a second rank: maps the same file
+    assert np.array_equal(again.sample_lengths, expected) and again.built_epochs == []
+    assert stream.build_ahead(100, workers=1) >= 2 and again.build_ahead(100, workers=1) >= 2
+    assert again.built_epochs == [] and stream.built_epochs == list(range(len(stream.built_epochs)))
+
+
+def _hashed_files(monkeypatch) -> list[str]:
+    """Record every file the data checks read for its sha256 (through the digest cache or not)."""
+    from mimir_megatron.data import policy, prepared
+
+    hashed: list[str] = []
+    real = prepared.sha256_file
+
+    def recording(path):
+        hashed.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(prepared, "sha256_file", recording)
+    monkeypatch.setattr(policy, "sha256_file", recording)
+    return hashed
+
+
+def test_ranks_split_the_hashing_by_bytes(tmp_path, monkeypatch):
+    """Shards whose .bin is 10-60x its .idx: every file is hashed by exactly one of two ranks, and
+    the two shares differ by less than the largest file (by count, one rank read every .bin)."""
+    from mimir_megatron.data.mixture import load_mixture
+    from mimir_megatron.data.policy import training_data_problems
+    from mimir_megatron.data.prepared import ByteShares
+
+    docs = [([7] * 3, [8] * int(n)) for n in np.random.default_rng(0).integers(50, 400, 12)]
+    write_prepared(tmp_path / "a", docs, docs_per_file=1)
+    mix = tmp_path / "mix.yaml"
+    mix.write_text("name: bytes\ndatasets:\n  - {path: a, category: A, language: en}\n")
+    hashed = _hashed_files(monkeypatch)
+    shares = []
+    for rank in (0, 1):
+        before = len(hashed)
+        assert training_data_problems(load_mixture(mix), rank=rank, world=2, digest_cache=tmp_path / f"c{rank}") == []
+        shares.append(hashed[before:])
+    files = sorted(str(p.resolve()) for p in (tmp_path / "a" / "shards").glob("*.*") if p.suffix in (".bin", ".idx"))
+    assert sorted(shares[0] + shares[1]) == files
+    sizes = [sum(Path(f).stat().st_size for f in share) for share in shares]
+    assert abs(sizes[0] - sizes[1]) <= max(Path(f).stat().st_size for f in files), sizes
+    by_count = ByteShares(2)
+    assert [by_count.owner(s) for s in (100, 1, 100, 1, 50, 50)] == [0, 1, 1, 0, 0, 1]
+
+
+def test_a_restart_does_not_hash_unchanged_files_again(tmp_path, monkeypatch):
+    """The digest cache: the second start reads no file; a file changed in place (same size, new
+    mtime) is read again and reported, one whose mtime alone changed is read again and passes;
+    verify_cache off (None) reads everything."""
+    import os
+
+    from mimir_megatron.data.mixture import load_mixture
+    from mimir_megatron.data.policy import training_data_problems
+
+    mix = make_mixture(tmp_path)
+    cache = tmp_path / "index"
+    hashed = _hashed_files(monkeypatch)
+    assert training_data_problems(load_mixture(mix), digest_cache=cache) == []
+    first = list(hashed)
+    assert len(first) == 4 and list(cache.glob("verified-sha256.*.json"))  # 2 datasets x .bin/.idx
+    hashed.clear()
+    assert training_data_problems(load_mixture(mix), digest_cache=cache) == []
+    assert hashed == []
+    damaged, touched = tmp_path / "a" / "shards" / "00000.bin", tmp_path / "b" / "shards" / "00000.idx"
+    data = bytearray(damaged.read_bytes())
+    data[0] ^= 1
+    damaged.write_bytes(bytes(data))
+    os.utime(touched, ns=(touched.stat().st_atime_ns, touched.stat().st_mtime_ns + 10**9))
+    problems = training_data_problems(load_mixture(mix), digest_cache=cache)
+    assert sorted(hashed) == sorted([str(damaged.resolve()), str(touched.resolve())])
+    assert len(problems) == 1 and f"{damaged}: sha256 differs" in problems[0]
+    hashed.clear()
+    assert len(training_data_problems(load_mixture(mix), digest_cache=None)) == 1
+    assert len(hashed) == 4

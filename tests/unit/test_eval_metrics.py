@@ -8,7 +8,6 @@ import math
 import pytest
 
 from mimir_megatron.evaluation import metrics as m
-from mimir_megatron.evaluation.code_exec import passes, program_from_reply
 from mimir_megatron.evaluation.ifeval import follows, unsupported
 from mimir_megatron.evaluation.metrics import ItemOutcome
 from mimir_megatron.evaluation.stats import mcnemar_exact
@@ -119,15 +118,3 @@ def test_ifeval_checks():
     assert follows("jeg elsker vinter. tak.", ["startend:end_checker"], [{"end_phrase": "Tak."}]) == [True]
     assert follows("x\n* a\n* b", ["detectable_format:number_bullet_lists"], [{"num_bullets": 2}]) == [True]
     assert unsupported(["punctuation:no_comma", "language:response_language"]) == ["language:response_language"]
-
-
-def test_humaneval_runner():
-    test = "def check(candidate):\n    assert candidate(1) == 3\n"
-    prompt = "def add_2(x):\n    \"\"\"x + 2\"\"\"\n"
-    assert passes(program_from_reply("```python\ndef add_2(x):\n    return x + 2\n```", prompt), test, "add_2")
-    assert passes(program_from_reply("    return x + 2\n", prompt), test, "add_2")
-    assert not passes(program_from_reply("    return x + 3\n", prompt), test, "add_2")
-    assert not passes(prompt + "    while True:\n        pass\n", test, "add_2", timeout_s=2)
-    blocked = ("def add_2(x):\n    import socket\n    try:\n        socket.create_connection(('127.0.0.1', 9))\n"
-               "    except OSError as e:\n        return x + 2 if 'disabled' in str(e) else 0\n    return 0\n")
-    assert passes(blocked, test, "add_2")

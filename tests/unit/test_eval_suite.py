@@ -152,7 +152,7 @@ def test_schedules_parse():
 
 
 def test_training_checkpoint_evaluations_go_under_the_training_run(tmp_path):
-    from mimir_megatron.evaluation.sweep import trained_schedule
+    from mimir_megatron.checkpoint import resolve_model_dir, trained_schedule
     from mimir_megatron.evaluation.tracking import tracking_target
 
     ckpts = tmp_path / "runs" / "demo" / "checkpoints"
@@ -165,7 +165,7 @@ def test_training_checkpoint_evaluations_go_under_the_training_run(tmp_path):
     target = tracking_target(tmp_path / "out", checkpoint=ckpts)
     assert target.uri == f"sqlite:///{(tmp_path / 'runs' / 'demo' / 'mlflow.db').resolve()}"
     assert (target.experiment, target.parent_run_id, target.checkpoint_step) == ("mimir-demo", "abc123", 400)
-    assert trained_schedule(checkpoint=str(ckpts)) == (2, 3)
+    assert trained_schedule(resolve_model_dir(checkpoint=ckpts)) == (2, 3)
     other = tracking_target(tmp_path / "out", uri="sqlite:///x.db", checkpoint=ckpts)
     assert other.parent_run_id is None and other.experiment == "mimir-eval"
 
@@ -236,3 +236,33 @@ def test_scores_split_into_clean_and_contaminated_items_only_where_the_report_ch
     assert score_split(task, mark(4, 7)) is None  # its first four are other items
     assert score_split(task, mark(None, 1, listed=None)) is None  # an older report: ids not listed
     assert score_split(task, None) is None
+
+
+def test_a_sweep_marks_the_trained_schedule_of_every_model_form(tmp_path):
+    """The schedule the weights were trained with comes from the model's directory whatever its
+    form (a sweep over --weights marked none before); --trained-schedule wins; a server has none."""
+    import argparse
+    import json
+
+    from mimir_megatron.entrypoints.evaluate import _tokenizer_dir, _trained_schedule
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "model.yaml").write_text(f"h_cycles: 3\nl_cycles: 4\ntokenizer: {tmp_path / 'tok'}\n")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "hrm_text", "H_cycles": 1, "L_cycles": 2}))
+    (hf / "tokenizer.json").write_text("{}")
+
+    def args(**given):
+        base = dict(checkpoint=None, weights=None, hf=None, base_url=None, tokenizer=None, ema=False,
+                    trained_schedule=None)
+        return argparse.Namespace(**{**base, **given})
+
+    assert _trained_schedule(args(weights=str(weights))) == (3, 4)
+    assert _tokenizer_dir(args(weights=str(weights))) == str(tmp_path / "tok")  # what the server loads
+    assert _trained_schedule(args(hf=str(hf))) == (1, 2)
+    assert _tokenizer_dir(args(hf=str(hf))) == str(hf)
+    assert _trained_schedule(args(weights=str(weights), trained_schedule="2x3")) == (2, 3)
+    assert _trained_schedule(args(base_url="http://127.0.0.1:1", tokenizer="t")) is None
+    assert _tokenizer_dir(args(base_url="http://127.0.0.1:1", tokenizer="t")) == "t"

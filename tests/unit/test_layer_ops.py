@@ -106,3 +106,47 @@ def test_a_stack_with_the_layer_ops_equals_megatrons_unfused_path():
     assert old_grads.keys() == new_grads.keys()
     for name in old_grads:
         assert torch.equal(old_grads[name], new_grads[name]), name
+
+
+def _saved_bytes(fn, x: torch.Tensor) -> int:
+    """Bytes of what autograd keeps for backward from ``fn(x)`` (distinct storages not of ``x``'s
+    own: the input is the caller's tensor either way)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return sum(storages.values())
+
+
+def test_swiglu_keeps_only_its_input_for_backward():
+    """silu of the gate half is recomputed in backward: nothing FFN-wide is kept but the input
+    (the plan counts 2F for fc1's output, none for the activated half)."""
+    x = torch.randn(4, 2 * 64, requires_grad=True)
+    assert _saved_bytes(swiglu, x) == 0
+
+
+def test_a_bf16_norm_keeps_its_input_not_an_fp32_copy():
+    from mimir_megatron.model.norm import ParameterlessRMSNorm
+
+    norm = ParameterlessRMSNorm(eps=1e-6)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(8, 5, 64, generator=g) * 3).to(torch.bfloat16).requires_grad_(True)
+    # Kept: the input itself and one fp32 rsqrt per token (autograd's path: an fp32 copy of x too).
+    assert _saved_bytes(norm, x) == 8 * 5 * 4
+
+    weight = torch.randn(8, 5, 64, generator=g).to(torch.bfloat16)
+    out = norm(x)
+    (out * weight).sum().backward()
+    # The same forward as the fp32 path's ops; the gradient as autograd's of the same fp32 math.
+    ref = x.detach().float().requires_grad_(True)
+    ref_out = ref * torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + 1e-6)
+    (ref_out * weight.float()).sum().backward()
+    assert torch.equal(out, ref_out.detach().to(torch.bfloat16))
+    assert torch.allclose(x.grad.float(), ref.grad, rtol=1e-2, atol=1e-2 * ref.grad.abs().max().item())
+    fp32 = x.detach().float().requires_grad_(True)
+    assert _saved_bytes(norm, fp32) > 0  # fp32 input: autograd's path (unchanged bits)

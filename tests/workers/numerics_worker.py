@@ -2,7 +2,8 @@
 
 Usage: numerics_worker.py DEMO_DATA RUN_DIR [overrides...]. Each rank writes
 ``shard_rank<r>.json``: every parameter (``group/index`` -> elements), the ones whose Adam state
-this rank owns, and the elements of that state; rank 0 also writes ``losses.json``. Gradient
+this rank owns, and the elements of that state (the distributed optimizer: the rows of each
+parameter this rank keeps, and the dtypes); rank 0 also writes ``losses.json``. Gradient
 norms are in the run's MLflow store.
 """
 
@@ -23,6 +24,12 @@ setup_process(megatron=True)  # a worker is an entry point
 
 
 def describe(optimizer) -> dict:
+    if hasattr(optimizer, "all_shards"):  # the distributed optimizer: this rank's rows of each weight
+        return {"rows": {s.name: [s.rows.start, s.rows.stop, s.param.shape[0], s.param[0].numel()]
+                         for s in optimizer.all_shards()},
+                "main_dtype": sorted({str(s.main.dtype) for s in optimizer.all_shards()}),
+                "param_dtype": sorted({str(s.param.dtype) for s in optimizer.all_shards()}),
+                "state_elements": sum(s["exp_avg"].numel() for s in optimizer.state.values())}
     keys = {id(p): f"{g['name']}/{i}" for g in optimizer.param_groups for i, p in enumerate(g["params"])}
     local = local_optimizer(optimizer)
     return {

@@ -2,7 +2,8 @@
 
 Usage: plan_memory_worker.py OUT.json SHAPE MICRO SEQ CASE [CASE ...]
   SHAPE: tiny (configs/model/tiny.yaml) or a `mimir bench` shape (mid);
-  CASE: TP:RECOMPUTE:K[,K...], e.g. 2:full:2,5,8 (DP = world size / TP).
+  CASE: TP:RECOMPUTE:K[,K...][:dist], e.g. 2:full:2,5,8 (DP = world size / TP); ``dist``: bf16
+  weights with the distributed optimizer (fp32 main weights, moments and EMA by rows).
 Each case builds its model and trainer once (optimizer state is created eagerly) and measures
 one step per window under a fresh tracker: the peak of live tensors (weights, DDP buffers,
 optimizer state, EMA, activations, temporaries) that the tracker saw, on rank 0.
@@ -20,7 +21,8 @@ from mimir_megatron.process import setup_process  # noqa: E402
 setup_process(megatron=True)  # a worker is an entry point
 
 
-def measure(shape: str, tp: int, recompute: str, windows: list[int], micro: int, seq: int) -> list[dict]:
+def measure(shape: str, tp: int, recompute: str, windows: list[int], micro: int, seq: int,
+            distributed: bool = False) -> list[dict]:
     import torch
     from megatron.core import parallel_state
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -38,14 +40,24 @@ def measure(shape: str, tp: int, recompute: str, windows: list[int], micro: int,
         parallel_state.destroy_model_parallel()
     parallel.init_model_parallel(tp)
     overrides = [f"parallel.tensor_parallel_size={tp}", f"execution.recompute={recompute}"]
+    overrides += ["params_dtype=bfloat16"] if distributed else []
     cfg = load_config(TINY, overrides) if shape == "tiny" else model_config(shape, None, overrides)
     dp_size = parallel_state.get_data_parallel_world_size()
-    trainer = build_trainer(build_model(cfg), OptimSection(), device=torch.device("cpu"),
+    trainer = build_trainer(build_model(cfg), OptimSection(distributed_optimizer=distributed),
+                            device=torch.device("cpu"),
                             dp_group=parallel_state.get_data_parallel_group(), dp_size=dp_size)
     batch = bench_batch(cfg.vocab_size, micro, seq)
     external = [b.grad_data for b in trainer.ddp.buffers]
     if trainer.ema is not None:
         external += list(trainer.ema.shadow.values())
+    if distributed:  # the fp32 main weights (copies: the weights are bf16)
+        external += [s.main for s in trainer.optimizer.all_shards()]
+    # The static terms, summed from the tensors themselves (the tracker files Adam's temporaries
+    # under the optimizer's kind too when the peak falls in its update).
+    local = parallel.local_optimizer(trainer.optimizer)
+    held = [*trainer.model.parameters(), *trainer.model.buffers(), *external,
+            *(t for state in local.state.values() for t in state.values() if torch.is_tensor(t))]
+    static = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in held}.values())
     results = []
     for k in windows:
         window = plan_window(cfg.h_cycles, cfg.l_cycles, k, cfg.window_policy)
@@ -61,8 +73,8 @@ def measure(shape: str, tp: int, recompute: str, windows: list[int], micro: int,
             train_step(trainer, [batch], plan, step=0)
         peak = tracker.get_tracker_snapshot("peak")
         device = next(d for d in peak if d.type == "cpu")
-        results.append({"tp": tp, "dp": dp_size, "k": k, "recompute": recompute,
-                        "peak_bytes": peak[device]["Total"],
+        results.append({"tp": tp, "dp": dp_size, "k": k, "recompute": recompute, "distributed": distributed,
+                        "peak_bytes": peak[device]["Total"], "static_bytes": static,
                         "by_kind": {str(kind).rpartition(".")[2]: int(v) for kind, v in peak[device].items()
                                     if kind != "Total"}})
     return results
@@ -77,8 +89,9 @@ def main() -> None:
     parallel.init_distributed()
     results = []
     for case in cases:
-        tp, recompute, windows = case.split(":")
-        results += measure(shape, int(tp), recompute, [int(k) for k in windows.split(",")], int(micro), int(seq))
+        tp, recompute, windows, *mode = case.split(":")
+        results += measure(shape, int(tp), recompute, [int(k) for k in windows.split(",")], int(micro), int(seq),
+                           distributed=mode == ["dist"])
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()

@@ -182,9 +182,13 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
         body = await body_of(request, ResponsesBody)
         messages, remembered = conversation(body, server.stored_responses)
         generation = await run_in_threadpool(server.translate.responses, body, messages)
+        logprobs = None
+        if body.wants_logprobs:
+            def logprobs(ids, values, tops):
+                return server.respond.chat_logprobs(ids, values, tops)["content"]
         builder = ResponseBuilder(body, engine.model_name, generation.prompt_tokens,
                                   generation.parse_tool_calls,
-                                  server.stored_responses, remembered)
+                                  server.stored_responses, remembered, logprobs)
         queue, works = server.generation_works(generation.requests)
         if body.stream:
             return StreamingResponse(sse_events(builder.events(server.events(queue, works))),

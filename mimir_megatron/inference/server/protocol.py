@@ -125,9 +125,10 @@ class SamplingBody(Body):
     field (the openai SDK sends null for a parameter passed as None)."""
 
     max_tokens: int | None = None
-    temperature: float | None = Field(None, ge=0)
-    """Default 1 (OpenAI's)."""
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    """Default 1 (OpenAI's); OpenAI's range, [0, 2]."""
+    top_p: float | None = Field(None, ge=0, le=1)
+    """OpenAI's range, [0, 1]: 0 keeps only the most likely token (the smallest nucleus)."""
     top_k: int | None = Field(None, ge=-1)
     """vLLM's: 0 or -1 = off."""
     min_p: float | None = Field(None, ge=0, le=1)
@@ -139,7 +140,7 @@ class SamplingBody(Body):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # values checked with the engine's sampling fields
     """{token id as a string: bias in [-100, 100]} (OpenAI's form)."""
     min_tokens: int | None = Field(None, ge=0)
     skip_special_tokens: bool | None = None
@@ -220,9 +221,21 @@ class ResponsesBody(SamplingBody):
     reasoning: dict[str, Any] | None = None
     """``{"effort": ...}``: passed to the chat template as ``reasoning_effort``."""
     include: list[str] | None = None
+    """:data:`RESPONSES_INCLUDE`; anything else is refused."""
     truncation: str | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """The output text's log-probs are served: asked for with ``include`` or ``top_logprobs``."""
+        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+RESPONSES_INCLUDE = (LOGPROBS_INCLUDE, "reasoning.encrypted_content")
+"""``include`` values served: the output text's log-probs, and encrypted reasoning (this server
+produces no reasoning items, so there is never any to include)."""
 
 
 class ScoreItem(BaseModel):

@@ -19,11 +19,14 @@ import json
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Callable, Literal
 
 from mimir_megatron.inference.server.protocol import ApiError, ResponsesBody, bad_request
-from mimir_megatron.inference.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
-from mimir_megatron.inference.types import GenerationResult, TokenEvent
+from mimir_megatron.inference.tool_calls import TOOL_CALL_OPEN, ToolCall, ToolCallStream, parse_tool_calls
+from mimir_megatron.inference.types import GenerationResult, TokenEvent, TopLogprobs
+
+LogprobEntries = Callable[[list[int], list[float], list[TopLogprobs] | None], list[dict]]
+"""(token ids, their log-probs, their alternatives) -> the output text's ``logprobs`` entries."""
 
 DEFAULT_STORED_RESPONSES = 1024
 
@@ -195,9 +198,27 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _message_item(text: str, item_id: str, status: str = "completed") -> dict:
+def _message_item(text: str, item_id: str, status: str = "completed", logprobs: list[dict] | None = None
+                  ) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def _before_the_calls(entries: list[dict]) -> list[dict]:
+    """The entries of the tokens before the first tool call's tag (the message's own text)."""
+    text = ""
+    for i, entry in enumerate(entries):
+        text += entry["token"]
+        start = text.find(TOOL_CALL_OPEN)
+        if start >= 0:
+            at, kept = 0, 0
+            for e in entries[: i + 1]:
+                at += len(e["token"])
+                if at > start:
+                    break
+                kept += 1
+            return entries[:kept]
+    return entries
 
 
 def _call_item(call: ToolCall, status: str = "completed") -> dict:
@@ -216,9 +237,12 @@ class ResponseBuilder:
     """One response's object, whole or as stream events."""
 
     def __init__(self, body: ResponsesBody, model: str, prompt_tokens: int, parse_tool_calls: bool,
-                 store: ResponseStore, remembered: list[dict]) -> None:
+                 store: ResponseStore, remembered: list[dict],
+                 logprobs: LogprobEntries | None = None) -> None:
         self.body, self.model, self.prompt_tokens = body, model, prompt_tokens
         self.parse_tool_calls, self.store, self.remembered = parse_tool_calls, store, remembered
+        self.logprobs = logprobs
+        """Serves the output text's log-probs (None: not asked for)."""
         self.id = _new_id("resp")
         self.created = int(time.time())
 
@@ -258,8 +282,12 @@ class ResponseBuilder:
 
     def whole(self, result: GenerationResult) -> dict:
         text, calls = self._split(result.text or "")
+        entries = []
+        if self.logprobs is not None:
+            entries = self.logprobs(result.token_ids, result.logprobs, result.top_logprobs)
+            entries = _before_the_calls(entries) if calls else entries
         # A reply without calls is a message, even an empty one (a client looks for it).
-        message = [_message_item(text or "", _new_id("msg"))] if text or not calls else []
+        message = [_message_item(text or "", _new_id("msg"), logprobs=entries)] if text or not calls else []
         output = message + [_call_item(c) for c in calls]
         status = "incomplete" if result.finish_reason == "length" else "completed"
         response = self._object(status, output, len(result.token_ids), result.finish_reason)
@@ -277,6 +305,8 @@ class ResponseBuilder:
         yield event("response.in_progress", response=self._object("in_progress", [], 0, None))
         stream = ToolCallStream() if self.parse_tool_calls else None
         message_id, text, tokens, finish, output, calls = _new_id("msg"), "", 0, None, [], []
+        pending: list[dict] = []  # log-probs of tokens whose text is not released yet
+        released: list[dict] = []
 
         def open_message():
             item = _message_item("", message_id, "in_progress")
@@ -287,32 +317,39 @@ class ResponseBuilder:
 
         async for _, token_event in events:
             tokens += 1
+            if self.logprobs is not None:
+                tops = None if token_event.top_logprobs is None else [token_event.top_logprobs]
+                pending += self.logprobs([token_event.token_id], [token_event.logprob], tops)
             delta = token_event.text or ""
             if stream is not None:
                 delta = stream.feed(delta)
                 if token_event.finished:
                     rest, calls = stream.finish()
                     delta += rest
+            if token_event.finished and calls:
+                pending = _before_the_calls(released + pending)[len(released):]
             if delta:
                 if not text:
                     for e in open_message():
                         yield e
                 text += delta
                 yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                            delta=delta, logprobs=[])
+                            delta=delta, logprobs=pending)
+                released, pending = released + pending, []
             if token_event.finished:
                 finish = token_event.finish_reason
+                released, pending = released + pending, []
                 if not text and not calls:  # a reply without calls is a message, even an empty one
                     for e in open_message():
                         yield e
                 if text or not calls:
-                    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": released}
                     yield event("response.output_text.done", item_id=message_id, output_index=0,
                                 content_index=0,
-                                text=text, logprobs=[])
+                                text=text, logprobs=released)
                     yield event("response.content_part.done", item_id=message_id, output_index=0,
                                 content_index=0, part=part)
-                    output.append(_message_item(text, message_id))
+                    output.append(_message_item(text, message_id, logprobs=released))
                     yield event("response.output_item.done", output_index=0, item=output[-1])
                 for call in calls:
                     index = len(output)

@@ -17,6 +17,7 @@ from mimir_megatron.inference.grammar import Grammar, Grammars
 from mimir_megatron.inference.server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     PLATFORM_FIELDS,
+    RESPONSES_INCLUDE,
     ApiError,
     Body,
     ChatBody,
@@ -121,6 +122,10 @@ class Translator:
         self._unsupported(body)
         if body.choices != 1:
             raise bad_request("n must be 1 for /v1/responses", "n")
+        for value in body.include or ():
+            if value not in RESPONSES_INCLUDE:
+                raise bad_request(f"include {value!r} is not served here (only "
+                                  f"{', '.join(RESPONSES_INCLUDE)})", "include")
         effort = (body.reasoning or {}).get("effort") if isinstance(body.reasoning, dict) else None
         kwargs = self._template_kwargs(body.chat_template_kwargs, effort, "chat_template_kwargs")
         tools = None
@@ -157,9 +162,17 @@ class Translator:
                      format_param: str = "response_format") -> Generation:
         """What chat completions and responses share: tools, grammar, prompt, requests."""
         offered, tool_grammar = self._tools(tools, choice, parallel, tools_param)
-        grammar = self._response_format(response_format, format_param)
-        if grammar is not None and tool_grammar is not None:
-            raise bad_request(f"{format_param} cannot be combined with a required tool call", format_param)
+        answer = self._format_schema(response_format, format_param)
+        grammar = tool_grammar
+        if answer is not None and offered is not None and tool_grammar is None:
+            # Tools offered (auto) and a format, OpenAI's rule: a call, or the final answer.
+            grammar = self._grammar(self.grammars.union, offered, parallel is not False, *answer, tools_param,
+                                    format_param)
+        elif answer is not None:
+            # The answer alone; with a forced call (a call now, the format for a later turn) it is
+            # still compiled, so that a format that cannot be is refused now.
+            answer_grammar = self._grammar(self.grammars.json, answer[0], format_param, answer[1])
+            grammar = answer_grammar if tool_grammar is None else tool_grammar
         prompt = self._chat_prompt(messages, offered, template_kwargs)
         max_tokens = self._max_tokens(asked, max(1, self.engine.max_context - len(prompt)), param)
         requests = self._requests(body, [prompt], max_tokens, "messages", top_logprobs,
@@ -197,7 +210,7 @@ class Translator:
 
     def _check_model(self, body: Body) -> None:
         if body.model is not None and body.model != self.engine.model_name:
-            raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
+            raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
                                 f"{self.engine.model_name!r}", "model", code="model_not_found")
 
     def _schedule(self, body: Body) -> tuple[int, int]:
@@ -288,12 +301,19 @@ class Translator:
             raise _api_error(exc) from exc
 
     def _response_format(self, spec: dict | None, param: str = "response_format") -> Grammar | None:
-        """The grammar ``response_format`` asks for (None: free text). A ``json_schema`` is
-        compiled in OpenAI's strict sense unless it says ``strict: false`` (then as written)."""
+        """The grammar ``response_format`` asks for (None: free text)."""
+        answer = self._format_schema(spec, param)
+        return None if answer is None else self._grammar(self.grammars.json, answer[0], param, answer[1])
+
+    @staticmethod
+    def _format_schema(spec: dict | None, param: str) -> tuple[dict | None, bool] | None:
+        """(the schema, None for any JSON object; whether strict) that ``response_format`` asks
+        for, or None for free text. A ``json_schema`` is compiled in OpenAI's strict sense unless
+        it says ``strict: false`` (then as written)."""
         if spec is None or spec.get("type") == "text":
             return None
         if spec.get("type") == "json_object":
-            return self._grammar(self.grammars.json, None, param)
+            return None, True
         if spec.get("type") == "json_schema":
             inner = spec.get("json_schema")
             schema = inner.get("schema") if isinstance(inner, dict) else None
@@ -302,7 +322,7 @@ class Translator:
                                   if param == "response_format"
                                   else f"{param}.schema must be a JSON schema object",
                                   param)
-            return self._grammar(self.grammars.json, schema, param, inner.get("strict") is not False)
+            return schema, inner.get("strict") is not False
         raise bad_request(f"{param} type {spec.get('type')!r} is not one of text, json_object, "
                           "json_schema", param)
 
@@ -322,6 +342,9 @@ class Translator:
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise bad_request('each tool must be {"type": "function", "function": {"name": ..., '
                                   '"parameters": ...}}', f"{param}[{i}]")
+            if fn["name"] in names:
+                raise bad_request(f"tool name {fn['name']!r} appears twice (tools[{names.index(fn['name'])}] "
+                                  "too): a call could not say which one it means", f"{param}[{i}]")
             names.append(fn["name"])
         if choice == "none":
             return None, None
@@ -373,8 +396,8 @@ class Translator:
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         shared = dict(
             max_new_tokens=max_tokens, temperature=_or(body.temperature, 1.0),
-            top_k=max(0, _or(body.top_k, 0)),
-            top_p=_or(body.top_p, 1.0), min_p=_or(body.min_p, 0.0), stop_strings=stops,
+            top_k=1 if body.top_p == 0 else max(0, _or(body.top_k, 0)),  # top_p 0: the top token alone
+            top_p=_or(body.top_p or None, 1.0), min_p=_or(body.min_p, 0.0), stop_strings=stops,
             use_default_stops=not body.ignore_eos, top_logprobs=top_logprobs,
             frequency_penalty=_or(body.frequency_penalty, 0.0),
             presence_penalty=_or(body.presence_penalty, 0.0),

@@ -26,12 +26,18 @@ class GpuSpec:
     fp8_tflops: float | None
     mxfp8_tflops: float | None
     nvlink_gbps: float
-    """NVLink bandwidth of one GPU, GB/s (one direction)."""
+    """NVLink bandwidth of one GPU, GB/s, as datasheets give it: the bidirectional total (a
+    B200's 1,800 GB/s is 900 GB/s each way). Collectives are timed at :attr:`nvlink_one_way_gbps`."""
     network_gbps: float
-    """Network bandwidth per GPU between nodes, GB/s."""
+    """Network bandwidth per GPU between nodes, GB/s, one direction (a 400 Gb/s NIC: 50 GB/s)."""
     gpus_per_node: int
     source: str
     match: tuple[str, ...] = ()
+
+    @property
+    def nvlink_one_way_gbps(self) -> float:
+        """What one GPU can send while it receives as much (a ring collective's bandwidth)."""
+        return self.nvlink_gbps / 2
 
     def peak_tflops(self, precision: str) -> float:
         peak = {"bf16": self.bf16_tflops, "fp8": self.fp8_tflops, "mxfp8": self.mxfp8_tflops}[precision]

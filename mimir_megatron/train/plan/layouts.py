@@ -15,9 +15,17 @@ from dataclasses import dataclass, field
 from mimir_megatron.errors import UserError
 from mimir_megatron.train.plan.gpus import GpuSpec
 from mimir_megatron.train.plan.memory import GB, MemoryPlan, StepShape, params_per_rank, plan_memory
-from mimir_megatron.train.plan.timing import Cluster, StepTime, efficiency_from_step, step_time
+from mimir_megatron.train.plan.timing import (
+    Cluster,
+    StepTime,
+    efficiency_from_mean_step,
+    efficiency_from_step,
+    step_time,
+)
 
 RECOMPUTE = ("none", "selective", "full")
+MAX_MARGIN = 0.5
+"""The largest share of memory `--margin` may keep free (more plans a GPU of half its size)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,9 @@ class RunSettings:
     """Share of the GPU's memory kept free (CUDA context, NCCL buffers, fragmentation)."""
     step_time_s: float | None = None
     """A measured step (the final window, the configured layout): sets ``efficiency``."""
+    mean_step_time_s: float | None = None
+    """A whole run's average step (wall-clock / steps, as papers report it; the configured
+    layout, every window phase): sets ``efficiency``."""
     tp: int | None = None
     micro_batch: int | None = None
     recompute: str | None = None
@@ -96,7 +107,8 @@ class RunPlan:
     efficiency: float = 0.30
     """The efficiency the times are at (``settings.efficiency``, or the one a measured step implies)."""
     implied_mfu: float | None = None
-    """The MFU a measured step time implies (``settings.step_time_s``)."""
+    """The final window's MFU a measured step time implies (``settings.step_time_s`` or
+    ``settings.mean_step_time_s``)."""
 
     @property
     def usable_bytes(self) -> float:
@@ -137,10 +149,13 @@ def step_shape(cfg, layout: Layout, phase: Phase, on_gpu: bool = True, precision
     """The memory model's input for a TrainConfig, a layout and a window."""
     m = cfg.model
     cpu_dense = not on_gpu and m.execution.attention_backend in ("auto", "dense")
+    params_bytes = 2 if m.params_dtype == "bfloat16" else 4
+    autocast = on_gpu and cfg.train.precision != "fp32"
     return StepShape(
         micro_batch=layout.micro_batch, seq_len=cfg.data.seq_len, tp=layout.tp, dp=layout.dp,
         k_L=phase.k_L, k_H=phase.k_H, recompute=layout.recompute,
-        compute_bytes=4 if (not on_gpu or cfg.train.precision == "fp32") else 2, on_gpu=on_gpu,
+        compute_bytes=2 if (autocast or params_bytes == 2) else 4, on_gpu=on_gpu,
+        params_bytes=params_bytes, distributed_optimizer=cfg.optim.distributed_optimizer,
         shard_optimizer=cfg.optim.shard_state, ema=cfg.optim.ema_decay > 0,
         loss_chunk_tokens=m.execution.loss_chunk_tokens, sequence_parallel=m.parallel.sequence_parallel,
         dense_attention=cpu_dense, fp8_weight_copies=precision in ("fp8", "mxfp8"))
@@ -155,6 +170,8 @@ def plan_layout(cfg, layout: Layout, phases: list[Phase], cluster: Cluster, sett
                            accumulation=layout.accumulation, seq_len=cfg.data.seq_len, k_L=p.k_L,
                            k_H=p.k_H, recompute=layout.recompute, efficiency=efficiency,
                            weights_per_rank=weights, zero=cfg.optim.shard_state and layout.dp > 1,
+                           gather_bytes=(2 if cfg.model.params_dtype == "bfloat16" else 4)
+                           if cfg.optim.distributed_optimizer else None,
                            sequence_parallel=cfg.model.parallel.sequence_parallel))
              for p in phases]
     seconds = sum(p.steps * t.seconds for p, t in timed)
@@ -202,8 +219,17 @@ def plan_run(cfg, settings: RunSettings) -> RunPlan:
         raise UserError(f"--gpus ({s.gpus}) must be a positive multiple of --nodes ({s.nodes})")
     if not 0 < s.efficiency <= 1:
         raise UserError(f"--efficiency must be in (0, 1], got {s.efficiency}")
+    if not 0 <= s.margin <= MAX_MARGIN:
+        raise UserError(f"--margin is the share of GPU memory kept free, in [0, {MAX_MARGIN:g}]; "
+                        f"got {s.margin:g}")
+    if s.step_time_s is not None and s.mean_step_time_s is not None:
+        raise UserError("give --step-time (the final window's step) or --mean-step-time (the whole "
+                        "run's average), not both")
+    for flag, value in (("--step-time", s.step_time_s), ("--mean-step-time", s.mean_step_time_s)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be > 0, got {value:g}")
     cluster = Cluster(gpus=s.gpus, nodes=s.nodes, peak_tflops=gpu.peak_tflops(s.precision),
-                      nvlink_gbps=gpu.nvlink_gbps, network_gbps=gpu.network_gbps)
+                      nvlink_gbps=gpu.nvlink_one_way_gbps, network_gbps=gpu.network_gbps)
     phases = window_phases(cfg)
     usable = gpu.memory_gb * GB * (1 - s.margin)
     tp = s.tp or cfg.model.parallel.tensor_parallel_size
@@ -212,6 +238,13 @@ def plan_run(cfg, settings: RunSettings) -> RunPlan:
     efficiency = s.efficiency
 
     candidates = candidate_layouts(cfg, s.gpus, cluster.gpus_per_node)
+    if not candidates:
+        tps = allowed_tp(cfg, s.gpus, cluster.gpus_per_node)
+        dps = ", ".join(str(s.gpus // t) for t in tps)
+        raise UserError(f"train.global_batch_size ({cfg.train.global_batch_size}) does not split over "
+                        f"{s.gpus} GPUs: it must be a multiple of DP = GPUs / TP (DP {dps} for TP "
+                        f"{', '.join(map(str, tps))}); use a GPU count whose DP divides it, or another "
+                        "global batch")
     plans = [plan_layout(cfg, lay, phases, cluster, s, usable, efficiency) for lay in candidates]
     fitting = ranked(plans)
     where = f"{s.gpus} x {gpu.key.upper()} ({gpu.memory_gb:g} GB)"
@@ -241,18 +274,20 @@ def plan_run(cfg, settings: RunSettings) -> RunPlan:
     configured = next(p for p in plans if p.layout == layout)
 
     implied = None
-    if s.step_time_s is not None:
-        if s.step_time_s <= 0:
-            raise UserError(f"--step-time must be > 0, got {s.step_time_s}")
-        final = configured.last_step
-        implied = final.model_flops / s.step_time_s / s.gpus / (cluster.peak_tflops * 1e12)
-        efficiency = efficiency_from_step(s.step_time_s, final, efficiency)
+    measured = s.step_time_s if s.step_time_s is not None else s.mean_step_time_s
+    if measured is not None:
+        if s.step_time_s is not None:
+            efficiency = efficiency_from_step(s.step_time_s, configured.last_step, efficiency)
+        else:
+            efficiency = efficiency_from_mean_step(measured, configured.phases, efficiency)
         if not 0 < efficiency <= 1:
-            raise UserError(f"a {s.step_time_s} s step is faster than this GPU's peak allows for the "
+            raise UserError(f"a {measured:g} s step is faster than this GPU's peak allows for the "
                             "plan's FLOPs and communication: check --gpus, --gpu and the config")
         plans = [plan_layout(cfg, lay, phases, cluster, s, usable, efficiency) for lay in candidates]
         fitting = ranked(plans)
         configured = next(p for p in plans if p.layout == layout)
+        final = configured.last_step
+        implied = final.model_flops / final.seconds / s.gpus / (cluster.peak_tflops * 1e12)
     return RunPlan(source=cfg.source, settings=settings, cluster=cluster, seq_len=cfg.data.seq_len,
                    global_batch=cfg.train.global_batch_size, steps=cfg.train.steps, phases=phases,
                    configured=configured, ranked=fitting, efficiency=efficiency,

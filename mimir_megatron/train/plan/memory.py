@@ -3,13 +3,18 @@
 What the trainer holds (train/step.py, train/optim.py), per tensor-parallel rank (every weight
 of this model is TP-split: vocab-parallel embedding and head, TP linears in the stacks):
 
-- weights: fp32 (``params_dtype`` float32; they are also the master weights: bf16 compute is
-  autocast, so there is no separate master copy);
+- weights: in ``params_dtype``: fp32 (they are also the master weights: bf16 compute is
+  autocast, so there is no separate master copy), or bf16 with ``optim.distributed_optimizer``
+  (Megatron's mixed precision), whose fp32 main copy is kept by rows (below);
 - gradients: megatron DDP's fp32 buffer (``grad_reduce_in_fp32``);
 - optimizer: Adam's two fp32 moments; with ``optim.shard_state`` and DP > 1, torch's
   ZeroRedundancyOptimizer owns whole tensors per rank, assigned greedily (largest first, to the
   least-loaded rank, group by group), so the largest rank's share is counted, not P / DP;
 - EMA: an fp32 copy, not sharded;
+- with ``optim.distributed_optimizer`` (train/dist_optim.py) the fp32 main weights (none when
+  the weights are fp32: views of them), Adam's moments and the EMA are kept for one
+  data-parallel rank's rows of every tensor: the rank with the most rows counts (16 / DP bytes
+  a weight when rows divide evenly); its optimizer phase adds the all-gather's input copy;
 - activations: what autograd keeps for the largest window of the schedule (below);
 - temporaries: the loss's buffers, the head's weight gradient before DDP takes it, the backward
   working set of one layer, the bf16 weight copies autocast caches on a GPU, the dense attention
@@ -18,14 +23,15 @@ of this model is TP-split: vocab-parallel embedding and head, TP linears in the 
 Activations, elements per token of one layer application with grad (D hidden, F FFN width,
 a heads; t = TP size, divides the TP-region terms; with sequence parallelism the
 residual-region terms too):
-  residual region: the layer input and the mid-layer residual (kept by the norms, fp32 on a
-  GPU: the residual stream stays fp32 under autocast), two rsqrt per token;
+  residual region: the layer input and the mid-layer residual (kept by the norms in the residual
+  stream's dtype: the weights', so fp32 under autocast with fp32 weights, bf16 with bf16
+  weights), two fp32 rsqrt per token;
   matmul inputs: both norm outputs (2D, compute dtype);
   TP region: q, k, v and the output gate from the fused projection (4D), q and k after RoPE
   (2D), the attention output (D), sigmoid of the gate (D), the gated product (D), the MLP's
-  first projection (2F), SwiGLU's activated half (F) and output (F), the attention kernel's
-  log-sum-exp (a).
-Per application, the exit norm keeps its input (D, fp32) and its rsqrt.
+  first projection (2F) and SwiGLU's output (F; its silu is recomputed in backward), the
+  attention kernel's log-sum-exp (a).
+Per application, the exit norm keeps its input (D, the residual stream's dtype) and its rsqrt.
 On a CPU (dense attention), SDPA also keeps an fp32 copy of the b x s x s mask per layer.
 Recompute ``full`` keeps only each layer's input (and the exit norm's) and recomputes one
 layer in backward; ``selective`` drops q and k after RoPE and the log-sum-exp (the core
@@ -65,10 +71,21 @@ class StepShape:
     """The dense PrefixLM mask (CPU backend): b x s x s booleans."""
     fp8_weight_copies: bool = False
     """FP8 (Transformer Engine): an fp8 copy of each stack weight and of its transpose."""
+    params_bytes: int = 4
+    """Bytes of a weight as the model stores it (``model.params_dtype``): 4 fp32, 2 bf16."""
+    distributed_optimizer: bool = False
+    """``optim.distributed_optimizer``: fp32 main weights (unless the weights are fp32), Adam's
+    moments and the EMA for this data-parallel rank's rows of every weight."""
 
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
+
+    @property
+    def residual_bytes(self) -> int:
+        """The residual stream's dtype: that of the embedding's output, so of the weights (fp32
+        weights keep it fp32 under autocast)."""
+        return self.params_bytes
 
     @property
     def sp(self) -> int:
@@ -133,6 +150,31 @@ def params_per_rank(cfg: ModelConfig, tp: int) -> int:
     return sum(sum(sizes) for sizes in tensor_sizes(cfg, tp).values())
 
 
+def row_sizes(cfg: ModelConfig, tp: int) -> dict[str, list[tuple[int, int]]]:
+    """(rows, elements a row) of each weight tensor on one TP rank, by optimizer group, as
+    :func:`tensor_sizes` orders them: the distributed optimizer cuts every weight by rows."""
+    d, f = cfg.hidden_size, cfg.ffn_hidden_size
+    layer = [(4 * d // tp, d), (d, d // tp), (2 * f // tp, d), (d, f // tp)]  # qkv+gate, proj, fc1, fc2
+    vocab = (padded_vocab(cfg, tp) // tp, d)
+    return {"embedding": [vocab], "head": [vocab], "L": layer * cfg.num_layers_L,
+            "H": layer * cfg.num_layers_H}
+
+
+def largest_row_shard(cfg: ModelConfig, tp: int, dp: int) -> tuple[int, int, int]:
+    """(elements, largest group's elements, largest tensor's elements) of the data-parallel rank
+    that keeps the most rows: rank r keeps rows r * n // DP to (r + 1) * n // DP of each tensor."""
+    def rows(n: int, r: int) -> int:
+        return (r + 1) * n // dp - r * n // dp
+
+    best = (0, 0, 0)
+    for r in range(dp):
+        groups = {g: [rows(n, r) * width for n, width in sizes] for g, sizes in row_sizes(cfg, tp).items()}
+        total = sum(sum(sizes) for sizes in groups.values())
+        best = max(best, (total, max(sum(sizes) for sizes in groups.values()),
+                          max(max(sizes) for sizes in groups.values())))
+    return best
+
+
 def largest_zero_shard(groups: dict[str, list[int]], dp: int) -> int:
     """Elements of the largest ZeroRedundancyOptimizer partition: group by group, tensors
     largest first, each to the rank with the fewest elements so far (torch's own rule)."""
@@ -149,13 +191,16 @@ def largest_zero_shard(groups: dict[str, list[int]], dp: int) -> int:
 def layer_activation_bytes(cfg: ModelConfig, s: StepShape) -> float:
     """Bytes one layer application with grad keeps for backward, for the micro-batch."""
     d, f, a, t, c = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads, s.tp, s.compute_bytes
-    residual = FP32 * (2 * d + 2) / s.sp            # layer input, mid residual, two rsqrt
+    # The norms keep the layer input and the mid-layer residual in the residual stream's dtype
+    # (model/norm.py) and their two fp32 rsqrt.
+    residual = (s.residual_bytes * 2 * d + FP32 * 2) / s.sp
     matmul_inputs = c * 2 * d / s.sp                # the two norm outputs, as the linears keep them
-    if s.recompute == "full":
-        return s.tokens * FP32 * d / s.sp           # the checkpoint keeps the layer input only
+    if s.recompute == "full":                       # the checkpoint keeps the layer input only,
+        return s.tokens * s.residual_bytes * d / s.sp  # the residual stream's own tensor
     roped = 0 if s.recompute == "selective" else 2 * d
     lse = 0 if s.recompute == "selective" else a
-    tp_region = c * (4 * d + roped + 3 * d + 4 * f) / t + FP32 * lse / t
+    # SwiGLU keeps fc1's output (2F; silu is recomputed in backward) and fc2 its input (F).
+    tp_region = c * (4 * d + roped + 3 * d + 3 * f) / t + FP32 * lse / t
     per_layer = s.tokens * (residual + matmul_inputs + tp_region)
     if s.dense_attention and s.recompute == "none":
         # CPU SDPA turns the boolean mask into an additive fp32 one and keeps it for backward.
@@ -166,7 +211,7 @@ def layer_activation_bytes(cfg: ModelConfig, s: StepShape) -> float:
 def activation_bytes(cfg: ModelConfig, s: StepShape) -> float:
     """Activations kept at the end of the forward pass of one micro-batch."""
     layers = s.k_L * cfg.num_layers_L + s.k_H * cfg.num_layers_H
-    exit_norms = (s.k_L + s.k_H) * s.tokens * FP32 * (cfg.hidden_size + 1) / s.sp
+    exit_norms = (s.k_L + s.k_H) * s.tokens * (s.residual_bytes * cfg.hidden_size + FP32) / s.sp
     return layers * layer_activation_bytes(cfg, s) + exit_norms
 
 
@@ -186,15 +231,16 @@ def temporaries(cfg: ModelConfig, s: StepShape) -> dict[str, float]:
         # Logits in the compute dtype and their fp32 copy (none when they are fp32 already);
         # the cross-entropy works in place, its gradient too.
         temps["loss"] = s.tokens * vocab_local * (c + (FP32 if c != FP32 else 0))
-    # The head's weight gradient, made at the start of backward (all activations still alive)
-    # before DDP's hook adds it to the fp32 buffer: the largest weight gradient of the step.
-    temps["head_grad"] = FP32 * head_params
+    # The head's weight gradient (in the weights' dtype), made at the start of backward (all
+    # activations still alive) before DDP's hook adds it to the fp32 buffer: the largest weight
+    # gradient of the step.
+    temps["head_grad"] = s.params_bytes * head_params
     # Backward of the first layer: its recomputed activations (full recompute) or its
     # gradients' working set, about one layer's activations either way.
     full = StepShape(**{**s.__dict__, "recompute": "none"})
     temps["backward"] = layer_activation_bytes(cfg, full)
-    if s.on_gpu and s.compute_bytes == 2:
-        temps["autocast_weights"] = 2 * (stack_params + head_params)  # bf16 copies, cached
+    if s.on_gpu and s.compute_bytes == 2 and s.params_bytes == FP32:
+        temps["autocast_weights"] = 2 * (stack_params + head_params)  # bf16 copies of fp32 weights, cached
     if s.fp8_weight_copies:
         temps["fp8_weights"] = 2 * stack_params
     if s.dense_attention:
@@ -208,6 +254,14 @@ def optimizer_phase(cfg: ModelConfig, s: StepShape) -> dict[str, float]:
     of the largest group; a CPU goes tensor by tensor)."""
     groups = tensor_sizes(cfg, s.tp)
     largest = max(max(sizes) for sizes in groups.values())
+    if s.distributed_optimizer:
+        # Adam over this rank's rows (a group's on a GPU, a tensor's on a CPU); then the
+        # all-gather's input, a copy of the largest row shard in the weights' dtype.
+        _, group_rows, tensor_rows = largest_row_shard(cfg, s.tp, s.dp)
+        phase = {"grad_norm": FP32 * largest, "adam": 2 * FP32 * (group_rows if s.on_gpu else tensor_rows)}
+        if s.dp > 1:
+            phase["gather"] = s.params_bytes * tensor_rows
+        return phase
     if s.on_gpu:
         group = max(sum(sizes) for sizes in groups.values())
         if s.shard_optimizer and s.dp > 1:
@@ -222,13 +276,17 @@ def plan_memory(cfg: ModelConfig, s: StepShape) -> MemoryPlan:
     """Every term of the peak memory of one GPU."""
     groups = tensor_sizes(cfg, s.tp)
     params = sum(sum(sizes) for sizes in groups.values())
-    owned = largest_zero_shard(groups, s.dp) if s.shard_optimizer and s.dp > 1 else params
+    if s.distributed_optimizer:
+        owned = largest_row_shard(cfg, s.tp, s.dp)[0]
+    else:
+        owned = largest_zero_shard(groups, s.dp) if s.shard_optimizer and s.dp > 1 else params
+    rows_kept = s.distributed_optimizer
     return MemoryPlan(
-        weights=FP32 * params + FP32 * cfg.hidden_size,  # + the z_L_init buffer
+        weights=s.params_bytes * (params + cfg.hidden_size),  # + the z_L_init buffer
         gradients=FP32 * params,
         optimizer=2 * FP32 * owned,
-        master_weights=0.0,
-        ema=FP32 * params if s.ema else 0.0,
+        master_weights=FP32 * owned if rows_kept and s.params_bytes != FP32 else 0.0,
+        ema=(FP32 * (owned if rows_kept else params)) if s.ema else 0.0,
         activations=activation_bytes(cfg, s),
         temporaries=temporaries(cfg, s),
         optimizer_phase=optimizer_phase(cfg, s),

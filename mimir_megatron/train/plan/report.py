@@ -8,6 +8,9 @@ from mimir_megatron.train.plan.layouts import LayoutPlan, RunPlan
 from mimir_megatron.train.plan.memory import GB
 
 DAY = 86_400.0
+EFFICIENCY_NOTE = ("the efficiency is one figure for every layout: its dependence on the micro-batch "
+                   "(smaller matmuls run further from peak) is not modelled, so layouts that differ "
+                   "only in micro-batch plan the same time")
 
 
 def layout_dict(p: LayoutPlan, plan: RunPlan) -> dict[str, Any]:
@@ -39,11 +42,14 @@ def to_dict(plan: RunPlan, top: int = 10) -> dict[str, Any]:
         "config": plan.source,
         "gpu": {"key": gpu.key, "name": gpu.name, "memory_gb": gpu.memory_gb,
                 "peak_tflops": plan.cluster.peak_tflops, "precision": s.precision,
-                "nvlink_gbps": gpu.nvlink_gbps, "network_gbps": gpu.network_gbps, "source": gpu.source},
+                "nvlink_gbps": gpu.nvlink_gbps, "nvlink_one_way_gbps": plan.cluster.nvlink_gbps,
+                "network_gbps": gpu.network_gbps, "source": gpu.source},
         "gpus": s.gpus, "nodes": s.nodes, "margin": s.margin,
         "usable_gb": round(plan.usable_bytes / GB, 2),
         "efficiency": round(plan.efficiency, 4),
         "measured_step_time_s": s.step_time_s,
+        "measured_mean_step_time_s": s.mean_step_time_s,
+        "efficiency_model": EFFICIENCY_NOTE,
         "implied_mfu": None if plan.implied_mfu is None else round(plan.implied_mfu, 4),
         "seq_len": plan.seq_len, "global_batch": plan.global_batch, "steps": plan.steps,
         "tokens": plan.configured.tokens,
@@ -69,11 +75,16 @@ def table(plan: RunPlan, top: int = 10) -> str:
         f"a step, {plan.steps:,} steps = {c.tokens / 1e9:.1f}B tokens; windows "
         + ", ".join(f"k={p.k} ({p.k_L}L+{p.k_H}H) x {p.steps:,}" for p in plan.phases),
     ]
-    if plan.implied_mfu is not None:
-        lines.append(f"a measured {s.step_time_s:g} s step implies MFU {plan.implied_mfu:.1%} and "
-                     f"efficiency {plan.efficiency:.1%} (of peak, on the FLOPs actually run)")
+    if s.step_time_s is not None:
+        lines.append(f"a measured {s.step_time_s:g} s step (final window) implies MFU {plan.implied_mfu:.1%} "
+                     f"and efficiency {plan.efficiency:.1%} (of peak, on the FLOPs actually run)")
+    elif s.mean_step_time_s is not None:
+        lines.append(f"a whole-run average of {s.mean_step_time_s:g} s a step implies efficiency "
+                     f"{plan.efficiency:.1%} (of peak, on the FLOPs actually run): the final window's "
+                     f"step {final.seconds:.3f} s, MFU {plan.implied_mfu:.1%}")
     else:
         lines.append(f"efficiency assumed {plan.efficiency:.0%} of peak (calibrate: docs/planning.md)")
+    lines.append(EFFICIENCY_NOTE)
     lines += [
         "",
         f"configured layout: {c.layout.describe(plan.seq_len)}: "

@@ -5,8 +5,12 @@ runs again) at ``efficiency`` x the GPU's peak. Communication is added, not over
 trainer reduces gradients once after the whole backward (L and H run several times a step, so
 a gradient is complete only at the end) and megatron's TP collectives sit on the critical path.
   - DP: a ring all-reduce of the fp32 gradient buffer (2 (DP-1)/DP x 4 bytes x weights), plus,
-    with ZeRO-1, the owners' broadcast of updated weights ((DP-1)/DP x 4 bytes x weights);
-    over the network when the run spans nodes, else NVLink (TP stays inside a node).
+    with ZeRO-1, the owners' broadcast of updated weights ((DP-1)/DP x 4 bytes x weights), with
+    the distributed optimizer the all-gather of the updated rows ((DP-1)/DP x 2 bytes x weights
+    for bf16 weights);
+    over the network when the run spans nodes, else NVLink (TP stays inside a node). Bandwidths
+    are one direction: what a GPU sends while it receives as much (NVLink: half the datasheet's
+    bidirectional total).
   - TP: per layer and module application, two regions (attention, MLP), each an all-reduce or,
     with sequence parallelism, an all-gather plus a reduce-scatter: 2 (TP-1)/TP x tokens x D x 2
     bytes per region; in forward for every application, again in backward for the window's,
@@ -27,7 +31,10 @@ class Cluster:
     nodes: int
     peak_tflops: float
     nvlink_gbps: float
+    """One direction (half the datasheet's bidirectional total): a ring collective sends and
+    receives its bytes at once, each way at this rate."""
     network_gbps: float
+    """One direction, per GPU."""
 
     @property
     def gpus_per_node(self) -> int:
@@ -82,7 +89,7 @@ def step_flops(cfg: ModelConfig, k_L: int, k_H: int, seq_len: int, tokens: int, 
 def step_time(cfg: ModelConfig, cluster: Cluster, *, tp: int, micro_batch: int, accumulation: int,
               seq_len: int, k_L: int, k_H: int, recompute: str, efficiency: float,
               weights_per_rank: int, zero: bool, sequence_parallel: bool = True,
-              compute_bytes: int = 2) -> StepTime:
+              compute_bytes: int = 2, gather_bytes: int | None = None) -> StepTime:
     """One optimizer step of the layout on ``cluster`` (see the module docstring)."""
     dp = cluster.gpus // tp
     tokens_step = micro_batch * seq_len * accumulation * dp
@@ -95,7 +102,9 @@ def step_time(cfg: ModelConfig, cluster: Cluster, *, tp: int, micro_batch: int, 
     dp_bytes = 0.0
     if dp > 1:
         dp_bytes = 2 * (dp - 1) / dp * 4 * weights_per_rank
-        if zero:
+        if gather_bytes is not None:  # the distributed optimizer's all-gather of updated rows
+            dp_bytes += (dp - 1) / dp * gather_bytes * weights_per_rank
+        elif zero:
             dp_bytes += (dp - 1) / dp * 4 * weights_per_rank
     dp_bw = cluster.network_gbps if cluster.nodes > 1 else cluster.nvlink_gbps
     per_app = 0.0
@@ -125,3 +134,17 @@ def efficiency_from_step(measured_s: float, at: StepTime, efficiency: float) -> 
     if compute <= 0:
         return math.inf
     return efficiency * at.compute_s / compute
+
+
+def efficiency_from_mean_step(mean_s: float, phases: list, efficiency: float) -> float:
+    """The efficiency at which the plan's whole schedule (``phases``: (phase, its step at
+    ``efficiency``) pairs) averages ``mean_s`` a step: communication as planned, compute scaled
+    by one factor in every phase (a paper's "1.1 s a step" is such an average, not the final
+    window's step)."""
+    steps = sum(phase.steps for phase, _ in phases)
+    compute = sum(phase.steps * t.compute_s for phase, t in phases)
+    comm = sum(phase.steps * (t.dp_comm_s + t.tp_comm_s) for phase, t in phases)
+    left = mean_s * steps - comm
+    if left <= 0:
+        return math.inf
+    return efficiency * compute / left

@@ -1,0 +1,163 @@
+"""Megatron's mixed precision with an evenly sharded optimizer (``optim.distributed_optimizer``).
+
+The layout of megatron-core's DistributedOptimizer, built on tensors that run on CPU (gloo) as on
+GPU (NCCL): megatron-core's own class needs CUDA buffers and streams.
+
+- The model's parameters are in ``model.params_dtype`` (bf16 on a GPU run: the weights the
+  forward and backward read, no autocast weight cache); megatron DDP reduces their gradients in
+  an fp32 buffer (``param.main_grad``), averaged over the data-parallel group.
+- Every weight is cut by rows into DP nearly equal slices (rows ``r * n // DP`` to
+  ``(r + 1) * n // DP``: even to within one row of each tensor, exactly even for the Mimir
+  shapes). Data-parallel rank ``r`` keeps, for its rows only, the fp32 main weights, Adam's two
+  moments and the EMA: 16 / DP bytes a weight, where ZeRO-1 by whole tensors gives one rank a
+  whole embedding's state.
+- An update: each rank steps its rows' main weights from its rows of the fp32 gradient, writes
+  them into its rows of the parameter (rounded to bf16) and the parameters are all-gathered
+  over the data-parallel group. Frozen groups (a window without that module) change nothing and
+  are not gathered.
+
+With fp32 parameters the main weights are views of the parameter's rows (no copy): the layout
+is then even ZeRO-1. The gradient norm and clipping read the whole fp32 buffer as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mimir_megatron.train.schedules import GROUPS, StepPlan
+
+
+@dataclass
+class RowShard:
+    """This data-parallel rank's rows of one weight."""
+
+    name: str
+    param: torch.nn.Parameter
+    rows: slice
+    main: torch.Tensor
+    """fp32 main weights of ``rows``: a view of the parameter when it is fp32, else a copy."""
+
+    @property
+    def is_view(self) -> bool:
+        return self.param.dtype == torch.float32
+
+
+def row_range(rows: int, dp_rank: int, dp_size: int) -> slice:
+    """Rank ``dp_rank``'s rows of a tensor of ``rows`` rows: even to within one row."""
+    return slice(dp_rank * rows // dp_size, (dp_rank + 1) * rows // dp_size)
+
+
+class DistributedOptimizer:
+    """fp32 main weights and a torch optimizer's state for this data-parallel rank's rows of
+    every weight; see the module docstring. ``optim`` is the torch optimizer over the row
+    shards' main weights (param group names as train/optim.py's)."""
+
+    def __init__(self, named_groups: dict[str, list[tuple[str, torch.nn.Parameter]]],
+                 optimizer_class, kwargs: dict, lr: float, dp_group=None):
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.dp_rank = dist.get_rank(dp_group)
+        self._dp_ranks = dist.get_process_group_ranks(dp_group) if dp_group is not None else \
+            list(range(self.dp_size))
+        self.shards: dict[str, list[RowShard]] = {}
+        for group in GROUPS:
+            shards = []
+            for name, param in named_groups.get(group, []):
+                rows = row_range(param.shape[0], self.dp_rank, self.dp_size)
+                with torch.no_grad():
+                    main = param.data[rows] if param.dtype == torch.float32 else param.data[rows].float()
+                shards.append(RowShard(name, param, rows, main))
+            if shards:
+                self.shards[group] = shards
+        self.optim = optimizer_class(
+            [{"params": [s.main for s in shards], "name": g, "lr": lr} for g, shards in self.shards.items()],
+            **kwargs)
+
+    # -- what the trainer and the checkpoints read ------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def all_shards(self) -> list[RowShard]:
+        return [s for shards in self.shards.values() for s in shards]
+
+    def model_params(self) -> list[torch.nn.Parameter]:
+        return [s.param for s in self.all_shards()]
+
+    # -- the update ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, plan: StepPlan) -> None:
+        """One update of this rank's rows with ``plan``'s group learning rates, then the
+        parameters gathered over the data-parallel group (frozen groups: neither)."""
+        for group in self.optim.param_groups:
+            frozen = group["name"] in plan.frozen
+            group["lr"] = plan.group_lr[group["name"]]
+            for shard in self.shards[group["name"]]:
+                shard.main.grad = None if frozen else shard.param.main_grad[shard.rows]
+        self.optim.step()
+        for group in self.optim.param_groups:
+            for shard in self.shards[group["name"]]:
+                shard.main.grad = None
+            if group["name"] not in plan.frozen:
+                self.write_back(self.shards[group["name"]])
+
+    @torch.no_grad()
+    def write_back(self, shards: list[RowShard]) -> None:
+        """Each rank's main rows into its rows of the parameters, then every rank's rows to all."""
+        for shard in shards:
+            if not shard.is_view:
+                shard.param.data[shard.rows].copy_(shard.main)
+            self._gather(shard)
+
+    def _gather(self, shard: RowShard) -> None:
+        if self.dp_size == 1:
+            return
+        data = shard.param.data
+        if data.shape[0] % self.dp_size == 0 and data.is_contiguous():
+            # Equal slices: one all-gather into the parameter (the input is a copy: the output
+            # buffer holds it too).
+            dist.all_gather_into_tensor(data, data[shard.rows].clone(), group=self.dp_group)
+            return
+        for dp_rank, src in enumerate(self._dp_ranks):
+            dist.broadcast(data[row_range(data.shape[0], dp_rank, self.dp_size)], src=src,
+                           group=self.dp_group)
+
+    @torch.no_grad()
+    def main_from_params(self) -> None:
+        """Main weights from the parameters (weights loaded into the model by other means)."""
+        for shard in self.all_shards():
+            if not shard.is_view:
+                shard.main.copy_(shard.param.data[shard.rows])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+
+class ShardedEMA:
+    """fp32 EMA of the main weights, of this rank's rows only (the optimizer's shards)."""
+
+    def __init__(self, optimizer: DistributedOptimizer, decay: float):
+        self.decay = decay
+        self.optimizer = optimizer
+        self.reset()
+
+    def reset(self, model: torch.nn.Module | None = None) -> None:
+        """The EMA restarted at the current main weights."""
+        self.shadow = {s.name: s.main.detach().clone() for s in self.optimizer.all_shards()}
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module | None = None) -> None:
+        for shard in self.optimizer.all_shards():
+            self.shadow[shard.name].lerp_(shard.main, 1 - self.decay)
+
+    def rows(self, name: str) -> slice:
+        return next(s.rows for s in self.optimizer.all_shards() if s.name == name)
