@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 from checkpoint_states import assert_same_state
-from conftest import REPO, train_overrides
+from conftest import DOCKER_BUILD_SUMMARY, REPO, train_overrides
 from docker_engine import engine
 from polling import wait_for
 
@@ -247,7 +247,9 @@ def image(docker_engine, tmp_path_factory) -> Built:
                               stderr=subprocess.STDOUT, env=dict(os.environ, TAG=TAG), timeout=BUILD_TIMEOUT)
     text = log.read_text()
     assert proc.returncode == 0, text[-6000:]
-    print("\n".join(line for line in text.splitlines() if line.startswith("docker/build.sh:")))
+    summary = "\n".join(line for line in text.splitlines() if line.startswith("docker/build.sh:"))
+    DOCKER_BUILD_SUMMARY.parent.mkdir(parents=True, exist_ok=True)
+    DOCKER_BUILD_SUMMARY.write_text(summary + "\n")  # the CI log shows it (tests/conftest.py)
     return Built(docker_engine, log)
 
 
