@@ -27,6 +27,8 @@
 #   MIMIR_REPO       repository root (configs, data)  [the directory sbatch was run from]
 #   CONTAINER_IMAGE  run the tasks in this image through pyxis (docs/operations.md); unset: bare
 #   CONTAINER_MOUNTS pyxis mounts, comma-separated    [<repo>:<repo>]
+#   DOCKER_IMAGE     run each task in this image with `docker run` (no pyxis needed;
+#                    launchers/container.sh, which reads DOCKER_MOUNTS, DOCKER_USER, ...)
 #   MASTER_ADDR      rendezvous host                  [first node of the job]
 #   MASTER_PORT      rendezvous port                  [20000 + job id % 20000]
 #   OMP_NUM_THREADS                                   [$SLURM_CPUS_PER_TASK, else 1]
@@ -114,6 +116,9 @@ if [ -n "$CONTAINER_IMAGE" ]; then
     srun_args+=(--container-image="$CONTAINER_IMAGE" --container-mounts="$CONTAINER_MOUNTS"
         --container-workdir="$REPO")
     train=(mimir train)
+elif [ -n "${DOCKER_IMAGE:-}" ]; then
+    # Each task execs `docker run`; the signals srun forwards reach the trainer through it.
+    train=(bash "$REPO/launchers/container.sh" train)
 else
     train=("$PYTHON" -m mimir_megatron.cli train)
 fi

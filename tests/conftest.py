@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +27,24 @@ def pytest_configure(config: pytest.Config) -> None:
 
     # The test process is an entry point: set up once, explicitly (pytest keeps its own logging).
     setup_process(megatron=True, configure_logging=False)
+
+
+ARTIFACTS = Path(os.environ.get("MIMIR_TEST_ARTIFACTS") or REPO / "build" / "test-artifacts")
+DOCKER_BUILD_SUMMARY = ARTIFACTS / "docker" / "build-summary.txt"
+"""The last lines of `docker/build.sh` in tests/system/test_docker.py (no network inside, time,
+size): the controller prints them after the run, since a worker's output is not shown."""
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        DOCKER_BUILD_SUMMARY.unlink(missing_ok=True)  # only this run's build is reported
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if DOCKER_BUILD_SUMMARY.is_file():
+        terminalreporter.section("the image's build (tests/system/test_docker.py)")
+        for line in DOCKER_BUILD_SUMMARY.read_text().splitlines():
+            terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
