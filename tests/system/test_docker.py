@@ -391,10 +391,12 @@ def _one_mlflow_run(run_dir: Path) -> None:
     """Both halves logged to the run directory's MLflow store, into one run, every step once."""
     from mlflow.tracking import MlflowClient
 
+    from mimir_megatron.train.tracking import metric_name
+
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     assert len(runs) == 1, [r.info.run_id for r in runs]
-    steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss"))
+    steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, metric_name("loss")))
     assert steps == list(range(1, 7)), steps
 
 
