@@ -287,6 +287,23 @@ def test_agents_sdk_runs_a_tool_loop_to_its_final_message(served):
 # -- Pydantic AI --------------------------------------------------------------------------------------------
 
 
+def _offer_weather_until_called(agent) -> list[str]:
+    """Give a Pydantic AI ``agent`` a weather tool that is offered until it has run once (random
+    weights would call it forever); returns the list of the cities it was called with."""
+    calls: list[str] = []
+
+    async def until_called(ctx, tool):  # Pydantic AI's prepare hook: None hides the tool this step
+        return None if calls else tool
+
+    @agent.tool_plain(prepare=until_called)
+    def weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append(city)
+        return json.dumps({"city": city, "rain_mm": 4})
+
+    return calls
+
+
 def test_pydantic_ai_agent_runs_a_tool_then_its_structured_output(served):
     """An agent whose output is a Pydantic model (its ``final_result`` tool, which Pydantic AI forces
     with ``tool_choice: required``) and one function tool, offered until it has run once (random
@@ -303,17 +320,8 @@ def test_pydantic_ai_agent_runs_a_tool_then_its_structured_output(served):
     model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key="x"))
     # seed 2 calls the weather tool first (seeds 0 and 1 go straight to the output)
     settings = {"max_tokens": MAX + 30, "temperature": 1.0, "seed": 2}
-    calls: list[str] = []
     agent = Agent(model, output_type=Forecast, model_settings=settings)
-
-    async def until_called(ctx, tool):  # Pydantic AI's prepare hook: None hides the tool this step
-        return None if calls else tool
-
-    @agent.tool_plain(prepare=until_called)
-    def weather(city: str) -> str:
-        """Current weather in a city."""
-        calls.append(city)
-        return json.dumps({"city": city, "rain_mm": 4})
+    calls = _offer_weather_until_called(agent)
 
     result = agent.run_sync("Forecast for Aarhus?", usage_limits=UsageLimits(request_limit=3))
     assert isinstance(result.output, Forecast)
@@ -376,17 +384,8 @@ def test_pydantic_ai_native_output_and_a_tool_in_one_run(served):
 
     model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key="x"))
     settings = {"max_tokens": MAX, "temperature": 1.0, "seed": 1, "logit_bias": {_first_token(served, "<"): 100}}
-    calls: list[str] = []
     agent = Agent(model, output_type=NativeOutput(Forecast), model_settings=settings)
-
-    async def until_called(ctx, tool):
-        return None if calls else tool
-
-    @agent.tool_plain(prepare=until_called)
-    def weather(city: str) -> str:
-        """Current weather in a city."""
-        calls.append(city)
-        return json.dumps({"city": city, "rain_mm": 4})
+    calls = _offer_weather_until_called(agent)
 
     result = agent.run_sync("Forecast for Aarhus?", usage_limits=UsageLimits(request_limit=3))
     assert calls and isinstance(calls[0], str) and isinstance(result.output, Forecast)
