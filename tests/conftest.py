@@ -10,6 +10,7 @@ import pytest
 
 # Shared helpers (tests/helpers/*.py) are imported by module name from every tier and worker.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+import cost_report  # noqa: E402
 import schedule  # noqa: E402
 import skip_policy  # noqa: E402
 
@@ -18,18 +19,19 @@ pytest_plugins = ["pytester"]  # tests/unit/test_skip_policy.py runs pytest on s
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "model" / "tiny.yaml"
 MIMIR = REPO / "configs" / "model" / "mimir.yaml"
+ARTIFACTS = Path(os.environ.get("MIMIR_TEST_ARTIFACTS") or REPO / "build" / "test-artifacts")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the controller sees every worker's reports
         skip_policy.install(config)  # unexpected skips fail under CI=true
+    cost_report.install(config, ARTIFACTS / "cost")  # which modules spend the suite's budget
     from mimir_megatron.process import setup_process
 
     # The test process is an entry point: set up once, explicitly (pytest keeps its own logging).
     setup_process(megatron=True, configure_logging=False)
 
 
-ARTIFACTS = Path(os.environ.get("MIMIR_TEST_ARTIFACTS") or REPO / "build" / "test-artifacts")
 DOCKER_BUILD_SUMMARY = ARTIFACTS / "docker" / "build-summary.txt"
 """The last lines of `docker/build.sh` in tests/system/test_docker.py (no network inside, time,
 size): the controller prints them after the run, since a worker's output is not shown."""
