@@ -127,15 +127,33 @@ def check_input_paths(args: argparse.Namespace) -> None:
             raise UserError(f"{what} not found: {value}")
 
 
+def subcommand_parser(*path: str) -> argparse.ArgumentParser:
+    """The parser of ``mimir PATH...`` (e.g. ``"synth", "run"``), from a fresh :func:`build_parser`:
+    for an entry point that offers one command under another name."""
+    parser = build_parser()
+    for name in path:
+        (group,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = group.choices[name]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    from mimir_megatron import stop_signals
     from mimir_megatron.process import setup_process
 
     # The import hook and the noise filters first (cheap, no torch), so that they hold even when
     # parsing exits (--help) in a process that goes on to import megatron-core.
     setup_process(configure_logging=False)
-    args = build_parser().parse_args(argv)  # imports no torch: the commands' modules export lazily
+    return run_command(build_parser().parse_args(argv))  # imports no torch: the modules export lazily
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command: its process set-up, its extra's check, its handler, and the one error
+    rule: a :class:`~mimir_megatron.errors.UserError` (or a missing optional package) is one line
+    and exit code 2, unless ``-v`` asks for the traceback; Ctrl-C is 130."""
+    from mimir_megatron import stop_signals
+    from mimir_megatron.process import setup_process
+
     previous = stop_signals.catch_early() if getattr(args, "early_stop_signals", False) else {}
     setup_process(verbose=args.verbose)
     say = logging.getLogger("mimir").error
