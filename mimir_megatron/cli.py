@@ -65,7 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(module_name).register(sub)
     for entry_point in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
         entry_point.load()(sub)
+    _describe_every_command(parser)
     return parser
+
+
+def command_groups(parser: argparse.ArgumentParser) -> list[argparse._SubParsersAction]:
+    """The subcommand groups of ``parser`` (one at most: ``COMMAND``, ``ACTION``, ``AUDIT``)."""
+    return [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+
+
+def _describe_every_command(parser: argparse.ArgumentParser) -> None:
+    """Every ``mimir ... --help`` opens with what the command does: a command registered with
+    only its one-line ``help`` takes it, as a sentence, for its description."""
+    for group in command_groups(parser):
+        helps = {choice.dest: choice.help for choice in group._choices_actions}
+        for name, command in group.choices.items():
+            line = helps.get(name) or ""
+            if not command.description and line:
+                command.description = line[0].upper() + line[1:] + ("" if line.endswith(".") else ".")
+            _describe_every_command(command)
 
 
 def _extras() -> dict[str, list[str]]:
@@ -132,7 +150,7 @@ def subcommand_parser(*path: str) -> argparse.ArgumentParser:
     for an entry point that offers one command under another name."""
     parser = build_parser()
     for name in path:
-        (group,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        (group,) = command_groups(parser)
         parser = group.choices[name]
     return parser
 
