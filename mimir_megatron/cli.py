@@ -8,6 +8,11 @@ on a bare install. A command that needs an extra says so with
 Packages built on this one (data preparation: ``prepare``, ``data``, ``synth``) add their
 commands through the entry-point group ``mimir.commands`` (pyproject.toml), so this package
 imports none of them.
+
+Every command, wherever registered, runs through :func:`run_command`: one process set-up
+(:func:`~mimir_megatron.process.setup_process`), one error rule (a ``UserError`` is one line and
+exit code 2; ``-v`` shows the traceback) and one ``--help`` shape (a description, every argument
+with a help line; tests/unit/test_commands.py).
 """
 
 from __future__ import annotations
