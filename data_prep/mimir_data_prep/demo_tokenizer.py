@@ -69,7 +69,7 @@ def train_demo_tokenizer(output: Path, seed: int = 0) -> Path:
     try:  # before the training: a path that cannot be a directory is one line at once
         output.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise write_error(exc, output, "give --output a directory that can be created") from None
+        raise write_error(exc, output, "choose an output directory that can be created") from None
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
