@@ -47,6 +47,8 @@ def tokenizer_sha256(tokenizer_dir: str | Path) -> str:
     manifests, audit indices and denylists record to tell tokenizers apart."""
     import hashlib
 
+    if not Path(tokenizer_dir).is_dir():
+        raise UserError(f"tokenizer directory not found: {tokenizer_dir}")
     digest = hashlib.sha256()
     for path in sorted(p for p in Path(tokenizer_dir).iterdir() if p.is_file()):
         digest.update(path.name.encode() + b"\0")

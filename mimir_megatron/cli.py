@@ -8,6 +8,11 @@ on a bare install. A command that needs an extra says so with
 Packages built on this one (data preparation: ``prepare``, ``data``, ``synth``) add their
 commands through the entry-point group ``mimir.commands`` (pyproject.toml), so this package
 imports none of them.
+
+Every command, wherever registered, runs through :func:`run_command`: one process set-up
+(:func:`~mimir_megatron.process.setup_process`), one error rule (a ``UserError`` is one line and
+exit code 2; ``-v`` shows the traceback) and one ``--help`` shape (a description, every argument
+with a help line; tests/unit/test_commands.py).
 """
 
 from __future__ import annotations
@@ -65,7 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(module_name).register(sub)
     for entry_point in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
         entry_point.load()(sub)
+    _describe_every_command(parser)
     return parser
+
+
+def command_groups(parser: argparse.ArgumentParser) -> list[argparse._SubParsersAction]:
+    """The subcommand groups of ``parser`` (one at most: ``COMMAND``, ``ACTION``, ``AUDIT``)."""
+    return [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+
+
+def _describe_every_command(parser: argparse.ArgumentParser) -> None:
+    """Every ``mimir ... --help`` opens with what the command does: a command registered with
+    only its one-line ``help`` takes it, as a sentence, for its description."""
+    for group in command_groups(parser):
+        helps = {choice.dest: choice.help for choice in group._choices_actions}
+        for name, command in group.choices.items():
+            line = helps.get(name) or ""
+            if not command.description and line:
+                command.description = line[0].upper() + line[1:] + ("" if line.endswith(".") else ".")
+            _describe_every_command(command)
 
 
 def _extras() -> dict[str, list[str]]:
@@ -127,15 +150,33 @@ def check_input_paths(args: argparse.Namespace) -> None:
             raise UserError(f"{what} not found: {value}")
 
 
+def subcommand_parser(*path: str) -> argparse.ArgumentParser:
+    """The parser of ``mimir PATH...`` (e.g. ``"synth", "run"``), from a fresh :func:`build_parser`:
+    for an entry point that offers one command under another name."""
+    parser = build_parser()
+    for name in path:
+        (group,) = command_groups(parser)
+        parser = group.choices[name]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    from mimir_megatron import stop_signals
     from mimir_megatron.process import setup_process
 
     # The import hook and the noise filters first (cheap, no torch), so that they hold even when
     # parsing exits (--help) in a process that goes on to import megatron-core.
     setup_process(configure_logging=False)
-    args = build_parser().parse_args(argv)  # imports no torch: the commands' modules export lazily
+    return run_command(build_parser().parse_args(argv))  # imports no torch: the modules export lazily
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command: its process set-up, its extra's check, its handler, and the one error
+    rule: a :class:`~mimir_megatron.errors.UserError` (or a missing optional package) is one line
+    and exit code 2, unless ``-v`` asks for the traceback; Ctrl-C is 130."""
+    from mimir_megatron import stop_signals
+    from mimir_megatron.process import setup_process
+
     previous = stop_signals.catch_early() if getattr(args, "early_stop_signals", False) else {}
     setup_process(verbose=args.verbose)
     say = logging.getLogger("mimir").error

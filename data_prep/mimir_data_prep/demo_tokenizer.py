@@ -64,6 +64,12 @@ def train_demo_tokenizer(output: Path, seed: int = 0) -> Path:
     """Train and save a Hugging Face tokenizer directory; returns ``output``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    from mimir_megatron.errors import write_error
+
+    try:  # before the training: a path that cannot be a directory is one line at once
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise write_error(exc, output, "choose an output directory that can be created") from None
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -81,7 +87,6 @@ def train_demo_tokenizer(output: Path, seed: int = 0) -> Path:
     )
     tokenizer.train_from_iterator(training_corpus(seed), trainer=trainer)
     assert tokenizer.get_vocab_size() <= VOCAB_SIZE, tokenizer.get_vocab_size()
-    output.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(output / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

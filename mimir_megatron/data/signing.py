@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from mimir_megatron.errors import UserError
+from mimir_megatron.errors import UserError, write_error
 
 SIGNATURE_NAME = "manifest.sig"
 FORMAT = "mimir-manifest-signature-v1"
@@ -34,7 +34,10 @@ def generate_key(private_path: str | Path) -> tuple[Path, Path]:
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
-    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:  # a missing or read-only directory, a file where a directory should be
+        raise write_error(exc, private_path, "choose a KEY in a writable directory") from None
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
     public_path = private_path.with_name(private_path.name + ".pub")

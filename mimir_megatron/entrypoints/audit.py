@@ -32,10 +32,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_model(p)
     p.add_argument("--index", required=True, help="index directory from `mimir audit index`")
     p.add_argument("--categories", required=True, help="comma-separated audit categories, e.g. A,B,C,D")
-    p.add_argument("--per-category", type=int, default=500)
+    p.add_argument("--per-category", type=int, default=500,
+                   help="documents audited per category (default 500)")
     p.add_argument("--generic", help="JSONL of generic prompts (prompt_ids, messages or prompt)")
-    p.add_argument("--prefix-tokens", type=int, default=50)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prefix-tokens", type=int, default=50,
+                   help="prompt length cut from each document (default 50)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="greedy tokens generated per prompt (default 128)")
     p.add_argument("--min-match", type=int, default=10,
                    help="shortest span that counts a document as matched (tokens)")
     p.add_argument("--long-match", type=int, default=50, help="the long-match threshold (tokens)")
@@ -50,8 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_sources(p, allow_index=True)
     p.add_argument("--samples", type=int, default=1000, help="windows per category")
     p.add_argument("--categories", help="comma-separated audit categories (default: all)")
-    p.add_argument("--prefix-tokens", type=int, default=64)
-    p.add_argument("--continuation-tokens", type=int, default=64)
+    p.add_argument("--prefix-tokens", type=int, default=64, help="prompt length of each window (default 64)")
+    p.add_argument("--continuation-tokens", type=int, default=64,
+                   help="tokens that must continue the window exactly (default 64)")
     p.add_argument("--method", choices=["score", "generate"], default="score",
                    help="score: one forward pass per window (same verdict); generate: decode and compare")
     p.add_argument("--mask", choices=["prompt", "training"], default="prompt",
@@ -87,7 +91,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="training documents listed per overlap, at most (the denylist drops them all)")
     p.add_argument("--denylist", help="also write this denylist for `mimir prepare --denylist`")
     p.add_argument("--workers", type=int, help="lookup threads (default: all cores)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tracking-uri",
                    help="MLflow store (default: sqlite:///OUTPUT/mlflow.db, artifacts in OUTPUT/mlartifacts)")
     p.add_argument("--experiment", default="mimir-audit", help="MLflow experiment")
@@ -105,7 +109,7 @@ def _add_sources(p: argparse.ArgumentParser, allow_index: bool = False) -> None:
 def _add_model(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--tokenizer", help="tokenizer directory (default: the one found with the model)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32, help="rows decoded or scored together (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seeds the choice of documents and windows")
     p.add_argument("--output", required=True, help="directory for tables, figures and JSONL")
     p.add_argument("--tracking-uri",

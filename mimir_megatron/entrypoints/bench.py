@@ -43,8 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="model YAML instead of --shape")
     p.add_argument("--window", type=parse_windows, default=[5], metavar="K[,K...]",
                    help="bp window k, or several (5,8) measured on the same models (default 5)")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256, help="context length (default 256)")
+    p.add_argument("--micro-batch", type=int, default=4, help="contexts per step (default 4)")
     p.add_argument("--samples-per-context", type=int, default=1,
                    help="packed samples per context (the PrefixLM kernels' sparsity depends on it)")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="compute precision: auto = bf16 autocast on GPU, fp32 on CPU")
     p.add_argument("--optimizer", choices=("adamw", "adam_atan2"), default="adamw",
                    help="optimizer of both (ours keeps its per-module groups)")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=1e-4, help="learning rate of both (default 1e-4)")
     p.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip of both (0: none)")
     p.add_argument("--ema-decay", type=float, default=0.9999, help="EMA of the weights in both (0: none)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory (default: the one found with the model)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; anything else exposes the model on the network)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together in one step")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait for a batch; beyond this the server answers 503")

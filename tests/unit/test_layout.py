@@ -78,10 +78,10 @@ def test_model_checkpoint_data_inference_evaluation_audits_import_no_trainer_or_
 def test_the_check_sees_lazy_imports():
     # A lazy, function-local import is found (the form the old cycle took), relative ones resolved.
     found = imports("mimir_data_prep")
-    assert ("mimir_data_prep.cli", "mimir_megatron.data") in found  # inside _pack
-    assert ("mimir_data_prep.cli", "mimir_data_prep.prepare") in found  # `from .prepare import`
+    assert ("mimir_data_prep.pack_index", "mimir_megatron.data") in found  # inside build_packing_index
+    assert ("mimir_data_prep.demo_data", "mimir_data_prep.prepare") in found  # `from .prepare import`
     # ... and so is a module named in a string for importlib (how the old CLI reached data_prep).
-    assert ("mimir_data_prep.cli", "mimir_data_prep.tool_use.cli") in imports("mimir_data_prep", names=True)
+    assert ("mimir_data_prep.cli", "mimir_data_prep.entrypoints.synth") in imports("mimir_data_prep", names=True)
 
 
 def test_data_preparation_commands_arrive_through_the_entry_point():

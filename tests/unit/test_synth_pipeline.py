@@ -234,20 +234,23 @@ def test_pipeline_change_is_refused_unless_allowed(tmp_path):
 
 
 def test_cli_check_flag(capsys):
-    from mimir_data_prep.synth_pipeline.cli import main
+    # `python -m mimir_data_prep.synth_pipeline`: `mimir synth run` under its older name, options
+    # and KEY=VALUE overrides intermixed, and the same error rule (one line, exit code 2).
+    from mimir_data_prep.synth_pipeline.__main__ import main
 
     assert main([str(SHIPPED[0]), "--check"]) == 0
     assert "valid" in capsys.readouterr().out
     assert main([str(SHIPPED[0]), "no_such_key=1", "--check"]) == 2
+    assert main([str(SHIPPED[0]), "--check", "no_such_key=1"]) == 2
+    assert main(["-v", str(SHIPPED[0]), "--check"]) == 0
 
 
-def test_registers_into_a_synth_group():
-    import argparse
+def test_registers_into_the_synth_group():
+    from mimir_data_prep.entrypoints.synth import cmd_run
 
-    from mimir_data_prep.synth_pipeline.cli import register_synth, run_command
+    from mimir_megatron.cli import build_parser
 
-    parser = argparse.ArgumentParser()
-    register_synth(parser.add_subparsers(dest="synth_command"))
-    args = parser.parse_args(["run", "p.yaml", "a.b=1", "c=2", "--output", "o", "-n", "3", "--retry-errors"])
+    args = build_parser().parse_args(["synth", "run", "p.yaml", "a.b=1", "c=2", "--output", "o", "-n", "3",
+                                      "--retry-errors"])
     assert (args.pipeline, args.overrides, args.output, args.concurrency) == ("p.yaml", ["a.b=1", "c=2"], "o", 3)
-    assert args.retry_errors and args.handler is run_command
+    assert args.retry_errors and args.handler is cmd_run and args.extra == "synth"

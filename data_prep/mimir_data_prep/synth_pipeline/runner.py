@@ -7,7 +7,7 @@ one), ``discard`` ends it, ``regenerate`` asks the generator again with the reas
 to ``max_generations`` calls (then ``discarded`` as ``attempts_exhausted``). Every decided row is
 appended to the state file with its full evidence; the outputs are derived from that file.
 
-Without the `mimir` CLI: ``python -m mimir_data_prep.synth_pipeline`` (``__main__.py``).
+Also ``python -m mimir_data_prep.synth_pipeline`` (``__main__.py``): `mimir synth run` under its older name.
 """
 
 from __future__ import annotations
