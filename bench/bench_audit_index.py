@@ -100,7 +100,7 @@ def build_and_query(root: Path, args) -> dict:
         "tokens": n_tokens,
         "documents": index.num_documents,
         "encoding": index.encoding,
-        "shards": len(index.meta["shards"]),
+        "shards": len(index.metadata.shards),
         "corpus_write_s": round(t_corpus, 1),
         "build_s": round(t_build, 1),
         "build_tokens_per_s": round(tokens_per_s),

@@ -10,28 +10,23 @@ shape; the two sub-objects are YAML sections of their own::
     execution: {attention_backend: dense}     # overrides: execution.attention_backend=dense
     parallel: {tensor_parallel_size: 2}       # overrides: parallel.tensor_parallel_size=2
 
-Sections are typed and merged key by key (:func:`typed_section`), so every mistake found, of
-every kind, is reported together, one line each, in a single :class:`ConfigError`.
+Sections are typed and merged key by key (:func:`~mimir_megatron.yaml_config.typed_section`), so
+every mistake found, of every kind, is reported together, one line each, in a single
+:class:`ConfigError`. Reading YAML files and merging overrides is :mod:`mimir_megatron.yaml_config`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import typing
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from enum import Enum, StrEnum
+from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Sequence
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from mimir_megatron.errors import ConfigError
+from mimir_megatron.yaml_config import merge_overrides, plain, raise_errors, read_yaml, typed_section
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 # -- choices (str enums: YAML and overrides stay plain strings) ---------------------------------
@@ -161,7 +156,7 @@ class ModelShape:
 
     def shape_dict(self) -> dict[str, Any]:
         """The shape alone, plain values: what checkpoints and project weights record."""
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(ModelShape)}
+        return {f.name: plain(getattr(self, f.name)) for f in fields(ModelShape)}
 
 
 @dataclass
@@ -252,71 +247,12 @@ class ModelConfig(ModelShape):
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(asdict(self))
+        return plain(asdict(self))
 
 
 # Keys a model section held before the split: named in the error, never silently accepted.
 _MOVED = {**{f.name: f"execution.{f.name}" for f in fields(ExecutionConfig)},
           **{f.name: f"parallel.{f.name}" for f in fields(ParallelConfig)}}
-
-
-# -- typed sections, every mistake collected ---------------------------------------------------
-
-
-def typed_section(schema: type[T], values: Any, prefix: str, errors: list[str]) -> T:
-    """``values`` (a mapping from YAML) typed by the dataclass ``schema``, key by key: each
-    unknown key and each value of the wrong type appends one line to ``errors`` and leaves that
-    field at its default, so that one pass reports every mistake. Nested dataclass fields are
-    sections of their own (``prefix.field.key``)."""
-    node = OmegaConf.structured(schema)
-    _fill(node, schema, values, prefix, errors)
-    return OmegaConf.to_object(node)
-
-
-def _fill(node: DictConfig, schema: type, values: Any, prefix: str, errors: list[str]) -> None:
-    if values is None:
-        return
-    if not isinstance(values, dict):
-        errors.append(f"{prefix} must be a mapping of settings, got {values!r}")
-        return
-    hints = typing.get_type_hints(schema)
-    known = [f.name for f in fields(schema)]
-    for key, value in values.items():
-        name = f"{prefix}.{key}"
-        if key not in known:
-            moved = _MOVED.get(key) if issubclass(schema, ModelShape) else None
-            errors.append(f"{name} is not a setting: it is now {prefix}.{moved}" if moved else
-                          f"{name} is not a setting (known: {', '.join(known)})")
-        elif is_dataclass(hints[key]):
-            _fill(node[key], hints[key], value, name, errors)
-        else:
-            try:
-                OmegaConf.update(node, key, value, merge=False)
-            except OmegaConfBaseException as exc:
-                errors.append(_type_error(name, hints[key], value, exc))
-
-
-def _type_error(name: str, hint: Any, value: Any, exc: Exception) -> str:
-    choices = [a for a in typing.get_args(hint) if isinstance(a, type) and issubclass(a, Enum)]
-    enum = hint if isinstance(hint, type) and issubclass(hint, Enum) else (choices[0] if choices else None)
-    if enum is not None:
-        return f"{name} must be one of {', '.join(m.value for m in enum)}, got {value!r}"
-    return f"{name}: {str(exc).splitlines()[0]}"
-
-
-def raise_errors(errors: Sequence[str], what: str) -> None:
-    """One :class:`ConfigError` listing every mistake, one line each."""
-    if errors:
-        raise ConfigError(f"{what}:\n  - " + "\n  - ".join(errors))
-
-
-def _plain(value: Any) -> Any:
-    """Enums to their strings, recursively (JSON, YAML and MLflow params hold plain values)."""
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -333,14 +269,8 @@ def model_config_from_dict(values: dict[str, Any], overrides: Sequence[str] = ()
 def model_section(values: dict[str, Any], overrides: Sequence[str], errors: list[str]) -> ModelConfig:
     """The model section (a dict, then `key=value` overrides on it); mistakes go to ``errors``,
     its value checks included."""
-    tree = dict(values)
-    if overrides:
-        try:
-            dotlist = OmegaConf.from_dotlist([_strip_prefix(o, "model.") for o in overrides])
-            tree = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(tree), dotlist))
-        except OmegaConfBaseException as exc:
-            errors.append(f"model overrides {list(overrides)}: {str(exc).splitlines()[0]}")
-    cfg = typed_section(ModelConfig, tree, "model", errors)
+    tree = merge_overrides(values, overrides, "model.", errors)
+    cfg = typed_section(ModelConfig, tree, "model", errors, moved=_MOVED)
     errors += cfg.errors()
     return cfg
 
@@ -353,43 +283,6 @@ def model_config_from_record(record: dict[str, Any], overrides: Sequence[str] = 
     writer's choices, not the model's, and are dropped."""
     shape = {f.name for f in fields(ModelShape)}
     return model_config_from_dict({k: v for k, v in record.items() if k in shape}, overrides)
-
-
-def yaml_problem(path: str | Path, exc: BaseException) -> str:
-    """One line for a YAML file that cannot be read: the file and line, and what is wrong."""
-    mark = getattr(exc, "problem_mark", None)
-    if mark is not None:
-        return f"{path}:{mark.line + 1}: invalid YAML ({getattr(exc, 'problem', None) or 'syntax error'})"
-    if isinstance(exc, UnicodeDecodeError):
-        return f"{path}: not UTF-8 text (byte {exc.start})"
-    if isinstance(exc, OSError):
-        return f"{path}: cannot read ({exc.strerror or exc})"
-    return f"cannot parse {path}: {' '.join(str(exc).split())}"
-
-
-def read_yaml(path: str | Path, what: str, overrides: Sequence[str] = (), kind: str = "config file"
-              ) -> dict[str, Any]:
-    """A YAML file's mapping with ``key=value`` ``overrides`` merged in (interpolations resolved),
-    or a one-line ConfigError naming the file (and line). Every configuration the project reads
-    (model, train, mixture, eval suite, prepare, synth pipeline, GPU table) comes through here;
-    what a file holds is then checked by :func:`typed_section` and listed by :func:`raise_errors`.
-    ``what``: what the mapping holds; ``kind``: what the file is, for a missing one."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{kind} not found: {path}")
-    try:
-        loaded = OmegaConf.load(path)
-        # In place, key by key: ``section.key=v`` sets a setting, ``datasets.0.repeat=2`` an item.
-        loaded.merge_with_dotlist(list(overrides))
-        raw = OmegaConf.to_container(loaded, resolve=True)
-    except Exception as exc:  # YAML syntax, not UTF-8, unreadable, malformed overrides
-        problem = yaml_problem(path, exc)
-        if problem.startswith("cannot parse") and overrides:
-            problem += f" (overrides {list(overrides)})"
-        raise ConfigError(problem) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a mapping of {what}")
-    return raw
 
 
 def model_yaml(path: str | Path) -> dict[str, Any]:
@@ -411,7 +304,3 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ModelConfig:
     cfg = model_section(raw, overrides, errors)
     raise_errors(errors, f"invalid model configuration ({path})")
     return cfg.validate()
-
-
-def _strip_prefix(override: str, prefix: str) -> str:
-    return override[len(prefix):] if override.startswith(prefix) else override

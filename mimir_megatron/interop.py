@@ -31,7 +31,8 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mimir_megatron.config import ModelConfig, model_config_from_record, read_yaml
+from mimir_megatron.config import ModelConfig, model_config_from_record
+from mimir_megatron.yaml_config import read_yaml
 from mimir_megatron.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from mimir_megatron.lazy import lazy_exports
 
 # Imported on first use: the CLI imports this package to register its commands.
 __getattr__ = lazy_exports(__name__, {
-    "AuditIndex": ".index", "Hit": ".index", "build_index": ".index",
+    "AuditIndex": ".index_query", "Hit": ".index_query", "build_index": ".index_build",
     "AuditSource": ".sources", "resolve_sources": ".sources",
 })
 __all__ = ["AuditIndex", "AuditSource", "Hit", "build_index", "resolve_sources"]

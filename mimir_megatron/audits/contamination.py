@@ -44,7 +44,7 @@ from mimir_megatron.errors import UserError
 
 from mimir_megatron.evaluation.contamination import FORMAT, MARK, data_sha256, report_file
 
-from .index import AuditIndex, Hit
+from .index_query import AuditIndex, Hit
 
 log = logging.getLogger("mimir.audit")
 
@@ -475,7 +475,7 @@ def write_report(results: list[BenchmarkResult], out: Path, suite, index: AuditI
     body = {
         "format": FORMAT, "suite": suite.name, "suite_file": suite.source, "seed": suite.seed, "ngram": n,
         "whitespace_variants": list(WHITESPACE_VARIANTS), "limit": settings.limit,
-        "index": {"path": str(index.path.resolve()), "fingerprint": index.meta.get("fingerprint"),
+        "index": {"path": str(index.path.resolve()), "fingerprint": index.metadata.fingerprint,
                   "documents": index.num_documents, "tokens": index.num_tokens},
         "datasets": indexed_datasets(index),
         "tokenizer": tokenizer, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

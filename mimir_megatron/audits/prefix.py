@@ -21,10 +21,9 @@ import numpy as np
 
 from mimir_megatron.errors import UserError
 
-from .index import AuditIndex
+from .index_query import AuditIndex
 from .model import AuditModel
 from .sampling import CategoryDocuments, Probe, sample_prefixes
-from .sources import AuditSource
 
 log = logging.getLogger("mimir.audit")
 
@@ -65,7 +64,7 @@ def run_prefix_audit(model: AuditModel, index: AuditIndex, settings: PrefixSetti
     """Returns (Table 11 rows, outcomes, longest-span lengths per setting)."""
     from tqdm import tqdm
 
-    sources = [AuditSource(s["name"], Path(s["path"]), s["category"]) for s in index.sources]
+    sources = index.audit_sources
     probes: dict[str, list[Probe | None]] = {}
     prompts: dict[str, list[list[int]]] = {}
     for category in settings.categories:

@@ -75,7 +75,7 @@ class DataConfig:
 
     def validate(self) -> "DataConfig":
         """Raise one ConfigError naming every mistake, one line each (the loader calls this)."""
-        from mimir_megatron.config import raise_errors
+        from mimir_megatron.yaml_config import raise_errors
 
         raise_errors(self.errors(), "invalid data settings")
         return self

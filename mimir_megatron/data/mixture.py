@@ -67,7 +67,7 @@ class Mixture:
 def load_mixture(path: str | Path) -> Mixture:
     """Parse and validate a mixture YAML; one UserError listing every mistake, each naming the
     file and the entry."""
-    from mimir_megatron.config import raise_errors, read_yaml
+    from mimir_megatron.yaml_config import raise_errors, read_yaml
 
     source = Path(path)
     data = read_yaml(source, "a 'datasets' list", kind="mixture file")

@@ -105,7 +105,7 @@ class DataPolicy:
 
 def parse_policy(values: Any, where: str, errors: list[str]) -> DataPolicy:
     """The typed policy of a mixture's ``data_policy`` section (the paper's rule when absent)."""
-    from mimir_megatron.config import typed_section
+    from mimir_megatron.yaml_config import typed_section
 
     policy = typed_section(DataPolicy, values, where, errors)
     errors += policy.errors(where)

@@ -124,7 +124,8 @@ def _categories(text: str | None) -> list[str] | None:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from mimir_megatron.audits.index import AuditIndex, build_index
+    from mimir_megatron.audits.index_build import build_index
+    from mimir_megatron.audits.index_query import AuditIndex
     from mimir_megatron.audits.sources import resolve_sources
 
     sources = resolve_sources(args.mixture, args.data)
@@ -132,7 +133,7 @@ def cmd_index(args: argparse.Namespace) -> int:
                       mem_bytes=int(args.mem_gib * 2**30), cpus=args.cpus, encoding=args.encoding)
     index = AuditIndex(out)
     log.info("%s: %d documents, %d tokens, %d shard(s), encoding %s", out, index.num_documents,
-             index.num_tokens, len(index.meta["shards"]), index.encoding)
+             index.num_tokens, len(index.metadata.shards), index.encoding)
     return 0
 
 
@@ -155,7 +156,7 @@ def _tracking(args: argparse.Namespace, out: Path) -> tuple[str, str, str, str |
 
 
 def cmd_prefix(args: argparse.Namespace) -> int:
-    from mimir_megatron.audits.index import AuditIndex
+    from mimir_megatron.audits.index_query import AuditIndex
     from mimir_megatron.audits.model import load_audit_model
     from mimir_megatron.audits.prefix import (PrefixSettings, read_generic_prompts, run_prefix_audit,
                                               write_outcomes)
@@ -189,15 +190,14 @@ def cmd_continuation(args: argparse.Namespace) -> int:
     from mimir_megatron.audits.continuation import ContinuationSettings, run_continuation_audit, write_matches
     from mimir_megatron.audits.model import load_audit_model
     from mimir_megatron.audits.report import log_to_mlflow, write_table
-    from mimir_megatron.audits.sources import AuditSource, resolve_sources
+    from mimir_megatron.audits.sources import resolve_sources
 
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     if args.index:
-        from mimir_megatron.audits.index import AuditIndex
+        from mimir_megatron.audits.index_query import AuditIndex
 
-        sources = [AuditSource(s["name"], Path(s["path"]), s["category"])
-                   for s in AuditIndex(args.index).sources]
+        sources = AuditIndex(args.index).audit_sources
     else:
         sources = resolve_sources(args.mixture, args.data)
     model = load_audit_model(model_dir_from_args(args), ema=args.ema, tokenizer=args.tokenizer,
@@ -238,7 +238,7 @@ def cmd_contamination(args: argparse.Namespace) -> int:
         write_report,
     )
     from mimir_megatron.audits.denylist import write_denylist
-    from mimir_megatron.audits.index import AuditIndex
+    from mimir_megatron.audits.index_query import AuditIndex
     from mimir_megatron.audits.report import log_to_mlflow
 
     # every check before anything is written

@@ -145,7 +145,7 @@ def _release_files(args: argparse.Namespace, model, found, origin: str) -> dict[
         info["training"] = f"Not recorded: exported from {origin}."
     else:
         path, state = found
-        from mimir_megatron.config import raise_errors
+        from mimir_megatron.yaml_config import raise_errors
         from mimir_megatron.release.summary import lineage_problems
 
         raise_errors(lineage_problems(state, path), f"refusing to export {path}'s release documents")

@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mimir_megatron.config import raise_errors, read_yaml, typed_section
+from mimir_megatron.yaml_config import raise_errors, read_yaml, typed_section
 from mimir_megatron.errors import ConfigError
 
 FORMATS = ("multiple_choice", "generate", "ifeval", "humaneval")

@@ -25,18 +25,10 @@ from typing import Any, Sequence
 from omegaconf import OmegaConf
 
 from mimir_megatron.checkpoint.layout import RUN_CHECKPOINTS
-from mimir_megatron.config import (
-    ModelConfig,
-    ParamsDtype,
-    _plain,
-    model_section,
-    model_yaml,
-    raise_errors,
-    read_yaml,
-    typed_section,
-)
+from mimir_megatron.config import ModelConfig, ParamsDtype, model_section, model_yaml
 from mimir_megatron.data.config import DataConfig
 from mimir_megatron.errors import ConfigError, UserError
+from mimir_megatron.yaml_config import plain, raise_errors, read_yaml, typed_section
 
 
 class Precision(StrEnum):
@@ -262,7 +254,7 @@ class TrainConfig(RunSections):
         return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / RUN_CHECKPOINTS
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(asdict(self))
+        return plain(asdict(self))
 
     def errors(self, world_size: int | None = None) -> list[str]:
         return self.model.errors() + self.data.errors() + self.run_errors(world_size)

@@ -154,152 +154,85 @@ class _Run:
                          t.dp_group, self.tracker, self.step)
 
 
+@dataclass
+class _Place:
+    """Where this process sits: its launch ranks, its device and its data-parallel group."""
+
+    env: parallel.LaunchEnv
+    device: torch.device
+    dp_rank: int
+    dp_size: int
+    dp_group: Any
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+
+@dataclass
+class _StartPoint:
+    """Where this invocation starts: a fresh run, weights continued from ``checkpoint.init_from``,
+    or a resumed checkpoint."""
+
+    step: int = 0
+    consumed: int = 0
+    run_id: str | None = None
+    """The MLflow run a resumed run continues."""
+    parent_run_id: str | None = None
+    """The MLflow run of the weights a continued training started from."""
+    config_changes: list[str] = field(default_factory=list)
+    data_changed: bool = False
+    lineage: tuple = ()
+    base_model: ckpt.BaseModel | None = None
+    resumed_from: Path | None = None
+
+
 def _set_up(cfg: TrainConfig, lock: RunLock) -> _Run:
-    """Process group, the run directory's lock, model, optimizer, resumed state, data, tracking,
-    checkpoint writer."""
-    from megatron.core import parallel_state
-
-    from mimir_megatron.data import (
-        PackedMixture,
-        build_train_loader,
-        load_eval_samples,
-        load_mixture,
-        training_data_problems,
-    )
+    """The steps before the first training step, in order; collective over all ranks."""
     from mimir_megatron.checkpoint.load import start_collective_verification
-    from mimir_megatron.data.files import raise_open_file_limit
-    from mimir_megatron.data.prefetch import DevicePrefetcher
-    from mimir_megatron.model import build_model
+    from mimir_megatron.data import PackedMixture
 
-    env = parallel.init_distributed(timeout_s=cfg.train.collective_timeout_s)
-    cfg.validate(world_size=env.world_size)
-    raise_open_file_limit()  # before the data checks open thousands of shard files
+    env = _start_process_group(cfg)
     _lock_run_directory(lock, env.rank)
-    # The data policy and the prepared data's integrity, before anything is built: every
-    # offending dataset at once. Each rank hashes a share of the files; all see every verdict.
-    # The mixture is read here once; the stream, its fingerprint and the lineage use it.
-    mixture = load_mixture(cfg.data.mixture)
-    digest_cache = cfg.data.index_directory(mixture.entries[0].path) if cfg.data.verify_cache else None
-    problems = parallel.gather_lines(training_data_problems(mixture, verify=cfg.data.verify, rank=env.rank,
-                                                            world=env.world_size, digest_cache=digest_cache))
-    if problems:
-        raise UserError(f"refusing to train on {mixture.source}:\n  - " + "\n  - ".join(problems))
-    if env.rank == 0:
-        log.info("data policy: %s", mixture.policy.describe())
+    mixture = _admit_training_data(cfg, env)
     stream = PackedMixture(cfg.data, mixture)
-    parallel.init_model_parallel(cfg.model.parallel.tensor_parallel_size)
-    rank, device = env.rank, backend.device()
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    dp_group = parallel_state.get_data_parallel_group()
-    run_dir, ckpt_dir = cfg.run_dir, cfg.checkpoint_dir
-
-    refusal: list[UserError | None] = [None]
-    if rank == 0:  # the run directory exists: rank 0 holds its lock
-        try:
-            ckpt.check_writable(ckpt_dir)
-            OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
-        except UserError as exc:
-            refusal = [exc]
-        except OSError as exc:
-            refusal = [write_error(exc, run_dir / "config.yaml", "set run.dir to a writable directory")]
-    dist.broadcast_object_list(refusal, src=0)  # every rank ends with rank 0's one line
-    if refusal[0] is not None:
-        raise refusal[0]
-
-    # -- model, optimizer, state ---------------------------------------------------------------
+    place = _init_model_parallel(cfg, env)
+    _save_run_config(cfg, place.rank)
     # The checkpoint's files are hashed (each rank a share) while the model is built.
     resume_from = resume_path(cfg)
     verification = start_collective_verification(resume_from) if resume_from is not None else None
-    trainer = build_trainer(build_model(cfg.model), cfg.optim, device=device, dp_group=dp_group,
-                            dp_size=dp_size, precision=cfg.train.precision)
-    model, optimizer, ema = trainer.model, trainer.optimizer, trainer.ema
-    fingerprint = stream.fingerprint
-
-    step, consumed, run_id, parent_run_id, config_changes, resumed_lineage = 0, 0, None, None, [], ()
-    base_model: ckpt.BaseModel | None = None
-    data_changed = False
-    if resume_from is not None:
-        resume_from, saved = verified_resume(cfg, resume_from, verification)
-        config_changes = check_resumable(saved, cfg, resume_from, fingerprint)
-        data_changed = saved.data_fingerprint != fingerprint
-        state = ckpt.load_checkpoint(resume_from, model, optimizer, ema, verified=saved)
-        step, consumed, run_id = state.step, state.consumed_samples, state.mlflow_run_id
-        resumed_lineage, base_model = state.lineage, state.base_model
-        log.info("resumed from %s at step %d", resume_from, step)
-        if config_changes:
-            log.warning("resuming with a changed configuration (allowed): %s", "; ".join(config_changes))
-    elif cfg.checkpoint.init_from:
-        base_model = _init_weights(cfg, model, optimizer, ema)
-        parent_run_id = base_model.mlflow_run_id
-    if rank == 0:  # checkpoints after the start step belong to an abandoned timeline
-        ckpt.set_aside_newer(ckpt_dir, step, resume_from)
-    dist.barrier()
-
-    # -- data, tracking ------------------------------------------------------------------------
-    # The packing index of every epoch the run will reach is built once, by rank 0, before the
-    # first step (its windows over the node's cores); the other ranks read it from the cache, so
-    # no rank packs an epoch at a boundary inside the step loop. The prefetcher runs up to
-    # prefetch + 1 micro-batches past the last step.
-    if rank == 0:
-        last = cfg.train.steps * cfg.train.global_batch_size
-        last += (cfg.data.prefetch + 1) * cfg.train.micro_batch_size * dp_size
-        epochs = stream.build_ahead(max(last, consumed + 1))
-        log.info("packing index: %d epoch(s) ready in %s", epochs, stream.index_dir)
-    dist.barrier()
-    loader = build_train_loader(cfg.data, micro_batch_size=cfg.train.micro_batch_size,
-                                dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed, stream=stream)
-    if cfg.data.prefetch:
-        loader = DevicePrefetcher(loader, device, cfg.data.prefetch)
-    eval_samples = []
-    if cfg.data.eval_path:
-        eval_samples = _eval_subset(load_eval_samples(cfg.data.eval_path), cfg.eval.max_samples)
-    lineage = LineageCounter(mixture, resumed_lineage)
-    tracker = Tracker(cfg.tracking.uri, run_dir, cfg.tracking.experiment,
-                      enabled=cfg.tracking.enabled and rank == 0,
-                      retry_seconds=cfg.tracking.retry_seconds, checkpoints=ckpt_dir)
-    tp = cfg.model.parallel.tensor_parallel_size
-    layout = f"TP={tp} DP={dp_size} SP={cfg.model.uses_sequence_parallel}"
-    tags = host_tags(env.world_size, layout) | {"data_fingerprint": fingerprint, "config": cfg.source,
-                                                "data_policy": mixture.policy.describe()[:5000]}
-    if parent_run_id:
-        tags["mlflow.parentRunId"] = parent_run_id
-    if config_changes:
-        tags[f"config_changed_at_step_{step}"] = "; ".join(config_changes)[:5000]
-    # The plan of this very run, before its first step (rank 0; a warning if it cannot be made).
-    plan = plan_at_start(cfg, env.world_size) if cfg.train.plan_gpu and rank == 0 else None
-    effective = {"model.parallel.sequence_parallel": cfg.model.uses_sequence_parallel}  # as in the layout tag
-    params = run_params(flatten(cfg.to_dict()), effective)
-    params |= plan.params() if plan is not None else {}
-    peak, peak_source = (cfg.train.peak_tflops, "train.peak_tflops") if cfg.train.peak_tflops else (
-        backend.peak_tflops() if tracker.enabled else (0.0, ""))
-    tags["mlflow.note.content"] = run_description(cfg, peak, peak_source)
-    tracker.start(run_name(cfg), params, tags, resume_run_id=run_id, resume_step=step,
-                  new_trajectory=bool(config_changes) or data_changed)
-    tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())), "config.yaml")
-    tracker.log_json({"decision": "allowed", "mixture": str(mixture.source), "policy": lineage.policy,
-                      "datasets": [asdict(e) for e in lineage.entries]}, "data/policy_decision.json")
-    if plan is not None:
-        tracker.log_text(plan.json(), "plan.json")
+    trainer = _build_trainer(cfg, place)
+    start = _restore_state(cfg, trainer, resume_from, verification, stream.fingerprint, place.rank)
+    loader = _train_loader(cfg, stream, place, start.consumed)
+    eval_samples = _held_out_samples(cfg)
+    lineage = LineageCounter(mixture, start.lineage)
+    tracker = _open_tracker(cfg, place.rank)
+    plan = _plan_this_run(cfg, env)
+    peak, peak_source = _peak_tflops(cfg, tracker)
+    _start_tracking(tracker, cfg, place, mixture, lineage, start, stream.fingerprint, plan, peak, peak_source)
     system = _start_system_metrics(cfg, tracker, env.local_rank)
-
-    result = TrainResult(final_step=step, run_id=tracker.run_id)
-    accumulation = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
+    result = TrainResult(final_step=start.step, run_id=tracker.run_id)
+    accumulation = cfg.train.global_batch_size // (cfg.train.micro_batch_size * place.dp_size)
     log.info("training %s: %d steps, global batch %d x %d tokens, %s, accumulation %d",
-             cfg.run.name, cfg.train.steps, cfg.train.global_batch_size, cfg.data.seq_len, layout,
-             accumulation)
-
-    def on_saved(path: Path) -> None:  # once the checkpoint is complete on every rank
-        tracker.set_tags({"checkpoint.latest": str(path.resolve())})
-        result.checkpoint = str(path)
-        log.info("checkpoint saved: %s", path)
-
-    writer = ckpt.CheckpointWriter(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, on_saved)
+             cfg.run.name, cfg.train.steps, cfg.train.global_batch_size, cfg.data.seq_len,
+             _layout_tag(cfg, place), accumulation)
+    writer = _checkpoint_writer(cfg, tracker, result)
     return _Run(cfg=cfg, trainer=trainer, loader=loader, eval_samples=eval_samples, tracker=tracker,
-                system=system, writer=writer, result=result, fingerprint=fingerprint, dp_rank=dp_rank,
-                dp_size=dp_size, accumulation=accumulation, step=step, consumed=consumed,
-                lineage=lineage, base_model=base_model, resumed_from=resume_from, plan=plan,
-                peak_tflops=peak)
+                system=system, writer=writer, result=result, fingerprint=stream.fingerprint,
+                dp_rank=place.dp_rank, dp_size=place.dp_size, accumulation=accumulation, step=start.step,
+                consumed=start.consumed, lineage=lineage, base_model=start.base_model,
+                resumed_from=start.resumed_from, plan=plan, peak_tflops=peak)
+
+
+def _start_process_group(cfg: TrainConfig) -> parallel.LaunchEnv:
+    """The process group; the configuration checked against its size; enough open files for
+    the data checks (which open thousands of shard files)."""
+    from mimir_megatron.data.files import raise_open_file_limit
+
+    env = parallel.init_distributed(timeout_s=cfg.train.collective_timeout_s)
+    cfg.validate(world_size=env.world_size)
+    raise_open_file_limit()
+    return env
 
 
 def _lock_run_directory(lock: RunLock, rank: int) -> None:
@@ -313,6 +246,181 @@ def _lock_run_directory(lock: RunLock, rank: int) -> None:
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0] is not None:
         raise refusal[0]
+
+
+def _admit_training_data(cfg: TrainConfig, env: parallel.LaunchEnv):
+    """The data policy and the prepared data's integrity, before anything is built: every
+    offending dataset at once. Each rank hashes a share of the files; all see every verdict.
+    The mixture is read here once; the stream, its fingerprint and the lineage use it."""
+    from mimir_megatron.data import load_mixture, training_data_problems
+
+    mixture = load_mixture(cfg.data.mixture)
+    digest_cache = cfg.data.index_directory(mixture.entries[0].path) if cfg.data.verify_cache else None
+    problems = parallel.gather_lines(training_data_problems(mixture, verify=cfg.data.verify, rank=env.rank,
+                                                            world=env.world_size, digest_cache=digest_cache))
+    if problems:
+        raise UserError(f"refusing to train on {mixture.source}:\n  - " + "\n  - ".join(problems))
+    if env.rank == 0:
+        log.info("data policy: %s", mixture.policy.describe())
+    return mixture
+
+
+def _init_model_parallel(cfg: TrainConfig, env: parallel.LaunchEnv) -> _Place:
+    """Megatron's tensor- and data-parallel groups; this process's place in them."""
+    from megatron.core import parallel_state
+
+    parallel.init_model_parallel(cfg.model.parallel.tensor_parallel_size)
+    return _Place(env=env, device=backend.device(), dp_rank=parallel_state.get_data_parallel_rank(),
+                  dp_size=parallel_state.get_data_parallel_world_size(),
+                  dp_group=parallel_state.get_data_parallel_group())
+
+
+def _layout_tag(cfg: TrainConfig, place: _Place) -> str:
+    tp = cfg.model.parallel.tensor_parallel_size
+    return f"TP={tp} DP={place.dp_size} SP={cfg.model.uses_sequence_parallel}"
+
+
+def _save_run_config(cfg: TrainConfig, rank: int) -> None:
+    """Rank 0 (which holds the run directory's lock) checks the checkpoint directory is writable
+    and saves the configuration there; every rank ends with rank 0's one-line refusal."""
+    run_dir = cfg.run_dir
+    refusal: list[UserError | None] = [None]
+    if rank == 0:
+        try:
+            ckpt.check_writable(cfg.checkpoint_dir)
+            OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
+        except UserError as exc:
+            refusal = [exc]
+        except OSError as exc:
+            refusal = [write_error(exc, run_dir / "config.yaml", "set run.dir to a writable directory")]
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise refusal[0]
+
+
+def _build_trainer(cfg: TrainConfig, place: _Place) -> Trainer:
+    """The model, its optimizer and EMA, on this process's device and data-parallel group."""
+    from mimir_megatron.model import build_model
+
+    return build_trainer(build_model(cfg.model), cfg.optim, device=place.device, dp_group=place.dp_group,
+                         dp_size=place.dp_size, precision=cfg.train.precision)
+
+
+def _restore_state(cfg: TrainConfig, trainer: Trainer, resume_from: Path | None, verification,
+                   fingerprint: str, rank: int) -> _StartPoint:
+    """The resumed checkpoint's state (verified, checked resumable), or the weights of
+    ``checkpoint.init_from``, or nothing (a fresh run); checkpoints newer than the start step
+    set aside (collective)."""
+    model, optimizer, ema = trainer.model, trainer.optimizer, trainer.ema
+    start = _StartPoint()
+    if resume_from is not None:
+        resume_from, saved = verified_resume(cfg, resume_from, verification)
+        start.config_changes = check_resumable(saved, cfg, resume_from, fingerprint)
+        start.data_changed = saved.data_fingerprint != fingerprint
+        state = ckpt.load_checkpoint(resume_from, model, optimizer, ema, verified=saved)
+        start.step, start.consumed, start.run_id = state.step, state.consumed_samples, state.mlflow_run_id
+        start.lineage, start.base_model = state.lineage, state.base_model
+        start.resumed_from = resume_from
+        log.info("resumed from %s at step %d", resume_from, start.step)
+        if start.config_changes:
+            log.warning("resuming with a changed configuration (allowed): %s",
+                        "; ".join(start.config_changes))
+    elif cfg.checkpoint.init_from:
+        start.base_model = _init_weights(cfg, model, optimizer, ema)
+        start.parent_run_id = start.base_model.mlflow_run_id
+    if rank == 0:  # checkpoints after the start step belong to an abandoned timeline
+        ckpt.set_aside_newer(cfg.checkpoint_dir, start.step, start.resumed_from)
+    dist.barrier()
+    return start
+
+
+def _train_loader(cfg: TrainConfig, stream, place: _Place, consumed: int):
+    """The training batches from ``consumed`` samples on, prefetched to the device if asked.
+
+    The packing index of every epoch the run will reach is built once, by rank 0, before the
+    first step (its windows over the node's cores); the other ranks read it from the cache, so
+    no rank packs an epoch at a boundary inside the step loop. The prefetcher runs up to
+    prefetch + 1 micro-batches past the last step."""
+    from mimir_megatron.data import build_train_loader
+    from mimir_megatron.data.prefetch import DevicePrefetcher
+
+    if place.rank == 0:
+        last = cfg.train.steps * cfg.train.global_batch_size
+        last += (cfg.data.prefetch + 1) * cfg.train.micro_batch_size * place.dp_size
+        epochs = stream.build_ahead(max(last, consumed + 1))
+        log.info("packing index: %d epoch(s) ready in %s", epochs, stream.index_dir)
+    dist.barrier()
+    loader = build_train_loader(cfg.data, micro_batch_size=cfg.train.micro_batch_size, dp_rank=place.dp_rank,
+                                dp_size=place.dp_size, consumed_samples=consumed, stream=stream)
+    if cfg.data.prefetch:
+        loader = DevicePrefetcher(loader, place.device, cfg.data.prefetch)
+    return loader
+
+
+def _held_out_samples(cfg: TrainConfig) -> list:
+    """The held-out samples the run's exact match is measured on (``eval.max_samples`` of them)."""
+    from mimir_megatron.data import load_eval_samples
+
+    if not cfg.data.eval_path:
+        return []
+    return _eval_subset(load_eval_samples(cfg.data.eval_path), cfg.eval.max_samples)
+
+
+def _open_tracker(cfg: TrainConfig, rank: int) -> Tracker:
+    """The MLflow tracker (rank 0 logs; the others hold a disabled one)."""
+    return Tracker(cfg.tracking.uri, cfg.run_dir, cfg.tracking.experiment,
+                   enabled=cfg.tracking.enabled and rank == 0,
+                   retry_seconds=cfg.tracking.retry_seconds, checkpoints=cfg.checkpoint_dir)
+
+
+def _plan_this_run(cfg: TrainConfig, env: parallel.LaunchEnv) -> StartupPlan | None:
+    """`mimir plan`'s plan of this very run, before its first step (``train.plan_gpu``, rank 0;
+    a warning if it cannot be made)."""
+    return plan_at_start(cfg, env.world_size) if cfg.train.plan_gpu and env.rank == 0 else None
+
+
+def _peak_tflops(cfg: TrainConfig, tracker: Tracker) -> tuple[float, str]:
+    """One device's peak for MFU and where it comes from: ``train.peak_tflops``, else the
+    backend's (measured only where the tracker logs it)."""
+    if cfg.train.peak_tflops:
+        return cfg.train.peak_tflops, "train.peak_tflops"
+    return backend.peak_tflops() if tracker.enabled else (0.0, "")
+
+
+def _start_tracking(tracker: Tracker, cfg: TrainConfig, place: _Place, mixture, lineage: LineageCounter,
+                    start: _StartPoint, fingerprint: str, plan: StartupPlan | None, peak: float,
+                    peak_source: str) -> None:
+    """Start (or continue) the MLflow run: its tags, parameters, description, configuration, the
+    data policy's decision and the plan."""
+    tags = host_tags(place.env.world_size, _layout_tag(cfg, place)) | {
+        "data_fingerprint": fingerprint, "config": cfg.source,
+        "data_policy": mixture.policy.describe()[:5000]}
+    if start.parent_run_id:
+        tags["mlflow.parentRunId"] = start.parent_run_id
+    if start.config_changes:
+        tags[f"config_changed_at_step_{start.step}"] = "; ".join(start.config_changes)[:5000]
+    effective = {"model.parallel.sequence_parallel": cfg.model.uses_sequence_parallel}  # as in the layout tag
+    params = run_params(flatten(cfg.to_dict()), effective)
+    params |= plan.params() if plan is not None else {}
+    tags["mlflow.note.content"] = run_description(cfg, peak, peak_source)
+    tracker.start(run_name(cfg), params, tags, resume_run_id=start.run_id, resume_step=start.step,
+                  new_trajectory=bool(start.config_changes) or start.data_changed)
+    tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())), "config.yaml")
+    tracker.log_json({"decision": "allowed", "mixture": str(mixture.source), "policy": lineage.policy,
+                      "datasets": [asdict(e) for e in lineage.entries]}, "data/policy_decision.json")
+    if plan is not None:
+        tracker.log_text(plan.json(), "plan.json")
+
+
+def _checkpoint_writer(cfg: TrainConfig, tracker: Tracker, result: TrainResult) -> ckpt.CheckpointWriter:
+    """The checkpoint writer; each complete checkpoint is tagged in MLflow and kept in ``result``."""
+
+    def on_saved(path: Path) -> None:  # once the checkpoint is complete on every rank
+        tracker.set_tags({"checkpoint.latest": str(path.resolve())})
+        result.checkpoint = str(path)
+        log.info("checkpoint saved: %s", path)
+
+    return ckpt.CheckpointWriter(cfg.checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, on_saved)
 
 
 def _loop(run: _Run, stop: _StopFlag, stop_at_step: int | None, hooks: StepHooks | None) -> TrainResult:

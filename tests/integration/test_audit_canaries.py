@@ -5,7 +5,6 @@ same kind that are in the index but were never trained on."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,10 +85,9 @@ def test_continuation_protocol_finds_the_canaries_and_score_agrees_with_generate
     """Windows of 50 + 64 tokens: those at offset 0 are the trained (prompt, response) and must
     match exactly; controls never; and scoring must give the same verdict as decoding."""
     from mimir_megatron.audits.continuation import ContinuationSettings, run_continuation_audit
-    from mimir_megatron.audits.sources import AuditSource
 
     model, index, _ = trained
-    sources = [AuditSource(s["name"], Path(s["path"]), s["category"]) for s in index.sources]
+    sources = index.audit_sources
     found = {}
     for method in ("score", "generate"):
         settings = ContinuationSettings(categories=["canary", "control"], samples=1000, prefix_tokens=PROMPT,
@@ -114,11 +112,10 @@ def test_training_mask_finds_every_window_that_greedy_decoding_reproduces_under_
 
     from mimir_megatron.audits.continuation import ContinuationSettings, run_continuation_audit
     from mimir_megatron.audits.sampling import CategoryDocuments, sample_windows
-    from mimir_megatron.audits.sources import AuditSource
     from mimir_megatron.interop import export_hf
 
     model, index, _ = trained
-    sources = [AuditSource(s["name"], Path(s["path"]), s["category"]) for s in index.sources]
+    sources = index.audit_sources
     settings = ContinuationSettings(categories=["canary"], samples=1000, prefix_tokens=PROMPT,
                                     continuation_tokens=64, mask="training", seed=0)
     rows, paper, training = run_continuation_audit(model, sources, settings, progress=False)

@@ -109,7 +109,7 @@ def test_suffix_array_parts_merge_to_the_single_part_table(tmp_path):
 
 
 def test_interrupted_build_resumes_at_the_unfinished_shard(tmp_path, monkeypatch):
-    import mimir_megatron.audits.index as index_module
+    import mimir_megatron.audits.index_build as index_module
 
     docs = [([i % 5, 1], [2, 3, i % 7]) for i in range(12)]
     write_prepared(tmp_path / "x", docs, docs_per_file=4)

@@ -112,6 +112,13 @@ def test_a_setting_from_before_the_split_names_its_new_place():
     assert "model.tensor_parallel_size is not a setting: it is now model.parallel.tensor_parallel_size" in str(err.value)
 
 
+def test_a_moved_key_is_named_only_in_its_old_section():
+    """The hint is for the model section's old keys; inside a subsection it is just unknown."""
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["execution.tensor_parallel_size=2"])
+    assert "model.execution.tensor_parallel_size is not a setting (known: " in str(err.value)
+
+
 def test_a_record_from_before_the_split_loads_its_shape_only():
     legacy = {**load_config(TINY).shape_dict(), "attention_backend": "varlen", "compile": True,
               "tensor_parallel_size": 2, "sequence_parallel": True}

@@ -189,7 +189,7 @@ def test_contamination_report_is_found_in_the_training_run(tmp_path):
 
 
 def test_type_mistakes_of_every_task_and_of_the_suite_are_each_one_line(tmp_path):
-    """One rule for every configuration (config.read_yaml + typed_section + raise_errors): a wrong
+    """One rule for every configuration (yaml_config.read_yaml + typed_section + raise_errors): a wrong
     type in two tasks and in the suite are three lines, not the first one OmegaConf meets."""
     path = tmp_path / "types.yaml"
     path.write_text("seed: many\ntasks:\n"

@@ -11,7 +11,8 @@ through one module per job:
 - :mod:`.dispatch`: hands the work to the :class:`~mimir_megatron.inference.scheduler.Scheduler`
   thread (the only one that touches the engine; a full queue answers 503) and collects the
   results through an asyncio queue per HTTP request;
-- :mod:`.responses`: OpenAI's response bodies, whole or streamed as server-sent events;
+- :mod:`.completions_api`: the Completions and Chat Completions APIs' (and score's) reply bodies,
+  whole or streamed as server-sent events; :mod:`.responses_api`: the Responses API;
 - :mod:`.app`: the routes and the ways to run the app.
 
 Extra body fields (beyond OpenAI's): ``h_cycles`` / ``l_cycles`` (the recurrence schedule of this

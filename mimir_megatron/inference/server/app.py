@@ -36,7 +36,7 @@ from mimir_megatron.inference.server.protocol import (
     parse_json,
     too_large,
 )
-from mimir_megatron.inference.server.responses import stream
+from mimir_megatron.inference.server.completions_api import stream
 from mimir_megatron.inference.server.responses_api import (
     ResponseBuilder,
     conversation,

@@ -17,7 +17,7 @@ from mimir_megatron.inference.server.protocol import (
     bad_request,
     default_max_body_bytes,
 )
-from mimir_megatron.inference.server.responses import Responses
+from mimir_megatron.inference.server.completions_api import CompletionBodies
 from mimir_megatron.inference.server.responses_api import DEFAULT_STORED_RESPONSES, ResponseStore
 from mimir_megatron.inference.server.translation import Limits, Scoring, Translator
 from mimir_megatron.inference.types import GenerationRequest, GenerationResult, ScoreResult, TokenEvent
@@ -70,7 +70,7 @@ class Server:
         self.limits = Limits(max_tokens_limit=limit, max_queue=max_queue,
                              max_body_bytes=max_body_bytes or default_max_body_bytes(engine.max_context))
         self.translate = Translator(engine, self.limits)
-        self.respond = Responses(engine)
+        self.respond = CompletionBodies(engine)
         self.scheduler = Scheduler(engine, max_queue=max_queue)
         self.stored_responses = ResponseStore(max_stored_responses)
         """Conversations of earlier responses, for ``previous_response_id`` (in memory, bounded)."""

@@ -1,4 +1,6 @@
-"""From engine results to OpenAI's response bodies, whole or streamed as server-sent events."""
+"""The Completions and Chat Completions APIs' replies (``/v1/completions``, ``/v1/chat/completions``,
+and ``/v1/score``'s): from engine results to OpenAI's bodies, whole or streamed as server-sent
+events. The Responses API (``/v1/responses``) is :mod:`.responses_api`'s."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-class Responses:
+class CompletionBodies:
     """Response bodies for one engine (its tokenizer names the tokens)."""
 
     def __init__(self, engine: InferenceEngine) -> None:
