@@ -450,17 +450,17 @@ def indexed_datasets(index: AuditIndex) -> list[dict]:
     """The prepared datasets the index holds, each with its manifest's digest when the manifest
     still describes the files indexed (what `mimir export` matches against a checkpoint's lineage
     before it accepts the report); None where it no longer does or is gone."""
-    from mimir_megatron.data.prepared import read_manifest
+    from mimir_megatron.data.manifest import Manifest
 
     datasets = []
     for source in index.sources:
         try:
-            manifest = read_manifest(source["path"])
+            manifest: Manifest | None = Manifest.read(source["path"])
         except UserError:
-            manifest = {}
-        same = bool(manifest) and manifest.get("outputs") == source.get("outputs")
+            manifest = None
+        same = manifest is not None and dict(manifest.outputs) == source.get("outputs")
         datasets.append({"name": source["name"], "path": source["path"],
-                         "manifest_digest": manifest.get("digest") if same else None})
+                         "manifest_digest": manifest.digest if same and manifest else None})
     return datasets
 
 

@@ -461,11 +461,11 @@ def read_provenance(path: str | Path) -> dict[str, Any] | bool:
     """The stored record of a prepared dataset (its manifest's ``provenance``) or of a data file
     (its sidecar); ``UNKNOWN_RECORD`` where it exists but declares nothing; False where ``path``
     is neither."""
-    from .prepared import MANIFEST_NAME, read_manifest
+    from .manifest import MANIFEST_NAME, Manifest
 
     path = Path(path)
     if (path / MANIFEST_NAME).is_file():
-        return read_manifest(path).get("provenance") or dict(UNKNOWN_RECORD)
+        return dict(Manifest.read(path).provenance or UNKNOWN_RECORD)
     if path.is_file():
         sidecar = sidecar_path(path)
         if sidecar.is_file():
@@ -480,7 +480,7 @@ def read_provenance(path: str | Path) -> dict[str, Any] | bool:
 def checked_record(record: Mapping[str, Any] | None, path: str | Path) -> Provenance | None:
     """The record stored for ``path`` (a prepared dataset or a data file), checked for hand edits
     and validated; a one-line :class:`UserError` naming the file and the field otherwise."""
-    from .prepared import MANIFEST_NAME
+    from .manifest import MANIFEST_NAME
 
     path = Path(path)
     where = path / MANIFEST_NAME if (path / MANIFEST_NAME).is_file() else sidecar_path(path)
