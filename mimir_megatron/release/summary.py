@@ -19,12 +19,15 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mimir_megatron.checkpoint import BaseModel, DatasetLineage, TrainerState
 from mimir_megatron.data.manifest import MANIFEST_NAME, Manifest
 from mimir_megatron.data.provenance import BASES, FORMS, UNKNOWN, provenance_from_record
 from mimir_megatron.errors import UserError
+
+if TYPE_CHECKING:
+    from mimir_megatron.evaluation.contamination import ContaminationReport
 
 TEMPLATE = ("EU AI Office, Template for the Public Summary of Training Content for general-purpose "
             "AI models (24 July 2025)")
@@ -126,40 +129,31 @@ def contamination_summary(report_paths: list[Path],
         return None
     suites: dict[str, Any] = {}
     for path in report_paths:
-        report = ContaminationReport(path)
+        report = ContaminationReport.read(path)
         if state is not None:
-            problem = report_mismatch(report.body, state)
+            problem = report_mismatch(report, state)
             if problem:
                 raise UserError(f"{path}: {problem}")
         benchmarks = {}
-        for task, bench in sorted(report.body.get("benchmarks", {}).items()):
-            if not isinstance(bench, dict):
-                raise UserError(f"{path}: benchmarks.{task}: not a benchmark result")
-            if bench.get("error"):
-                benchmarks[task] = {"error": bench["error"]}
+        for task, bench in sorted(report.benchmarks.items()):
+            if bench.error:
+                benchmarks[task] = {"error": bench.error}
                 continue
-            try:
-                items, found = int(bench["items"]), int(bench["contaminated"])
-                longest = int(bench["longest_span"]["tokens"])
-            except (KeyError, TypeError, ValueError):
-                raise UserError(f"{path}: benchmarks.{task}: items, contaminated and longest_span.tokens "
-                                "are required (a report `mimir audit contamination` wrote)") from None
-            benchmarks[task] = {"items": items, "contaminated": found,
-                                "fraction": found / items if items else 0.0, "longest_span_tokens": longest}
+            benchmarks[task] = {"items": bench.items, "contaminated": bench.contaminated,
+                                "fraction": bench.fraction, "longest_span_tokens": bench.longest_span.tokens}
         suites[report.suite or path.stem] = {"report": str(path), "ngram": report.ngram,
                                              "benchmarks": benchmarks}
     return {"suites": suites}
 
 
-def report_mismatch(body: dict[str, Any], state: TrainerState) -> str | None:
+def report_mismatch(report: ContaminationReport, state: TrainerState) -> str | None:
     """Why a contamination report does not speak for this checkpoint's training data, or None: it
     must have checked every dataset the run trained on, as its manifest was when trained on (the
     lineage pins the manifests' digests; the report records those of its index's datasets)."""
-    checked = body.get("datasets")
-    if not isinstance(checked, list):
+    if report.datasets is None:
         return ("the report does not record which prepared datasets it checked (written before reports "
                 "did); run `mimir audit contamination` again on this run's training data")
-    digests = {d.get("manifest_digest") for d in checked if isinstance(d, dict)}
+    digests = {d.manifest_digest for d in report.datasets}
     missing = [e.name for e in state.lineage
                if (e.tokens or e.documents) and e.manifest_digest not in digests]
     if missing:
