@@ -111,6 +111,33 @@ class TrainerState:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def recorded_run(self) -> RecordedRun:
+        """What the run's recorded configuration says about where the run lives (typed; a
+        missing or mistyped entry reads as unset)."""
+        def section(name: str) -> dict[str, Any]:
+            value = self.config.get(name) if isinstance(self.config, dict) else None
+            return value if isinstance(value, dict) else {}
+
+        def text(values: dict[str, Any], key: str) -> str | None:
+            value = values.get(key)
+            return value if isinstance(value, str) and value else None
+
+        run, tracking = section("run"), section("tracking")
+        return RecordedRun(dir=text(run, "dir"), name=text(run, "name") or "",
+                           tracking_uri=text(tracking, "uri"), experiment=text(tracking, "experiment"))
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    """The run's directory and MLflow settings as its trainer state's configuration records them."""
+
+    dir: str | None
+    """``run.dir`` (None: the default ``runs/<name>``)."""
+    name: str
+    tracking_uri: str | None
+    """``tracking.uri`` (None: the run directory's sqlite store)."""
+    experiment: str | None
+
 
 _REQUIRED = {"step"}
 

@@ -26,8 +26,6 @@ from .suite import SuiteSpec
 log = logging.getLogger(__name__)
 
 FORMAT = "mimir-contamination-v1"
-RUN_SUBDIR = "contamination"
-"""The folder of a training run's directory that eval and sweep look in by default."""
 MARK = "‡"
 """Suffix of a contaminated benchmark's name in eval and sweep tables."""
 
@@ -319,12 +317,12 @@ def find_report(explicit: str | None, suite_name: str,
     if checkpoint:
         from mimir_megatron.checkpoint import find
 
-        from .tracking import run_directory
+        from mimir_megatron.checkpoint.run_directory import RunDirectory
 
         found = find(checkpoint)
         if found:
             path, state = found
-            candidate = report_file(run_directory(path, state.config) / RUN_SUBDIR, suite_name)
+            candidate = report_file(RunDirectory.of_checkpoint(path, state).contamination, suite_name)
             if candidate.is_file():
                 log.info("contamination report of the training run: %s", candidate)
                 return ContaminationReport.read(candidate)

@@ -189,3 +189,26 @@ def test_digests_written_before_the_canonical_encoding_still_verify(tmp_path):
     record.pop("format")
     sidecar.write_text(json.dumps(record))
     assert _read_sidecar(tmp_path / "s").license == "CC-BY-4.0"
+
+
+def test_the_run_directory_of_a_checkpoint_is_derived_in_one_place(tmp_path):
+    """Under ``<run>/checkpoints/`` a checkpoint's run is that folder's parent; elsewhere the
+    trainer state's recorded run.dir, else runs/<run.name>, as the trainer derived it."""
+    from mimir_megatron.checkpoint.run_directory import RunDirectory
+    from mimir_megatron.checkpoint.trainer_state import TrainerState
+    from mimir_megatron.train.config import TrainConfig
+
+    state = TrainerState(step=1, config={"run": {"name": "demo", "dir": str(tmp_path / "run")},
+                                         "tracking": {"uri": None, "experiment": 5}})
+    inside = RunDirectory.of_checkpoint(tmp_path / "r" / "checkpoints" / "step_0000001", state)
+    assert inside.root == tmp_path / "r" and inside.contamination == tmp_path / "r" / "contamination"
+    assert RunDirectory.of_checkpoint(tmp_path / "moved" / "step_0000001", state).root == tmp_path / "run"
+    unnamed = TrainerState(step=1, config={"run": {"name": "demo", "dir": None}})
+    assert RunDirectory.of_checkpoint(tmp_path / "step_0000001", unnamed).root == Path("runs") / "demo"
+    recorded = state.recorded_run()
+    assert (recorded.tracking_uri, recorded.experiment) == (None, None)  # unset, and a mistyped entry
+    cfg = TrainConfig()
+    cfg.run.name = "demo"
+    assert cfg.run_dir == Path("runs") / "demo" and cfg.checkpoint_dir == Path("runs") / "demo" / "checkpoints"
+    cfg.run.dir = str(tmp_path / "run")
+    assert RunDirectory.configured(cfg.run.dir, cfg.run.name).mlflow_uri == f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}"
