@@ -82,6 +82,50 @@ def _read_state(directory: Path):
     return read_trainer_state(directory)
 
 
+def _results(directory: Path) -> Path:
+    from mimir_megatron.evaluation.results import EvalResults, TaskScore
+
+    return EvalResults(suite="demo", model="tiny", schedule=(2, 3), category_averages={"Maths": 0.5},
+                       tasks={"arith": TaskScore(score=0.5, n=4, metric="exact_match", category="Maths",
+                                                 chance=0.0)}).write(directory)
+
+
+def _read_results(directory: Path):
+    from mimir_megatron.evaluation.results import EvalResults
+
+    return EvalResults.read(directory)
+
+
+def _sweep(directory: Path) -> Path:
+    from mimir_megatron.evaluation.results import SweepResults
+
+    return SweepResults(suite="demo", trained=(2, 3), rows=(
+        {"D": 8, "H": 2, "L": 3, "schedule": "LLLH LLLH", "trained": True, "arith": 50.0},)).write(directory)
+
+
+def _read_sweep(directory: Path):
+    from mimir_megatron.evaluation.results import SweepResults
+
+    return SweepResults.read(directory)
+
+
+def _plan(directory: Path) -> Path:
+    from mimir_megatron.train.plan.record import PlanRecord
+
+    layout = {"tp": 1, "dp": 8, "micro_batch": 1, "recompute": "none", "fits": True, "step_time_s": 1.5,
+              "tokens_per_s": 1000.0, "days": 2.0, "gpu_hours": 384.0}
+    directory.mkdir(parents=True, exist_ok=True)
+    return PlanRecord.from_dict({"config": "c.yaml", "gpus": 8, "nodes": 1, "seq_len": 2048,
+                                 "global_batch": 64, "steps": 100, "tokens": 13107200, "efficiency": 0.3,
+                                 "configured": layout, "layouts": [layout]}).write(directory / "plan.json")
+
+
+def _read_plan(directory: Path):
+    from mimir_megatron.train.plan.record import PlanRecord
+
+    return PlanRecord.read(directory / "plan.json")
+
+
 def _redigest(record: dict) -> None:
     """A careful hand edit: the record's own digest recomputed, so the field check must speak."""
     from mimir_megatron.integrity import json_digest
@@ -136,6 +180,19 @@ CASES = {
                                  False, "benchmarks.arith.contaminated: an integer expected"),
     "report-unknown-version": (_report, _read_report, _set("mimir-contamination-v0", "format"), False,
                                "format 'mimir-contamination-v0' is not one this version of mimir reads"),
+    "results-missing-field": (_results, _read_results, _pop("tasks", "arith", "n"), False, "tasks.arith.n: missing"),
+    "results-wrong-type": (_results, _read_results, _set("half", "tasks", "arith", "score"), False,
+                           "tasks.arith.score: a number expected"),
+    "results-unknown-version": (_results, _read_results, _set("mimir-eval-results-v0", "format"), False,
+                                "format 'mimir-eval-results-v0' is not one this version of mimir reads"),
+    "sweep-missing-field": (_sweep, _read_sweep, _pop("rows", 0, "H"), False, "rows[0].H: missing"),
+    "sweep-wrong-type": (_sweep, _read_sweep, _set([2], "trained"), False, "trained: [H, L] expected"),
+    "sweep-unknown-version": (_sweep, _read_sweep, _set("mimir-sweep-results-v2", "format"), False,
+                              "format 'mimir-sweep-results-v2' is not one this version of mimir reads"),
+    "plan-missing-field": (_plan, _read_plan, _pop("configured", "fits"), False, "configured.fits: missing"),
+    "plan-wrong-type": (_plan, _read_plan, _set("8", "gpus"), False, "gpus: an integer expected"),
+    "plan-unknown-version": (_plan, _read_plan, _set("mimir-plan-v0", "format"), False,
+                             "format 'mimir-plan-v0' is not one this version of mimir reads"),
     "state-missing-field": (_state, _read_state, _pop("step"), True, "trainer state lacks step"),
     "state-wrong-type": (_state, _read_state, _set("7", "step"), True, "step must be a non-negative integer"),
     "state-edited": (_state, _read_state, _set(8, "step"), False,
@@ -171,6 +228,12 @@ def test_records_read_back_what_was_written(tmp_path):
     assert report.metrics() == {"arith/contaminated items": 1, "arith/contaminated fraction": 0.25,
                                 "arith/longest span": 21, "arith/documents hit": 0}
     assert _read_state(_state(tmp_path / "t").parent).config == {"run": {"name": "ø"}}
+    results = _read_results(_results(tmp_path / "e").parent)
+    assert (results.schedule, results.tasks["arith"].score, results.category_averages) == ((2, 3), 0.5,
+                                                                                            {"Maths": 0.5})
+    assert _read_sweep(_sweep(tmp_path / "w").parent).trained == (2, 3)
+    plan = _read_plan(_plan(tmp_path / "p").parent)
+    assert (plan.gpus, plan.configured.fits, plan.layouts[0].dp) == (8, True, 8)
 
 
 def test_digests_written_before_the_canonical_encoding_still_verify(tmp_path):
