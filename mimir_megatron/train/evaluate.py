@@ -65,7 +65,7 @@ def suite_scores(model, cfg, log_dir: Path) -> dict[str, float]:
         tokenizer = load_tokenizer(cfg.model.tokenizer)
     was_training = model.training
     try:
-        engine = InferenceEngine(model, tokenizer, model_name=Path(cfg.run.dir).name or "training")
+        engine = InferenceEngine(model, tokenizer, model_name=cfg.run_dir.name or "training")
         return run_suite_on_engine(engine, cfg.eval.suite, limit=cfg.eval.limit,
                                    data_dir=cfg.eval.data_dir or None, log_dir=log_dir)
     finally:
