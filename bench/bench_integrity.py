@@ -59,7 +59,8 @@ def write_random(path: Path, size: int) -> None:
 
 
 def bench_checkpoint(tmp: Path, size: int) -> None:
-    from mimir_megatron.checkpoint.digests import collect_digests, sha256_of, start_verification
+    from mimir_megatron.checkpoint.digests import collect_digests, start_verification
+    from mimir_megatron.integrity import sha256_file
     from mimir_megatron.checkpoint.trainer_state import TrainerState, write_trainer_state
 
     ckpt = tmp / "step_0000001"
@@ -70,7 +71,7 @@ def bench_checkpoint(tmp: Path, size: int) -> None:
     recorded = timed(lambda: write_trainer_state(ckpt, TrainerState(step=1, files=collect_digests(ckpt))))
     read = timed(read_all, files)
     verified = timed(lambda: start_verification(ckpt).check())
-    one_thread = timed(lambda: [sha256_of(p) for p in files])
+    one_thread = timed(lambda: [sha256_file(p) for p in files])
     gb = size / 1e9
     print(f"checkpoint, {gb:.2f} GB in {len(files)} files:")
     print(f"  read (peer)             {read / gb:6.2f} s/GB")

@@ -42,7 +42,14 @@ import numpy as np
 
 from mimir_megatron.errors import UserError
 
-from mimir_megatron.evaluation.contamination import FORMAT, MARK, data_sha256, report_file
+from mimir_megatron.evaluation.contamination import (
+    MARK,
+    BenchmarkCheck,
+    CheckedDataset,
+    ContaminationReport,
+    LongestSpan,
+    data_sha256,
+)
 
 from .index_query import AuditIndex, Hit
 
@@ -416,24 +423,22 @@ def run_contamination(index: AuditIndex, suite, data_dir: Path, tokenizer_dir: s
 # --- the report ------------------------------------------------------------------------------
 
 
-def _summary(bench: BenchmarkResult, ngram: int) -> dict[str, Any]:
+def _summary(bench: BenchmarkResult, ngram: int) -> BenchmarkCheck:
     dirty = [r for r in bench.items if r.contaminated(ngram)]
     longest = max((r for r in bench.items if r.longest), key=lambda r: r.longest.tokens, default=None)
     documents = sorted({(h.source, h.document) for r in dirty for h in r.hits})
-    return {
-        "title": bench.title, "category": bench.category, "data": str(bench.data_path),
-        "data_sha256": data_sha256(bench.data_path), "error": bench.error,
-        "items": len(bench.items), "contaminated": len(dirty),
-        "fraction": len(dirty) / len(bench.items) if bench.items else 0.0,
-        "exact": sum(1 for r in dirty if r.exact_tokens >= ngram),
-        "longest_span": {"tokens": longest.longest.tokens, "text": longest.longest.text, "item": longest.id,
-                         "part": longest.longest.part} if longest else
-                        {"tokens": 0, "text": "", "item": None, "part": None},
-        "documents_hit": len(documents),
-        "documents_truncated": any(r.hits_truncated for r in dirty),
-        "documents": [list(d) for d in documents],
-        "contaminated_items": [r.id for r in dirty],
-    }
+    return BenchmarkCheck(
+        title=bench.title, category=bench.category, data=str(bench.data_path),
+        data_sha256=data_sha256(bench.data_path), error=bench.error,
+        items=len(bench.items), contaminated=len(dirty),
+        exact=sum(1 for r in dirty if r.exact_tokens >= ngram),
+        longest_span=(LongestSpan(longest.longest.tokens, longest.longest.text, longest.id,
+                                  longest.longest.part) if longest else LongestSpan()),
+        documents_hit=len(documents),
+        documents_truncated=any(r.hits_truncated for r in dirty),
+        documents=tuple(documents),
+        contaminated_items=tuple(r.id for r in dirty),
+    )
 
 
 def _item_line(r: ItemResult) -> dict[str, Any]:
@@ -446,61 +451,62 @@ def _item_line(r: ItemResult) -> dict[str, Any]:
             "documents_truncated": r.hits_truncated, "sequences": r.sequences}
 
 
-def indexed_datasets(index: AuditIndex) -> list[dict]:
+def indexed_datasets(index: AuditIndex) -> tuple[CheckedDataset, ...]:
     """The prepared datasets the index holds, each with its manifest's digest when the manifest
     still describes the files indexed (what `mimir export` matches against a checkpoint's lineage
     before it accepts the report); None where it no longer does or is gone."""
-    from mimir_megatron.data.prepared import read_manifest
+    from mimir_megatron.data.manifest import Manifest
 
     datasets = []
-    for source in index.sources:
+    for source in index.metadata.sources:
         try:
-            manifest = read_manifest(source["path"])
+            manifest: Manifest | None = Manifest.read(source.path)
         except UserError:
-            manifest = {}
-        same = bool(manifest) and manifest.get("outputs") == source.get("outputs")
-        datasets.append({"name": source["name"], "path": source["path"],
-                         "manifest_digest": manifest.get("digest") if same else None})
-    return datasets
+            manifest = None
+        same = manifest is not None and dict(manifest.outputs) == source.outputs
+        datasets.append(CheckedDataset(name=source.name, path=source.path,
+                                       manifest_digest=manifest.digest if same and manifest else None))
+    return tuple(datasets)
 
 
-def write_report(results: list[BenchmarkResult], out: Path, suite, index: AuditIndex, tokenizer: dict,
-                 settings: ContaminationSettings) -> list[Path]:
-    """``<suite>.json`` (the report eval and sweep read), ``<suite>.md`` / ``.csv`` (the table) and
-    ``<suite>_items.jsonl`` (every contaminated item: its run, the training text, the documents)."""
+def contamination_report(results: list[BenchmarkResult], suite, index: AuditIndex, tokenizer: dict,
+                         settings: ContaminationSettings) -> ContaminationReport:
+    """The report record of an audit's ``results`` (what :func:`write_report` writes)."""
+    return ContaminationReport(
+        benchmarks={b.name: _summary(b, settings.ngram) for b in results}, suite=suite.name,
+        suite_file=suite.source, seed=suite.seed, ngram=settings.ngram,
+        whitespace_variants=tuple(WHITESPACE_VARIANTS), limit=settings.limit,
+        index={"path": str(index.path.resolve()), "fingerprint": index.metadata.fingerprint,
+               "documents": index.num_documents, "tokens": index.num_tokens},
+        datasets=indexed_datasets(index), tokenizer=tokenizer, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+
+def write_report(report: ContaminationReport, results: list[BenchmarkResult], out: Path,
+                 index: AuditIndex) -> list[Path]:
+    """``<suite>.json`` (``report``: what eval, sweep and export read), ``<suite>.md`` / ``.csv``
+    (the table) and ``<suite>_items.jsonl`` (every contaminated item: its run, the training text,
+    the documents)."""
     from .report import write_table
 
-    n = settings.ngram
-    summaries = {b.name: _summary(b, n) for b in results}
-    body = {
-        "format": FORMAT, "suite": suite.name, "suite_file": suite.source, "seed": suite.seed, "ngram": n,
-        "whitespace_variants": list(WHITESPACE_VARIANTS), "limit": settings.limit,
-        "index": {"path": str(index.path.resolve()), "fingerprint": index.metadata.fingerprint,
-                  "documents": index.num_documents, "tokens": index.num_tokens},
-        "datasets": indexed_datasets(index),
-        "tokenizer": tokenizer, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "benchmarks": summaries,
-    }
-    report = report_file(out, suite.name)
-    out.mkdir(parents=True, exist_ok=True)
-    report.write_text(json.dumps(body, indent=1, ensure_ascii=False) + "\n")
+    n, suite = report.ngram, report.suite
+    paths = [report.write(out)]
     rows = []
     for b in results:
-        s = summaries[b.name]
-        text = s["longest_span"]["text"].replace("\n", " ").replace("|", "/")
-        rows.append({"benchmark": b.title + (MARK if s["contaminated"] else ""), "task": b.name,
-                     "items": s["items"], "contaminated": s["contaminated"],
-                     "contaminated (%)": round(100 * s["fraction"], 2), "exact": s["exact"],
-                     "longest span (tokens)": s["longest_span"]["tokens"],
+        s = report.benchmarks[b.name]
+        text = s.longest_span.text.replace("\n", " ").replace("|", "/")
+        rows.append({"benchmark": b.title + (MARK if s.contaminated else ""), "task": b.name,
+                     "items": s.items, "contaminated": s.contaminated,
+                     "contaminated (%)": round(100 * s.fraction, 2), "exact": s.exact,
+                     "longest span (tokens)": s.longest_span.tokens,
                      "longest span": (text[:77] + "...") if len(text) > 80 else text,
-                     "documents hit": f"{s['documents_hit']}" + ("+" if s["documents_truncated"] else ""),
+                     "documents hit": f"{s.documents_hit}" + ("+" if s.documents_truncated else ""),
                      "note": b.error or ""})
     notes = [f"An item is contaminated ({MARK}) when {n} consecutive tokens of its benchmark text occur in "
              "one training document, exactly or re-spaced; `exact` counts those found with the item's own "
              f"token ids. Index: {index.num_documents:,} documents, {index.num_tokens:,} tokens."]
-    paths = [report, *write_table(rows, out, suite.name, f"Contamination of {suite.name} ({n}-token overlap)",
-                                  json_rows=False, notes=notes)]
-    items = out / f"{suite.name}_items.jsonl"
+    paths += write_table(rows, out, suite, f"Contamination of {suite} ({n}-token overlap)",
+                         json_rows=False, notes=notes)
+    items = out / f"{suite}_items.jsonl"
     with items.open("w", encoding="utf-8") as f:
         for b in results:
             for r in b.items:

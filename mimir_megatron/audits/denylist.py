@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import write_json_atomic
 
 FORMAT = "mimir-denylist-v1"
 
@@ -52,10 +52,7 @@ def write_denylist(path: str | Path, tokenizer: dict, ngram: int, entries: list[
     body = {"format": FORMAT, "tokenizer": {"sha256": tokenizer["sha256"], "path": tokenizer.get("path")},
             "ngram": ngram, "source": source, "entries": entries}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(body, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(path, body, indent=None)
 
 
 class Denylist:

@@ -67,12 +67,6 @@ class AuditIndex:
         )
 
     @property
-    def sources(self) -> list[dict]:
-        """The indexed datasets as the record stores them (plain mappings, for reports that copy
-        them); typed: ``metadata.sources``."""
-        return [s.to_json(self.metadata.tokenizer_recorded) for s in self.metadata.sources]
-
-    @property
     def audit_sources(self) -> list[AuditSource]:
         """The indexed datasets as audit sources (name, prepared directory, audit group)."""
         return [AuditSource(s.name, Path(s.path), s.category) for s in self.metadata.sources]

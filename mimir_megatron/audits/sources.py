@@ -25,7 +25,7 @@ def resolve_sources(mixture: str | None = None, data: list[str] | None = None) -
     Repeats do not matter here: the index holds every document once, however often it is trained.
     """
     from mimir_megatron.data.mixture import load_mixture
-    from mimir_megatron.data.prepared import read_manifest
+    from mimir_megatron.data.manifest import MANIFEST_NAME, Manifest
     from mimir_megatron.data.provenance import provenance_from_record
 
     if bool(mixture) == bool(data):
@@ -33,8 +33,8 @@ def resolve_sources(mixture: str | None = None, data: list[str] | None = None) -
     if mixture:
         mix = load_mixture(mixture)
         sources = [AuditSource(e.name, e.path, e.audit_group_of(
-            provenance_from_record(read_manifest(e.path).get("provenance"),
-                                   f"dataset {e.name}: {e.path / 'manifest.json'}: provenance")))
+            provenance_from_record(Manifest.read(e.path).provenance,
+                                   f"dataset {e.name}: {e.path / MANIFEST_NAME}: provenance")))
             for e in mix.entries]
     else:
         sources, names = [], set()
@@ -47,5 +47,5 @@ def resolve_sources(mixture: str | None = None, data: list[str] | None = None) -
             names.add(name)
             sources.append(AuditSource(name, p, category))
     for s in sources:
-        read_manifest(s.path)  # a clear error for a dataset that is declared but not prepared
+        Manifest.read(s.path)  # a clear error for a dataset that is declared but not prepared
     return sources

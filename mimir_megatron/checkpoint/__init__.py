@@ -19,6 +19,9 @@ with one job:
 
 - :mod:`.layout`: names, ``latest``, the resolver (:func:`resolve`).
 - :mod:`.trainer_state`: :class:`TrainerState`, its one reader and one writer.
+- :mod:`.run_directory`: the paths of a run, derived in one place (:class:`~.run_directory.RunDirectory`).
+- :mod:`.model_dir`: which form a model directory has, and what it says about its model
+  (tokenizer, trained schedule, display and served names).
 - :mod:`.compat`: layout version and model-shape checks (whether training may go on from a
   checkpoint is the trainer's policy: ``mimir_megatron.train.resume``).
 - :mod:`.state`: the sharded model/optimizer/EMA state and the per-rank RNG state.
@@ -53,9 +56,11 @@ from .model_dir import (
     ModelKind,
     add_model_arguments,
     detect_model_dir,
+    display_name,
     load_model_dir,
     model_dir_from_args,
     resolve_model_dir,
+    served_name,
     tokenizer_dir,
     trained_schedule,
 )
@@ -73,7 +78,8 @@ __getattr__ = lazy_exports(__name__, _LAZY)
 __all__ = [
     "FORMAT", "FORMS_HELP", "MODEL_FORMS_HELP", "RUN_CHECKPOINTS", "BaseModel", "ModelDir", "ModelKind",
     "add_model_arguments", "detect_model_dir", "load_model_dir", "model_dir_from_args", "resolve_model_dir",
-    "tokenizer_dir", "trained_schedule", "DatasetLineage", "TrainerState", "find",
+    "tokenizer_dir", "trained_schedule", "display_name", "served_name", "DatasetLineage", "TrainerState",
+    "find",
     "is_checkpoint", "is_checkpoint_source", "latest_checkpoint", "read_trainer_state", "resolve",
     "step_dir_name", *_LAZY,
 ]

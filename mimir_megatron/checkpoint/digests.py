@@ -19,7 +19,6 @@ without re-reading the file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import sha256_file, write_json_atomic
 
 from .trainer_state import STATE_FILE, FileDigest, TrainerState, read_trainer_state
 
@@ -37,14 +37,8 @@ _RANK_RECORD = "digests_rank{rank}.json"
 _BLOCK = 1 << 22
 
 
-def sha256_of(path: Path) -> str:
-    """sha256 of a file (hashlib releases the GIL: threads hash files in parallel)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _digest(path: Path) -> FileDigest:
-    return FileDigest(bytes=path.stat().st_size, sha256=sha256_of(path))
+    return FileDigest(bytes=path.stat().st_size, sha256=sha256_file(path))
 
 
 def _threads(count: int) -> int:
@@ -65,10 +59,8 @@ def record_rank_digests(directory: Path, rank: int) -> None:
     files = rank_files(directory, rank)
     with ThreadPoolExecutor(_threads(len(files))) as pool:
         digests = dict(zip((p.name for p in files), pool.map(_digest, files)))
-    record = directory / _RANK_RECORD.format(rank=rank)
-    tmp = record.with_name(record.name + ".tmp")
-    tmp.write_text(json.dumps({name: d.to_dict() for name, d in digests.items()}))
-    os.replace(tmp, record)
+    write_json_atomic(directory / _RANK_RECORD.format(rank=rank),
+                      {name: d.to_dict() for name, d in digests.items()}, indent=None)
 
 
 def after_write(write, directory: Path, rank: int):
@@ -177,5 +169,5 @@ def start_verification(path: Path, *, rank: int = 0, world: int = 1) -> Verifica
         elif index % world == rank:
             to_hash.append((name, want))
     pool = ThreadPoolExecutor(_threads(len(to_hash)), thread_name_prefix="verify") if to_hash else None
-    futures = [(name, want, pool.submit(sha256_of, path / name)) for name, want in to_hash] if pool else []
+    futures = [(name, want, pool.submit(sha256_file, path / name)) for name, want in to_hash] if pool else []
     return Verification(path, state, futures, early, pool)

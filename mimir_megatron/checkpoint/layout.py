@@ -6,10 +6,10 @@ This module is the only place that knows a checkpoint's file names; everything e
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import write_bytes_atomic
 
 from .trainer_state import STATE_FILE, TrainerState, read_trainer_state
 
@@ -64,9 +64,7 @@ def latest_name(checkpoint_dir: Path) -> str | None:
 
 def write_latest(checkpoint_dir: Path, name: str) -> None:
     """Point ``latest`` at ``name``, atomically (a reader sees the old or the new name)."""
-    pointer = checkpoint_dir / (LATEST + ".tmp")
-    pointer.write_text(name + "\n")
-    os.replace(pointer, checkpoint_dir / LATEST)
+    write_bytes_atomic(checkpoint_dir / LATEST, (name + "\n").encode())
 
 
 def latest_checkpoint(checkpoint_dir: Path) -> Path | None:

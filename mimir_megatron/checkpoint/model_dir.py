@@ -21,7 +21,7 @@ from pathlib import Path
 
 from mimir_megatron.errors import UserError
 
-from .layout import FORMS_HELP, is_checkpoint_source
+from .layout import FORMS_HELP, RUN_CHECKPOINTS, is_checkpoint_source
 
 WEIGHTS_CONFIG = "model.yaml"
 """The model settings file of project weights (beside ``model.safetensors``)."""
@@ -124,7 +124,7 @@ def _model_settings(source: ModelDir) -> dict:
         found = find(source.path)
         return dict(found[1].model) if found else {}
     if source.kind == ModelKind.weights:
-        from mimir_megatron.config import read_yaml
+        from mimir_megatron.yaml_config import read_yaml
 
         return dict(read_yaml(source.path / WEIGHTS_CONFIG, "model settings"))
     return {}
@@ -154,6 +154,27 @@ def tokenizer_dir(source: ModelDir, given: str | Path | None = None) -> Path | N
         return source.path
     named = _model_settings(source).get("tokenizer")
     return Path(named) if named else None
+
+
+def display_name(source: ModelDir, *, ema: bool = False) -> str:
+    """The model's name in evaluation tables, output folders and MLflow: a training checkpoint's
+    ``<run>-step_N`` (a run or checkpoints directory names the step its ``latest`` points at),
+    else the directory's name; ``-ema`` for a checkpoint's EMA weights."""
+    path = source.path
+    if source.kind == ModelKind.checkpoint:
+        from .layout import resolve
+
+        path = resolve(path)
+    path = path.resolve()
+    name = f"{path.parent.parent.name}-{path.name}" if path.parent.name == RUN_CHECKPOINTS else path.name
+    return name + ("-ema" if ema else "")
+
+
+def served_name(source: ModelDir) -> str:
+    """The model id ``mimir serve`` answers to (and clients send): the directory's name as given
+    (the parent's for a ``latest`` link)."""
+    path = source.path
+    return path.name if path.name not in ("latest", "") else path.parent.name
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool = True,

@@ -9,13 +9,13 @@ recorded it: the trainer's business (resume compares it); this package never int
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import digest_matches, with_digest, write_json_atomic
 
 STATE_FILE = "trainer_state.json"
 
@@ -111,6 +111,33 @@ class TrainerState:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def recorded_run(self) -> RecordedRun:
+        """What the run's recorded configuration says about where the run lives (typed; a
+        missing or mistyped entry reads as unset)."""
+        def section(name: str) -> dict[str, Any]:
+            value = self.config.get(name) if isinstance(self.config, dict) else None
+            return value if isinstance(value, dict) else {}
+
+        def text(values: dict[str, Any], key: str) -> str | None:
+            value = values.get(key)
+            return value if isinstance(value, str) and value else None
+
+        run, tracking = section("run"), section("tracking")
+        return RecordedRun(dir=text(run, "dir"), name=text(run, "name") or "",
+                           tracking_uri=text(tracking, "uri"), experiment=text(tracking, "experiment"))
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    """The run's directory and MLflow settings as its trainer state's configuration records them."""
+
+    dir: str | None
+    """``run.dir`` (None: the default ``runs/<name>``)."""
+    name: str
+    tracking_uri: str | None
+    """``tracking.uri`` (None: the run directory's sqlite store)."""
+    experiment: str | None
+
 
 _REQUIRED = {"step"}
 
@@ -151,12 +178,6 @@ def _base_model(data: Any) -> BaseModel | None:
                         "base_model": _base_model(data.get("base_model"))})
 
 
-def content_digest(data: dict[str, Any]) -> str:
-    """sha256 of a trainer state's content (everything but its ``digest`` entry)."""
-    body = {k: v for k, v in data.items() if k != "digest"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
 def read_trainer_state(path: str | Path) -> TrainerState:
     """The trainer state of the checkpoint ``path`` (a ``step_N`` directory); one-line
     :class:`UserError` naming the file when it is missing, unreadable, damaged (its content no
@@ -170,14 +191,13 @@ def read_trainer_state(path: str | Path) -> TrainerState:
         raise UserError(f"{state_file}: cannot read ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{state_file}: damaged trainer state ({exc})") from None
-    # Written before states carried a digest: nothing to compare.
-    if isinstance(data, dict) and "digest" in data and data["digest"] != content_digest(data):
+    # Written before states carried a digest: nothing to compare. Digests written before the
+    # canonical encoding (ASCII-escaped) still match (integrity.digest_matches).
+    if isinstance(data, dict) and "digest" in data and not digest_matches(data):
         raise UserError(f"{state_file}: damaged trainer state (its content does not match its digest)")
     return trainer_state_from_dict(data, state_file)
 
 
 def write_trainer_state(path: str | Path, state: TrainerState) -> None:
     """Write ``trainer_state.json`` with the digest of its content."""
-    data = json.loads(json.dumps(state.to_dict()))  # the digest is of the content as read back
-    data["digest"] = content_digest(data)
-    (Path(path) / STATE_FILE).write_text(json.dumps(data, indent=2, sort_keys=True))
+    write_json_atomic(Path(path) / STATE_FILE, with_digest(state.to_dict()), sort_keys=True)

@@ -18,6 +18,7 @@ _EXPORTS = {
     "Provenance": ".provenance",
     "EpochIndex": ".packing", "build_epoch_index": ".packing", "epoch_plan": ".packing", "pack": ".packing",
     "padding_fraction": ".packing",
+    "Manifest": ".manifest", "write_manifest": ".manifest",
     "PreparedDataset": ".prepared", "read_manifest": ".prepared",
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -28,7 +28,7 @@ from pathlib import Path
 from mimir_megatron.errors import UserError
 
 from .policy import DataPolicy, parse_policy
-from .prepared import read_manifest
+from .manifest import Manifest
 
 _KEYS = {"name", "path", "category", "language", "repeat", "tokens", "audit_category"}
 _TOP_KEYS = {"name", "datasets", "data_policy"}
@@ -130,14 +130,14 @@ def mixture_digest(mixture: Mixture, extra: dict | None = None) -> str:
     """sha256 of what decides the sample stream: each dataset's outputs and repeat factor."""
     parts = []
     for e in mixture.entries:
-        manifest = read_manifest(e.path)
+        manifest = Manifest.read(e.path)
         parts.append(
             {
                 "name": e.name,
                 "repeat": e.repeat,
-                "documents": manifest["documents"],
-                "outputs": manifest["outputs"],
-                "tokenizer": manifest["tokenizer"]["sha256"],
+                "documents": manifest.documents,
+                "outputs": dict(manifest.outputs),
+                "tokenizer": manifest.tokenizer.sha256,
             }
         )
     payload = json.dumps({"datasets": parts, **(extra or {})}, sort_keys=True)

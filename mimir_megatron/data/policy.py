@@ -41,7 +41,10 @@ from typing import Any
 from mimir_megatron.errors import UserError
 
 from .licences import AGREEMENT, is_open, licence_category, license_keys, satisfiable
-from .prepared import ByteShares, DigestCache, hash_outputs, output_problems, sha256_file, shard_problems
+from mimir_megatron.integrity import sha256_file
+
+from .manifest import Manifest
+from .prepared import ByteShares, DigestCache, hash_outputs, output_problems, shard_problems
 from .provenance import BASES, UNKNOWN, Provenance, normalise_license, provenance_from_record, record_problem
 
 log = logging.getLogger(__name__)
@@ -186,21 +189,21 @@ def _key(license_id: str) -> str:
     return normalised or license_id
 
 
-def changed_inputs(manifest: dict[str, Any]) -> list[str]:
+def changed_inputs(manifest: Manifest) -> list[str]:
     """Input files of a prepared dataset that are on disk but no longer what was prepared.
 
     A file whose size and modification time are as recorded is taken as unchanged (reading
     100s of GB at every start would cost minutes); otherwise its sha256 decides. Files that are
     gone are not reported (inputs are often deleted once prepared)."""
     changed = []
-    for source in manifest.get("sources", []):
-        path = Path(source["path"])
-        if "sha256" not in source or not path.is_file():
+    for source in manifest.sources:
+        path = Path(source.path)
+        if source.sha256 is None or not path.is_file():
             continue
         stat = path.stat()
-        if stat.st_size == source.get("bytes") and stat.st_mtime_ns == source.get("mtime_ns"):
+        if stat.st_size == source.bytes and stat.st_mtime_ns == source.mtime_ns:
             continue
-        if stat.st_size != source.get("bytes") or sha256_file(path) != source["sha256"]:
+        if stat.st_size != source.bytes or sha256_file(path) != source.sha256:
             changed.append(str(path))
     return changed
 
@@ -217,8 +220,6 @@ def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world
     other check is cheap and made by every rank. ``digest_cache``: a directory where the digests
     of files hashed before are kept (:class:`~.prepared.DigestCache`); unchanged files are not
     read again. None: every file is hashed."""
-    from .prepared import manifest_problem, read_manifest
-
     problems: list[str] = []
     files: list[tuple[str, list[str], list]] = []  # (dataset, structural lines, files being hashed)
     threads = max(1, min(8, os.cpu_count() or 1))
@@ -239,19 +240,20 @@ def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world
             if entry.repeat == 0:
                 continue  # listed, never trained on
             try:
-                manifest = read_manifest(entry.path)
+                # Unverified here: an edit is listed with the dataset's other problems.
+                manifest = Manifest.read(entry.path, verify_digest=False)
             except UserError as exc:
                 problems.append(f"dataset {entry.name}: {exc}")
                 continue
             edited = False
-            for problem in (manifest_problem(manifest), record_problem(manifest.get("provenance"))):
+            for problem in (manifest.digest_problem, record_problem(manifest.provenance)):
                 if problem:
                     edited = True
                     problems.append(f"dataset {entry.name}: {entry.path / 'manifest.json'}: {problem}")
             for path in changed_inputs(manifest):
                 problems.append(f"dataset {entry.name}: input {path} changed since it was prepared "
                                 "(its sha256 differs from the manifest's); prepare it again")
-            record = manifest.get("provenance")
+            record = manifest.provenance
             try:
                 provenance = provenance_from_record(record, f"dataset {entry.name}: "
                                                             f"{entry.path / 'manifest.json'}: provenance")

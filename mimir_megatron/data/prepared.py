@@ -21,86 +21,34 @@ structure of each shard, a few bytes read; :func:`output_problems`: the sha256 o
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
-import stat
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import json_digest as manifest_digest  # noqa: F401 - data_prep imports it here
+from mimir_megatron.integrity import sha256_file, write_json_atomic
 
 from .files import data_files, too_many_files_line
+from .manifest import FORMAT, MANIFEST_NAME, Manifest  # noqa: F401 - FORMAT: data_prep imports it here
 
-MANIFEST_NAME = "manifest.json"
 REJECTS_NAME = "rejects.jsonl"
 SHARDS_DIR = "shards"
-FORMAT = "mimir-prepared-v1"
 SEQUENCES_PER_DOCUMENT = 2
 
 
-
-def read_manifest(path: str | Path) -> dict:
-    """The manifest of the prepared dataset at ``path``; a :class:`UserError` if it is missing.
-
-    Read once per process while the file stays as it is: the trainer's start-up asks for every
-    manifest several times (policy and integrity, fingerprint, stream, lineage), and a mixture of
-    thousands of shards has manifests of megabytes. A rewritten manifest (another size, mtime or
-    inode) is read again. The dict is shared: callers must not change it."""
-    manifest_path = Path(path) / MANIFEST_NAME
-    try:
-        st = manifest_path.stat()
-    except OSError:
-        st = None
-    if st is None or not stat.S_ISREG(st.st_mode):
-        raise UserError(
-            f"{path}: not a prepared dataset ({MANIFEST_NAME} is missing); run `mimir prepare` "
-            "first, or finish the interrupted run"
-        )
-    return _read_manifest(manifest_path.resolve(), st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-@lru_cache(maxsize=4096)
-def _read_manifest(manifest_path: Path, inode: int, size: int, mtime_ns: int) -> dict:
-    """The parsed manifest; the stat fields are part of the cache key only."""
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except OSError as exc:
-        raise UserError(f"{manifest_path}: cannot read ({exc.strerror or exc})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{manifest_path}: damaged (not UTF-8 text); prepare the dataset again") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{manifest_path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else None
-        raise UserError(f"{manifest_path}: format {found!r}, expected {FORMAT!r}")
-    return manifest
-
-
-def manifest_digest(manifest: dict) -> str:
-    """sha256 of the manifest's content (everything but its ``digest`` field)."""
-    body = {k: v for k, v in manifest.items() if k != "digest"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-
-
-def manifest_problem(manifest: dict) -> str | None:
-    """Why a manifest cannot be trusted (no digest, or edited after ``mimir prepare`` wrote it),
-    or None."""
-    if "digest" not in manifest:
-        return "has no digest (deleted by hand, or written before digests were recorded); prepare it again"
-    if manifest["digest"] != manifest_digest(manifest):
-        return "edited after mimir prepare wrote it (its digest does not match its content)"
-    return None
-
-
-def sha256_file(path: str | Path) -> str:
-    """sha256 of a file (hashlib releases the GIL: threads hash files in parallel)."""
-    with Path(path).open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def read_manifest(path: str | Path) -> Mapping[str, Any]:
+    """The stored content of a prepared dataset's manifest, read and checked by
+    :meth:`~.manifest.Manifest.read` (digest included). For the modules another change moves onto
+    :class:`~.manifest.Manifest` (the audit index, ``data_prep``): read the record instead."""
+    return Manifest.read(path).content
 
 
 # The .idx layout of megatron-core's IndexedDataset (version 1): a header, then int32 sequence
@@ -109,17 +57,17 @@ _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _IDX_HEAD = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
 
 
-def shard_problems(path: Path, manifest: dict) -> list[str]:
+def shard_problems(path: Path, manifest: Manifest) -> list[str]:
     """Structural problems of a prepared dataset's shards, one line each naming the file: missing
     files, an ``.idx`` that is not an index of this dtype, of this shard's document count or of
     its own size, a ``.bin`` of another size than its index covers (truncated, or an ``.idx``
     from elsewhere). A few bytes are read per shard: cheap at any size, run before every start."""
-    dtype = np.dtype(manifest.get("dtype", "int32"))
+    dtype = np.dtype(manifest.dtype)
     problems = []
-    for shard in manifest.get("shards", []):
-        idx = path / f"{shard['prefix']}.idx"
+    for shard in manifest.shards:
+        idx = path / f"{shard.prefix}.idx"
         try:
-            problem = _shard_problem(idx, idx.with_suffix(".bin"), shard["documents"], dtype)
+            problem = _shard_problem(idx, idx.with_suffix(".bin"), shard.documents, dtype)
         except FileNotFoundError as exc:
             problem = f"{exc.filename}: missing"
         except OSError as exc:
@@ -230,18 +178,17 @@ class DigestCache:
         entries = {**self.known, **self.seen}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(entries))
-            os.replace(tmp, self.path)
+            # A cache: losing it costs hashing, so no fsync.
+            write_json_atomic(self.path, entries, indent=None, fsync=False)
         except OSError:
             pass
 
 
-def hash_outputs(path: Path, manifest: dict, submit) -> list[tuple[Path, str, Future]]:
+def hash_outputs(path: Path, manifest: Manifest, submit) -> list[tuple[Path, str, Future]]:
     """Start hashing the files a manifest lists: ``submit(path)`` returns a future of the file's
     sha256 (None: not this caller's to check), so that many datasets hash in parallel;
     :func:`output_problems` reads the verdicts."""
-    return [(path / rel, want, submit(path / rel)) for rel, want in manifest.get("outputs", {}).items()]
+    return [(path / rel, want, submit(path / rel)) for rel, want in manifest.outputs.items()]
 
 
 def output_problems(pending: list[tuple[Path, str, Future]]) -> list[str]:
@@ -273,13 +220,16 @@ class PreparedDataset:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.manifest = read_manifest(self.path)
-        shards = [s for s in self.manifest["shards"] if s["documents"] > 0]
-        self._shard_prefixes = [str(self.path / s["prefix"]) for s in shards]
-        self._shard_documents = [int(s["documents"]) for s in shards]
+        self.record = Manifest.read(self.path)
+        self.manifest = self.record.content
+        """The manifest's stored content (read-only; for the audit index until it reads
+        :attr:`record`)."""
+        shards = [s for s in self.record.shards if s.documents > 0]
+        self._shard_prefixes = [str(self.path / s.prefix) for s in shards]
+        self._shard_documents = [s.documents for s in shards]
         counts = np.array(self._shard_documents, dtype=np.int64)
         self._doc_starts = np.concatenate([[0], np.cumsum(counts)])
-        self._dtype = np.dtype(self.manifest.get("dtype", "int32")).newbyteorder("<")
+        self._dtype = np.dtype(self.record.dtype).newbyteorder("<")
         self._opened: dict[int, object] = {}
 
     @property

@@ -41,15 +41,14 @@ Fields (the paper's §2 and Appendix A; Table 6 for the forms)::
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
-import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import digest_matches, json_digest, write_json_atomic
 
 from .licences import (  # noqa: F401 - re-exported: callers import them from here
     AGREEMENT,
@@ -83,6 +82,8 @@ UNKNOWN = "unknown"
 UNKNOWN_RECORD: dict[str, Any] = {"status": UNKNOWN}
 """What a manifest holds where nothing was declared."""
 SIDECAR_SUFFIX = ".provenance.json"
+SIDECAR_FORMAT = "mimir-provenance-v1"
+"""The sidecar's ``format`` entry (sidecars written before it have none: the same record)."""
 
 _LANGUAGE = re.compile(r"^[a-z]{2,3}(-[A-Za-z0-9]{2,8})*$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -162,8 +163,8 @@ class Provenance:
 
 
 def record_digest(record: Mapping[str, Any]) -> str:
-    body = {k: v for k, v in record.items() if k != "digest"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    """sha256 of a stored record without its ``digest`` (the project's canonical JSON digest)."""
+    return json_digest(record)
 
 
 def provenance_from_record(record: Mapping[str, Any] | None, where: str = "provenance") -> Provenance | None:
@@ -193,7 +194,7 @@ def record_problem(record: Mapping[str, Any] | None) -> str | None:
         return None
     if "digest" not in record:
         return "its provenance record has no digest (deleted by hand?); declare and prepare it again"
-    if record.get("digest") != record_digest(record):
+    if not digest_matches(record):
         return "its provenance record was edited after it was written (digest mismatch)"
     return None
 
@@ -347,7 +348,7 @@ class ProvenanceDeclaration:
 
 def declaration_from_mapping(values: Any, where: str, errors: list[str]) -> ProvenanceDeclaration:
     """A typed declaration from a YAML mapping; each mistake appends one line to ``errors``."""
-    from mimir_megatron.config import typed_section
+    from mimir_megatron.yaml_config import typed_section
 
     if isinstance(values, dict):
         values = {k: (v.isoformat() if isinstance(v, datetime.date) else v) for k, v in values.items()}
@@ -461,26 +462,53 @@ def read_provenance(path: str | Path) -> dict[str, Any] | bool:
     """The stored record of a prepared dataset (its manifest's ``provenance``) or of a data file
     (its sidecar); ``UNKNOWN_RECORD`` where it exists but declares nothing; False where ``path``
     is neither."""
-    from .prepared import MANIFEST_NAME, read_manifest
+    from .manifest import MANIFEST_NAME, Manifest
 
     path = Path(path)
     if (path / MANIFEST_NAME).is_file():
-        return read_manifest(path).get("provenance") or dict(UNKNOWN_RECORD)
+        return dict(Manifest.read(path).provenance or UNKNOWN_RECORD)
     if path.is_file():
         sidecar = sidecar_path(path)
-        if sidecar.is_file():
-            try:
-                return json.loads(sidecar.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise UserError(f"{sidecar}: not a provenance record ({exc})") from None
-        return dict(UNKNOWN_RECORD)
+        return _sidecar_record(sidecar) if sidecar.is_file() else dict(UNKNOWN_RECORD)
     return False
+
+
+def read_sidecar(data_file: str | Path) -> Provenance | None:
+    """The provenance recorded beside ``data_file``, checked (format, digest, every field); None
+    where there is no sidecar or it declares nothing. A one-line :class:`UserError` naming the
+    sidecar and what is wrong otherwise."""
+    sidecar = sidecar_path(data_file)
+    if not sidecar.is_file():
+        return None
+    return checked_record(_sidecar_record(sidecar), data_file)
+
+
+def _sidecar_record(sidecar: Path) -> dict[str, Any]:
+    """The stored record of a sidecar file (without its ``format``), of today's format."""
+    try:
+        record = json.loads(sidecar.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{sidecar}: not a provenance record ({exc})") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{sidecar}: not a provenance record (a JSON object expected)")
+    return _migrated_sidecar(record, sidecar)
+
+
+def _migrated_sidecar(record: dict[str, Any], sidecar: Path) -> dict[str, Any]:
+    """A sidecar of an older format brought to today's: one without ``format`` (written before it
+    was recorded) holds today's record; another version is refused, naming it."""
+    found = record.get("format", SIDECAR_FORMAT)
+    if found != SIDECAR_FORMAT:
+        raise UserError(f"{sidecar}: format {found!r} is not one this version of mimir reads "
+                        f"(it reads {SIDECAR_FORMAT!r}); declare the file's provenance again "
+                        "(mimir data declare)")
+    return {k: v for k, v in record.items() if k != "format"}
 
 
 def checked_record(record: Mapping[str, Any] | None, path: str | Path) -> Provenance | None:
     """The record stored for ``path`` (a prepared dataset or a data file), checked for hand edits
     and validated; a one-line :class:`UserError` naming the file and the field otherwise."""
-    from .prepared import MANIFEST_NAME
+    from .manifest import MANIFEST_NAME
 
     path = Path(path)
     where = path / MANIFEST_NAME if (path / MANIFEST_NAME).is_file() else sidecar_path(path)
@@ -493,11 +521,7 @@ def checked_record(record: Mapping[str, Any] | None, path: str | Path) -> Proven
 
 def write_sidecar(data_file: str | Path, provenance: Provenance | None) -> Path:
     """Record ``provenance`` beside a data file a pipeline wrote (atomically)."""
-    sidecar = sidecar_path(data_file)
-    tmp = sidecar.with_name(sidecar.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(stored_record(provenance), indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, sidecar)
-    return sidecar
+    return write_json_atomic(sidecar_path(data_file), {"format": SIDECAR_FORMAT, **stored_record(provenance)})
 
 
 def derived_provenance(

@@ -16,8 +16,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mimir_megatron.errors import UserError, write_error
+
+if TYPE_CHECKING:
+    from .manifest import Manifest
 
 SIGNATURE_NAME = "manifest.sig"
 FORMAT = "mimir-manifest-signature-v1"
@@ -81,22 +85,21 @@ def _key_id(public_key) -> str:
 
 def sign_manifest(dataset: str | Path, private_key: str | Path) -> Path:
     """Sign the manifest of the prepared dataset ``dataset`` (its digest must be intact)."""
-    from .prepared import MANIFEST_NAME, manifest_problem, read_manifest
+    from mimir_megatron.integrity import write_json_atomic
 
-    manifest = read_manifest(dataset)
-    problem = manifest_problem(manifest)
-    if problem:
-        raise UserError(f"{Path(dataset) / MANIFEST_NAME}: {problem}; not signed")
+    from .manifest import MANIFEST_NAME, Manifest
+
+    manifest = Manifest.read(dataset, verify_digest=False)
+    if manifest.digest_problem or manifest.digest is None:
+        raise UserError(f"{Path(dataset) / MANIFEST_NAME}: {manifest.digest_problem}; not signed")
     key = _load(private_key, private=True)
-    signature = key.sign(manifest["digest"].encode())
-    out = Path(dataset) / SIGNATURE_NAME
-    out.write_text(json.dumps({"format": FORMAT, "algorithm": "ed25519", "key_id": _key_id(key.public_key()),
-                               "digest": manifest["digest"],
-                               "signature": base64.b64encode(signature).decode()}, indent=1) + "\n")
-    return out
+    signature = key.sign(manifest.digest.encode())
+    return write_json_atomic(Path(dataset) / SIGNATURE_NAME, {
+        "format": FORMAT, "algorithm": "ed25519", "key_id": _key_id(key.public_key()),
+        "digest": manifest.digest, "signature": base64.b64encode(signature).decode()}, indent=1)
 
 
-def signature_problem(dataset: str | Path, manifest: dict, public_key: str | Path) -> str | None:
+def signature_problem(dataset: str | Path, manifest: Manifest, public_key: str | Path) -> str | None:
     """Why the manifest of ``dataset`` is not signed by ``public_key``, or None."""
     from cryptography.exceptions import InvalidSignature
 
@@ -109,9 +112,9 @@ def signature_problem(dataset: str | Path, manifest: dict, public_key: str | Pat
         signed = body["digest"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"{path}: not a manifest signature"
-    if signed != manifest.get("digest"):
+    if signed != manifest.digest:
         return (f"{path}: signs another manifest (digest {str(signed)[:12]}, the manifest's "
-                f"{str(manifest.get('digest'))[:12]})")
+                f"{str(manifest.digest)[:12]})")
     try:
         _load(public_key, private=False).verify(signature, str(signed).encode())
     except InvalidSignature:

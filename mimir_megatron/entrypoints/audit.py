@@ -233,6 +233,7 @@ def cmd_contamination(args: argparse.Namespace) -> int:
         ContaminationSettings,
         check_ngram,
         check_tokenizer,
+        contamination_report,
         denylist_entries,
         run_contamination,
         write_report,
@@ -259,8 +260,9 @@ def cmd_contamination(args: argparse.Namespace) -> int:
                                      workers=args.workers or max(1, len(os.sched_getaffinity(0))))
     results = run_contamination(index, suite, data_dir, tokenizer_dir, settings,
                                 progress=not args.no_progress)
+    report = contamination_report(results, suite, index, tokenizer, settings)
     out = Path(args.output)
-    files = write_report(results, out, suite, index, tokenizer, settings)
+    files = write_report(report, results, out, index)
     print(files[1].read_text())
     if args.denylist:
         entries = denylist_entries(results, args.ngram)
@@ -269,17 +271,7 @@ def cmd_contamination(args: argparse.Namespace) -> int:
         files.append(write_denylist(args.denylist, tokenizer, args.ngram, entries, source))
         log.info("denylist %s: %d entries from %d contaminated items", args.denylist, len(entries),
                  len({(e["benchmark"], e["item"]) for e in entries}))
-    n = args.ngram
-    metrics = {}
-    for b in results:
-        if b.error:
-            continue
-        dirty = [r for r in b.items if r.contaminated(n)]
-        longest = max((r.longest.tokens for r in b.items if r.longest), default=0)
-        documents = {(h.source, h.document) for r in dirty for h in r.hits}
-        metrics.update({f"{b.name}/contaminated items": len(dirty),
-                        f"{b.name}/contaminated fraction": len(dirty) / len(b.items) if b.items else 0.0,
-                        f"{b.name}/longest span": longest, f"{b.name}/documents hit": len(documents)})
+    metrics = report.metrics()
     log_to_mlflow(*_tracking(args, out), "contamination-audit",
                   {**{k: v for k, v in vars(args).items() if k != "handler"}, "suite_name": suite.name,
                    "tokenizer_sha256": tokenizer["sha256"], "index_documents": index.num_documents,

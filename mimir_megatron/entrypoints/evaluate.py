@@ -9,7 +9,7 @@ import logging
 import time
 from pathlib import Path
 
-from mimir_megatron.checkpoint import RUN_CHECKPOINTS, add_model_arguments, model_dir_from_args, resolve
+from mimir_megatron.checkpoint import add_model_arguments, model_dir_from_args
 
 log = logging.getLogger("mimir")
 
@@ -117,12 +117,9 @@ def _suite(args: argparse.Namespace):
 def _source_name(args: argparse.Namespace) -> str:
     if args.base_url:
         return getattr(args, "model_name", None) or "server"
-    path = Path(args.checkpoint or args.hf or args.weights)
-    if args.checkpoint:
-        path = resolve(path)  # a run or checkpoints directory names the step its latest points at
-    path = path.resolve()
-    name = path.parent.parent.name + "-" + path.name if path.parent.name == RUN_CHECKPOINTS else path.name
-    return name + ("-ema" if args.ema else "")
+    from mimir_megatron.checkpoint import display_name
+
+    return display_name(_model(args), ema=args.ema)
 
 
 def _model(args: argparse.Namespace):

@@ -179,11 +179,10 @@ def _contamination_reports(given: list[str] | None, checkpoint: Path, state) -> 
     """The reports named on the command line (a directory: its ``*.json``), else the training
     run's own (``RUN/contamination/*.json``)."""
     from mimir_megatron.errors import UserError
-    from mimir_megatron.evaluation.contamination import RUN_SUBDIR
-    from mimir_megatron.evaluation.tracking import run_directory
+    from mimir_megatron.checkpoint.run_directory import RunDirectory
 
     if not given:
-        return sorted((run_directory(checkpoint, state.config) / RUN_SUBDIR).glob("*.json"))
+        return sorted(RunDirectory.of_checkpoint(checkpoint, state).contamination.glob("*.json"))
     reports: list[Path] = []
     for item in map(Path, given):
         if not item.exists():

@@ -40,12 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
     from mimir_megatron.train.plan.gpus import gpu_spec
     from mimir_megatron.train.plan.layouts import RunSettings, plan_run
-    from mimir_megatron.train.plan.report import table, to_dict
+    from mimir_megatron.train.plan.record import PlanRecord
+    from mimir_megatron.train.plan.report import table
     from mimir_megatron.train.config import load_train_config
 
     cfg = load_train_config(args.config, args.overrides)
@@ -57,5 +55,5 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_run(cfg, settings)
     print(table(plan, args.top))
     if args.json:
-        Path(args.json).write_text(json.dumps(to_dict(plan, args.top), indent=2) + "\n")
+        PlanRecord.of(plan, args.top).write(args.json)
     return 0

@@ -16,6 +16,7 @@ from typing import Any
 
 from .contamination import MARK, BenchmarkMark
 from .metrics import aggregate
+from .results import EvalResults, TaskScore
 from .runner import SuiteResult, TaskResult
 
 Marks = dict[str, BenchmarkMark | None]
@@ -124,22 +125,19 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
     return out.getvalue()
 
 
-def summary(result: SuiteResult, model: str = "", marks: Marks | None = None) -> dict[str, Any]:
-    tasks = {t.spec.name: {"score": t.score, "n": len(t.outcomes), "metric": t.spec.metric,
-                           "category": t.spec.category, "chance": t.chance, "error": t.error}
-             for t in result.tasks}
-    if marks is not None:
-        for t in result.tasks:
-            mark = marks.get(t.spec.name)
-            split = score_split(t, mark)
-            tasks[t.spec.name]["contamination"] = mark.as_dict() if mark is not None else None
-            tasks[t.spec.name]["score_split"] = asdict(split) if split else None
-    return {
-        "suite": result.suite.name, "model": model,
-        "schedule": list(result.schedule) if result.schedule else None,
-        "tasks": tasks,
-        "category_averages": result.category_averages(),
-    }
+def summary(result: SuiteResult, model: str = "", marks: Marks | None = None) -> EvalResults:
+    """The ``results.json`` record of a suite's result."""
+    tasks = {}
+    for t in result.tasks:
+        mark = marks.get(t.spec.name) if marks is not None else None
+        split = score_split(t, mark) if marks is not None else None
+        tasks[t.spec.name] = TaskScore(
+            score=t.score, n=len(t.outcomes), metric=t.spec.metric, category=t.spec.category, chance=t.chance,
+            error=t.error, contamination=mark.as_dict() if mark is not None else None,
+            score_split=asdict(split) if split else None, marked=marks is not None)
+    return EvalResults(suite=result.suite.name, model=model, tasks=tasks,
+                       category_averages=result.category_averages(),
+                       schedule=tuple(result.schedule) if result.schedule else None)
 
 
 def write_tables(result: SuiteResult, output: str | Path, model: str = "",
@@ -151,7 +149,7 @@ def write_tables(result: SuiteResult, output: str | Path, model: str = "",
     paths = {name: output / name for name in ("results.md", "results.csv", "results.json", "items.jsonl")}
     paths["results.md"].write_text(markdown(result, f"{result.suite.name} — {model}".strip(" —"), marks))
     paths["results.csv"].write_text(to_csv(table_rows(result, marks)))
-    paths["results.json"].write_text(json.dumps(summary(result, model, marks), indent=2) + "\n")
+    summary(result, model, marks).write(output)
     with paths["items.jsonl"].open("w", encoding="utf-8") as f:
         for t in result.tasks:
             for o in t.outcomes:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from mimir_megatron.errors import UserError
 
 from .contamination import BenchmarkMark
+from .results import SweepResults
 from .runner import SuiteResult, TaskResult
 from .stats import McNemar, mcnemar_exact
 from .suite import SuiteSpec, TaskSpec
@@ -168,8 +168,8 @@ def write_sweep(sweep: SweepResult, output: Path) -> list[Path]:
     paths[1].write_text(buffer.getvalue())
     contamination = None if sweep.marks is None else {
         name: (mark.as_dict() if mark is not None else None) for name, mark in sweep.marks.items()}
-    paths[2].write_text(json.dumps({"suite": sweep.suite.name, "trained": list(sweep.trained or ()),
-                                    "rows": rows, "mcnemar": sweep.mcnemar(), "contamination": contamination},
-                                   indent=2) + "\n")
+    trained = tuple(sweep.trained) if sweep.trained else None
+    SweepResults(suite=sweep.suite.name, rows=tuple(rows), trained=trained, mcnemar=tuple(sweep.mcnemar()),
+                 contamination=contamination).write(output)
     heatmap(sweep, paths[3])
     return paths

@@ -33,32 +33,20 @@ def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path
                     experiment: str | None = None) -> TrackingTarget:
     """Where an evaluation's MLflow run goes (see the module docstring)."""
     from mimir_megatron.checkpoint import find
+    from mimir_megatron.checkpoint.run_directory import RunDirectory
 
     found = find(checkpoint) if checkpoint else None
     if found is not None and not uri:
         path, state = found
-        config = state.config
-        run_dir = run_directory(path, config)
-        tracking = config.get("tracking", {})
+        run_dir, recorded = RunDirectory.of_checkpoint(path, state), state.recorded_run()
         return TrackingTarget(
-            uri=tracking.get("uri") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}",
-            experiment=experiment or tracking.get("experiment", DEFAULT_EXPERIMENT),
-            artifact_root=(run_dir / "mlartifacts").resolve().as_uri(),
+            uri=recorded.tracking_uri or run_dir.mlflow_uri,
+            experiment=experiment or recorded.experiment or DEFAULT_EXPERIMENT,
+            artifact_root=run_dir.artifact_root,
             parent_run_id=state.mlflow_run_id, checkpoint_step=state.step)
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(output / 'mlflow.db').resolve()}"
     return TrackingTarget(uri, experiment or DEFAULT_EXPERIMENT, (output / "mlartifacts").resolve().as_uri(),
                           checkpoint_step=found[1].step if found else None)
-
-
-def run_directory(checkpoint: Path, config: dict[str, Any]) -> Path:
-    """The training run directory of a checkpoint (its ``checkpoints/`` folder's parent, else the
-    run directory its training ``config`` names)."""
-    from mimir_megatron.checkpoint import RUN_CHECKPOINTS
-
-    if checkpoint.parent.name == RUN_CHECKPOINTS:
-        return checkpoint.parent.parent
-    run = config.get("run", {})
-    return Path(run.get("dir") or Path("runs") / run.get("name", ""))
 
 
 class EvalRun:

@@ -48,8 +48,8 @@ def load_engine(
         tok = load_tokenizer(tok_dir)
     if tok is None:
         log.warning("no tokenizer found for %s: the engine takes and returns token ids only", source)
-    name = source.name if source.name not in ("latest", "") else source.parent.name
     return InferenceEngine(
-        net, tok, max_batch_size=max_batch_size, max_context=max_context, model_name=name,
+        net, tok, max_batch_size=max_batch_size, max_context=max_context,
+        model_name=checkpoint_pkg.served_name(found),
         compile_decode=compile_decode,
     )

@@ -19,12 +19,15 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mimir_megatron.checkpoint import BaseModel, DatasetLineage, TrainerState
-from mimir_megatron.data.prepared import MANIFEST_NAME, manifest_digest
+from mimir_megatron.data.manifest import MANIFEST_NAME, Manifest
 from mimir_megatron.data.provenance import BASES, FORMS, UNKNOWN, provenance_from_record
 from mimir_megatron.errors import UserError
+
+if TYPE_CHECKING:
+    from mimir_megatron.evaluation.contamination import ContaminationReport
 
 TEMPLATE = ("EU AI Office, Template for the Public Summary of Training Content for general-purpose "
             "AI models (24 July 2025)")
@@ -45,10 +48,9 @@ def lineage_problems(state: TrainerState, source: str | Path) -> list[str]:
         if entry.manifest_digest is None or not manifest_path.is_file():
             continue  # pinned before pins were recorded, or the data is gone: the lineage speaks
         try:
-            manifest = json.loads(manifest_path.read_text())
-            now = manifest.get("digest") if isinstance(manifest, dict) else None
-            intact = now == manifest_digest(manifest)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            manifest = Manifest.read(entry.path, verify_digest=False)  # an edit is named below
+            now, intact = manifest.digest, manifest.digest_intact
+        except UserError:
             now, intact = None, False
         if now != entry.manifest_digest or not intact:
             problems.append(f"{where}: its manifest {manifest_path} changed since this checkpoint was "
@@ -95,17 +97,24 @@ def _base_models(base: BaseModel | None) -> list[dict[str, Any]]:
     return chain
 
 
+def _manifest_on_disk(entry: DatasetLineage) -> Manifest | None:
+    """The dataset's manifest if it is still on disk (checked: an edited one is refused, the
+    export stops with its line), None where it is gone."""
+    if not (Path(entry.path) / MANIFEST_NAME).is_file():
+        return None
+    return Manifest.read(entry.path)
+
+
 def _manifest_processing(entry: DatasetLineage) -> dict[str, Any]:
-    manifest_path = Path(entry.path) / "manifest.json"
-    if not manifest_path.is_file():
+    manifest = _manifest_on_disk(entry)
+    if manifest is None:
         return {"dataset": entry.name, "manifest": "not available at export"}
-    manifest = json.loads(manifest_path.read_text())
-    return {"dataset": entry.name, "lines_read": manifest.get("lines_read"),
-            "documents": manifest.get("documents"), "rejected": manifest.get("rejected"),
-            "rejects": {k: v for k, v in (manifest.get("rejects") or {}).items() if v},
-            "tokenizer_sha256": (manifest.get("tokenizer") or {}).get("sha256"),
-            "seq_len": (manifest.get("settings") or {}).get("seq_len"),
-            "personal_data": manifest.get("personal_data")}
+    return {"dataset": entry.name, "lines_read": manifest.lines_read,
+            "documents": manifest.documents, "rejected": manifest.rejected,
+            "rejects": {k: v for k, v in manifest.rejects.items() if v},
+            "tokenizer_sha256": manifest.tokenizer.sha256,
+            "seq_len": manifest.seq_len,
+            "personal_data": dict(manifest.personal_data) if manifest.personal_data is not None else None}
 
 
 def contamination_summary(report_paths: list[Path],
@@ -120,40 +129,31 @@ def contamination_summary(report_paths: list[Path],
         return None
     suites: dict[str, Any] = {}
     for path in report_paths:
-        report = ContaminationReport(path)
+        report = ContaminationReport.read(path)
         if state is not None:
-            problem = report_mismatch(report.body, state)
+            problem = report_mismatch(report, state)
             if problem:
                 raise UserError(f"{path}: {problem}")
         benchmarks = {}
-        for task, bench in sorted(report.body.get("benchmarks", {}).items()):
-            if not isinstance(bench, dict):
-                raise UserError(f"{path}: benchmarks.{task}: not a benchmark result")
-            if bench.get("error"):
-                benchmarks[task] = {"error": bench["error"]}
+        for task, bench in sorted(report.benchmarks.items()):
+            if bench.error:
+                benchmarks[task] = {"error": bench.error}
                 continue
-            try:
-                items, found = int(bench["items"]), int(bench["contaminated"])
-                longest = int(bench["longest_span"]["tokens"])
-            except (KeyError, TypeError, ValueError):
-                raise UserError(f"{path}: benchmarks.{task}: items, contaminated and longest_span.tokens "
-                                "are required (a report `mimir audit contamination` wrote)") from None
-            benchmarks[task] = {"items": items, "contaminated": found,
-                                "fraction": found / items if items else 0.0, "longest_span_tokens": longest}
+            benchmarks[task] = {"items": bench.items, "contaminated": bench.contaminated,
+                                "fraction": bench.fraction, "longest_span_tokens": bench.longest_span.tokens}
         suites[report.suite or path.stem] = {"report": str(path), "ngram": report.ngram,
                                              "benchmarks": benchmarks}
     return {"suites": suites}
 
 
-def report_mismatch(body: dict[str, Any], state: TrainerState) -> str | None:
+def report_mismatch(report: ContaminationReport, state: TrainerState) -> str | None:
     """Why a contamination report does not speak for this checkpoint's training data, or None: it
     must have checked every dataset the run trained on, as its manifest was when trained on (the
     lineage pins the manifests' digests; the report records those of its index's datasets)."""
-    checked = body.get("datasets")
-    if not isinstance(checked, list):
+    if report.datasets is None:
         return ("the report does not record which prepared datasets it checked (written before reports "
                 "did); run `mimir audit contamination` again on this run's training data")
-    digests = {d.get("manifest_digest") for d in checked if isinstance(d, dict)}
+    digests = {d.manifest_digest for d in report.datasets}
     missing = [e.name for e in state.lineage
                if (e.tokens or e.documents) and e.manifest_digest not in digests]
     if missing:
@@ -287,13 +287,12 @@ def _illegal_content_statement(lineage: list[DatasetLineage]) -> str:
     """What `mimir prepare` did against unwanted content, from the manifests still on disk."""
     screened, denylisted, seen = 0, 0, 0
     for entry in lineage:
-        manifest_path = Path(entry.path) / MANIFEST_NAME
-        if not manifest_path.is_file():
+        manifest = _manifest_on_disk(entry)
+        if manifest is None:
             continue
-        manifest = json.loads(manifest_path.read_text())
         seen += 1
-        screened += bool(manifest.get("personal_data"))
-        denylisted += bool((manifest.get("settings") or {}).get("denylist"))
+        screened += bool(manifest.personal_data)
+        denylisted += bool(manifest.denylist)
     if not seen:
         return "not recorded: the datasets' manifests were not available at export"
     return (f"{seen} of {len(lineage)} datasets' manifests read at export: {screened} screened for personal "

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from omegaconf import OmegaConf
 
-from mimir_megatron.checkpoint.layout import RUN_CHECKPOINTS
+from mimir_megatron.checkpoint.run_directory import RunDirectory
 from mimir_megatron.config import ModelConfig, ParamsDtype, model_section, model_yaml
 from mimir_megatron.data.config import DataConfig
 from mimir_megatron.errors import ConfigError, UserError
@@ -247,11 +247,11 @@ class TrainConfig(RunSections):
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
+        return RunDirectory.configured(self.run.dir, self.run.name).root
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / RUN_CHECKPOINTS
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else RunDirectory(self.run_dir).checkpoints
 
     def to_dict(self) -> dict[str, Any]:
         return plain(asdict(self))

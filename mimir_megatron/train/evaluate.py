@@ -6,7 +6,6 @@ the model being trained. All TP ranks decode the same rows; data-parallel ranks 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -47,11 +46,11 @@ def exact_match(model, samples, *, max_new_tokens: int, device: torch.device | N
 def eval_stop_ids(prepared_dir: str | Path) -> tuple[int, ...] | None:
     """The template's end-of-turn ids recorded in a prepared dataset's manifest (``mimir prepare``
     writes them); None for datasets prepared before they were recorded."""
-    manifest = Path(prepared_dir) / "manifest.json"
-    if not manifest.is_file():
+    from mimir_megatron.data.manifest import MANIFEST_NAME, Manifest
+
+    if not (Path(prepared_dir) / MANIFEST_NAME).is_file():
         return None
-    ids = json.loads(manifest.read_text()).get("tokenizer", {}).get("end_of_turn_ids")
-    return tuple(ids) if ids else None
+    return Manifest.read(prepared_dir).tokenizer.end_of_turn_ids or None
 
 
 def suite_scores(model, cfg, log_dir: Path) -> dict[str, float]:
@@ -66,7 +65,7 @@ def suite_scores(model, cfg, log_dir: Path) -> dict[str, float]:
         tokenizer = load_tokenizer(cfg.model.tokenizer)
     was_training = model.training
     try:
-        engine = InferenceEngine(model, tokenizer, model_name=Path(cfg.run.dir).name or "training")
+        engine = InferenceEngine(model, tokenizer, model_name=cfg.run_dir.name or "training")
         return run_suite_on_engine(engine, cfg.eval.suite, limit=cfg.eval.limit,
                                    data_dir=cfg.eval.data_dir or None, log_dir=log_dir)
     finally:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from mimir_megatron.checkpoint import DatasetLineage
 from mimir_megatron.data.mixture import Mixture
-from mimir_megatron.data.prepared import read_manifest
+from mimir_megatron.data.manifest import Manifest
 from mimir_megatron.data.provenance import UNKNOWN_RECORD, provenance_from_record
 
 
@@ -29,14 +29,14 @@ def mixture_lineage(mixture: Mixture) -> list[DatasetLineage]:
     """One zero-count entry per dataset of ``mixture``, in its order, with its provenance."""
     entries = []
     for entry in mixture.entries:
-        manifest = read_manifest(entry.path)
-        record = manifest.get("provenance") or dict(UNKNOWN_RECORD)
+        manifest = Manifest.read(entry.path)
+        record = dict(manifest.provenance or UNKNOWN_RECORD)
         provenance = provenance_from_record(record, f"dataset {entry.name}: {entry.path}: provenance")
         entries.append(DatasetLineage(
             name=entry.name, path=str(entry.path), category=entry.category, language=entry.language,
             audit_group=entry.audit_group_of(provenance), provenance=record,
             provenance_digest=provenance.digest if provenance else None,
-            manifest_digest=manifest.get("digest"),
+            manifest_digest=manifest.digest,
         ))
     return entries
 

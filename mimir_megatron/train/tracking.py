@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mimir_megatron.checkpoint.layout import RUN_CHECKPOINTS
+from mimir_megatron.checkpoint.run_directory import RunDirectory
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def run_description(cfg: Any, peak_tflops: float, peak_source: str) -> str:
 
 
 def default_tracking_uri(run_dir: Path) -> str:
-    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+    return RunDirectory(run_dir).mlflow_uri
 
 
 def git_commit() -> str:
@@ -175,8 +175,8 @@ class Tracker:
                  retry_seconds: float = 10.0, checkpoints: Path | None = None):
         self.enabled = enabled
         self.uri = uri or default_tracking_uri(run_dir)
-        self.checkpoints = (checkpoints or run_dir / RUN_CHECKPOINTS).resolve()
-        self.artifact_root = (run_dir / "mlartifacts").resolve().as_uri()
+        self.checkpoints = (checkpoints or RunDirectory(run_dir).checkpoints).resolve()
+        self.artifact_root = RunDirectory(run_dir).artifact_root
         self.experiment = experiment
         self.retry_seconds = retry_seconds
         self.run_id: str | None = None

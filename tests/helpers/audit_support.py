@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 
@@ -34,7 +33,8 @@ def write_prepared(path: Path, docs: list[tuple[list[int], list[int]]], dtype=np
     with the files' sha256 and a declared provenance, as `mimir prepare` records them."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from mimir_megatron.data.prepared import manifest_digest, sha256_file
+    from mimir_megatron.data.manifest import write_manifest
+    from mimir_megatron.integrity import sha256_file
     from mimir_megatron.data.provenance import stored_record
 
     (path / "shards").mkdir(parents=True)
@@ -50,8 +50,7 @@ def write_prepared(path: Path, docs: list[tuple[list[int], list[int]]], dtype=np
         shards.append({"prefix": prefix, "documents": len(part)})
         for suffix in (".bin", ".idx"):
             outputs[prefix + suffix] = sha256_file(path / (prefix + suffix))
-    manifest = {
-        "format": "mimir-prepared-v1",
+    write_manifest(path, {
         "documents": len(docs),
         "tokens": {"total": sum(len(p) + len(r) for p, r in docs)},
         "tokenizer": tokenizer or demo_tokenizer(),
@@ -59,7 +58,5 @@ def write_prepared(path: Path, docs: list[tuple[list[int], list[int]]], dtype=np
         "shards": shards,
         "outputs": outputs,
         "provenance": stored_record(generated_provenance(path.name)),
-    }
-    manifest["digest"] = manifest_digest(manifest)
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    })
     return path

@@ -172,22 +172,22 @@ def test_a_manifest_is_read_once_until_it_is_rewritten(tmp_path, monkeypatch):
     file is parsed once, and parsed again only when it was rewritten."""
     import json as json_module
 
-    from mimir_megatron.data import prepared
+    from mimir_megatron.data import manifest as manifest_module
+    from mimir_megatron.data.manifest import Manifest, write_manifest
 
     path = write_prepared(tmp_path / "ds", [([1, 2], [3, 4])])
     parsed = []
     real_loads = json_module.loads
-    monkeypatch.setattr(prepared.json, "loads", lambda text: parsed.append(1) or real_loads(text))
-    first = prepared.read_manifest(path)
-    assert prepared.read_manifest(path) is first and len(parsed) == 1
+    monkeypatch.setattr(manifest_module.json, "loads", lambda text: parsed.append(1) or real_loads(text))
+    first = Manifest.read(path)
+    assert Manifest.read(path) is first and len(parsed) == 1
     stream = PackedMixture(DataConfig(mixture=str(make_mixture(tmp_path / "mix"))))
     assert mixture_fingerprint(stream.cfg, stream.mixture) == stream.fingerprint
     before = len(parsed)
     PackedMixture(stream.cfg, stream.mixture)  # the same manifests again: none parsed anew
     assert len(parsed) == before
-    edited = {**first, "documents": first["documents"], "note": "rewritten"}
-    (path / "manifest.json").write_text(json_module.dumps(edited))
-    assert prepared.read_manifest(path)["note"] == "rewritten"
+    write_manifest(path, {**first.content, "note": "rewritten"})
+    assert Manifest.read(path).content["note"] == "rewritten"
 
 
 def test_the_file_pool_keeps_at_most_its_capacity_open(tmp_path):

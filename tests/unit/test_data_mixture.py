@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,10 +12,12 @@ from mimir_megatron.errors import UserError
 
 
 def _manifest(path: Path, tokens: int) -> None:
+    """A manifest with the fields every one has (no shards: only its counts are read here)."""
+    from mimir_megatron.data.manifest import write_manifest
+
     path.mkdir(parents=True)
-    (path / "manifest.json").write_text(
-        json.dumps({"format": "mimir-prepared-v1", "tokens": {"total": tokens}})
-    )
+    write_manifest(path, {"documents": 0, "tokens": {"total": tokens}, "tokenizer": {"sha256": "0" * 64},
+                          "shards": [], "outputs": {}})
 
 
 @pytest.fixture

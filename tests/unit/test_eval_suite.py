@@ -227,7 +227,7 @@ def test_scores_split_into_clean_and_contaminated_items_only_where_the_report_ch
             bench["contaminated_items"] = list(listed)
         path.write_text(json.dumps({"format": FORMAT, "suite": "s", "seed": seed, "limit": limit, "ngram": 13,
                                     "benchmarks": {"bench": bench}}))
-        return ContaminationReport(path).mark("bench", data, seed=4242)
+        return ContaminationReport.read(path).mark("bench", data, seed=4242)
 
     assert score_split(task, mark(None, 1)) == ScoreSplit(pytest.approx(1 / 3), 3, 1.0, 1)
     assert score_split(task, mark(4, 4242)) == ScoreSplit(pytest.approx(1 / 3), 3, 1.0, 1)

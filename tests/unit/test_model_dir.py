@@ -82,3 +82,18 @@ def test_the_flags_are_the_same_for_every_command(forms):
             command = command._subparsers._group_actions[0].choices["prefix"]
         flags = {o for a in command._actions for o in a.option_strings}
         assert {"--model", "--checkpoint", "--weights", "--hf", "--ema"} <= flags, name
+
+
+@pytest.mark.parametrize("name,display,served", [
+    ("run", "run-step_0000006", "run"), ("checkpoints", "run-step_0000006", "checkpoints"),
+    ("step", "run-step_0000006", "step_0000006"), ("weights", "weights", "weights"), ("hf", "hf", "hf")])
+def test_a_models_names_come_from_its_directory(forms, name, display, served):
+    """Evaluation tables and MLflow name a checkpoint by its run and step whichever form named it;
+    the server answers to the directory's name as given (what clients were told to send)."""
+    from mimir_megatron.checkpoint import display_name, served_name
+
+    source = detect_model_dir(forms[name])
+    assert display_name(source) == display
+    assert served_name(source) == served
+    if source.kind == ModelKind.checkpoint:
+        assert display_name(source, ema=True) == display + "-ema"

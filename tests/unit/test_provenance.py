@@ -350,7 +350,7 @@ def test_a_damaged_sidecar_is_refused_before_anything_is_written(tmp_path, caplo
     from mimir_megatron.data.provenance import record_digest
 
     record["license"] = "CC-BY-NC-4"
-    record["digest"] = record_digest(record)
+    record["digest"] = record_digest({k: v for k, v in record.items() if k != "format"})  # the record's own
     sidecar.write_text(json.dumps(record))
     error = _cli_error(caplog, "prepare", "-i", str(raw), "-t", TOK, "-o", str(tmp_path / "out"))
     assert f"{sidecar}: provenance.license: unknown licence id(s) 'CC-BY-NC-4'" in error, error

@@ -132,9 +132,15 @@ def test_an_agreement_source_trained_on_directly_is_not_also_listed_as_only_deri
 
 
 def test_a_contamination_report_must_have_checked_this_checkpoints_training_data():
-    matching = {"datasets": [{"name": e.name, "manifest_digest": e.manifest_digest} for e in STATE.lineage]}
+    from mimir_megatron.evaluation.contamination import CheckedDataset, ContaminationReport
+
+    def report(*datasets):
+        return ContaminationReport(benchmarks={}, datasets=tuple(CheckedDataset(*d) for d in datasets))
+
+    matching = report(*((e.name, None, e.manifest_digest) for e in STATE.lineage))
     assert report_mismatch(matching, STATE) is None
-    other = {"datasets": [{"name": "a", "manifest_digest": "m-a"}, {"name": "x", "manifest_digest": "m-x"}]}
+    other = report(("a", None, "m-a"), ("x", None, "m-x"))
     assert report_mismatch(other, STATE).startswith("built on other data than this checkpoint was trained on: "
                                                     "its index does not hold b, c as trained")
-    assert "does not record which prepared datasets it checked" in report_mismatch({}, STATE)
+    unrecorded = ContaminationReport(benchmarks={})
+    assert "does not record which prepared datasets it checked" in report_mismatch(unrecorded, STATE)

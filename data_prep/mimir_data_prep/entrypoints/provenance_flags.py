@@ -60,7 +60,7 @@ def given_provenance_flags(args: argparse.Namespace) -> list[str]:
 
 def provenance_from_flags(args: argparse.Namespace, default_id: str):
     """The resolved provenance of the provenance flags; None when none was given."""
-    from mimir_megatron.config import raise_errors
+    from mimir_megatron.yaml_config import raise_errors
     from mimir_megatron.data.provenance import ProvenanceDeclaration, resolve_declaration
 
     given = {field: getattr(args, flag) for flag, field in PROVENANCE_FLAGS.items() if getattr(args, flag)}

@@ -23,7 +23,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mimir_megatron.config import raise_errors, read_yaml
+from mimir_megatron.yaml_config import raise_errors, read_yaml
 
 from .checks import CHECK_KINDS, check_errors
 from .verdict import VERDICTS

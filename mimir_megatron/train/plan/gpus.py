@@ -51,7 +51,7 @@ _REQUIRED = ("memory_gb", "bf16_tflops", "nvlink_gbps", "network_gbps", "source"
 
 
 def _rows(path: Path, origin: str) -> dict[str, GpuSpec]:
-    from mimir_megatron.config import raise_errors, read_yaml
+    from mimir_megatron.yaml_config import raise_errors, read_yaml
 
     tree = read_yaml(path, "'gpus:' (GPU names to their specs)", kind="GPU spec file")
     gpus = tree.get("gpus")

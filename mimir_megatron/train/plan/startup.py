@@ -9,7 +9,6 @@ A plan that cannot be made (a layout the planner rejects) is a warning, never a 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -17,7 +16,8 @@ from dataclasses import dataclass
 from mimir_megatron.errors import UserError
 from mimir_megatron.train.plan.gpus import gpu_spec
 from mimir_megatron.train.plan.layouts import RunPlan, RunSettings, plan_run
-from mimir_megatron.train.plan.report import table, to_dict
+from mimir_megatron.train.plan.record import PlanRecord
+from mimir_megatron.train.plan.report import table
 
 log = logging.getLogger("mimir.plan")
 
@@ -38,7 +38,7 @@ class StartupPlan:
                 "plan.gpu_hours": round(c.seconds * s.gpus / 3600)}
 
     def json(self) -> str:
-        return json.dumps(to_dict(self.plan, top=5), indent=2) + "\n"
+        return PlanRecord.of(self.plan, top=5).json()
 
     def metrics(self, k: int) -> dict[str, float]:
         """The plan's figures for a step at window ``k``, in the units of the measured ones."""

@@ -1,0 +1,251 @@
+"""The manifest of a prepared dataset (``manifest.json``): one typed record, one reader, one writer.
+
+``mimir prepare`` writes it (:func:`write_manifest`) once every shard is done; everyone else
+reads it through :meth:`Manifest.read`, which checks, naming the file and the field in one line:
+
+- the format (``mimir-prepared-v1``; a manifest of another version goes through
+  :func:`_migrated`, which today knows no older version and refuses it, naming the version);
+- the fields every reader needs, with their types (documents, tokens.total, tokenizer.sha256,
+  shards, outputs, ...); fields it does not know are kept in :attr:`Manifest.content` and left
+  alone (they are covered by the digest);
+- the digest of its content (:mod:`mimir_megatron.integrity`): an edited manifest is refused.
+  The training gate (:func:`mimir_megatron.data.policy.training_data_problems`) reads with
+  ``verify_digest=False`` so that it lists an edit beside the dataset's other problems
+  (:attr:`Manifest.digest_problem`).
+
+Reads are cached per file while it stays the same (size, mtime, inode): the trainer's start-up
+asks for every manifest several times, and a mixture of thousands of shards has manifests of
+megabytes.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import DIGEST_KEY, digest_matches, with_digest, write_json_atomic
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "mimir-prepared-v1"
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard of the dataset: ``<prefix>.bin|.idx`` under the dataset's directory."""
+
+    prefix: str
+    documents: int
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """An input file as it was when prepared (``sources``): size, mtime and sha256 tell whether it
+    changed since."""
+
+    path: str
+    sha256: str | None = None
+    bytes: int | None = None
+    mtime_ns: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenizerRecord:
+    """The tokenizer the dataset was prepared with."""
+
+    sha256: str
+    path: str | None = None
+    vocab_size: int | None = None
+    end_of_turn_ids: tuple[int, ...] = ()
+    """What generation stops on (None/empty for datasets prepared before they were recorded)."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated manifest. :attr:`content` is the stored record itself (read-only): its digest
+    is over it, and fields this class does not name (layout, input formats, ...) live there."""
+
+    path: Path
+    """The manifest file."""
+    content: Mapping[str, Any] = field(repr=False)
+    documents: int
+    tokens_total: int
+    tokenizer: TokenizerRecord
+    dtype: str
+    shards: tuple[ShardEntry, ...]
+    outputs: Mapping[str, str]
+    """sha256 of every output file, by path relative to the dataset's directory."""
+    provenance: Mapping[str, Any] | None
+    """The stored provenance record (validated by :mod:`mimir_megatron.data.provenance`)."""
+    digest: str | None
+    digest_problem: str | None
+    """Why the digest cannot be trusted (none stored, or edited by hand), or None."""
+    sources: tuple[InputFile, ...] = ()
+    lines_read: int | None = None
+    rejected: int | None = None
+    rejects: Mapping[str, int] = field(default_factory=dict)
+    seq_len: int | None = None
+    denylist: Mapping[str, Any] | None = None
+    personal_data: Mapping[str, Any] | None = None
+
+    @classmethod
+    def read(cls, dataset: str | Path, *, verify_digest: bool = True) -> Manifest:
+        """The manifest of the prepared dataset directory ``dataset``; a one-line
+        :class:`UserError` naming the file when it is missing, unreadable, of another format, lacks
+        a field or has one of the wrong type, or (``verify_digest``) was edited after it was
+        written. The record is shared between callers (cached): it is immutable."""
+        manifest_path = Path(dataset) / MANIFEST_NAME
+        try:
+            st = manifest_path.stat()
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise UserError(
+                f"{dataset}: not a prepared dataset ({MANIFEST_NAME} is missing); run `mimir prepare` "
+                "first, or finish the interrupted run"
+            )
+        manifest = _read(manifest_path.resolve(), st.st_ino, st.st_size, st.st_mtime_ns)
+        if verify_digest and manifest.digest_problem:
+            raise UserError(f"{manifest.path}: {manifest.digest_problem}")
+        return manifest
+
+    @property
+    def digest_intact(self) -> bool:
+        return self.digest_problem is None
+
+
+def write_manifest(directory: str | Path, content: Mapping[str, Any]) -> dict[str, Any]:
+    """Write ``content`` (without its digest) as the manifest of the dataset ``directory``, with
+    its digest, atomically; the record as written. It is validated first: a writer cannot write
+    what :meth:`Manifest.read` would refuse."""
+    path = Path(directory) / MANIFEST_NAME
+    record = with_digest({**content, "format": content.get("format", FORMAT)})
+    _validated(record, path)
+    write_json_atomic(path, record)
+    return record
+
+
+@lru_cache(maxsize=4096)
+def _read(manifest_path: Path, inode: int, size: int, mtime_ns: int) -> Manifest:
+    """The parsed, validated manifest; the stat fields are part of the cache key only."""
+    try:
+        raw = json.loads(manifest_path.read_text())
+    except OSError as exc:
+        raise UserError(f"{manifest_path}: cannot read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{manifest_path}: damaged (not UTF-8 text); prepare the dataset again") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{manifest_path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    return _validated(raw, manifest_path)
+
+
+def _migrated(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A manifest of an older format brought to today's, or a refusal naming its version. No older
+    format exists yet: every other version is refused (prepare the dataset again)."""
+    found = raw.get("format")
+    if found == FORMAT:
+        return raw
+    raise UserError(f"{path}: format {found!r} is not one this version of mimir reads (it reads {FORMAT!r}); "
+                    "prepare the dataset again with this version")
+
+
+def _validated(raw: Any, path: Path) -> Manifest:
+    """The typed record of a parsed manifest; a one-line :class:`UserError` on the first problem."""
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: not a manifest (a JSON object expected, got {type(raw).__name__})")
+    raw = _migrated(raw, path)
+    fields = _Fields(raw, path)
+    tokenizer = fields.mapping("tokenizer")
+    tokenizer_fields = _Fields(tokenizer, path, "tokenizer.")
+    shards = []
+    for i, shard in enumerate(fields.list("shards")):
+        entry = _Fields(shard, path, f"shards[{i}].") if isinstance(shard, dict) else None
+        if entry is None:
+            raise UserError(f"{path}: shards[{i}]: a JSON object expected, got {shard!r}")
+        shards.append(ShardEntry(prefix=entry.str("prefix"), documents=entry.int("documents")))
+    sources = []
+    for i, source in enumerate(fields.list("sources", required=False) or []):
+        entry = _Fields(source, path, f"sources[{i}].") if isinstance(source, dict) else None
+        if entry is None:
+            raise UserError(f"{path}: sources[{i}]: a JSON object expected, got {source!r}")
+        sources.append(InputFile(path=entry.str("path"), sha256=entry.str("sha256", required=False),
+                                 bytes=entry.int("bytes", required=False),
+                                 mtime_ns=entry.int("mtime_ns", required=False)))
+    outputs = fields.mapping("outputs")
+    bad = next((k for k, v in outputs.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise UserError(f"{path}: outputs.{bad}: a sha256 (string) expected, got {outputs[bad]!r}")
+    settings = fields.mapping("settings", required=False) or {}
+    settings_fields = _Fields(settings, path, "settings.")
+    rejects = fields.mapping("rejects", required=False) or {}
+    bad = next((k for k, v in rejects.items() if type(v) is not int), None)
+    if bad is not None:
+        raise UserError(f"{path}: rejects.{bad}: an integer expected, got {rejects[bad]!r}")
+    end_of_turn = tokenizer_fields.list("end_of_turn_ids", required=False) or []
+    if not all(type(i) is int for i in end_of_turn):
+        raise UserError(f"{path}: tokenizer.end_of_turn_ids: token ids (integers) expected, "
+                        f"got {end_of_turn!r}")
+    digest = fields.str(DIGEST_KEY, required=False)
+    if digest is None:
+        problem = "has no digest (deleted by hand, or written before digests were recorded); prepare it again"
+    elif not digest_matches(raw):
+        problem = "edited after mimir prepare wrote it (its digest does not match its content)"
+    else:
+        problem = None
+    return Manifest(
+        path=path, content=MappingProxyType(raw),
+        documents=fields.int("documents"),
+        tokens_total=_Fields(fields.mapping("tokens"), path, "tokens.").int("total"),
+        tokenizer=TokenizerRecord(sha256=tokenizer_fields.str("sha256"),
+                                  path=tokenizer_fields.str("path", required=False),
+                                  vocab_size=tokenizer_fields.int("vocab_size", required=False),
+                                  end_of_turn_ids=tuple(end_of_turn)),
+        dtype=fields.str("dtype", required=False) or "int32",
+        shards=tuple(shards), outputs=MappingProxyType(dict(outputs)),
+        provenance=fields.mapping("provenance", required=False),
+        digest=digest, digest_problem=problem, sources=tuple(sources),
+        lines_read=fields.int("lines_read", required=False), rejected=fields.int("rejected", required=False),
+        rejects=MappingProxyType(dict(rejects)), seq_len=settings_fields.int("seq_len", required=False),
+        denylist=settings_fields.mapping("denylist", required=False),
+        personal_data=fields.mapping("personal_data", required=False),
+    )
+
+
+class _Fields:
+    """Typed access to one JSON object of the manifest; a missing or mistyped field is a one-line
+    :class:`UserError` naming the file and the field."""
+
+    def __init__(self, values: Mapping[str, Any], path: Path, prefix: str = "") -> None:
+        self.values, self.path, self.prefix = values, path, prefix
+
+    def _get(self, name: str, kinds: tuple[type, ...], what: str, required: bool) -> Any:
+        value = self.values.get(name)
+        if value is None:
+            if required:
+                raise UserError(f"{self.path}: {self.prefix}{name}: missing (a field every manifest has); "
+                                "prepare the dataset again")
+            return None
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise UserError(f"{self.path}: {self.prefix}{name}: {what} expected, got {value!r}")
+        return value
+
+    def int(self, name: str, *, required: bool = True) -> Any:
+        value = self._get(name, (int,), "a non-negative integer", required)
+        if value is not None and value < 0:
+            raise UserError(f"{self.path}: {self.prefix}{name}: a non-negative integer expected, got {value}")
+        return value
+
+    def str(self, name: str, *, required: bool = True) -> Any:
+        return self._get(name, (str,), "a string", required)
+
+    def list(self, name: str, *, required: bool = True) -> Any:
+        return self._get(name, (list,), "a list", required)
+
+    def mapping(self, name: str, *, required: bool = True) -> Any:
+        return self._get(name, (dict,), "a JSON object", required)

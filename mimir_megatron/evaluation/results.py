@@ -1,0 +1,206 @@
+"""The files ``mimir eval`` and ``mimir sweep`` write for tools: one record each, one reader, one
+writer.
+
+- ``results.json`` (:class:`EvalResults`): per task its score, item count, metric, category,
+  chance level and error, with the contamination mark and the clean/contaminated score split
+  where a report was given; the category averages; the schedule evaluated.
+- ``table5.json`` (:class:`SweepResults`): the Table 5 rows (one per schedule), the trained
+  schedule, the McNemar tests and the contamination marks.
+
+Both carry ``format``; a file written before it (no ``format``: the same fields) reads as today's
+(:func:`_migrated`), another version is refused by name. :meth:`read` checks the fields and
+their types and names the file and the field in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import write_json_atomic
+
+RESULTS_FORMAT = "mimir-eval-results-v1"
+SWEEP_FORMAT = "mimir-sweep-results-v1"
+RESULTS_NAME = "results.json"
+SWEEP_NAME = "table5.json"
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    """One task's result."""
+
+    score: float | None
+    """None: the task failed (``error``) or scored no item."""
+    n: int
+    metric: str
+    category: str | None = None
+    chance: float | None = None
+    error: str | None = None
+    contamination: Mapping[str, Any] | None = None
+    """The contamination report's mark (``BenchmarkMark.as_dict``), where a report was given."""
+    score_split: Mapping[str, Any] | None = None
+    """Score on clean and on contaminated items (``ScoreSplit``), where the report allows it."""
+    marked: bool = field(default=False, compare=False)
+    """Whether a report was given (then ``contamination`` and ``score_split`` are written, null or not)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        values = {"score": self.score, "n": self.n, "metric": self.metric, "category": self.category,
+                  "chance": self.chance, "error": self.error}
+        if self.marked:
+            values |= {"contamination": None if self.contamination is None else dict(self.contamination),
+                       "score_split": None if self.score_split is None else dict(self.score_split)}
+        return values
+
+
+@dataclass(frozen=True)
+class EvalResults:
+    """``results.json`` of ``mimir eval``."""
+
+    suite: str
+    model: str
+    tasks: Mapping[str, TaskScore]
+    category_averages: Mapping[str, float]
+    schedule: tuple[int, int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": RESULTS_FORMAT, "suite": self.suite, "model": self.model,
+                "schedule": list(self.schedule) if self.schedule else None,
+                "tasks": {name: task.to_dict() for name, task in self.tasks.items()},
+                "category_averages": dict(self.category_averages)}
+
+    def write(self, directory: str | Path) -> Path:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        return write_json_atomic(Path(directory) / RESULTS_NAME, self.to_dict())
+
+    @classmethod
+    def read(cls, path: str | Path) -> EvalResults:
+        """``results.json`` at ``path`` (the file, or the eval's output directory)."""
+        path = Path(path)
+        path = path / RESULTS_NAME if path.is_dir() else path
+        body = _Fields(_migrated(_load(path), path, RESULTS_FORMAT, "mimir eval"), path)
+        tasks = {}
+        for name, task in body.mapping("tasks").items():
+            t = _Fields(task, path, f"tasks.{name}.") if isinstance(task, dict) else None
+            if t is None:
+                raise UserError(f"{path}: tasks.{name}: a JSON object expected, got {task!r}")
+            tasks[name] = TaskScore(
+                score=t.number("score", required=False), n=t.int("n"), metric=t.str("metric"),
+                category=t.str("category", required=False), chance=t.number("chance", required=False),
+                error=t.str("error", required=False),
+                contamination=t.mapping("contamination", required=False),
+                score_split=t.mapping("score_split", required=False), marked="contamination" in task)
+        averages = body.mapping("category_averages")
+        bad = next((k for k, v in averages.items() if not _is_number(v)), None)
+        if bad is not None:
+            raise UserError(f"{path}: category_averages.{bad}: a number expected, got {averages[bad]!r}")
+        return cls(suite=body.str("suite"), model=body.str("model"), tasks=tasks, category_averages=averages,
+                   schedule=_schedule(body.list("schedule", required=False), path, "schedule"))
+
+
+@dataclass(frozen=True)
+class SweepResults:
+    """``table5.json`` of ``mimir sweep``. ``rows`` are the table's rows as written (D, H, L,
+    schedule, trained, one score column per task); their columns depend on the suite."""
+
+    suite: str
+    rows: tuple[Mapping[str, Any], ...]
+    trained: tuple[int, int] | None = None
+    mcnemar: tuple[Mapping[str, Any], ...] = ()
+    contamination: Mapping[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": SWEEP_FORMAT, "suite": self.suite, "trained": list(self.trained or ()),
+                "rows": [dict(r) for r in self.rows], "mcnemar": [dict(m) for m in self.mcnemar],
+                "contamination": None if self.contamination is None else dict(self.contamination)}
+
+    def write(self, directory: str | Path) -> Path:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        return write_json_atomic(Path(directory) / SWEEP_NAME, self.to_dict())
+
+    @classmethod
+    def read(cls, path: str | Path) -> SweepResults:
+        path = Path(path)
+        path = path / SWEEP_NAME if path.is_dir() else path
+        body = _Fields(_migrated(_load(path), path, SWEEP_FORMAT, "mimir sweep"), path)
+        rows = body.list("rows")
+        for i, row in enumerate(rows):
+            r = _Fields(row, path, f"rows[{i}].") if isinstance(row, dict) else None
+            if r is None:
+                raise UserError(f"{path}: rows[{i}]: a JSON object expected, got {row!r}")
+            r.int("H"), r.int("L"), r.str("schedule")
+        mcnemar = body.list("mcnemar", required=False) or []
+        if not all(isinstance(m, dict) for m in mcnemar):
+            raise UserError(f"{path}: mcnemar: a list of JSON objects expected")
+        return cls(suite=body.str("suite"), rows=tuple(rows),
+                   trained=_schedule(body.list("trained", required=False) or None, path, "trained"),
+                   mcnemar=tuple(mcnemar), contamination=body.mapping("contamination", required=False))
+
+
+def _load(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: not a results file (invalid JSON: {exc})") from None
+
+
+def _migrated(body: Any, path: Path, expected: str, writer: str) -> dict[str, Any]:
+    """A file of an older format brought to today's: one without ``format`` (written before it was
+    recorded) holds today's fields; another version is refused, naming it."""
+    if not isinstance(body, dict):
+        raise UserError(f"{path}: not a results file (a JSON object expected)")
+    found = body.get("format", expected)
+    if found != expected:
+        raise UserError(f"{path}: format {found!r} is not one this version of mimir reads (it reads "
+                        f"{expected!r}); run `{writer}` again")
+    return body
+
+
+def _schedule(value: Any, path: Path, where: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if len(value) != 2 or not all(type(v) is int for v in value):
+        raise UserError(f"{path}: {where}: [H, L] expected, got {value!r}")
+    return value[0], value[1]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class _Fields:
+    """Typed access to one JSON object of a results file; a missing or mistyped field is a
+    one-line :class:`UserError` naming the file and the field."""
+
+    def __init__(self, values: Mapping[str, Any], path: Path, prefix: str = "") -> None:
+        self.values, self.path, self.prefix = values, path, prefix
+
+    def _get(self, name: str, check, what: str, required: bool) -> Any:
+        if name not in self.values or self.values[name] is None:
+            if required:
+                raise UserError(f"{self.path}: {self.prefix}{name}: missing")
+            return None
+        value = self.values[name]
+        if not check(value):
+            raise UserError(f"{self.path}: {self.prefix}{name}: {what} expected, got {value!r}")
+        return value
+
+    def int(self, name: str, *, required: bool = True) -> Any:
+        return self._get(name, lambda v: type(v) is int, "an integer", required)
+
+    def number(self, name: str, *, required: bool = True) -> Any:
+        return self._get(name, _is_number, "a number", required)
+
+    def str(self, name: str, *, required: bool = True) -> Any:
+        return self._get(name, lambda v: isinstance(v, str), "a string", required)
+
+    def list(self, name: str, *, required: bool = True) -> Any:
+        return self._get(name, lambda v: isinstance(v, list), "a list", required)
+
+    def mapping(self, name: str, *, required: bool = True) -> Any:
+        return self._get(name, lambda v: isinstance(v, dict), "a JSON object", required)

@@ -1,0 +1,145 @@
+"""The plan as a file (``mimir plan --json``, MLflow's ``plan.json``): one record, one reader, one
+writer.
+
+The record is :func:`.report.to_dict`'s layout with ``format``; :class:`PlanRecord` names what a
+tool compares (the cluster, the run's size, each layout's fit, step time, throughput and cost)
+and keeps the rest in :attr:`PlanRecord.content`. A file written before ``format`` was recorded
+holds the same fields and reads as today's; another version is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import write_json_atomic
+
+if TYPE_CHECKING:
+    from .layouts import RunPlan
+
+FORMAT = "mimir-plan-v1"
+
+
+@dataclass(frozen=True)
+class LayoutSummary:
+    """One layout of the plan (TP, DP, micro-batch, recompute) and what it costs."""
+
+    tp: int
+    dp: int
+    micro_batch: int
+    recompute: str
+    fits: bool
+    step_time_s: float
+    """At the final window."""
+    tokens_per_s: float
+    days: float
+    gpu_hours: float
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    config: str
+    gpus: int
+    nodes: int
+    seq_len: int
+    global_batch: int
+    steps: int
+    tokens: int
+    efficiency: float
+    configured: LayoutSummary
+    layouts: tuple[LayoutSummary, ...]
+    """The fitting layouts, fastest first (as many as were asked for)."""
+    content: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    """The whole record as stored (memory terms, phases, the GPU's specification, ...)."""
+
+    @classmethod
+    def of(cls, plan: RunPlan, top: int = 10) -> PlanRecord:
+        from .report import to_dict
+
+        return cls.from_dict(to_dict(plan, top))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], path: str | Path = "plan") -> PlanRecord:
+        """The record of a plan's dict; a one-line :class:`UserError` naming ``path`` and the field."""
+        body = _migrated(dict(values), path)
+        f = _Fields(body, path)
+        return cls(config=f.get("config", str, "a string"), gpus=f.int("gpus"), nodes=f.int("nodes"),
+                   seq_len=f.int("seq_len"), global_batch=f.int("global_batch"), steps=f.int("steps"),
+                   tokens=f.int("tokens"), efficiency=f.number("efficiency"),
+                   configured=_layout(f.get("configured", dict, "a JSON object"), path, "configured."),
+                   layouts=tuple(_layout(layout, path, f"layouts[{i}].")
+                                 for i, layout in enumerate(f.get("layouts", list, "a list"))),
+                   content=MappingProxyType({**body, "format": FORMAT}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, **{k: v for k, v in self.content.items() if k != "format"}}
+
+    def json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
+
+    def write(self, path: str | Path) -> Path:
+        return write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def read(cls, path: str | Path) -> PlanRecord:
+        path = Path(path)
+        try:
+            body = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"{path}: not found") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UserError(f"{path}: not a plan (invalid JSON: {exc})") from None
+        if not isinstance(body, dict):
+            raise UserError(f"{path}: not a plan (a JSON object expected)")
+        return cls.from_dict(body, path)
+
+
+def _migrated(body: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """A plan of an older format brought to today's: one without ``format`` holds today's fields;
+    another version is refused, naming it."""
+    found = body.get("format", FORMAT)
+    if found != FORMAT:
+        raise UserError(f"{path}: format {found!r} is not one this version of mimir reads (it reads "
+                        f"{FORMAT!r}); run `mimir plan` again")
+    return body
+
+
+def _layout(values: Any, path: str | Path, where: str) -> LayoutSummary:
+    if not isinstance(values, Mapping):
+        raise UserError(f"{path}: {where.rstrip('.')}: a JSON object expected, got {values!r}")
+    f = _Fields(values, path, where)
+    return LayoutSummary(tp=f.int("tp"), dp=f.int("dp"), micro_batch=f.int("micro_batch"),
+                         recompute=f.get("recompute", str, "a string"),
+                         fits=f.get("fits", bool, "true or false"),
+                         step_time_s=f.number("step_time_s"), tokens_per_s=f.number("tokens_per_s"),
+                         days=f.number("days"), gpu_hours=f.number("gpu_hours"))
+
+
+class _Fields:
+    def __init__(self, values: Mapping[str, Any], path: str | Path, prefix: str = "") -> None:
+        self.values, self.path, self.prefix = values, path, prefix
+
+    def get(self, name: str, kind: type, what: str) -> Any:
+        if self.values.get(name) is None:
+            raise UserError(f"{self.path}: {self.prefix}{name}: missing")
+        value = self.values[name]
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif kind is int:
+            ok = type(value) is int
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            raise UserError(f"{self.path}: {self.prefix}{name}: {what} expected, got {value!r}")
+        return value
+
+    def int(self, name: str) -> Any:
+        return self.get(name, int, "an integer")
+
+    def number(self, name: str) -> Any:
+        return self.get(name, float, "a number")

@@ -1,0 +1,277 @@
+"""Every stored record refuses a hand-damaged file in one line naming the file and what is wrong:
+a missing field, a field of the wrong type, a version this mimir does not read, and (for the
+self-digesting ones) content edited after its digest was written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mimir_megatron.errors import UserError
+
+
+def _manifest(directory: Path) -> Path:
+    from mimir_megatron.data.manifest import MANIFEST_NAME, write_manifest
+
+    directory.mkdir(parents=True, exist_ok=True)
+    write_manifest(directory, {
+        "documents": 3, "tokens": {"prefix": 4, "response": 5, "total": 9},
+        "tokenizer": {"sha256": "a" * 64, "path": "tok", "end_of_turn_ids": [2]}, "dtype": "uint16",
+        "shards": [{"prefix": "shards/00000", "documents": 3}], "outputs": {"shards/00000.bin": "b" * 64},
+        "settings": {"seq_len": 64, "denylist": None}, "provenance": {"status": "unknown"}, "notes": "Grøn",
+    })
+    return directory / MANIFEST_NAME
+
+
+def _read_manifest(directory: Path):
+    from mimir_megatron.data.manifest import Manifest
+
+    return Manifest.read(directory)
+
+
+def _sidecar(directory: Path) -> Path:
+    from mimir_megatron.data.provenance import Provenance, sidecar_path, write_sidecar
+
+    data = directory / "data.jsonl"
+    directory.mkdir(parents=True, exist_ok=True)
+    data.write_text("{}\n")
+    write_sidecar(data, Provenance(id="d", source="Københavns tal", license="CC-BY-4.0", basis="open-licence",
+                                   form="reformatted", languages=("da",)))
+    return sidecar_path(data)
+
+
+def _read_sidecar(directory: Path):
+    from mimir_megatron.data.provenance import read_sidecar
+
+    return read_sidecar(directory / "data.jsonl")
+
+
+def _report(directory: Path) -> Path:
+    from mimir_megatron.evaluation.contamination import (
+        BenchmarkCheck,
+        CheckedDataset,
+        ContaminationReport,
+        LongestSpan,
+    )
+
+    return ContaminationReport(
+        benchmarks={"arith": BenchmarkCheck(items=4, contaminated=1, longest_span=LongestSpan(21, "x", "0"),
+                                            data_sha256="c" * 64, contaminated_items=("0",))},
+        suite="demo", ngram=13, seed=1, datasets=(CheckedDataset("a", "/a", "d" * 64),)).write(directory)
+
+
+def _read_report(directory: Path):
+    from mimir_megatron.evaluation.contamination import ContaminationReport
+
+    return ContaminationReport.read(directory / "demo.json")
+
+
+def _state(directory: Path) -> Path:
+    from mimir_megatron.checkpoint.trainer_state import STATE_FILE, TrainerState, write_trainer_state
+
+    directory.mkdir(parents=True, exist_ok=True)
+    write_trainer_state(directory, TrainerState(step=7, consumed_samples=14, config={"run": {"name": "ø"}}))
+    return directory / STATE_FILE
+
+
+def _read_state(directory: Path):
+    from mimir_megatron.checkpoint.trainer_state import read_trainer_state
+
+    return read_trainer_state(directory)
+
+
+def _results(directory: Path) -> Path:
+    from mimir_megatron.evaluation.results import EvalResults, TaskScore
+
+    return EvalResults(suite="demo", model="tiny", schedule=(2, 3), category_averages={"Maths": 0.5},
+                       tasks={"arith": TaskScore(score=0.5, n=4, metric="exact_match", category="Maths",
+                                                 chance=0.0)}).write(directory)
+
+
+def _read_results(directory: Path):
+    from mimir_megatron.evaluation.results import EvalResults
+
+    return EvalResults.read(directory)
+
+
+def _sweep(directory: Path) -> Path:
+    from mimir_megatron.evaluation.results import SweepResults
+
+    return SweepResults(suite="demo", trained=(2, 3), rows=(
+        {"D": 8, "H": 2, "L": 3, "schedule": "LLLH LLLH", "trained": True, "arith": 50.0},)).write(directory)
+
+
+def _read_sweep(directory: Path):
+    from mimir_megatron.evaluation.results import SweepResults
+
+    return SweepResults.read(directory)
+
+
+def _plan(directory: Path) -> Path:
+    from mimir_megatron.train.plan.record import PlanRecord
+
+    layout = {"tp": 1, "dp": 8, "micro_batch": 1, "recompute": "none", "fits": True, "step_time_s": 1.5,
+              "tokens_per_s": 1000.0, "days": 2.0, "gpu_hours": 384.0}
+    directory.mkdir(parents=True, exist_ok=True)
+    return PlanRecord.from_dict({"config": "c.yaml", "gpus": 8, "nodes": 1, "seq_len": 2048,
+                                 "global_batch": 64, "steps": 100, "tokens": 13107200, "efficiency": 0.3,
+                                 "configured": layout, "layouts": [layout]}).write(directory / "plan.json")
+
+
+def _read_plan(directory: Path):
+    from mimir_megatron.train.plan.record import PlanRecord
+
+    return PlanRecord.read(directory / "plan.json")
+
+
+def _redigest(record: dict) -> None:
+    """A careful hand edit: the record's own digest recomputed, so the field check must speak."""
+    from mimir_megatron.integrity import json_digest
+
+    record["digest"] = json_digest({k: v for k, v in record.items() if k != "format"}
+                                   if "license" in record else record)
+
+
+def _pop(*keys):
+    def change(record):
+        inner = record
+        for key in keys[:-1]:
+            inner = inner[key]
+        inner.pop(keys[-1])
+    return change
+
+
+def _set(value, *keys):
+    def change(record):
+        inner = record
+        for key in keys[:-1]:
+            inner = inner[key]
+        inner[keys[-1]] = value
+    return change
+
+
+# (writer, reader, change, recompute the digest, what the line must say)
+CASES = {
+    "manifest-missing-field": (_manifest, _read_manifest, _pop("documents"), True, "documents: missing"),
+    "manifest-missing-nested": (_manifest, _read_manifest, _pop("tokenizer", "sha256"), True,
+                                "tokenizer.sha256: missing"),
+    "manifest-wrong-type": (_manifest, _read_manifest, _set("3", "documents"), True,
+                            "documents: a non-negative integer expected, got '3'"),
+    "manifest-wrong-shard": (_manifest, _read_manifest, _set([{"prefix": 5, "documents": 1}], "shards"), True,
+                             "shards[0].prefix: a string expected"),
+    "manifest-unknown-version": (_manifest, _read_manifest, _set("mimir-prepared-v0", "format"), True,
+                                 "format 'mimir-prepared-v0' is not one this version of mimir reads"),
+    "manifest-edited": (_manifest, _read_manifest, _set(4, "documents"), False,
+                        "edited after mimir prepare wrote it"),
+    "manifest-digest-removed": (_manifest, _read_manifest, _pop("digest"), False, "has no digest"),
+    "sidecar-missing-field": (_sidecar, _read_sidecar, _pop("basis"), True, "provenance.basis: required"),
+    "sidecar-wrong-type": (_sidecar, _read_sidecar, _set("da", "languages"), True,
+                           "provenance.languages: a list of ISO 639 codes"),
+    "sidecar-unknown-version": (_sidecar, _read_sidecar, _set("mimir-provenance-v9", "format"), True,
+                                "format 'mimir-provenance-v9' is not one this version of mimir reads"),
+    "sidecar-edited": (_sidecar, _read_sidecar, _set("CC0-1.0", "license"), False,
+                       "provenance record was edited after it was written"),
+    "report-missing-field": (_report, _read_report, _pop("benchmarks", "arith", "items"), False,
+                             "benchmarks.arith: items, contaminated and longest_span.tokens are required"),
+    "report-wrong-type": (_report, _read_report, _set("13", "ngram"), False, "ngram: an integer expected"),
+    "report-wrong-nested-type": (_report, _read_report, _set("many", "benchmarks", "arith", "contaminated"),
+                                 False, "benchmarks.arith.contaminated: an integer expected"),
+    "report-unknown-version": (_report, _read_report, _set("mimir-contamination-v0", "format"), False,
+                               "format 'mimir-contamination-v0' is not one this version of mimir reads"),
+    "results-missing-field": (_results, _read_results, _pop("tasks", "arith", "n"), False, "tasks.arith.n: missing"),
+    "results-wrong-type": (_results, _read_results, _set("half", "tasks", "arith", "score"), False,
+                           "tasks.arith.score: a number expected"),
+    "results-unknown-version": (_results, _read_results, _set("mimir-eval-results-v0", "format"), False,
+                                "format 'mimir-eval-results-v0' is not one this version of mimir reads"),
+    "sweep-missing-field": (_sweep, _read_sweep, _pop("rows", 0, "H"), False, "rows[0].H: missing"),
+    "sweep-wrong-type": (_sweep, _read_sweep, _set([2], "trained"), False, "trained: [H, L] expected"),
+    "sweep-unknown-version": (_sweep, _read_sweep, _set("mimir-sweep-results-v2", "format"), False,
+                              "format 'mimir-sweep-results-v2' is not one this version of mimir reads"),
+    "plan-missing-field": (_plan, _read_plan, _pop("configured", "fits"), False, "configured.fits: missing"),
+    "plan-wrong-type": (_plan, _read_plan, _set("8", "gpus"), False, "gpus: an integer expected"),
+    "plan-unknown-version": (_plan, _read_plan, _set("mimir-plan-v0", "format"), False,
+                             "format 'mimir-plan-v0' is not one this version of mimir reads"),
+    "state-missing-field": (_state, _read_state, _pop("step"), True, "trainer state lacks step"),
+    "state-wrong-type": (_state, _read_state, _set("7", "step"), True, "step must be a non-negative integer"),
+    "state-edited": (_state, _read_state, _set(8, "step"), False,
+                     "damaged trainer state (its content does not match its digest)"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_hand_damaged_record_is_refused_in_one_line_naming_the_file(tmp_path, case):
+    write, read, change, redigest, says = CASES[case]
+    path = write(tmp_path / "record")
+    assert read(tmp_path / "record") is not None  # undamaged: read back
+    record = json.loads(path.read_text())
+    change(record)
+    if redigest:
+        _redigest(record)
+    path.write_text(json.dumps(record))
+    with pytest.raises(UserError) as caught:
+        read(tmp_path / "record")
+    line = str(caught.value)
+    assert "\n" not in line and str(path) in line and says in line, line
+
+
+def test_records_read_back_what_was_written(tmp_path):
+    manifest = _read_manifest(_manifest(tmp_path / "m").parent)
+    assert (manifest.documents, manifest.tokens_total, manifest.tokenizer.end_of_turn_ids, manifest.seq_len,
+            manifest.shards[0].prefix, manifest.digest_problem) == (3, 9, (2,), 64, "shards/00000", None)
+    assert manifest.content["notes"] == "Grøn"  # fields it does not name are kept (and digested)
+    _sidecar(tmp_path / "s")
+    assert _read_sidecar(tmp_path / "s").source == "Københavns tal"
+    report = _read_report(_report(tmp_path / "r").parent)
+    assert report.benchmarks["arith"].contaminated_items == ("0",) and report.datasets[0].manifest_digest == "d" * 64
+    assert report.metrics() == {"arith/contaminated items": 1, "arith/contaminated fraction": 0.25,
+                                "arith/longest span": 21, "arith/documents hit": 0}
+    assert _read_state(_state(tmp_path / "t").parent).config == {"run": {"name": "ø"}}
+    results = _read_results(_results(tmp_path / "e").parent)
+    assert (results.schedule, results.tasks["arith"].score, results.category_averages) == ((2, 3), 0.5,
+                                                                                            {"Maths": 0.5})
+    assert _read_sweep(_sweep(tmp_path / "w").parent).trained == (2, 3)
+    plan = _read_plan(_plan(tmp_path / "p").parent)
+    assert (plan.gpus, plan.configured.fits, plan.layouts[0].dp) == (8, True, 8)
+
+
+def test_digests_written_before_the_canonical_encoding_still_verify(tmp_path):
+    """A trainer state written by an earlier version (ASCII-escaped JSON, its digest over that) and
+    a provenance sidecar written before sidecars carried a format: both read as they are."""
+    import hashlib
+
+    path = _state(tmp_path / "old")
+    record = json.loads(path.read_text())
+    body = {k: v for k, v in record.items() if k != "digest"}
+    record["digest"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    path.write_text(json.dumps(record, indent=2, sort_keys=True))  # as the old writer did
+    assert _read_state(tmp_path / "old").config == {"run": {"name": "ø"}}
+    sidecar = _sidecar(tmp_path / "s")
+    record = json.loads(sidecar.read_text())
+    record.pop("format")
+    sidecar.write_text(json.dumps(record))
+    assert _read_sidecar(tmp_path / "s").license == "CC-BY-4.0"
+
+
+def test_the_run_directory_of_a_checkpoint_is_derived_in_one_place(tmp_path):
+    """Under ``<run>/checkpoints/`` a checkpoint's run is that folder's parent; elsewhere the
+    trainer state's recorded run.dir, else runs/<run.name>, as the trainer derived it."""
+    from mimir_megatron.checkpoint.run_directory import RunDirectory
+    from mimir_megatron.checkpoint.trainer_state import TrainerState
+    from mimir_megatron.train.config import TrainConfig
+
+    state = TrainerState(step=1, config={"run": {"name": "demo", "dir": str(tmp_path / "run")},
+                                         "tracking": {"uri": None, "experiment": 5}})
+    inside = RunDirectory.of_checkpoint(tmp_path / "r" / "checkpoints" / "step_0000001", state)
+    assert inside.root == tmp_path / "r" and inside.contamination == tmp_path / "r" / "contamination"
+    assert RunDirectory.of_checkpoint(tmp_path / "moved" / "step_0000001", state).root == tmp_path / "run"
+    unnamed = TrainerState(step=1, config={"run": {"name": "demo", "dir": None}})
+    assert RunDirectory.of_checkpoint(tmp_path / "step_0000001", unnamed).root == Path("runs") / "demo"
+    recorded = state.recorded_run()
+    assert (recorded.tracking_uri, recorded.experiment) == (None, None)  # unset, and a mistyped entry
+    cfg = TrainConfig()
+    cfg.run.name = "demo"
+    assert cfg.run_dir == Path("runs") / "demo" and cfg.checkpoint_dir == Path("runs") / "demo" / "checkpoints"
+    cfg.run.dir = str(tmp_path / "run")
+    assert RunDirectory.configured(cfg.run.dir, cfg.run.name).mlflow_uri == f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}"
