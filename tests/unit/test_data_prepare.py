@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -220,3 +221,39 @@ def test_a_failing_dataset_of_a_config_stops_only_itself_and_what_derives_from_i
     assert "datasets[1] (b): " in caplog.text and "raw/b.jsonl: input file not found" in caplog.text
     assert (tmp_path / "out" / "a" / "manifest.json").is_file() and (tmp_path / "out" / "c" / "manifest.json").is_file()
     assert not (tmp_path / "out" / "d" / "manifest.json").exists()
+
+
+def test_the_stages_called_by_hand_give_the_document_prepare_writes(tmp_path):
+    """read -> detect layout -> screen -> render -> encode -> fit -> screen tokens, each stage called
+    directly, on one sharegpt line with a NUL under --control-chars strip and an e-mail address
+    under --personal-data redact: the same tokens as the prepared shard holds."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from mimir_data_prep.layouts import decide_layouts
+    from mimir_data_prep.read import read_records
+    from mimir_data_prep.render import fit_document, render_texts
+    from mimir_data_prep.screen import screen_text, screen_tokens
+    from mimir_data_prep.settings import prepare_settings
+    from mimir_data_prep.shard_writer import renderer_for
+    from mimir_data_prep.shards import plan_shards
+
+    turns = [{"from": "human", "value": "Write to ann@example.com\u0000 please"}, {"from": "gpt", "value": "Done."}]
+    src = _write_lines(tmp_path / "in.jsonl", [json.dumps({"conversations": turns})])
+    options = dict(seq_len=64, control_chars="strip", personal_data="redact")
+    settings = prepare_settings(TOK, **options)
+    (task,) = plan_shards([src])
+    layouts = decide_layouts([task], settings.input_format, {})
+    assert layouts[task.path]["format"] == "sharegpt"
+    task = dataclasses.replace(task, layout="sharegpt")
+    ((line, conversation, _),) = list(read_records(task, settings))
+    found: dict[str, int] = {}
+    conversation, stripped = screen_text(conversation, settings, found)
+    assert (line, stripped, found) == (1, True, {"email": 1})
+    assert conversation.messages[0]["content"] == "Write to [EMAIL] please"
+    renderer = renderer_for(settings.tokenizer_dir)
+    prefix, response = renderer.encode_batch(list(render_texts(conversation, renderer)))
+    prefix, truncated = fit_document(prefix, response, settings)
+    screen_tokens(prefix + response, None, settings)
+
+    prepare([src], TOK, tmp_path / "out", workers=1, progress=False, **options)
+    shard = IndexedDataset(str(tmp_path / "out" / "shards" / "00000"))
+    assert (shard[0].tolist(), shard[1].tolist(), truncated) == (prefix, response, False)
