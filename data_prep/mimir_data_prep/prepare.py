@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -88,10 +89,11 @@ def prepare(
              len(plan.paths), len(plan.tasks), len(plan.done), len(plan.todo), workers)
     if part:
         started = time.perf_counter()
-        for _, result in run_shards([ShardJob(0, t, settings, str(plan.out)) for t in plan.todo], workers,
-                                    show=progress):
-            if isinstance(result, BaseException):
-                raise result
+        jobs = [ShardJob(0, t, settings, str(plan.out)) for t in plan.todo]
+        with closing(run_shards(jobs, workers, show=progress)) as shards:  # closing stops the workers
+            for _, result in shards:
+                if isinstance(result, BaseException):
+                    raise result
         log.info("%s: shards %s of %d finished (%.1f s); when every part is, run once more with --merge",
                  plan.out, _id_list(list(select_shards(part, len(plan.tasks)))), len(plan.tasks),
                  time.perf_counter() - started)
@@ -207,19 +209,20 @@ def prepare_planned(
     with ThreadPoolExecutor(max_workers=max(1, min(4, len(paths)))) as hashing:
         hashes = {i: [hashing.submit(sha256_file, p) for p in plan.paths] for i, plan in enumerate(plans)}
         finish_ready(hashes)
-        for job, result in run_shards(jobs, workers, show=show, skip=failed):
-            i = job.dataset
-            if isinstance(result, BaseException):
-                if len(plans) == 1:
-                    raise result
-                if i not in failed:
-                    log.error("%s: %s", _label(plans[i]), result)
-                    results[i], left[i] = result, 0
-                    failed.add(i)
-            else:
-                stats[i][result.shard_id] = result
-                left[i] -= 1
-            finish_ready(hashes)
+        with closing(run_shards(jobs, workers, show=show, skip=failed)) as shards:  # closed: workers stop
+            for job, result in shards:
+                i = job.dataset
+                if isinstance(result, BaseException):
+                    if len(plans) == 1:
+                        raise result
+                    if i not in failed:
+                        log.error("%s: %s", _label(plans[i]), result)
+                        results[i], left[i] = result, 0
+                        failed.add(i)
+                else:
+                    stats[i][result.shard_id] = result
+                    left[i] -= 1
+                finish_ready(hashes)
         finish_ready(hashes)
     return [results[i] for i in range(len(plans))]
 
