@@ -15,12 +15,17 @@ not fit it are rejected as ``bad_schema``); the decision and its counts go into 
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from mimir_megatron.errors import UserError
 
 from .records import RecordError
+from .shards import ShardTask, sample_records
+
+log = logging.getLogger(__name__)
 
 INPUT_FORMATS = ("auto", "messages", "sharegpt", "alpaca", "columns")
 LAYOUTS = INPUT_FORMATS[1:]
@@ -104,6 +109,26 @@ def detect_layout(objs: Iterable[Any], source: str, columns: Mapping[str, str] |
         )
     best = max(fitting, key=lambda t: (t[0], -LAYOUTS.index(t[1])))[1]
     return {"format": best, "sampled": sampled, "matches": dict(sorted(votes.items()))}
+
+
+def decide_layouts(tasks: list[ShardTask], input_format: str, columns: Mapping[str, str]) -> dict[str, dict]:
+    """The detect-layout stage of `mimir prepare`: per input file, its layout and, for ``auto``,
+    the votes of its first lines (the manifest's ``input_formats``)."""
+    if input_format == "auto" and columns:
+        input_format = "columns"  # a column mapping names the layout
+    decided: dict[str, dict] = {}
+    for task in tasks:
+        if task.path in decided:
+            continue
+        if input_format != "auto":
+            decided[task.path] = {"requested": input_format, "format": input_format}
+            continue
+        sample = sample_records(Path(task.path), task.kind, DETECT_LINES)
+        record = detect_layout(sample, task.path, columns)
+        decided[task.path] = {"requested": "auto", **record}
+        log.info("%s: input layout %s (first %d lines: %s)", task.path, record["format"],
+                 record["sampled"], record["matches"])
+    return decided
 
 
 def normalise(obj: Any, layout: str, columns: Mapping[str, str] | None = None) -> Any:

@@ -30,6 +30,7 @@ Every mistake in the file is listed, one line each, before anything is prepared.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,11 @@ from mimir_megatron.config import raise_errors, read_yaml, typed_section
 
 from .layouts import INPUT_FORMATS, parse_columns
 from .personal_data import POLICIES as PERSONAL_DATA_POLICIES
-from .prepare import TOO_LONG_POLICIES
 from .records import CONTROL_CHAR_POLICIES
+from .settings import TOO_LONG_POLICIES
+from .shards import DEFAULT_SHARD_BYTES
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -174,38 +178,90 @@ def dataset_provenance(d: DatasetJob, where: str, base: Path, job: PrepareJob, i
 
 def run_prepare_config(
     path: str | Path, *, progress: bool = True, workers: int | None = None, denylist: str | None = None,
-    personal_data: str | None = None,
+    personal_data: str | None = None, shard_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Prepare every dataset of the file in order; returns their manifests. ``denylist`` and
-    ``personal_data`` (the command line's) replace the file's settings."""
-    from mimir_megatron.config import raise_errors
+    """Prepare every dataset of the file; returns their manifests, in the file's order.
+    ``denylist`` and ``personal_data`` (the command line's) replace the file's settings.
 
-    from .prepare import check_denylist, prepare
+    The datasets are prepared side by side: their shards share ``workers`` processes (default:
+    the file's ``workers``, else the CPUs), and each manifest is written as soon as its own shards
+    are, after those of the datasets its provenance derives from. The output is the same as
+    preparing the datasets one after another. A dataset that fails (a bad input, ``--strict``)
+    stops only itself and what derives from it; each failure is logged as it happens, and the
+    run ends with an error naming them once the others are finished. ``shard_bytes``: as
+    :func:`~mimir_data_prep.prepare.prepare`'s."""
+    from mimir_megatron.chat import ChatRenderer
+    from mimir_megatron.errors import UserError
+
+    from .prepare import plan_dataset, pool_size, prepare_planned
+    from .settings import check_denylist, prepare_settings
 
     job = load_prepare_config(path)
     job.denylist = denylist or job.denylist
-    check_denylist(job.denylist, job.tokenizer)  # before the first dataset is written
-    manifests = []
+    base = Path(path).parent
+    check_denylist(job.denylist, job.tokenizer)  # before anything is written: it fails every dataset
+    renderer = ChatRenderer(job.tokenizer)  # so would a bad tokenizer
+    plans, planned, failures = [], [], {}
     for i, d in enumerate(job.datasets):
-        errors: list[str] = []
-        provenance = dataset_provenance(d, f"datasets[{i}]", Path(path).parent, job, i, errors, prepared=True)
-        raise_errors(errors, f"invalid provenance in {path}")
-        manifests.append(
-            prepare(
-                d.input,
-                job.tokenizer,
-                d.output,
-                seq_len=job.seq_len,
-                too_long=job.too_long,
-                min_response_tokens=job.min_response_tokens,
-                input_format=d.input_format,
-                columns=dict(d.columns) or None,
-                control_chars=d.control_chars or job.control_chars,
-                workers=workers or job.workers,
-                progress=progress,
-                provenance=provenance,
+        try:
+            settings = prepare_settings(
+                job.tokenizer, seq_len=job.seq_len, too_long=job.too_long,
+                min_response_tokens=job.min_response_tokens, input_format=d.input_format,
+                columns=dict(d.columns) or None, control_chars=d.control_chars or job.control_chars,
                 denylist=job.denylist or None,
                 personal_data=personal_data or d.personal_data or job.personal_data,
             )
-        )
-    return manifests
+            plans.append(plan_dataset(d.input, d.output, settings, renderer=renderer, name=_name(d, i),
+                                      sidecar=d.provenance is None,
+                                      shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES))
+            planned.append(i)
+        except UserError as exc:  # this dataset's inputs: the others go on
+            log.error("%s: %s", _name(d, i), exc)
+            failures[i] = exc
+    index = {i: n for n, i in enumerate(planned)}
+
+    def provenance(n: int) -> Provenance | None:
+        i = planned[n]
+        d = job.datasets[i]
+        if d.provenance is None:
+            return plans[n].provenance  # the inputs' sidecars, if they agree
+        errors: list[str] = []
+        record = dataset_provenance(d, f"datasets[{i}]", base, job, i, errors, prepared=True)
+        raise_errors(errors, f"invalid provenance in {path}")
+        return record
+
+    after = {index[i]: [index[j] for j in _derives_from(job, i, base) if j in index] for i in planned}
+    broken = {i: j for i in planned for j in _derives_from(job, i, base) if j in failures}
+    shards = sum(len(p.todo) for p in plans)
+    results = prepare_planned(plans, pool_size(workers or job.workers, shards), show=progress,
+                              provenance=provenance, after=after)
+    for n, result in enumerate(results):
+        if isinstance(result, BaseException):
+            failures[planned[n]] = result
+    for i, j in broken.items():
+        failures.setdefault(i, UserError(f"{_name(job.datasets[i], i)}: not prepared: it derives from "
+                                         f"{_name(job.datasets[j], j)}, which failed"))
+    if len(failures) == 1:
+        raise next(iter(failures.values()))
+    if failures:
+        names = ", ".join(_name(job.datasets[i], i) for i in sorted(failures))
+        raise UserError(f"{path}: {len(failures)} of {len(job.datasets)} datasets failed: {names} "
+                        "(each error is logged above); the others are prepared")
+    return [r for r in results if not isinstance(r, BaseException)]
+
+
+def _name(d: DatasetJob, index: int) -> str:
+    return f"datasets[{index}] ({d.name})" if d.name else f"datasets[{index}] ({d.output})"
+
+
+def _derives_from(job: PrepareJob, index: int, base: Path) -> list[int]:
+    """The datasets above ``index`` that its provenance derives from (by name or by output path):
+    its manifest is written after theirs, which it reads."""
+    refs = (job.datasets[index].provenance or {}).get("derived_from") or []
+    found = []
+    for j, earlier in enumerate(job.datasets[:index]):
+        output = Path(earlier.output).resolve()
+        if any(ref == earlier.name or _resolve(base, str(ref)).resolve() == output
+               for ref in refs if isinstance(ref, str) and ref):
+            found.append(j)
+    return found

@@ -35,10 +35,6 @@ log = logging.getLogger(__name__)
 
 Sample = tuple[np.ndarray, np.ndarray]  # (prefix ids, response ids)
 
-MAX_EPOCHS_AHEAD = 64
-"""Epochs :meth:`PackedMixture.build_ahead` packs at most (a run reaching more trains a mixture
-so small that packing it takes moments)."""
-
 
 def mixture_fingerprint(cfg: DataConfig, mixture: Mixture | None = None) -> str:
     """Hash of everything that decides the sample stream: the datasets' manifests (their output
@@ -184,7 +180,8 @@ class PackedMixture:
                     np.save(f, array)
 
         self._save(paths, write, needed=index.docs.nbytes + index.offsets.nbytes)
-        return index
+        # Read back memory-mapped: epochs built ahead do not stay in this process's memory.
+        return EpochIndex(np.load(paths["docs"], mmap_mode="r"), np.load(paths["offsets"], mmap_mode="r"))
 
     def build_ahead(self, samples: int, workers: int | None = None) -> int:
         """Pack and cache every epoch that global samples ``[0, samples)`` reach (the cached ones
@@ -196,11 +193,11 @@ class PackedMixture:
             workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
             workers = workers or 1
         self._locate(0, workers)
-        while self._ends[-1] < samples and len(self._ends) < MAX_EPOCHS_AHEAD:
+        while self._ends[-1] < samples:  # every epoch the run reaches, however many
             self._locate(self._ends[-1], workers)
-        if self._ends[-1] < samples:  # a tiny mixture trained for long: its epochs pack in moments
-            log.info("packing index: %d epochs built ahead; later ones are packed when reached",
-                     len(self._ends))
+        if self.built_epochs:
+            log.info("packing index: %d epoch(s) ready, %d packed now", len(self._ends),
+                     len(self.built_epochs))
         return len(self._ends)
 
     def locate(self, sample: int) -> tuple[int, int]:

@@ -18,9 +18,13 @@ from typing import Sequence
 
 import numpy as np
 
+from . import bestfit
+
 log = logging.getLogger(__name__)
 
 PACKING_VERSION = 1  # bump when the algorithm changes: it is part of the cache key
+NATIVE_FROM = 200_000  # samples from which an epoch packs through the compiled best fit
+NATIVE_PER_WORKER = 4_000_000  # samples worth a packing process of their own, compiled
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,15 @@ def _best_fit(lengths: list[int], seq_len: int) -> list[list[int]]:
     return bins
 
 
-def _pack_windows(lengths: np.ndarray, seq_len: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+def _pack_windows(
+    lengths: np.ndarray, seq_len: int, window: int, native: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """Best fit of consecutive windows of ``lengths``: (window positions of every context's
-    items, context after context; items per context)."""
+    items, context after context; items per context). ``native``: through the compiled loop
+    (:mod:`.bestfit`, the same result) when it builds."""
+    lib = bestfit.library() if native else None
+    if lib is not None:
+        return bestfit.pack_windows_native(lib, lengths, seq_len, window)
     dtype = _id_dtype(len(lengths))
     items: list[np.ndarray] = []
     sizes: list[np.ndarray] = []
@@ -113,14 +123,16 @@ def _pack_windows(lengths: np.ndarray, seq_len: int, window: int) -> tuple[np.nd
 
 
 def _packed_windows(
-    lengths: np.ndarray, seq_len: int, window: int, workers: int
+    lengths: np.ndarray, seq_len: int, window: int, workers: int, native: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_pack_windows` of all of ``lengths``, its windows spread over ``workers`` processes
     (windows are independent: the result is the same for any number of workers)."""
     windows = -(-len(lengths) // window)
-    workers = max(1, min(workers, windows // 4))  # a few windows are not worth a process
+    native = native and bestfit.library() is not None  # built here once, not in every process
+    # a few windows are not worth a process; compiled, a process packs ~10M samples a second
+    workers = max(1, min(workers, windows // 4, -(-len(lengths) // NATIVE_PER_WORKER) if native else workers))
     if workers == 1:
-        return _pack_windows(lengths, seq_len, window)
+        return _pack_windows(lengths, seq_len, window, native)
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
@@ -130,23 +142,27 @@ def _packed_windows(
     # spawn: the caller (a trainer) has torch threads running, which fork would copy mid-state.
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
         parts = list(pool.map(_pack_windows, (lengths[b : b + per_task] for b in bounds),
-                              [seq_len] * len(bounds), [window] * len(bounds)))
+                              [seq_len] * len(bounds), [window] * len(bounds), [native] * len(bounds)))
     flat = np.concatenate([items.astype(dtype) + b for b, (items, _) in zip(bounds, parts)])
     return flat, np.concatenate([size for _, size in parts])
 
 
 def pack(
-    lengths: np.ndarray, seq_len: int, window: int, seed: int, epoch: int, workers: int = 1
+    lengths: np.ndarray, seq_len: int, window: int, seed: int, epoch: int, workers: int = 1,
+    native: bool | None = None,
 ) -> EpochIndex:
     """Pack samples (``lengths[i]`` positions each, all <= seq_len) into contexts.
 
     Returns an EpochIndex whose ``docs`` are *positions into lengths*; the caller maps them.
-    ``workers`` > 1 packs windows in that many processes, with the same result.
+    ``workers`` > 1 packs windows in that many processes, with the same result. ``native``: the
+    compiled best fit (:mod:`.bestfit`; the same result); default: from :data:`NATIVE_FROM`
+    samples, below which compiling it would cost more than it saves.
     """
     if len(lengths) and int(lengths.max()) > seq_len:
         raise ValueError(f"a sample of {int(lengths.max())} tokens exceeds seq_len={seq_len}")
     dtype = _id_dtype(len(lengths))
-    flat, size = _packed_windows(np.asarray(lengths), seq_len, window, workers)
+    native = len(lengths) >= NATIVE_FROM if native is None else native
+    flat, size = _packed_windows(np.asarray(lengths), seq_len, window, workers, native)
     if not len(size):
         return EpochIndex(np.zeros(0, dtype), np.zeros(1, np.int64))
     starts = np.concatenate([[0], np.cumsum(size)[:-1]])

@@ -47,3 +47,17 @@ def test_parquet_input_and_parallel_workers_match_serial(tmp_path):
     firsts = [s["first_line"] for s in serial["shards"] if s["source"].endswith(".jsonl")]
     counts = [s["lines"] for s in serial["shards"] if s["source"].endswith(".jsonl")]
     assert firsts == list(np.cumsum([1] + counts[:-1])) and sum(counts) == 40
+
+
+def test_a_config_in_worker_processes_equals_its_datasets_one_after_another(tmp_path):
+    """Four datasets' shards interleaved over three worker processes, the derived dataset's manifest
+    written after its parent's: the same bytes as the datasets prepared in turn."""
+    from mimir_data_prep.prepare_config import run_prepare_config
+    from prepare_configs import one_after_another, tree, write_config
+
+    config = write_config(tmp_path)
+    reference = one_after_another(config, shard_bytes=700)
+    expected = tree(tmp_path / "out")
+    (tmp_path / "out").rename(tmp_path / "reference")
+    assert run_prepare_config(config, workers=3, progress=False, shard_bytes=700) == reference
+    assert tree(tmp_path / "out") == expected

@@ -282,6 +282,20 @@ def test_sample_lengths_are_memory_mapped_from_the_index_dir(tmp_path):
     assert again.built_epochs == [] and stream.built_epochs == list(range(len(stream.built_epochs)))
 
 
+def test_every_epoch_a_run_reaches_is_packed_ahead_beyond_64(tmp_path):
+    # A tiny mixture trained long: all 100 epochs are packed at start-up (there was a limit of 64,
+    # after which every rank packed at each boundary), cached, and read back memory-mapped.
+    cfg = DataConfig(mixture=str(make_mixture(tmp_path, n_docs=6)), seq_len=32, seed=5, pack_window=64)
+    stream = PackedMixture(cfg)
+    per_epoch = stream.epoch(0).num_contexts
+    assert stream.build_ahead(100 * per_epoch, workers=1) >= 100
+    built = list(stream.built_epochs)
+    assert built == list(range(len(built))) and len(built) >= 100
+    stream.locate(100 * per_epoch - 1)  # the last sample planned: nothing left to pack
+    assert stream.built_epochs == built
+    assert all(isinstance(stream._epochs[e].docs, np.memmap) for e in (0, 99))
+
+
 def _hashed_files(monkeypatch) -> list[str]:
     """Record every file the data checks read for its sha256 (through the digest cache or not)."""
     from mimir_megatron.data import policy, prepared

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 from chat_lines import chat as _chat
 from chat_lines import write_lines as _write_lines
 from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
-from mimir_data_prep.prepare import StrictModeError, prepare
+from mimir_data_prep.prepare import prepare
+from mimir_data_prep.settings import StrictModeError
 
 from mimir_megatron.data import PreparedDataset
 
@@ -172,7 +174,8 @@ def test_a_sample_that_fills_seq_len_exactly_is_kept_whole(policy):
     """A sample occupies prefix + response - 1 positions (the loader's and packer's rule): one
     that fills seq_len exactly is kept as it is under either policy; one token more is dropped or
     loses exactly its first prefix token; a response that alone overflows is dropped."""
-    from mimir_data_prep.prepare import PrepareSettings, fit_to_context
+    from mimir_data_prep.render import fit_to_context
+    from mimir_data_prep.settings import PrepareSettings
     from mimir_data_prep.records import RecordError
 
     settings = PrepareSettings(tokenizer_dir=TOK, tokenizer_sha256="", seq_len=8, too_long=policy)
@@ -187,3 +190,70 @@ def test_a_sample_that_fills_seq_len_exactly_is_kept_whole(policy):
     with pytest.raises(RecordError) as too_long:
         fit_to_context([1], list(range(9)), settings)  # no prefix token could stay
     assert too_long.value.reason == "too_long"
+
+
+def test_a_config_prepares_its_datasets_as_one_after_another_would(tmp_path):
+    """`--config` prepares its datasets side by side (tests/integration/test_data_prepare_workers.py
+    runs them in worker processes); the result equals each prepared in turn, byte for byte, and
+    the derived dataset records its parent's digest."""
+    from mimir_data_prep.prepare_config import run_prepare_config
+    from prepare_configs import one_after_another, tree, write_config
+
+    config = write_config(tmp_path)
+    reference = one_after_another(config, shard_bytes=700)
+    expected = tree(tmp_path / "out")
+    (tmp_path / "out").rename(tmp_path / "reference")
+    manifests = run_prepare_config(config, workers=1, progress=False, shard_bytes=700)
+    assert manifests == reference and tree(tmp_path / "out") == expected
+    assert [len(m["shards"]) > 1 for m in manifests] == [True] * 4
+    assert manifests[3]["provenance"]["derived_from"][0]["digest"] == manifests[0]["provenance"]["digest"]
+
+
+def test_a_failing_dataset_of_a_config_stops_only_itself_and_what_derives_from_it(tmp_path, caplog):
+    from mimir_data_prep.prepare_config import run_prepare_config
+    from prepare_configs import write_config
+
+    from mimir_megatron.errors import UserError
+
+    config = write_config(tmp_path, missing=True)
+    with pytest.raises(UserError, match=r"2 of 4 datasets failed: datasets\[1\] \(b\), datasets\[3\] \(d\)"):
+        run_prepare_config(config, workers=1, progress=False)
+    assert "datasets[1] (b): " in caplog.text and "raw/b.jsonl: input file not found" in caplog.text
+    assert (tmp_path / "out" / "a" / "manifest.json").is_file() and (tmp_path / "out" / "c" / "manifest.json").is_file()
+    assert not (tmp_path / "out" / "d" / "manifest.json").exists()
+
+
+def test_the_stages_called_by_hand_give_the_document_prepare_writes(tmp_path):
+    """read -> detect layout -> screen -> render -> encode -> fit -> screen tokens, each stage called
+    directly, on one sharegpt line with a NUL under --control-chars strip and an e-mail address
+    under --personal-data redact: the same tokens as the prepared shard holds."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from mimir_data_prep.layouts import decide_layouts
+    from mimir_data_prep.read import read_records
+    from mimir_data_prep.render import fit_document, render_texts
+    from mimir_data_prep.screen import screen_text, screen_tokens
+    from mimir_data_prep.settings import prepare_settings
+    from mimir_data_prep.shard_writer import renderer_for
+    from mimir_data_prep.shards import plan_shards
+
+    turns = [{"from": "human", "value": "Write to ann@example.com\u0000 please"}, {"from": "gpt", "value": "Done."}]
+    src = _write_lines(tmp_path / "in.jsonl", [json.dumps({"conversations": turns})])
+    options = dict(seq_len=64, control_chars="strip", personal_data="redact")
+    settings = prepare_settings(TOK, **options)
+    (task,) = plan_shards([src])
+    layouts = decide_layouts([task], settings.input_format, {})
+    assert layouts[task.path]["format"] == "sharegpt"
+    task = dataclasses.replace(task, layout="sharegpt")
+    ((line, conversation, _),) = list(read_records(task, settings))
+    found: dict[str, int] = {}
+    conversation, stripped = screen_text(conversation, settings, found)
+    assert (line, stripped, found) == (1, True, {"email": 1})
+    assert conversation.messages[0]["content"] == "Write to [EMAIL] please"
+    renderer = renderer_for(settings.tokenizer_dir)
+    prefix, response = renderer.encode_batch(list(render_texts(conversation, renderer)))
+    prefix, truncated = fit_document(prefix, response, settings)
+    screen_tokens(prefix + response, None, settings)
+
+    prepare([src], TOK, tmp_path / "out", workers=1, progress=False, **options)
+    shard = IndexedDataset(str(tmp_path / "out" / "shards" / "00000"))
+    assert (shard[0].tolist(), shard[1].tolist(), truncated) == (prefix, response, False)

@@ -1,0 +1,50 @@
+"""The screen stage of `mimir prepare`: what a document may not hold.
+
+- :func:`screen_text`, before rendering: control characters (``--control-chars``) and personal
+  data (``--personal-data``, :mod:`mimir_data_prep.personal_data`);
+- :func:`screen_tokens`, after tokenizing: benchmark text of a ``--denylist`` (token sequences,
+  so it needs the tokens).
+
+Each raises :class:`~mimir_data_prep.records.RecordError` with the reject reason, or returns the
+document to keep (stripped or redacted when the policy says so).
+"""
+
+from __future__ import annotations
+
+from mimir_megatron.errors import UserError
+
+from .personal_data import screen_personal_data
+from .records import Conversation, RecordError, clean_control_chars
+from .settings import PrepareSettings
+
+_denylists: dict[tuple[str, str], object] = {}  # per process: read once, used by every shard
+
+
+def screen_text(conv: Conversation, settings: PrepareSettings,
+                found: dict[str, int]) -> tuple[Conversation, bool]:
+    """(the conversation to render, whether control characters were stripped from it); the
+    personal data found is added to ``found`` (kind -> count)."""
+    conv, stripped = clean_control_chars(conv, settings.control_chars)
+    conv = screen_personal_data(conv, settings.personal_data, found)
+    return conv, stripped > 0
+
+
+def screen_tokens(ids: list[int], denylist, settings: PrepareSettings) -> None:
+    """Reject (``benchmark_overlap``) a document whose tokens hold a denylisted sequence."""
+    if denylist is not None and (hit := denylist.first_hit(ids)) is not None:
+        raise RecordError("benchmark_overlap", hit.describe(settings.denylist))
+
+
+def load_denylist(settings: PrepareSettings):
+    """The settings' denylist (read once per process), or None."""
+    if not settings.denylist:
+        return None
+    key = (settings.denylist, settings.denylist_sha256)
+    if key not in _denylists:
+        from mimir_megatron.audits.denylist import Denylist
+
+        denylist = Denylist(settings.denylist, settings.tokenizer_sha256)
+        if denylist.sha256 != settings.denylist_sha256:
+            raise UserError(f"{settings.denylist}: changed while `mimir prepare` was running")
+        _denylists[key] = denylist
+    return _denylists[key]

@@ -1,0 +1,105 @@
+"""What decides a prepared dataset besides its input bytes: the options of `mimir prepare`,
+checked once (one line per mistake) and frozen into :class:`PrepareSettings`.
+
+The settings travel with every shard to the worker that prepares it and are part of each
+shard's key (:func:`mimir_data_prep.shard_writer.shard_key`), so a rerun with other settings
+redoes the shards they change.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from mimir_megatron.chat import tokenizer_sha256
+from mimir_megatron.errors import UserError
+
+from .layouts import INPUT_FORMATS, parse_columns
+from .personal_data import POLICIES as PERSONAL_DATA_POLICIES
+from .records import CONTROL_CHAR_POLICIES
+
+log = logging.getLogger(__name__)
+
+TOO_LONG_POLICIES = ("drop", "truncate-prefix")
+
+
+class StrictModeError(UserError):
+    """--strict met a bad line; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class PrepareSettings:
+    """Everything besides the input bytes that decides the output: part of each shard's key."""
+
+    tokenizer_dir: str
+    tokenizer_sha256: str
+    seq_len: int = 4096
+    too_long: str = "drop"
+    min_response_tokens: int = 2
+    strict: bool = False
+    input_format: str = "auto"
+    columns: tuple[tuple[str, str], ...] = ()  # (target, column) pairs of the columns layout
+    control_chars: str = "reject"
+    denylist: str = ""  # `--denylist` file: documents holding one of its sequences are rejected
+    denylist_sha256: str = ""
+    personal_data: str = "reject"  # personal_data.POLICIES
+
+
+def prepare_settings(
+    tokenizer_dir: str | Path,
+    *,
+    seq_len: int = 4096,
+    too_long: str = "drop",
+    min_response_tokens: int = 2,
+    strict: bool = False,
+    input_format: str = "auto",
+    columns: str | dict[str, str] | None = None,
+    control_chars: str = "reject",
+    denylist: str | Path | None = None,
+    personal_data: str = "reject",
+) -> PrepareSettings:
+    """The options checked (a one-line UserError naming the first bad one) and frozen; the
+    denylist is read and checked against the tokenizer here, before anything is written."""
+    if too_long not in TOO_LONG_POLICIES:
+        raise UserError(f"--too-long must be one of {TOO_LONG_POLICIES}, got {too_long!r}")
+    if seq_len < 2:
+        raise UserError(f"--seq-len must be >= 2, got {seq_len}")
+    if input_format not in INPUT_FORMATS:
+        raise UserError(f"--input-format must be one of {INPUT_FORMATS}, got {input_format!r}")
+    if personal_data not in PERSONAL_DATA_POLICIES:
+        raise UserError(f"--personal-data must be one of {PERSONAL_DATA_POLICIES}, got {personal_data!r}")
+    if control_chars not in CONTROL_CHAR_POLICIES:
+        raise UserError(f"--control-chars must be one of {CONTROL_CHAR_POLICIES}, got {control_chars!r}")
+    column_map = parse_columns(columns)
+    if input_format == "columns" and not column_map:
+        raise UserError("--input-format columns needs --columns TARGET=COLUMN,...")
+    denylist = check_denylist(denylist, tokenizer_dir)
+    tokenizer_dir = str(Path(tokenizer_dir).resolve())
+    return PrepareSettings(
+        tokenizer_dir=tokenizer_dir,
+        tokenizer_sha256=tokenizer_sha256(tokenizer_dir) if Path(tokenizer_dir).is_dir() else "",
+        seq_len=seq_len,
+        too_long=too_long,
+        min_response_tokens=min_response_tokens,
+        strict=strict,
+        input_format=input_format,
+        columns=tuple(sorted(column_map.items())),
+        control_chars=control_chars,
+        denylist=str(denylist.path.resolve()) if denylist else "",
+        denylist_sha256=denylist.sha256 if denylist else "",
+        personal_data=personal_data,
+    )
+
+
+def check_denylist(denylist: str | Path | None, tokenizer_dir: str | Path):
+    """The denylist, read and checked against the tokenizer (one-line UserError otherwise)."""
+    if not denylist:
+        return None
+    from mimir_megatron.audits.denylist import Denylist
+
+    if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        return None  # ChatRenderer names the bad tokenizer directory
+    checked = Denylist(denylist, tokenizer_sha256(tokenizer_dir))
+    log.info("denylist %s: %d token sequences (%s-gram overlaps)", denylist, len(checked), checked.ngram)
+    return checked
