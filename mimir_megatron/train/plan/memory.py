@@ -21,9 +21,10 @@ of this model is TP-split: vocab-parallel embedding and head, TP linears in the 
   gradient shards of earlier micro-batches are alive at the last one's backward (planned for
   accumulation >= 2; with one micro-batch the plan is 4 / DP bytes a weight high). FSDP2's
   buffers are temporaries: the root unit's weights (the head) gathered in the compute dtype for
-  the whole step and its unsharded gradient until the end of backward, two layers gathered in
-  backward (the one running and the one prefetched), and one layer's gradient in the compute
-  dtype and in fp32 for its reduce-scatter;
+  the whole step and its unsharded gradient until the end of backward, the layer running, and
+  one layer's gradient in the compute dtype and in fp32 for its reduce-scatter; with full
+  recompute and a stack applied twice in the window, every layer gathered and its gradient
+  unsharded until backward ends (measured, see :func:`temporaries`);
 - activations: what autograd keeps for the largest window of the schedule (below);
 - temporaries: the loss's buffers, the head's weight gradient before DDP takes it, the backward
   working set of one layer, the bf16 weight copies autocast caches on a GPU, the dense attention
@@ -263,9 +264,18 @@ def temporaries(cfg: ModelConfig, s: StepShape) -> dict[str, float]:
     # gradient of the step. (FSDP2: unsharded, until the root's reduce-scatter ends backward.)
     temps["head_grad"] = s.params_bytes * head_params
     if s.fully_shard:
-        units = fsdp_units(cfg)
-        temps["gathered"] = s.params_bytes * (units["root"] + 2 * units["layer"])
-        temps["reduce_scatter"] = (s.params_bytes + FP32) * units["layer"]
+        units, layers = fsdp_units(cfg), cfg.num_layers_L + cfg.num_layers_H
+        if s.recompute == "full" and max(s.k_L, s.k_H) > 1:
+            # Measured (tests/integration/test_plan_memory.py): with megatron's reentrant
+            # recompute and a stack applied twice in the window, FSDP2 keeps every layer gathered
+            # and its gradient unsharded until the reduce-scatters at the end of backward.
+            temps["gathered"] = s.params_bytes * (units["root"] + layers * units["layer"])
+            temps["unsharded_grads"] = s.params_bytes * layers * units["layer"]
+        else:
+            # The root and the layer running; a layer's gradient in the compute dtype and in
+            # fp32 for its reduce-scatter.
+            temps["gathered"] = s.params_bytes * (units["root"] + units["layer"])
+            temps["reduce_scatter"] = (s.params_bytes + FP32) * units["layer"]
     # Backward of the first layer: its recomputed activations (full recompute) or its
     # gradients' working set, about one layer's activations either way.
     full = StepShape(**{**s.__dict__, "recompute": "none"})
