@@ -29,6 +29,8 @@ are those of the distributed optimizer: any layout resumes any other).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -84,10 +86,30 @@ class FullyShardedModel:
     :meth:`finish_grad_sync` exposes this rank's rows as ``param.main_grad`` (what the gradient
     norm, clipping and the optimizer read, as they read megatron DDP's buffers)."""
 
-    def __init__(self, model: torch.nn.Module, dp_group):
+    def __init__(self, model: torch.nn.Module, dp_group, units: list[torch.nn.Module]):
         self.module = model
         self.dp_group = dp_group
+        self.units = units
+        """The FSDP modules, the root last."""
         self.params = [p for p in model.parameters() if p.requires_grad]
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every weight whole on every rank (in the compute dtype) inside the block: decoding
+        (the trainer's evaluation) reads weights directly and calls parts of the model, outside
+        the forward that gathers them. Collective."""
+        layers = self.units[:-1]
+        for unit in layers:
+            unit.set_reshard_after_forward(False, recurse=False)
+        for unit in self.units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.reshard()
+            for unit in layers:
+                unit.set_reshard_after_forward(True, recurse=False)
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -170,5 +192,5 @@ class FullyShardedOptimizer:
 def wrap_fully_sharded(model: torch.nn.Module, dp_group, device: torch.device) -> FullyShardedModel:
     """``model`` sharded in place over ``dp_group`` (compute in its ``params_dtype``) and the
     trainer's handle on it."""
-    fully_shard_model(model, dp_group, model.config.params_dtype, device.type)
-    return FullyShardedModel(model, dp_group)
+    units = fully_shard_model(model, dp_group, model.config.params_dtype, device.type)
+    return FullyShardedModel(model, dp_group, units)

@@ -63,6 +63,9 @@ class Trainer:
     autocast: Callable[[], AbstractContextManager]
     grads_sharded: bool = False
     """Each data-parallel rank holds only its rows of the gradients (``optim.fully_shard``)."""
+    gathered: Callable[[], AbstractContextManager] = nullcontext
+    """A block with every weight whole on every rank (evaluation decodes from them; FSDP2
+    gathers them, otherwise nothing to do). Collective."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ def build_trainer(model: torch.nn.Module, optim_cfg, *, device: torch.device, dp
 
     return Trainer(model=model, ddp=ddp, optimizer=optimizer, ema=ema, params=params, device=device,
                    dp_group=dp_group, clip_grad=optim_cfg.clip_grad, autocast=autocast,
-                   grads_sharded=optim_cfg.fully_shard)
+                   grads_sharded=optim_cfg.fully_shard, gathered=getattr(ddp, "gathered", nullcontext))
 
 
 def train_step(trainer: Trainer, micro_batches: Sequence[Batch], plan: StepPlan, *, step: int,
