@@ -145,13 +145,16 @@ def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_state(demo_data, tmp
     assert_same_state(run_dir / STEP_6, two_fsdp[0] / STEP_6)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_planned_memory_matches_the_measured_fsdp_step(tmp_path):
     """`mimir plan`'s FSDP2 terms against MemTracker's peak of the real train step (as
     tests/integration/test_plan_memory.py checks the other modes): the tiny shape, 2 x 64 tokens,
-    two micro-batches a step, bf16 compute, DP=2, windows 2, 5 and 8, no and full recompute.
-    The static terms (fp32 rows of weights, gradients, moments, EMA) to the byte where every
-    weight is in the window (k=2 leaves the embedding without a gradient shard); the peak within
-    5 % (measured: -3.2 % to +4.6 %)."""
+    two micro-batches a step, bf16 compute, DP=2; k=2 and 8 without recompute (the peak in a
+    layer's reduce-scatter, at the start of backward), k=5 with full recompute (every layer kept
+    gathered). The static terms (fp32 rows of weights, gradients, moments, EMA) to the byte where
+    every weight is in the window (k=2 leaves the embedding without a gradient shard); the peak
+    within 5 % (measured over k = 2, 5, 8 and both: -3.2 % to +4.6 %, docs/planning.md)."""
     from conftest import TINY
 
     from mimir_megatron.config import load_config
@@ -159,9 +162,9 @@ def test_planned_memory_matches_the_measured_fsdp_step(tmp_path):
     from mimir_megatron.train.plan.memory import StepShape, plan_memory
 
     out = tmp_path / "fsdp.json"
-    run_ranks("plan_memory_worker.py", 2, str(out), "tiny", "2", "64", "1:none:2,5,8:fsdp", "1:full:2,5,8:fsdp")
+    run_ranks("plan_memory_worker.py", 2, str(out), "tiny", "2", "64", "1:none:2,8:fsdp", "1:full:5:fsdp")
     measured = json.loads(out.read_text())
-    assert len(measured) == 6
+    assert len(measured) == 3
     cfg, rows = load_config(TINY), []
     for case in measured:
         k, recompute = case["k"], case["recompute"]
