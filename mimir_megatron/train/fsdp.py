@@ -46,8 +46,8 @@ def shard_rows(rows: int, dp_rank: int, dp_size: int) -> slice:
 
 
 def units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules FSDP2 gathers one at a time, smallest first; the root (the model: the head
-    and the buffers) comes last."""
+    """The modules FSDP2 gathers one at a time: every layer of L and H, the embedding; the root
+    (the model itself: the head and the buffers) is sharded after them."""
     return [*model.L.layers, *model.H.layers, model.embedding]
 
 

@@ -52,10 +52,12 @@ def run(demo_data: Path, run_dir: Path, *extra: str):
 def grad_norms(run_dir: Path) -> list[float]:
     from mlflow.tracking import MlflowClient
 
+    from mimir_megatron.train.tracking import metric_name
+
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
     (found,) = client.search_runs([client.get_experiment_by_name("mimir-demo").experiment_id])
-    return [m.value for m in sorted(client.get_metric_history(found.info.run_id, "grad_norm"),
-                                    key=lambda m: m.step)]
+    history = client.get_metric_history(found.info.run_id, metric_name("grad_norm"))
+    return [m.value for m in sorted(history, key=lambda m: m.step)]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +85,7 @@ def test_fp32_fsdp_resumes_an_unsharded_checkpoint_bit_for_bit(demo_data, tmp_pa
 def test_bf16_on_two_ranks_matches_one_process(one_fsdp, two_fsdp):
     (one_dir, one), (two_dir, two) = one_fsdp, two_fsdp
     assert len(one) == 6 and two == pytest.approx(one, rel=BF16_RTOL)
+    assert len(grad_norms(one_dir)) == 6  # the metric's name is right: a comparison of nothing proves nothing
     assert grad_norms(two_dir) == pytest.approx(grad_norms(one_dir), rel=BF16_RTOL * 5)
     for step in (STEP_3, STEP_6):
         assert_close_states(two_dir / step, one_dir / step, rtol=BF16_STATE_RTOL)
