@@ -145,6 +145,9 @@ def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_state(demo_data, tmp
     run_ranks("train_worker.py", 2, str(demo_data), str(run_dir), "none", *FSDP, *BF16, *DATA_PARALLEL,
               "train.log_interval=1", "eval.max_samples=4", "eval.max_new_tokens=4")
     assert json.loads((run_dir / "losses_6.json").read_text()) == two_fsdp[1][3:]
+    from mimir_megatron import parallel
+
+    parallel.init_distributed()  # the checkpoint reader is collective (a one-rank group here)
     assert_same_state(run_dir / STEP_6, two_fsdp[0] / STEP_6)
 
 
