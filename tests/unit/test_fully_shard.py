@@ -92,3 +92,29 @@ def test_plan_ranks_full_sharding_with_the_other_layouts():
 def test_a_tensor_parallel_plan_of_a_full_sharding_config_is_one_line():
     with pytest.raises(UserError, match="FSDP2.*TP=2 is not possible"):
         plan_run(load_train_config(V1_5, FSDP), RunSettings(gpu=gpu_spec("b200"), gpus=8, tp=2))
+
+
+def test_imported_weights_land_in_the_rows_and_gather_whole():
+    """`checkpoint.init_from` with `mimir import` weights into a fully sharded model (one rank),
+    and the trainer's evaluation block: every weight whole (a plain tensor), sharded again after."""
+    import torch
+    import torch.distributed as dist
+    from conftest import tiny_config
+    from torch.distributed.tensor import DTensor
+
+    from mimir_megatron.model import build_model
+    from mimir_megatron.model.state import gather_full_state, load_full_state
+    from mimir_megatron.train.fsdp import wrap_fully_sharded
+
+    reference = build_model(tiny_config())
+    model = build_model(tiny_config("seed=7"))
+    fsdp = wrap_fully_sharded(model, dist.group.WORLD, torch.device("cpu"))
+    assert not torch.equal(model.head.weight.to_local(), reference.head.weight.detach())  # another seed
+    load_full_state(model, gather_full_state(reference))
+    weights = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and torch.equal(param.to_local(), weights[name].detach()), name
+    with fsdp.gathered():
+        for name, param in model.named_parameters():
+            assert not isinstance(param, DTensor) and torch.equal(param.detach(), weights[name].detach()), name
+    assert all(isinstance(p, DTensor) for p in model.parameters())
