@@ -194,7 +194,8 @@ class CheckpointWriter:
 
     def _refuse_nonfinite(self, step: int, model, ema) -> None:
         """End the job instead of writing weights (or EMA weights) that are not finite; collective."""
-        tensors = list(model.named_parameters())
+        # Each rank checks what it holds: with FSDP2 its rows of each weight (a DTensor's local part).
+        tensors = [(name, getattr(p, "to_local", lambda p=p: p)()) for name, p in model.named_parameters()]
         if ema is not None:
             tensors += [(f"ema.{name}", t) for name, t in ema.shadow.items()]
         finite = torch.stack([torch.isfinite(t).all() for _, t in tensors]) if tensors else torch.ones(1)

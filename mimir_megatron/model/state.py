@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mimir_megatron import parallel
 from mimir_megatron.errors import UserError
@@ -127,6 +128,8 @@ def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor], sourc
                 tensor = torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], dim=0)
             elif dim is not None:
                 tensor = tensor.chunk(size, dim=dim)[rank]
+            if isinstance(param, DTensor):  # a fully sharded (FSDP2) weight: this rank's rows of it
+                tensor = distribute_tensor(tensor, param.device_mesh, param.placements)
             param.copy_(tensor)
         for name in BUFFERS:
             getattr(model, name).copy_(full[name])

@@ -150,6 +150,13 @@ class OptimSection:
     bytes a weight), gradients reduced in fp32, updated rows all-gathered. Needed for
     `model.params_dtype: bfloat16` (Megatron's mixed precision: bf16 weights, fp32 main copy);
     with fp32 weights it is an even ZeRO-1. Needs `shard_state` (left true)."""
+    fully_shard: bool = False
+    """Full sharding with torch FSDP2 (train/fsdp.py): parameters, gradients, Adam's moments and
+    the EMA each kept for one data-parallel rank's rows of every weight (fp32: 20 / DP bytes a
+    weight), weights all-gathered in `model.params_dtype` one layer at a time for each use,
+    gradients reduce-scattered in fp32. Saves the weights' and gradients' copies the distributed
+    optimizer keeps whole, for more communication. Needs `shard_state` (left true) and
+    `model.parallel.tensor_parallel_size: 1`; exclusive with `distributed_optimizer`."""
     divide_lr_by_window: bool = True
     """Divide the L and H learning rates by their applications in the window (paper, section 3)."""
 
@@ -289,16 +296,23 @@ class TrainConfig(RunSections):
                         "`mimir eval`")
         if self.eval.limit < 1:
             errs.append(f"eval.limit must be >= 1, got {self.eval.limit}")
-        if self.model.params_dtype != ParamsDtype.float32 and not o.distributed_optimizer:
+        if self.model.params_dtype != ParamsDtype.float32 and not (o.distributed_optimizer or o.fully_shard):
             # The plain and ZeRO-1 optimizers update the weights in place from fp32 gradients:
             # bf16 weights need the distributed optimizer's fp32 main copy.
             errs.append(f"model.params_dtype={self.model.params_dtype} needs "
                         "optim.distributed_optimizer=true (fp32 main weights sharded over data-parallel "
-                        "ranks); or use "
+                        "ranks) or optim.fully_shard=true; or use "
                         "model.params_dtype=float32 (fp32 weights, bf16 autocast on GPU)")
-        if o.distributed_optimizer and not o.shard_state:
-            errs.append("optim.distributed_optimizer=true shards the optimizer state: it contradicts "
-                        "optim.shard_state=false")
+        for mode in ("distributed_optimizer", "fully_shard"):
+            if getattr(o, mode) and not o.shard_state:
+                errs.append(f"optim.{mode}=true shards the optimizer state: it contradicts "
+                            "optim.shard_state=false")
+        if o.distributed_optimizer and o.fully_shard:
+            errs.append("optim.distributed_optimizer and optim.fully_shard are two sharding layouts: "
+                        "set one of them")
+        if o.fully_shard and tp != 1:
+            errs.append(f"optim.fully_shard=true shards over data-parallel ranks only: it needs "
+                        f"model.parallel.tensor_parallel_size=1, got {tp}")
         if world_size is not None and t.micro_batch_size >= 1 and tp >= 1:
             dp = world_size // tp
             if world_size % tp:

@@ -150,8 +150,9 @@ class _Run:
 
     def evaluate(self) -> float | None:
         t = self.trainer
-        return _evaluate(t.model, self.eval_samples, self.cfg, t.device, self.dp_rank, self.dp_size,
-                         t.dp_group, self.tracker, self.step)
+        with t.gathered():  # FSDP2's weights whole for decoding
+            return _evaluate(t.model, self.eval_samples, self.cfg, t.device, self.dp_rank, self.dp_size,
+                             t.dp_group, self.tracker, self.step)
 
 
 @dataclass

@@ -108,10 +108,12 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, dp_group=None, shard: boo
     else:
         raise ValueError(f"unknown optimizer {optim_cfg.optimizer!r}")
     kwargs |= dict(lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay)
-    if optim_cfg.distributed_optimizer:
+    if optim_cfg.distributed_optimizer or optim_cfg.fully_shard:
         from mimir_megatron.train.dist_optim import DistributedOptimizer
+        from mimir_megatron.train.fsdp import FullyShardedOptimizer
 
-        opt = DistributedOptimizer(groups, cls, kwargs, optim_cfg.lr, dp_group=dp_group)
+        rows = FullyShardedOptimizer if optim_cfg.fully_shard else DistributedOptimizer
+        opt = rows(groups, cls, kwargs, optim_cfg.lr, dp_group=dp_group)
         for main in (p for g in opt.param_groups for p in g["params"]):
             init_state(opt.optim, main)
         return opt
@@ -128,6 +130,14 @@ def build_optimizer(model: torch.nn.Module, optim_cfg, dp_group=None, shard: boo
     return opt
 
 
+def keeps_rows(optimizer) -> bool:
+    """The distributed optimizer or FSDP2's: fp32 main weights and state by rows of each weight."""
+    from mimir_megatron.train.dist_optim import DistributedOptimizer
+    from mimir_megatron.train.fsdp import FullyShardedOptimizer
+
+    return isinstance(optimizer, (DistributedOptimizer, FullyShardedOptimizer))
+
+
 def optimizer_step(optimizer: torch.optim.Optimizer, plan: StepPlan) -> None:
     """One update with this step's group learning rates; frozen groups get no gradient.
 
@@ -135,9 +145,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, plan: StepPlan) -> None:
     would accumulate into the buffer through ``.grad`` and DDP's hook would add it a second time.
     The distributed optimizer (train/dist_optim.py) does the same on its row shards.
     """
-    from mimir_megatron.train.dist_optim import DistributedOptimizer
-
-    if isinstance(optimizer, DistributedOptimizer):
+    if keeps_rows(optimizer):
         optimizer.step(plan)
         return
     for group in optimizer.param_groups:
@@ -151,8 +159,10 @@ def optimizer_step(optimizer: torch.optim.Optimizer, plan: StepPlan) -> None:
             p.grad = None
 
 
-def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """Global L2 norm of the DDP gradients (all parameters are TP-sharded: sum over TP ranks).
+def grad_norm(params: Iterable[torch.nn.Parameter], rows_over_dp: bool = False,
+              dp_group=None) -> torch.Tensor:
+    """Global L2 norm of the DDP gradients (all parameters are TP-sharded: sum over TP ranks;
+    ``rows_over_dp``: each data-parallel rank holds distinct rows of them (FSDP2): sum over DP too).
 
     Each gradient's squares go into one scratch buffer, sized for the largest, instead of a new
     tensor per parameter: the same products and the same sum (the same bits), without a fresh
@@ -167,6 +177,8 @@ def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
         local += torch.pow(grad, 2, out=squares).sum()
     if parallel.tp_size() > 1:
         dist.all_reduce(local, group=parallel.tp_group())
+    if rows_over_dp:
+        dist.all_reduce(local, group=dp_group)
     return local.sqrt()
 
 
@@ -203,19 +215,17 @@ class EMA:
 
 def build_ema(model: torch.nn.Module, optimizer, decay: float):
     """The EMA of the trainer: of the distributed optimizer's fp32 row shards, or of the weights."""
-    from mimir_megatron.train.dist_optim import DistributedOptimizer, ShardedEMA
+    from mimir_megatron.train.dist_optim import ShardedEMA
 
     if decay <= 0:
         return None
-    return ShardedEMA(optimizer, decay) if isinstance(optimizer, DistributedOptimizer) else EMA(model, decay)
+    return ShardedEMA(optimizer, decay) if keeps_rows(optimizer) else EMA(model, decay)
 
 
 def weights_loaded(model: torch.nn.Module, optimizer, ema) -> None:
     """After weights were put into the model by other means than a checkpoint load (imported
     weights): the distributed optimizer's main weights follow them, and the EMA restarts there."""
-    from mimir_megatron.train.dist_optim import DistributedOptimizer
-
-    if isinstance(optimizer, DistributedOptimizer):
+    if keeps_rows(optimizer):
         optimizer.main_from_params()
     if ema is not None:
         ema.reset(model)

@@ -20,7 +20,7 @@ log = logging.getLogger("mimir.train")
 # What may change between save and resume without --allow-config-change: the layout of the same
 # computation (how the global batch is split, whether Adam state is sharded) and reporting.
 _LAYOUT_SETTINGS = {"train.micro_batch_size", "train.log_interval", "train.peak_tflops", "optim.shard_state",
-                    "optim.distributed_optimizer", "train.collective_timeout_s"}
+                    "optim.distributed_optimizer", "optim.fully_shard", "train.collective_timeout_s"}
 _COMPARED_SECTIONS = ("train", "window", "optim")
 _COMPARED_MODEL_FIELDS = ("h_cycles", "l_cycles", "window_policy")
 

@@ -61,6 +61,11 @@ class Trainer:
     dp_group: dist.ProcessGroup | None
     clip_grad: float
     autocast: Callable[[], AbstractContextManager]
+    grads_sharded: bool = False
+    """Each data-parallel rank holds only its rows of the gradients (``optim.fully_shard``)."""
+    gathered: Callable[[], AbstractContextManager] = nullcontext
+    """A block with every weight whole on every rank (evaluation decodes from them; FSDP2
+    gathers them, otherwise nothing to do). Collective."""
 
 
 @dataclass(frozen=True)
@@ -88,14 +93,19 @@ def build_trainer(model: torch.nn.Module, optim_cfg, *, device: torch.device, dp
 
     from mimir_megatron import backend
 
-    ddp = DistributedDataParallel(
-        model.config,
-        # No overlap: L and H run several times per step, so a parameter's gradient is complete
-        # only after the whole backward pass.
-        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                      use_distributed_optimizer=False),
-        model,
-    )
+    if optim_cfg.fully_shard:  # FSDP2 in DDP's place (train/fsdp.py)
+        from mimir_megatron.train.fsdp import wrap_fully_sharded
+
+        ddp = wrap_fully_sharded(model, dp_group, device)
+    else:
+        ddp = DistributedDataParallel(
+            model.config,
+            # No overlap: L and H run several times per step, so a parameter's gradient is complete
+            # only after the whole backward pass.
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                          use_distributed_optimizer=False),
+            model,
+        )
     optimizer = build_optimizer(model, optim_cfg, dp_group=dp_group,
                                 shard=optim_cfg.shard_state and dp_size > 1)
     ema = build_ema(model, optimizer, optim_cfg.ema_decay)
@@ -106,7 +116,8 @@ def build_trainer(model: torch.nn.Module, optim_cfg, *, device: torch.device, dp
         return torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else nullcontext()
 
     return Trainer(model=model, ddp=ddp, optimizer=optimizer, ema=ema, params=params, device=device,
-                   dp_group=dp_group, clip_grad=optim_cfg.clip_grad, autocast=autocast)
+                   dp_group=dp_group, clip_grad=optim_cfg.clip_grad, autocast=autocast,
+                   grads_sharded=optim_cfg.fully_shard, gathered=getattr(ddp, "gathered", nullcontext))
 
 
 def train_step(trainer: Trainer, micro_batches: Sequence[Batch], plan: StepPlan, *, step: int,
@@ -138,7 +149,7 @@ def train_step(trainer: Trainer, micro_batches: Sequence[Batch], plan: StepPlan,
     dist.all_reduce(loss_sum, group=t.dp_group)
     if hooks is not None and hooks.after_reduction is not None:
         hooks.after_reduction(step + 1, loss_sum, t.params)
-    norm = grad_norm(t.params)
+    norm = grad_norm(t.params, rows_over_dp=t.grads_sharded, dp_group=t.dp_group)
     # A fill, not a host-to-device copy of a Python value; MAX over all ranks (TP ones too).
     stop = torch.full((), float(bool(stop_requested and stop_requested())), device=t.device)
     dist.all_reduce(stop, op=dist.ReduceOp.MAX)

@@ -8,6 +8,7 @@ norms are in the run's MLflow store.
 """
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -24,11 +25,14 @@ setup_process(megatron=True)  # a worker is an entry point
 
 
 def describe(optimizer) -> dict:
-    if hasattr(optimizer, "all_shards"):  # the distributed optimizer: this rank's rows of each weight
-        return {"rows": {s.name: [s.rows.start, s.rows.stop, s.param.shape[0], s.param[0].numel()]
-                         for s in optimizer.all_shards()},
-                "main_dtype": sorted({str(s.main.dtype) for s in optimizer.all_shards()}),
-                "param_dtype": sorted({str(s.param.dtype) for s in optimizer.all_shards()}),
+    if hasattr(optimizer, "all_shards"):  # the distributed optimizer, FSDP2: this rank's rows of each weight
+        shards = optimizer.all_shards()
+        return {"rows": {s.name: [s.rows.start, s.rows.stop, s.param.shape[0], math.prod(s.param.shape[1:])]
+                         for s in shards},
+                "main_dtype": sorted({str(s.main.dtype) for s in shards}),
+                "param_dtype": sorted({str(s.param.dtype) for s in shards}),
+                "local_elements": sum(s.main.numel() for s in shards),
+                "grad_elements": sum(s.param.main_grad.numel() for s in shards),
                 "state_elements": sum(s["exp_avg"].numel() for s in optimizer.state.values())}
     keys = {id(p): f"{g['name']}/{i}" for g in optimizer.param_groups for i, p in enumerate(g["params"])}
     local = local_optimizer(optimizer)

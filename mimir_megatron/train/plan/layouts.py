@@ -35,10 +35,16 @@ class Layout:
     micro_batch: int
     accumulation: int
     recompute: str
+    fully_shard: bool = False
+    """FSDP2 (``optim.fully_shard``, TP=1 only) in place of the config's other sharding."""
 
     def describe(self, seq_len: int) -> str:
         return (f"TP={self.tp} DP={self.dp} micro {self.micro_batch}x{seq_len} accum {self.accumulation} "
-                f"recompute {self.recompute}")
+                f"recompute {self.recompute}" + (" FSDP2" if self.fully_shard else ""))
+
+    @property
+    def sharding(self) -> str:
+        return "fsdp2" if self.fully_shard else "dp"
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,10 @@ def step_shape(cfg, layout: Layout, phase: Phase, on_gpu: bool = True, precision
         micro_batch=layout.micro_batch, seq_len=cfg.data.seq_len, tp=layout.tp, dp=layout.dp,
         k_L=phase.k_L, k_H=phase.k_H, recompute=layout.recompute,
         compute_bytes=2 if (autocast or params_bytes == 2) else 4, on_gpu=on_gpu,
-        params_bytes=params_bytes, distributed_optimizer=cfg.optim.distributed_optimizer,
+        params_bytes=params_bytes, fully_shard=layout.fully_shard,
+        # A config run with FSDP2, planned without it: the distributed optimizer (bf16 weights need it).
+        distributed_optimizer=cfg.optim.distributed_optimizer or (cfg.optim.fully_shard
+                                                                  and not layout.fully_shard),
         shard_optimizer=cfg.optim.shard_state, ema=cfg.optim.ema_decay > 0,
         loss_chunk_tokens=m.execution.loss_chunk_tokens, sequence_parallel=m.parallel.sequence_parallel,
         dense_attention=cpu_dense, fp8_weight_copies=precision in ("fp8", "mxfp8"))
@@ -171,7 +180,8 @@ def plan_layout(cfg, layout: Layout, phases: list[Phase], cluster: Cluster, sett
                            k_H=p.k_H, recompute=layout.recompute, efficiency=efficiency,
                            weights_per_rank=weights, zero=cfg.optim.shard_state and layout.dp > 1,
                            gather_bytes=(2 if cfg.model.params_dtype == "bfloat16" else 4)
-                           if cfg.optim.distributed_optimizer else None,
+                           if cfg.optim.distributed_optimizer or cfg.optim.fully_shard else None,
+                           fully_shard=layout.fully_shard,
                            sequence_parallel=cfg.model.parallel.sequence_parallel))
              for p in phases]
     seconds = sum(p.steps * t.seconds for p, t in timed)
@@ -187,9 +197,12 @@ def candidate_layouts(cfg, gpus: int, gpus_per_node: int) -> list[Layout]:
         if cfg.train.global_batch_size % dp:
             continue
         per_rank = cfg.train.global_batch_size // dp
+        # FSDP2 shards over data-parallel ranks only: planned next to the config's own
+        # sharding at TP=1 (and the config's FSDP2 next to the distributed optimizer).
+        shardings = (False, True) if tp == 1 else (False,)
         for micro in (m for m in range(1, per_rank + 1) if per_rank % m == 0):
             for recompute in RECOMPUTE:
-                out.append(Layout(tp, dp, micro, per_rank // micro, recompute))
+                out += [Layout(tp, dp, micro, per_rank // micro, recompute, fsdp) for fsdp in shardings]
     return out
 
 
@@ -261,6 +274,9 @@ def plan_run(cfg, settings: RunSettings) -> RunPlan:
                         f"{cfg.model.ffn_hidden_size} on {s.gpus} GPUs, {cluster.gpus_per_node} per node "
                         f"(allowed: {', '.join(map(str, allowed))}); {nearest()}")
     dp = s.gpus // tp
+    if cfg.optim.fully_shard and tp != 1:
+        raise UserError(f"optim.fully_shard (FSDP2) shards over data-parallel ranks only: TP={tp} is not "
+                        f"possible with it; {nearest()}")
     if cfg.train.global_batch_size % (micro * dp):
         raise UserError(f"train.global_batch_size ({cfg.train.global_batch_size}) is not a multiple of "
                         f"micro-batch {micro} x DP {dp}; {nearest()}")
@@ -270,7 +286,8 @@ def plan_run(cfg, settings: RunSettings) -> RunPlan:
                f"{smallest.memory.peak / GB:.1f} GB" if smallest else ""
         raise UserError(f"{cfg.source or 'the config'} fits no layout on {where} with a "
                         f"{s.margin:.0%} margin ({usable / GB:.0f} GB usable){need}")
-    layout = Layout(tp, dp, micro, cfg.train.global_batch_size // (micro * dp), recompute)
+    layout = Layout(tp, dp, micro, cfg.train.global_batch_size // (micro * dp), recompute,
+                    cfg.optim.fully_shard)
     configured = next(p for p in plans if p.layout == layout)
 
     implied = None

@@ -15,6 +15,16 @@ of this model is TP-split: vocab-parallel embedding and head, TP linears in the 
   the weights are fp32: views of them), Adam's moments and the EMA are kept for one
   data-parallel rank's rows of every tensor: the rank with the most rows counts (16 / DP bytes
   a weight when rows divide evenly); its optimizer phase adds the all-gather's input copy;
+- with ``optim.fully_shard`` (FSDP2, train/fsdp.py) the weights themselves are fp32 rows
+  (``torch.chunk``: the first rank keeps ``ceil(rows / DP)`` of each), and the gradients, Adam's
+  moments and the EMA are kept for the same rows: 20 / DP bytes a weight (no master copy); the
+  gradient shards of earlier micro-batches are alive at the last one's backward (planned for
+  accumulation >= 2; with one micro-batch the plan is 4 / DP bytes a weight high). FSDP2's
+  buffers are temporaries: the root unit's weights (the head) gathered in the compute dtype for
+  the whole step and its unsharded gradient until the end of backward, the layer running, and
+  one layer's gradient in the compute dtype and in fp32 for its reduce-scatter; with full
+  recompute and a stack applied twice in the window, every layer gathered and its gradient
+  unsharded until backward ends (measured, see :func:`temporaries`);
 - activations: what autograd keeps for the largest window of the schedule (below);
 - temporaries: the loss's buffers, the head's weight gradient before DDP takes it, the backward
   working set of one layer, the bf16 weight copies autocast caches on a GPU, the dense attention
@@ -76,6 +86,9 @@ class StepShape:
     distributed_optimizer: bool = False
     """``optim.distributed_optimizer``: fp32 main weights (unless the weights are fp32), Adam's
     moments and the EMA for this data-parallel rank's rows of every weight."""
+    fully_shard: bool = False
+    """``optim.fully_shard`` (FSDP2): fp32 weights, gradients, Adam's moments and EMA for this
+    data-parallel rank's rows of every weight; weights gathered in ``params_bytes`` for use."""
 
     @property
     def tokens(self) -> int:
@@ -175,6 +188,21 @@ def largest_row_shard(cfg: ModelConfig, tp: int, dp: int) -> tuple[int, int, int
     return best
 
 
+def largest_chunk_shard(cfg: ModelConfig, tp: int, dp: int) -> tuple[int, int, int]:
+    """:func:`largest_row_shard` for FSDP2's rows (``torch.chunk``: ``ceil(rows / DP)`` to every
+    rank but the last ones): the first rank keeps the most."""
+    groups = {g: [-(-n // dp) * width for n, width in sizes] for g, sizes in row_sizes(cfg, tp).items()}
+    return (sum(sum(sizes) for sizes in groups.values()), max(sum(sizes) for sizes in groups.values()),
+            max(max(sizes) for sizes in groups.values()))
+
+
+def fsdp_units(cfg: ModelConfig) -> dict[str, int]:
+    """Elements of FSDP2's units (train/fsdp.py, TP=1): the root (the head), the embedding, one
+    layer of each stack (the L and H layers have the same shape)."""
+    sizes = tensor_sizes(cfg, 1)
+    return {"root": sizes["head"][0], "embedding": sizes["embedding"][0], "layer": sum(sizes["L"][:4])}
+
+
 def largest_zero_shard(groups: dict[str, list[int]], dp: int) -> int:
     """Elements of the largest ZeroRedundancyOptimizer partition: group by group, tensors
     largest first, each to the rank with the fewest elements so far (torch's own rule)."""
@@ -233,8 +261,21 @@ def temporaries(cfg: ModelConfig, s: StepShape) -> dict[str, float]:
         temps["loss"] = s.tokens * vocab_local * (c + (FP32 if c != FP32 else 0))
     # The head's weight gradient (in the weights' dtype), made at the start of backward (all
     # activations still alive) before DDP's hook adds it to the fp32 buffer: the largest weight
-    # gradient of the step.
+    # gradient of the step. (FSDP2: unsharded, until the root's reduce-scatter ends backward.)
     temps["head_grad"] = s.params_bytes * head_params
+    if s.fully_shard:
+        units, layers = fsdp_units(cfg), cfg.num_layers_L + cfg.num_layers_H
+        if s.recompute == "full" and max(s.k_L, s.k_H) > 1:
+            # Measured (tests/integration/test_plan_memory.py): with megatron's reentrant
+            # recompute and a stack applied twice in the window, FSDP2 keeps every layer gathered
+            # and its gradient unsharded until the reduce-scatters at the end of backward.
+            temps["gathered"] = s.params_bytes * (units["root"] + layers * units["layer"])
+            temps["unsharded_grads"] = s.params_bytes * layers * units["layer"]
+        else:
+            # The root and the layer running; a layer's gradient in the compute dtype and in
+            # fp32 for its reduce-scatter.
+            temps["gathered"] = s.params_bytes * (units["root"] + units["layer"])
+            temps["reduce_scatter"] = (s.params_bytes + FP32) * units["layer"]
     # Backward of the first layer: its recomputed activations (full recompute) or its
     # gradients' working set, about one layer's activations either way.
     full = StepShape(**{**s.__dict__, "recompute": "none"})
@@ -254,6 +295,9 @@ def optimizer_phase(cfg: ModelConfig, s: StepShape) -> dict[str, float]:
     of the largest group; a CPU goes tensor by tensor)."""
     groups = tensor_sizes(cfg, s.tp)
     largest = max(max(sizes) for sizes in groups.values())
+    if s.fully_shard:  # every tensor's rows: the norm reads the gradient's, Adam updates the weight's
+        _, group_rows, tensor_rows = largest_chunk_shard(cfg, s.tp, s.dp)
+        return {"grad_norm": FP32 * tensor_rows, "adam": 2 * FP32 * (group_rows if s.on_gpu else tensor_rows)}
     if s.distributed_optimizer:
         # Adam over this rank's rows (a group's on a GPU, a tensor's on a CPU); then the
         # all-gather's input, a copy of the largest row shard in the weights' dtype.
@@ -276,6 +320,13 @@ def plan_memory(cfg: ModelConfig, s: StepShape) -> MemoryPlan:
     """Every term of the peak memory of one GPU."""
     groups = tensor_sizes(cfg, s.tp)
     params = sum(sum(sizes) for sizes in groups.values())
+    if s.fully_shard:
+        owned = largest_chunk_shard(cfg, s.tp, s.dp)[0]
+        return MemoryPlan(
+            weights=FP32 * owned + s.params_bytes * cfg.hidden_size,  # + z_L_init, not sharded
+            gradients=FP32 * owned, optimizer=2 * FP32 * owned, master_weights=0.0,
+            ema=FP32 * owned if s.ema else 0.0, activations=activation_bytes(cfg, s),
+            temporaries=temporaries(cfg, s), optimizer_phase=optimizer_phase(cfg, s))
     if s.distributed_optimizer:
         owned = largest_row_shard(cfg, s.tp, s.dp)[0]
     else:

@@ -17,7 +17,7 @@ def layout_dict(p: LayoutPlan, plan: RunPlan) -> dict[str, Any]:
     lay, final = p.layout, p.last_step
     return {
         "tp": lay.tp, "dp": lay.dp, "micro_batch": lay.micro_batch, "accumulation": lay.accumulation,
-        "recompute": lay.recompute, "fits": p.fits,
+        "recompute": lay.recompute, "sharding": lay.sharding, "fits": p.fits,
         "memory_gb": p.memory.terms_gb(),
         "step_time_s": round(final.seconds, 4),
         "step_compute_s": round(final.compute_s, 4),
@@ -105,13 +105,14 @@ def table(plan: RunPlan, top: int = 10) -> str:
         f"{c.tokens_per_s:,.0f} tokens/s",
         "",
         f"layouts that fit, fastest first ({len(plan.ranked)} of them, top {min(top, len(plan.ranked))}):",
-        f"  {'TP':>2} {'DP':>3} {'micro':>5} {'accum':>5} {'recompute':>9} {'peak GB':>7} "
+        f"  {'TP':>2} {'DP':>3} {'shard':>5} {'micro':>5} {'accum':>5} {'recompute':>9} {'peak GB':>7} "
         f"{'step s':>7} {'MFU':>6} {'tokens/s':>10} {'days':>6} {'GPU-h':>8}",
     ]
     for p in plan.ranked[:top]:
         lay = p.layout
-        lines.append(f"  {lay.tp:>2} {lay.dp:>3} {lay.micro_batch:>5} {lay.accumulation:>5} "
-                     f"{lay.recompute:>9} {p.memory.peak / GB:>7.1f} {p.last_step.seconds:>7.3f} "
+        lines.append(f"  {lay.tp:>2} {lay.dp:>3} {lay.sharding:>5} {lay.micro_batch:>5} "
+                     f"{lay.accumulation:>5} {lay.recompute:>9} {p.memory.peak / GB:>7.1f} "
+                     f"{p.last_step.seconds:>7.3f} "
                      f"{p.last_step.mfu(plan.cluster):>6.1%} {p.tokens_per_s:>10,.0f} "
                      f"{p.seconds / DAY:>6.1f} {p.seconds * s.gpus / 3600:>8,.0f}")
     return "\n".join(lines)

@@ -8,6 +8,10 @@ a gradient is complete only at the end) and megatron's TP collectives sit on the
     with ZeRO-1, the owners' broadcast of updated weights ((DP-1)/DP x 4 bytes x weights), with
     the distributed optimizer the all-gather of the updated rows ((DP-1)/DP x 2 bytes x weights
     for bf16 weights);
+    with FSDP2 (``optim.fully_shard``) per micro-batch an all-gather of each unit for every use
+    (every application's forward, the window's backward: (DP-1)/DP x the compute dtype's bytes
+    x the unit) and a reduce-scatter of its gradient in fp32 after each backward through it
+    ((DP-1)/DP x 4 bytes), the embedding and the root (the head) once each way;
     over the network when the run spans nodes, else NVLink (TP stays inside a node). Bandwidths
     are one direction: what a GPU sends while it receives as much (NVLink: half the datasheet's
     bidirectional total).
@@ -23,6 +27,8 @@ import math
 from dataclasses import dataclass
 
 from mimir_megatron.config import ModelConfig
+
+FP32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -89,8 +95,10 @@ def step_flops(cfg: ModelConfig, k_L: int, k_H: int, seq_len: int, tokens: int, 
 def step_time(cfg: ModelConfig, cluster: Cluster, *, tp: int, micro_batch: int, accumulation: int,
               seq_len: int, k_L: int, k_H: int, recompute: str, efficiency: float,
               weights_per_rank: int, zero: bool, sequence_parallel: bool = True,
-              compute_bytes: int = 2, gather_bytes: int | None = None) -> StepTime:
-    """One optimizer step of the layout on ``cluster`` (see the module docstring)."""
+              compute_bytes: int = 2, gather_bytes: int | None = None, fully_shard: bool = False
+              ) -> StepTime:
+    """One optimizer step of the layout on ``cluster`` (see the module docstring);
+    ``fully_shard``: FSDP2, whose gathers move ``gather_bytes`` a weight (4 if None)."""
     dp = cluster.gpus // tp
     tokens_step = micro_batch * seq_len * accumulation * dp
     model, hardware = step_flops(cfg, k_L, k_H, seq_len, tokens_step, recompute)
@@ -100,7 +108,9 @@ def step_time(cfg: ModelConfig, cluster: Cluster, *, tp: int, micro_batch: int, 
     compute = hardware / cluster.gpus / (cluster.peak_tflops * 1e12 * efficiency)
 
     dp_bytes = 0.0
-    if dp > 1:
+    if dp > 1 and fully_shard:
+        dp_bytes = (dp - 1) / dp * accumulation * fsdp_bytes_per_micro_batch(cfg, k_L, k_H, gather_bytes or 4)
+    elif dp > 1:
         dp_bytes = 2 * (dp - 1) / dp * 4 * weights_per_rank
         if gather_bytes is not None:  # the distributed optimizer's all-gather of updated rows
             dp_bytes += (dp - 1) / dp * gather_bytes * weights_per_rank
@@ -125,6 +135,21 @@ def step_time(cfg: ModelConfig, cluster: Cluster, *, tp: int, micro_batch: int, 
                     tp_comm_s=tp_total / (cluster.nvlink_gbps * 1e9), model_flops=model,
                     hardware_flops=hardware, matmul_flops=matmul, dp_bytes=dp_bytes,
                     tp_bytes_per_application=per_app)
+
+
+def fsdp_bytes_per_micro_batch(cfg: ModelConfig, k_L: int, k_H: int, gather_bytes: int) -> float:
+    """Bytes FSDP2 gathers and reduce-scatters for one micro-batch, before the (DP-1)/DP of a
+    ring: every layer gathered for each application and again for each backward through it,
+    its gradient reduce-scattered in fp32 after each; the embedding and the root once each way."""
+    from mimir_megatron.train.plan.memory import fsdp_units
+
+    units = fsdp_units(cfg)
+    apps = cfg.h_cycles * cfg.l_cycles * cfg.num_layers_L + cfg.h_cycles * cfg.num_layers_H
+    window = k_L * cfg.num_layers_L + k_H * cfg.num_layers_H
+    ends = units["embedding"] + units["root"]
+    gathered = (apps + window) * units["layer"] + 2 * ends
+    reduced = window * units["layer"] + ends
+    return gather_bytes * gathered + FP32_BYTES * reduced
 
 
 def efficiency_from_step(measured_s: float, at: StepTime, efficiency: float) -> float:
