@@ -132,6 +132,12 @@ def test_gradients_are_reduce_scattered_not_all_reduced(two_bf16):
         assert shard["comm"]["all_reduce_max"] < sizes[0]
 
 
+def test_the_reduce_scatter_sums_each_ranks_rows_even_or_not():
+    """Two ranks, a weight whose rows split evenly and one whose rows do not
+    (tests/workers/reduce_scatter_worker.py checks the sums, the norm and clipping by hand)."""
+    run_ranks("reduce_scatter_worker.py", 2, timeout=120)
+
+
 def test_a_dp2_checkpoint_resumes_on_one_process(demo_data, tmp_path, one_bf16, two_bf16):
     resumed = run(demo_data, tmp_path, *BF16, f"checkpoint.resume={two_bf16[0] / STEP_3}")
     assert resumed.losses == pytest.approx(one_bf16[1][3:], rel=BF16_RTOL)
