@@ -30,7 +30,8 @@ residual-region terms too):
   weights), two fp32 rsqrt per token;
   matmul inputs: both norm outputs (2D, compute dtype);
   TP region: q, k, v and the output gate from the fused projection (4D), q and k after RoPE
-  (2D), the attention output (D), sigmoid of the gate (D), the gated product (D), the MLP's
+  (2D), the attention output (D), sigmoid of the gate (D; fp32 only: in bf16 model/gate.py
+  recomputes it in backward), the gated product (D), the MLP's
   first projection (2F) and SwiGLU's output (F; its silu is recomputed in backward), the
   attention kernel's log-sum-exp (a).
 Per application, the exit norm keeps its input (D, the residual stream's dtype) and its rsqrt.
@@ -202,8 +203,11 @@ def layer_activation_bytes(cfg: ModelConfig, s: StepShape) -> float:
         return s.tokens * s.residual_bytes * d / s.sp  # the residual stream's own tensor
     roped = 0 if s.recompute == "selective" else 2 * d
     lse = 0 if s.recompute == "selective" else a
+    # The output gate keeps the attention output and the gated product (the linear's input), and
+    # in fp32 megatron's sigmoid too (model/gate.py recomputes it in backward otherwise).
+    gate = 3 * d if c == FP32 else 2 * d
     # SwiGLU keeps fc1's output (2F; silu is recomputed in backward) and fc2 its input (F).
-    tp_region = c * (4 * d + roped + 3 * d + 3 * f) / t + FP32 * lse / t
+    tp_region = c * (4 * d + roped + gate + 3 * f) / t + FP32 * lse / t
     per_layer = s.tokens * (residual + matmul_inputs + tp_region)
     if s.dense_attention and s.recompute == "none":
         # CPU SDPA turns the boolean mask into an additive one in the query's dtype (the compute
