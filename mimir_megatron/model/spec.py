@@ -9,7 +9,8 @@ slot), no biases. They differ only in the linears:
 - ``te``: Transformer Engine linears (GPU; bf16 or FP8 through TE recipes). TE's fused
   norm + linear is deliberately not used: it carries a learnable norm weight, and HRM-Text's
   norms have none. Keeping our norm module in the slot keeps its semantics identical on both
-  paths; the gate is megatron's code on both.
+  paths; the gate is megatron's arithmetic on both (``model/gate.py``: bf16 keeps no fp32
+  sigmoid for backward).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 from megatron.core.tensor_parallel import RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -29,6 +30,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from mimir_megatron.model.attention import PrefixLMCoreAttention
+from mimir_megatron.model.gate import GatedSelfAttention
 from mimir_megatron.model.norm import ParameterlessRMSNorm
 from mimir_megatron.model.swiglu import SwiGLU
 
@@ -81,7 +83,7 @@ def block_spec(num_layers: int, backend: str = "local") -> TransformerBlockSubmo
         submodules=TransformerLayerSubmodules(
             input_layernorm=ParameterlessRMSNorm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=GatedSelfAttention,  # megatron's, without an fp32 sigmoid kept
                 # The PrefixLM layout over packed samples always comes from the batch.
                 params={"attn_mask_type": AttnMaskType.arbitrary},
                 submodules=SelfAttentionSubmodules(

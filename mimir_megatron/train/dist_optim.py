@@ -4,20 +4,26 @@ The layout of megatron-core's DistributedOptimizer, built on tensors that run on
 GPU (NCCL): megatron-core's own class needs CUDA buffers and streams.
 
 - The model's parameters are in ``model.params_dtype`` (bf16 on a GPU run: the weights the
-  forward and backward read, no autocast weight cache); megatron DDP reduces their gradients in
-  an fp32 buffer (``param.main_grad``), averaged over the data-parallel group.
+  forward and backward read, no autocast weight cache); megatron DDP accumulates their
+  gradients in an fp32 buffer (``param.main_grad``).
 - Every weight is cut by rows into DP nearly equal slices (rows ``r * n // DP`` to
   ``(r + 1) * n // DP``: even to within one row of each tensor, exactly even for the Mimir
   shapes). Data-parallel rank ``r`` keeps, for its rows only, the fp32 main weights, Adam's two
   moments and the EMA: 16 / DP bytes a weight, where ZeRO-1 by whole tensors gives one rank a
   whole embedding's state.
+- The gradients are reduce-scattered, not all-reduced (megatron's DistributedOptimizer does the
+  same over its buffer's even slices): after backward each weight's fp32 gradient is summed over
+  the data-parallel group into the rows of the rank that keeps them, (DP-1)/DP of the buffer
+  sent where an all-reduce sends twice that. The other rows of a rank's buffer keep its own
+  unreduced gradient and are never read: the gradient norm sums each rank's rows' squares over
+  the group, clipping scales the rows.
 - An update: each rank steps its rows' main weights from its rows of the fp32 gradient, writes
   them into its rows of the parameter (rounded to bf16) and the parameters are all-gathered
   over the data-parallel group. Frozen groups (a window without that module) change nothing and
   are not gathered.
 
 With fp32 parameters the main weights are views of the parameter's rows (no copy): the layout
-is then even ZeRO-1. The gradient norm and clipping read the whole fp32 buffer as before.
+is then even ZeRO-1 with a reduce-scatter.
 """
 
 from __future__ import annotations
@@ -92,7 +98,35 @@ class DistributedOptimizer:
     def model_params(self) -> list[torch.nn.Parameter]:
         return [s.param for s in self.all_shards()]
 
-    # -- the update ---------------------------------------------------------------------------------
+    def grad_rows(self) -> list[torch.Tensor]:
+        """This rank's rows of every weight's fp32 gradient (reduced once
+        :meth:`reduce_scatter_gradients` ran), frozen groups' included."""
+        return [s.param.main_grad[s.rows] for s in self.all_shards()]
+
+    # -- the reduction and the update -------------------------------------------------------------
+
+    @torch.no_grad()
+    def reduce_scatter_gradients(self, ddp: torch.nn.Module) -> None:
+        """In place of megatron DDP's all-reduce (``ddp.finish_grad_sync``): its buffers' gradient
+        scaling, then every weight's gradient summed over the data-parallel group into the rows
+        of the rank that keeps them (one reduce-scatter a weight, in the shards' order, the same
+        on every rank)."""
+        for buffer in ddp.buffers:
+            if buffer.gradient_scaling_factor != 1.0:  # 1 here: the loss is per token (model/hrm.py)
+                buffer.scale_gradients(buffer.gradient_scaling_factor)
+        if self.dp_size == 1:
+            return
+        for shard in self.all_shards():
+            grad = shard.param.main_grad
+            rows = grad.shape[0]
+            if rows % self.dp_size == 0 and grad.is_contiguous():
+                # Equal slices: the output is this rank's slice of the input (in place, as
+                # megatron reduce-scatters into its buffer's own slice).
+                dist.reduce_scatter_tensor(grad[shard.rows], grad, group=self.dp_group)
+            else:
+                chunks = [grad[row_range(rows, r, self.dp_size)] for r in range(self.dp_size)]
+                dist.reduce_scatter(chunks[self.dp_rank], chunks, group=self.dp_group)
+
 
     @torch.no_grad()
     def step(self, plan: StepPlan) -> None:

@@ -6,9 +6,10 @@ from :func:`mimir_megatron.train.schedules.plan_step`; a frozen group's paramete
 ``grad = None`` for that step, which torch's Adam variants skip entirely (no moment update, no
 weight decay).
 
-Gradients come from megatron's DDP buffers (``param.main_grad``, already averaged over the
-data-parallel group). Every parameter of this model is tensor-parallel, so the global gradient
-norm is the TP all-reduce of local squared norms.
+Gradients come from megatron's DDP buffers (``param.main_grad``), reduced over the
+data-parallel group by :func:`reduce_gradients` (all-reduced, or reduce-scattered to the rows
+the distributed optimizer keeps). Every parameter of this model is tensor-parallel, so the
+global gradient norm is the TP all-reduce of local squared norms.
 """
 
 from __future__ import annotations
@@ -159,36 +160,62 @@ def optimizer_step(optimizer: torch.optim.Optimizer, plan: StepPlan) -> None:
             p.grad = None
 
 
-def grad_norm(params: Iterable[torch.nn.Parameter], rows_over_dp: bool = False,
+def reduce_gradients(ddp: torch.nn.Module, optimizer) -> None:
+    """The data-parallel reduction of the fp32 gradient buffer after backward: megatron DDP's
+    all-reduce, or the distributed optimizer's reduce-scatter into the rows each rank keeps."""
+    from mimir_megatron.train.dist_optim import DistributedOptimizer
+
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.reduce_scatter_gradients(ddp)
+    else:
+        ddp.finish_grad_sync()
+
+
+def _reduced_grads(params: Iterable[torch.nn.Parameter], optimizer
+                   ) -> tuple[list[torch.Tensor], bool, object]:
+    """The reduced gradients this rank holds, whether they are split over the data-parallel
+    group, and that group: the distributed optimizer's rows, else every gradient (not split)."""
+    from mimir_megatron.train.dist_optim import DistributedOptimizer
+
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer.grad_rows(), optimizer.dp_size > 1, optimizer.dp_group
+    return [p.main_grad for p in params], False, None
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter], optimizer=None, rows_over_dp: bool = False,
               dp_group=None) -> torch.Tensor:
     """Global L2 norm of the DDP gradients (all parameters are TP-sharded: sum over TP ranks;
-    ``rows_over_dp``: each data-parallel rank holds distinct rows of them (FSDP2): sum over DP too).
+    with the distributed optimizer each rank sums its rows' squares, then the DP group sums;
+    ``rows_over_dp``: each rank's ``main_grad`` are distinct rows of them (FSDP2): sum over DP too).
 
     Each gradient's squares go into one scratch buffer, sized for the largest, instead of a new
     tensor per parameter: the same products and the same sum (the same bits), without a fresh
     allocation (page faults on CPU) per parameter.
     """
-    params = list(params)
-    local = torch.zeros((), dtype=torch.float32, device=params[0].device)
-    scratch = torch.empty(max(p.main_grad.numel() for p in params), dtype=torch.float32, device=local.device)
-    for p in params:
-        grad = p.main_grad.float()
+    grads, split, group = _reduced_grads(params, optimizer)
+    if rows_over_dp:
+        split, group = True, dp_group
+    local = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    scratch = torch.empty(max(g.numel() for g in grads), dtype=torch.float32, device=local.device)
+    for g in grads:
+        grad = g.float()
         squares = scratch[: grad.numel()].view_as(grad)
         local += torch.pow(grad, 2, out=squares).sum()
+    if split:
+        dist.all_reduce(local, group=group)
     if parallel.tp_size() > 1:
         dist.all_reduce(local, group=parallel.tp_group())
-    if rows_over_dp:
-        dist.all_reduce(local, group=dp_group)
     return local.sqrt()
 
 
-def clip_(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
-    """Scale the DDP gradients to ``max_norm`` when their global norm (a finite host value: the
-    train step reads it once with its other scalars) exceeds it."""
+def clip_(params: list[torch.nn.Parameter], norm: float, max_norm: float, optimizer=None) -> None:
+    """Scale the DDP gradients (the distributed optimizer's rows) to ``max_norm`` when their
+    global norm (a finite host value: the train step reads it once with its other scalars)
+    exceeds it."""
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in params:
-            p.main_grad.mul_(scale)
+        for grad in _reduced_grads(params, optimizer)[0]:
+            grad.mul_(scale)
 
 
 class EMA:

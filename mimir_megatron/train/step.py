@@ -2,7 +2,8 @@
 
 :func:`build_trainer` wraps a model the way the trainer does (megatron DDP with fp32 gradient
 buffers, the per-module optimizer groups, the EMA); :func:`train_step` runs one step on it:
-forward/backward over the micro-batches, the data-parallel reduction, the non-finite decision,
+forward/backward over the micro-batches, the data-parallel reduction (all-reduce, or the
+distributed optimizer's reduce-scatter), the non-finite decision,
 clipping, the optimizer and the EMA.
 
 Host synchronisation: a GPU step runs ahead of the host until the host needs a value. Every
@@ -32,6 +33,7 @@ from mimir_megatron.train.optim import (
     grad_norm,
     optimizer_step,
     param_groups,
+    reduce_gradients,
 )
 from mimir_megatron.train.schedules import StepPlan
 
@@ -145,11 +147,11 @@ def train_step(trainer: Trainer, micro_batches: Sequence[Batch], plan: StepPlan,
                         validate=validate)
         out.loss.backward()
         loss_sum += out.loss.detach().float()
-    t.ddp.finish_grad_sync()
+    reduce_gradients(t.ddp, t.optimizer)
     dist.all_reduce(loss_sum, group=t.dp_group)
     if hooks is not None and hooks.after_reduction is not None:
         hooks.after_reduction(step + 1, loss_sum, t.params)
-    norm = grad_norm(t.params, rows_over_dp=t.grads_sharded, dp_group=t.dp_group)
+    norm = grad_norm(t.params, t.optimizer, rows_over_dp=t.grads_sharded, dp_group=t.dp_group)
     # A fill, not a host-to-device copy of a Python value; MAX over all ranks (TP ones too).
     stop = torch.full((), float(bool(stop_requested and stop_requested())), device=t.device)
     dist.all_reduce(stop, op=dist.ReduceOp.MAX)
@@ -161,7 +163,7 @@ def train_step(trainer: Trainer, micro_batches: Sequence[Batch], plan: StepPlan,
 
     finite = math.isfinite(loss) and math.isfinite(norm_value)
     if finite:
-        clip_(t.params, norm_value, t.clip_grad)
+        clip_(t.params, norm_value, t.clip_grad, t.optimizer)
         optimizer_step(t.optimizer, plan)
         if t.ema is not None:
             t.ema.update(t.model)

@@ -6,7 +6,8 @@ ranks, checked against the default optimizer, across layouts, and across kill -9
   optimizer's step bit for bit (weights, moments, EMA, torch's RNG: ``torch.equal``), and a
   checkpoint of the default optimizer (an old checkpoint) resumes to its exact losses and state.
 - bf16 weights (Megatron's mixed precision): 1 rank against 2 ranks (gloo) on the losses, the
-  gradient norms and the whole fp32 state, each rank keeping half the rows of every weight; a
+  gradient norms and the whole fp32 state, each rank keeping half the rows of every weight and
+  receiving their gradients by a reduce-scatter (no gradient all-reduced); a
   DP=2 checkpoint resumed on one process; and a run killed with SIGKILL and resumed ends in the
   uninterrupted run's state bit for bit.
 
@@ -37,6 +38,7 @@ from polling import wait_for
 
 from mimir_megatron.train.config import load_train_config
 from mimir_megatron.train.loop import train
+from mimir_megatron.train.tracking import metric_name
 
 pytestmark = pytest.mark.multiprocess
 DEMO = REPO / "configs" / "train" / "demo.yaml"
@@ -58,7 +60,7 @@ def grad_norms(run_dir: Path) -> list[float]:
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
     (found,) = client.search_runs([client.get_experiment_by_name("mimir-demo").experiment_id])
-    return [m.value for m in sorted(client.get_metric_history(found.info.run_id, "grad_norm"),
+    return [m.value for m in sorted(client.get_metric_history(found.info.run_id, metric_name("grad_norm")),
                                     key=lambda m: m.step)]
 
 
@@ -94,7 +96,8 @@ def test_a_default_optimizer_checkpoint_resumes_bit_for_bit(demo_data, tmp_path,
 def test_bf16_on_two_ranks_matches_one_process(one_bf16, two_bf16):
     (one_dir, one), (two_dir, two) = one_bf16, two_bf16
     assert len(one) == 6 and two == pytest.approx(one, rel=BF16_RTOL)
-    assert grad_norms(two_dir) == pytest.approx(grad_norms(one_dir), rel=BF16_RTOL * 5)
+    norms = grad_norms(one_dir)
+    assert len(norms) == 6 and grad_norms(two_dir) == pytest.approx(norms, rel=BF16_RTOL * 5)
     for step in (STEP_3, STEP_6):
         assert_close_states(two_dir / step, one_dir / step, rtol=BF16_STATE_RTOL)
 
@@ -116,6 +119,23 @@ def test_each_rank_keeps_half_the_rows_of_every_weight_in_fp32(two_bf16):
     for shard in shards:
         assert shard["param_dtype"] == ["torch.bfloat16"] and shard["main_dtype"] == ["torch.float32"]
         assert shard["state_elements"] == total // 2  # moments of its rows only: exactly half
+
+
+def test_gradients_are_reduce_scattered_not_all_reduced(two_bf16):
+    """Each weight's fp32 gradient goes to the rank keeping its rows (one reduce-scatter a weight,
+    the whole buffer in all), and no all-reduce carries gradients (the largest is of scalars)."""
+    run_dir, _ = two_bf16
+    for r in (0, 1):
+        shard = json.loads((run_dir / f"shard_rank{r}.json").read_text())
+        sizes = sorted(rows * row_size for _, _, rows, row_size in shard["rows"].values())
+        assert sorted(shard["comm"]["reduce_scatter"]) == sizes
+        assert shard["comm"]["all_reduce_max"] < sizes[0]
+
+
+def test_the_reduce_scatter_sums_each_ranks_rows_even_or_not():
+    """Two ranks, a weight whose rows split evenly and one whose rows do not
+    (tests/workers/reduce_scatter_worker.py checks the sums, the norm and clipping by hand)."""
+    run_ranks("reduce_scatter_worker.py", 2, timeout=120)
 
 
 def test_a_dp2_checkpoint_resumes_on_one_process(demo_data, tmp_path, one_bf16, two_bf16):

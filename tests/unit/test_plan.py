@@ -83,9 +83,9 @@ def test_distributed_optimizer_keeps_rows_evenly_by_hand(tiny):
     # 1,401,856 in all (4,194,304 / 3 = 1,398,101; ZeRO-1 by whole tensors: 1,441,792).
     three = plan_memory(tiny, tiny_shape(dp=3, params_bytes=2, distributed_optimizer=True))
     assert three.optimizer == 8 * 1_401_856 and three.master_weights == 4 * 1_401_856
-    # CPU: Adam tensor by tensor over rank 2's largest rows (fc1's 131,072), then the all-gather's
-    # bf16 copy of them; the norm's scratch is the whole largest gradient (fc1, 393,216, fp32).
-    assert three.optimizer_phase == {"grad_norm": 4 * 393_216, "adam": 8 * 131_072, "gather": 2 * 131_072}
+    # CPU: the norm over rank 2's reduce-scattered rows and Adam tensor by tensor over them (the
+    # largest: fc1's 131,072, fp32), then the all-gather's bf16 copy of them.
+    assert three.optimizer_phase == {"grad_norm": 4 * 131_072, "adam": 8 * 131_072, "gather": 2 * 131_072}
     # fp32 weights: the main weights are views of them (no copy); the EMA is by rows still.
     fp32 = plan_memory(tiny, tiny_shape(dp=2, distributed_optimizer=True))
     assert (fp32.weights, fp32.master_weights, fp32.ema) == (4 * (TINY_WEIGHTS + 256), 0, 4 * 2_097_152)
@@ -96,11 +96,12 @@ def test_distributed_optimizer_keeps_rows_evenly_by_hand(tiny):
 
 
 def test_distributed_optimizer_gathers_bf16_rows_by_hand():
-    """The step's DP bytes: the fp32 gradients' all-reduce, then an all-gather of the updated bf16
-    rows instead of ZeRO-1's fp32 broadcast: (2 x 7/8 x 4 + 7/8 x 2) x 1,786,773,504 a GPU."""
+    """The step's DP bytes: the fp32 gradients reduce-scattered (not all-reduced), then an
+    all-gather of the updated bf16 rows instead of ZeRO-1's fp32 broadcast:
+    (7/8 x 4 + 7/8 x 2) x 1,786,773,504 a GPU."""
     cfg = load_train_config(V1, ["optim.distributed_optimizer=true", "model.params_dtype=bfloat16"])
     final = plan_run(cfg, RunSettings(gpu=gpu_spec("b200"), gpus=8)).configured.last_step
-    assert final.dp_bytes == 15_634_268_160
+    assert final.dp_bytes == 9_380_560_896
 
 
 def test_activation_terms_by_hand(tiny):
@@ -117,17 +118,21 @@ def test_activation_terms_by_hand(tiny):
     # Selective drops q, k after RoPE (512) and the log-sum-exp (4): 22,552 - 2,064 = 20,488 B.
     assert plan_memory(tiny, tiny_shape(recompute="selective")).activations == \
         10 * 128 * 20_488 + 657_920
-    # CPU's dense attention: SDPA keeps an fp32 copy of the 2 x 64 x 64 mask per layer application.
+    # CPU's dense attention: SDPA keeps an additive copy of the 2 x 64 x 64 mask per layer
+    # application in the query's dtype (fp32 here, bf16 with bf16 weights).
     assert plan_memory(tiny, tiny_shape(dense_attention=True)).activations == \
         28_866_560 + 657_920 + 10 * 2 * 64 * 64 * 4
+    bf16_dense = tiny_shape(compute_bytes=2, params_bytes=2, dense_attention=True)
+    assert plan_memory(tiny, bf16_dense).activations == 10 * (1_379_328 + 2 * 64 * 64 * 2) + 330_240
     # k=2 (L H): 2 applications x 2 layers.
     assert plan_memory(tiny, tiny_shape(k_L=1, k_H=1)).activations == 4 * 2_886_656 + 2 * 128 * 257 * 4
     # bf16 weights: the residual stream is bf16 and the norms keep it as it is (not an fp32
-    # copy): 2 x 256 x 2 + two fp32 rsqrt 8 = 1,032 B; matmul inputs 1,024; TP region 4,608 x 2 =
-    # 9,216, log-sum-exp 16: 11,288 B x 128 = 1,444,864 a layer application; exit norms
+    # copy): 2 x 256 x 2 + two fp32 rsqrt 8 = 1,032 B; matmul inputs 1,024; TP region without the
+    # gate's sigmoid (recomputed in backward, model/gate.py) 4,352 x 2 = 8,704, log-sum-exp 16:
+    # 10,776 B x 128 = 1,379,328 a layer application; exit norms
     # 5 x 128 x (256 x 2 + 4) = 330,240. Full recompute keeps the bf16 layer input.
     bf16 = tiny_shape(compute_bytes=2, params_bytes=2)
-    assert plan_memory(tiny, bf16).activations == 10 * 1_444_864 + 330_240
+    assert plan_memory(tiny, bf16).activations == 10 * 1_379_328 + 330_240
     assert plan_memory(tiny, tiny_shape(compute_bytes=2, params_bytes=2, recompute="full")).activations == \
         10 * 128 * 256 * 2 + 330_240
 
@@ -230,7 +235,7 @@ def test_the_efficiency_model_is_stated(capsys, tmp_path):
 def test_the_papers_shipped_configs_fit_8_b200_at_the_fastest_planned_speed(config):
     """Both at the paper's 4 x 4,096 per GPU, accumulation 2: v1.5's window reaches k=8, where
     fp32 weights with ZeRO-1 were planned at 201.5 GB; bf16 weights with the distributed
-    optimizer, the recomputed silu and the norms' bf16 inputs bring it to ~157 GB."""
+    optimizer, the recomputed silu and gate sigmoid and the norms' bf16 inputs bring it to ~150 GB."""
     plan = plan_run(load_train_config(config), RunSettings(gpu=gpu_spec("b200"), gpus=8, efficiency=0.3062))
     configured = plan.configured
     assert (configured.layout.micro_batch, configured.layout.accumulation) == (4, 2)

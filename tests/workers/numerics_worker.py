@@ -3,8 +3,9 @@
 Usage: numerics_worker.py DEMO_DATA RUN_DIR [overrides...]. Each rank writes
 ``shard_rank<r>.json``: every parameter (``group/index`` -> elements), the ones whose Adam state
 this rank owns, and the elements of that state (the distributed optimizer: the rows of each
-parameter this rank keeps, and the dtypes); rank 0 also writes ``losses.json``. Gradient
-norms are in the run's MLflow store.
+parameter this rank keeps, and the dtypes, and the collectives of the first step's gradient
+reduction: the elements of each reduce-scatter's input and the largest all-reduce); rank 0 also
+writes ``losses.json``. Gradient norms are in the run's MLflow store.
 """
 
 import json
@@ -49,9 +50,26 @@ def main() -> None:
     demo, run_dir, *extra = sys.argv[1:]
     run_dir = Path(run_dir)
     real_step, seen = train_step.optimizer_step, {}
+    comm = {"reduce_scatter": [], "all_reduce_max": 0}
+    collectives = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_tensor",
+                                                          "reduce_scatter")}
+
+    def count(name):
+        def collective(*args, **kwargs):
+            if "shard" not in seen:  # until the first update: step 1's reduction
+                if name == "all_reduce":
+                    comm["all_reduce_max"] = max(comm["all_reduce_max"], args[0].numel())
+                else:  # the input: one tensor, or a list of chunks
+                    inputs = args[1] if name == "reduce_scatter" else [args[1]]
+                    comm["reduce_scatter"].append(sum(t.numel() for t in inputs))
+            return collectives[name](*args, **kwargs)
+        return collective
+
+    for name in collectives:
+        setattr(dist, name, count(name))
 
     def spy(optimizer, plan):
-        seen.setdefault("shard", describe(optimizer))
+        seen.setdefault("shard", describe(optimizer) | {"comm": comm})
         real_step(optimizer, plan)
 
     train_step.optimizer_step = spy

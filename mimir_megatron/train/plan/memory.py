@@ -14,7 +14,9 @@ of this model is TP-split: vocab-parallel embedding and head, TP linears in the 
 - with ``optim.distributed_optimizer`` (train/dist_optim.py) the fp32 main weights (none when
   the weights are fp32: views of them), Adam's moments and the EMA are kept for one
   data-parallel rank's rows of every tensor: the rank with the most rows counts (16 / DP bytes
-  a weight when rows divide evenly); its optimizer phase adds the all-gather's input copy;
+  a weight when rows divide evenly); the gradients are reduce-scattered to those rows in place
+  in the fp32 buffer (which stays whole, as megatron's does), the norm reads the rows only; its
+  optimizer phase adds the all-gather's input copy;
 - with ``optim.fully_shard`` (FSDP2, train/fsdp.py) the weights themselves are fp32 rows
   (``torch.chunk``: the first rank keeps ``ceil(rows / DP)`` of each), and the gradients, Adam's
   moments and the EMA are kept for the same rows: 20 / DP bytes a weight (no master copy); the
@@ -38,11 +40,13 @@ residual-region terms too):
   weights), two fp32 rsqrt per token;
   matmul inputs: both norm outputs (2D, compute dtype);
   TP region: q, k, v and the output gate from the fused projection (4D), q and k after RoPE
-  (2D), the attention output (D), sigmoid of the gate (D), the gated product (D), the MLP's
+  (2D), the attention output (D), sigmoid of the gate (D; fp32 only: in bf16 model/gate.py
+  recomputes it in backward), the gated product (D), the MLP's
   first projection (2F) and SwiGLU's output (F; its silu is recomputed in backward), the
   attention kernel's log-sum-exp (a).
 Per application, the exit norm keeps its input (D, the residual stream's dtype) and its rsqrt.
-On a CPU (dense attention), SDPA also keeps an fp32 copy of the b x s x s mask per layer.
+On a CPU (dense attention), SDPA also keeps an additive copy of the b x s x s mask per layer,
+in the compute dtype.
 Recompute ``full`` keeps only each layer's input (and the exit norm's) and recomputes one
 layer in backward; ``selective`` drops q and k after RoPE and the log-sum-exp (the core
 attention is recomputed). No-grad applications keep nothing.
@@ -227,12 +231,16 @@ def layer_activation_bytes(cfg: ModelConfig, s: StepShape) -> float:
         return s.tokens * s.residual_bytes * d / s.sp  # the residual stream's own tensor
     roped = 0 if s.recompute == "selective" else 2 * d
     lse = 0 if s.recompute == "selective" else a
+    # The output gate keeps the attention output and the gated product (the linear's input), and
+    # in fp32 megatron's sigmoid too (model/gate.py recomputes it in backward otherwise).
+    gate = 3 * d if c == FP32 else 2 * d
     # SwiGLU keeps fc1's output (2F; silu is recomputed in backward) and fc2 its input (F).
-    tp_region = c * (4 * d + roped + 3 * d + 3 * f) / t + FP32 * lse / t
+    tp_region = c * (4 * d + roped + gate + 3 * f) / t + FP32 * lse / t
     per_layer = s.tokens * (residual + matmul_inputs + tp_region)
     if s.dense_attention and s.recompute == "none":
-        # CPU SDPA turns the boolean mask into an additive fp32 one and keeps it for backward.
-        per_layer += s.micro_batch * s.seq_len * s.seq_len * FP32
+        # CPU SDPA turns the boolean mask into an additive one in the query's dtype (the compute
+        # dtype: bf16 with bf16 weights) and keeps it for backward.
+        per_layer += s.micro_batch * s.seq_len * s.seq_len * c
     return per_layer
 
 
@@ -299,10 +307,12 @@ def optimizer_phase(cfg: ModelConfig, s: StepShape) -> dict[str, float]:
         _, group_rows, tensor_rows = largest_chunk_shard(cfg, s.tp, s.dp)
         return {"grad_norm": FP32 * tensor_rows, "adam": 2 * FP32 * (group_rows if s.on_gpu else tensor_rows)}
     if s.distributed_optimizer:
-        # Adam over this rank's rows (a group's on a GPU, a tensor's on a CPU); then the
-        # all-gather's input, a copy of the largest row shard in the weights' dtype.
+        # The norm over this rank's reduced rows, Adam over them (a group's on a GPU, a tensor's
+        # on a CPU); then the all-gather's input, a copy of the largest row shard in the
+        # weights' dtype.
         _, group_rows, tensor_rows = largest_row_shard(cfg, s.tp, s.dp)
-        phase = {"grad_norm": FP32 * largest, "adam": 2 * FP32 * (group_rows if s.on_gpu else tensor_rows)}
+        phase = {"grad_norm": FP32 * tensor_rows,
+                 "adam": 2 * FP32 * (group_rows if s.on_gpu else tensor_rows)}
         if s.dp > 1:
             phase["gather"] = s.params_bytes * tensor_rows
         return phase

@@ -5,9 +5,10 @@ runs again) at ``efficiency`` x the GPU's peak. Communication is added, not over
 trainer reduces gradients once after the whole backward (L and H run several times a step, so
 a gradient is complete only at the end) and megatron's TP collectives sit on the critical path.
   - DP: a ring all-reduce of the fp32 gradient buffer (2 (DP-1)/DP x 4 bytes x weights), plus,
-    with ZeRO-1, the owners' broadcast of updated weights ((DP-1)/DP x 4 bytes x weights), with
-    the distributed optimizer the all-gather of the updated rows ((DP-1)/DP x 2 bytes x weights
-    for bf16 weights);
+    with ZeRO-1, the owners' broadcast of updated weights ((DP-1)/DP x 4 bytes x weights); with
+    the distributed optimizer a reduce-scatter of the fp32 gradients to the rows' keepers
+    ((DP-1)/DP x 4 bytes x weights) and the all-gather of the updated rows ((DP-1)/DP x 2 bytes x
+    weights for bf16 weights);
     with FSDP2 (``optim.fully_shard``) per micro-batch an all-gather of each unit for every use
     (every application's forward, the window's backward: (DP-1)/DP x the compute dtype's bytes
     x the unit) and a reduce-scatter of its gradient in fp32 after each backward through it
@@ -111,11 +112,10 @@ def step_time(cfg: ModelConfig, cluster: Cluster, *, tp: int, micro_batch: int, 
     if dp > 1 and fully_shard:
         dp_bytes = (dp - 1) / dp * accumulation * fsdp_bytes_per_micro_batch(cfg, k_L, k_H, gather_bytes or 4)
     elif dp > 1:
-        dp_bytes = 2 * (dp - 1) / dp * 4 * weights_per_rank
-        if gather_bytes is not None:  # the distributed optimizer's all-gather of updated rows
-            dp_bytes += (dp - 1) / dp * gather_bytes * weights_per_rank
-        elif zero:
-            dp_bytes += (dp - 1) / dp * 4 * weights_per_rank
+        if gather_bytes is not None:  # the distributed optimizer: reduce-scatter, all-gather rows
+            dp_bytes = (dp - 1) / dp * (4 + gather_bytes) * weights_per_rank
+        else:  # all-reduce, and ZeRO-1's broadcast
+            dp_bytes = (2 + (1 if zero else 0)) * (dp - 1) / dp * 4 * weights_per_rank
     dp_bw = cluster.network_gbps if cluster.nodes > 1 else cluster.nvlink_gbps
     per_app = 0.0
     tp_total = 0.0
