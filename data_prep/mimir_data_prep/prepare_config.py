@@ -40,7 +40,7 @@ from mimir_megatron.data.provenance import (
     declaration_from_mapping,
     resolve_declaration,
 )
-from mimir_megatron.config import raise_errors, read_yaml, typed_section
+from mimir_megatron.yaml_config import raise_errors, read_yaml, typed_section
 
 from .layouts import INPUT_FORMATS, parse_columns
 from .personal_data import POLICIES as PERSONAL_DATA_POLICIES
