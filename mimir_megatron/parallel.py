@@ -99,6 +99,10 @@ def init_model_parallel(tensor_parallel_size: int) -> None:
         raise UserError(
             f"tensor_parallel_size {tensor_parallel_size} does not divide the world size {world}"
         )
+    if parallel_state.model_parallel_is_initialized() and _groups_outlived_their_world():
+        # torch.distributed was torn down and set up again in this process (a test, a notebook):
+        # megatron's groups belong to the old world, so they are built again for this one.
+        parallel_state.destroy_model_parallel()
     if parallel_state.model_parallel_is_initialized():
         current = parallel_state.get_tensor_model_parallel_world_size()
         if current != tensor_parallel_size:
@@ -110,6 +114,16 @@ def init_model_parallel(tensor_parallel_size: int) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel_size, create_gloo_process_groups=False
     )
+
+
+def _groups_outlived_their_world() -> bool:
+    from megatron.core import parallel_state
+
+    try:
+        dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+    except (KeyError, RuntimeError, ValueError, AssertionError):
+        return True
+    return False
 
 
 def tp_rank() -> int:

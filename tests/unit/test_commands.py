@@ -77,7 +77,7 @@ def _bad_inputs(tmp_path):
                        "input file not found"),
         ("data", "report"): (["-m", str(missing)], "mixture file not found"),
         ("data", "demo"): (["-o", str(tmp_path / "demo"), "--tokenizer", str(missing), "--train-per-group",
-                            "1", "--eval-per-group", "1"], "tokenizer directory not found"),
+                            "1", "--eval-per-group", "1"], "not a tokenizer directory"),
         ("data", "demo-tokenizer"): (["--output", str(afile / "tok")], "Not a directory"),
         ("data", "declare"): ([str(missing), "--source", "s"], "input file not found"),
         ("data", "keygen"): (["--output", str(afile / "key")], "Not a directory"),
@@ -111,7 +111,7 @@ def test_a_missing_tokenizer_is_a_user_error_for_library_callers(tmp_path):
     from mimir_megatron.errors import UserError
 
     src = write_lines(tmp_path / "in.jsonl", [chat("q", "an answer")])
-    with pytest.raises(UserError, match="tokenizer directory not found"):
+    with pytest.raises(UserError, match="not a tokenizer directory"):
         prepare([src], tmp_path / "no-tokenizer", tmp_path / "o", workers=1, progress=False)
 
 
