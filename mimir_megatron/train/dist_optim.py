@@ -56,31 +56,37 @@ def row_range(rows: int, dp_rank: int, dp_size: int) -> slice:
     return slice(dp_rank * rows // dp_size, (dp_rank + 1) * rows // dp_size)
 
 
-class DistributedOptimizer:
-    """fp32 main weights and a torch optimizer's state for this data-parallel rank's rows of
-    every weight; see the module docstring. ``optim`` is the torch optimizer over the row
-    shards' main weights (param group names as train/optim.py's)."""
+class RowShardedOptimizer:
+    """A torch optimizer over this data-parallel rank's fp32 rows of every weight, by param group
+    (names as train/optim.py's): what the distributed optimizer and FSDP2 (train/fsdp.py) share.
+    A subclass says which rows a rank keeps and where their main weights live
+    (:meth:`_main_rows`), where a row's gradient is (:meth:`_grad_rows`) and what follows an
+    update (:meth:`_after_update`)."""
 
     def __init__(self, named_groups: dict[str, list[tuple[str, torch.nn.Parameter]]],
                  optimizer_class, kwargs: dict, lr: float, dp_group=None):
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
-        self._dp_ranks = dist.get_process_group_ranks(dp_group) if dp_group is not None else \
-            list(range(self.dp_size))
         self.shards: dict[str, list[RowShard]] = {}
-        for group in GROUPS:
-            shards = []
-            for name, param in named_groups.get(group, []):
-                rows = row_range(param.shape[0], self.dp_rank, self.dp_size)
-                with torch.no_grad():
-                    main = param.data[rows] if param.dtype == torch.float32 else param.data[rows].float()
-                shards.append(RowShard(name, param, rows, main))
-            if shards:
-                self.shards[group] = shards
+        with torch.no_grad():
+            for group in GROUPS:
+                shards = [RowShard(name, param, *self._main_rows(name, param))
+                          for name, param in named_groups.get(group, [])]
+                if shards:
+                    self.shards[group] = shards
         self.optim = optimizer_class(
             [{"params": [s.main for s in shards], "name": g, "lr": lr} for g, shards in self.shards.items()],
             **kwargs)
+
+    def _main_rows(self, name: str, param: torch.nn.Parameter) -> tuple[slice, torch.Tensor]:
+        raise NotImplementedError
+
+    def _grad_rows(self, shard: RowShard) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _after_update(self, plan: StepPlan) -> None:
+        raise NotImplementedError
 
     # -- what the trainer and the checkpoints read ------------------------------------------------
 
@@ -97,6 +103,48 @@ class DistributedOptimizer:
 
     def model_params(self) -> list[torch.nn.Parameter]:
         return [s.param for s in self.all_shards()]
+
+    @torch.no_grad()
+    def step(self, plan: StepPlan) -> None:
+        """One update of this rank's rows with ``plan``'s group learning rates (frozen groups:
+        none), then :meth:`_after_update`."""
+        for group in self.optim.param_groups:
+            frozen = group["name"] in plan.frozen
+            group["lr"] = plan.group_lr[group["name"]]
+            for shard in self.shards[group["name"]]:
+                shard.main.grad = None if frozen else self._grad_rows(shard)
+        self.optim.step()
+        for shard in self.all_shards():
+            shard.main.grad = None
+        self._after_update(plan)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+
+class DistributedOptimizer(RowShardedOptimizer):
+    """fp32 main weights and a torch optimizer's state for this data-parallel rank's rows of
+    every weight; see the module docstring. ``optim`` is the torch optimizer over the row
+    shards' main weights (param group names as train/optim.py's)."""
+
+    def __init__(self, named_groups: dict[str, list[tuple[str, torch.nn.Parameter]]],
+                 optimizer_class, kwargs: dict, lr: float, dp_group=None):
+        super().__init__(named_groups, optimizer_class, kwargs, lr, dp_group)
+        self._dp_ranks = dist.get_process_group_ranks(dp_group) if dp_group is not None else \
+            list(range(self.dp_size))
+
+    def _main_rows(self, name: str, param: torch.nn.Parameter) -> tuple[slice, torch.Tensor]:
+        rows = row_range(param.shape[0], self.dp_rank, self.dp_size)
+        return rows, (param.data[rows] if param.dtype == torch.float32 else param.data[rows].float())
+
+    def _grad_rows(self, shard: RowShard) -> torch.Tensor:
+        return shard.param.main_grad[shard.rows]
+
+    def _after_update(self, plan: StepPlan) -> None:
+        """The parameters gathered over the data-parallel group (frozen groups: not)."""
+        for name, shards in self.shards.items():
+            if name not in plan.frozen:
+                self.write_back(shards)
 
     def grad_rows(self) -> list[torch.Tensor]:
         """This rank's rows of every weight's fp32 gradient (reduced once
@@ -129,22 +177,6 @@ class DistributedOptimizer:
 
 
     @torch.no_grad()
-    def step(self, plan: StepPlan) -> None:
-        """One update of this rank's rows with ``plan``'s group learning rates, then the
-        parameters gathered over the data-parallel group (frozen groups: neither)."""
-        for group in self.optim.param_groups:
-            frozen = group["name"] in plan.frozen
-            group["lr"] = plan.group_lr[group["name"]]
-            for shard in self.shards[group["name"]]:
-                shard.main.grad = None if frozen else shard.param.main_grad[shard.rows]
-        self.optim.step()
-        for group in self.optim.param_groups:
-            for shard in self.shards[group["name"]]:
-                shard.main.grad = None
-            if group["name"] not in plan.frozen:
-                self.write_back(self.shards[group["name"]])
-
-    @torch.no_grad()
     def write_back(self, shards: list[RowShard]) -> None:
         """Each rank's main rows into its rows of the parameters, then every rank's rows to all."""
         for shard in shards:
@@ -171,10 +203,6 @@ class DistributedOptimizer:
         for shard in self.all_shards():
             if not shard.is_view:
                 shard.main.copy_(shard.param.data[shard.rows])
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optim.zero_grad(set_to_none=set_to_none)
-
 
 class ShardedEMA:
     """fp32 EMA of the main weights, of this rank's rows only (the optimizer's shards)."""

@@ -33,10 +33,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 
-from mimir_megatron.train.dist_optim import RowShard
-from mimir_megatron.train.schedules import GROUPS, StepPlan
+from mimir_megatron.train.dist_optim import RowShard, RowShardedOptimizer
+from mimir_megatron.train.schedules import StepPlan
 
 
 def shard_rows(rows: int, dp_rank: int, dp_size: int) -> slice:
@@ -127,66 +126,28 @@ class FullyShardedModel:
             param.main_grad = param.grad.to_local() if param.grad is not None else torch.zeros_like(local)
 
 
-class FullyShardedOptimizer:
+class FullyShardedOptimizer(RowShardedOptimizer):
     """A torch optimizer over this rank's fp32 rows of every weight (FSDP2's shards, updated in
     place), with the distributed optimizer's interface (train/dist_optim.py): ``shards`` by
     group, ``all_shards``, ``optim``, ``step(plan)``; param group names as train/optim.py's."""
 
-    def __init__(self, named_groups: dict[str, list[tuple[str, torch.nn.Parameter]]],
-                 optimizer_class, kwargs: dict, lr: float, dp_group=None):
-        self.dp_group = dp_group
-        self.dp_size = dist.get_world_size(dp_group)
-        self.dp_rank = dist.get_rank(dp_group)
-        self.shards: dict[str, list[RowShard]] = {}
-        with torch.no_grad():
-            for group in GROUPS:
-                shards = []
-                for name, param in named_groups.get(group, []):
-                    main = param.to_local()  # FSDP2's storage: updated in place
-                    rows = shard_rows(param.shape[0], self.dp_rank, self.dp_size)
-                    assert main.shape[0] == rows.stop - rows.start, (name, main.shape, rows)
-                    shards.append(RowShard(name, param, rows, main))
-                if shards:
-                    self.shards[group] = shards
-        self.optim = optimizer_class(
-            [{"params": [s.main for s in shards], "name": g, "lr": lr} for g, shards in self.shards.items()],
-            **kwargs)
+    def _main_rows(self, name: str, param: torch.nn.Parameter) -> tuple[slice, torch.Tensor]:
+        main = param.to_local()  # FSDP2's storage: updated in place
+        rows = shard_rows(param.shape[0], self.dp_rank, self.dp_size)
+        assert main.shape[0] == rows.stop - rows.start, (name, main.shape, rows)
+        return rows, main
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optim.param_groups
+    def _grad_rows(self, shard: RowShard) -> torch.Tensor:
+        return shard.param.main_grad
 
-    @property
-    def state(self):
-        return self.optim.state
-
-    def all_shards(self) -> list[RowShard]:
-        return [s for shards in self.shards.values() for s in shards]
-
-    def model_params(self) -> list[torch.nn.Parameter]:
-        return [s.param for s in self.all_shards()]
-
-    @torch.no_grad()
-    def step(self, plan: StepPlan) -> None:
-        """One update of this rank's rows with ``plan``'s group learning rates (frozen groups:
-        none); the next forward gathers the updated rows."""
-        for group in self.optim.param_groups:
-            frozen = group["name"] in plan.frozen
-            group["lr"] = plan.group_lr[group["name"]]
-            for shard in self.shards[group["name"]]:
-                shard.main.grad = None if frozen else shard.param.main_grad
-        self.optim.step()
-        for shard in self.all_shards():
-            shard.main.grad = None
+    def _after_update(self, plan: StepPlan) -> None:
+        """Nothing: the next forward gathers the updated rows."""
 
     def write_back(self, shards: list[RowShard]) -> None:
         """Nothing to do: the rows are the parameters' own storage (a checkpoint load wrote them)."""
 
     def main_from_params(self) -> None:
         """Nothing to do: the main weights are the parameters' shards."""
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optim.zero_grad(set_to_none=set_to_none)
 
 
 def wrap_fully_sharded(model: torch.nn.Module, dp_group, device: torch.device) -> FullyShardedModel:
