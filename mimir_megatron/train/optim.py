@@ -174,27 +174,27 @@ def reduce_gradients(ddp: torch.nn.Module, optimizer) -> None:
 def _reduced_grads(params: Iterable[torch.nn.Parameter], optimizer
                    ) -> tuple[list[torch.Tensor], bool, object]:
     """The reduced gradients this rank holds, whether they are split over the data-parallel
-    group, and that group: the distributed optimizer's rows, else every gradient (not split)."""
+    group, and that group: the distributed optimizer's rows, FSDP2's (each ``main_grad`` is this
+    rank's rows), else every gradient (not split)."""
     from mimir_megatron.train.dist_optim import DistributedOptimizer
+    from mimir_megatron.train.fsdp import FullyShardedOptimizer
 
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer.grad_rows(), optimizer.dp_size > 1, optimizer.dp_group
+    if isinstance(optimizer, FullyShardedOptimizer):
+        return [p.main_grad for p in params], optimizer.dp_size > 1, optimizer.dp_group
     return [p.main_grad for p in params], False, None
 
 
-def grad_norm(params: Iterable[torch.nn.Parameter], optimizer=None, rows_over_dp: bool = False,
-              dp_group=None) -> torch.Tensor:
+def grad_norm(params: Iterable[torch.nn.Parameter], optimizer=None) -> torch.Tensor:
     """Global L2 norm of the DDP gradients (all parameters are TP-sharded: sum over TP ranks;
-    with the distributed optimizer each rank sums its rows' squares, then the DP group sums;
-    ``rows_over_dp``: each rank's ``main_grad`` are distinct rows of them (FSDP2): sum over DP too).
+    with the distributed optimizer or FSDP2 each rank sums its rows' squares, then the DP group sums).
 
     Each gradient's squares go into one scratch buffer, sized for the largest, instead of a new
     tensor per parameter: the same products and the same sum (the same bits), without a fresh
     allocation (page faults on CPU) per parameter.
     """
     grads, split, group = _reduced_grads(params, optimizer)
-    if rows_over_dp:
-        split, group = True, dp_group
     local = torch.zeros((), dtype=torch.float32, device=grads[0].device)
     scratch = torch.empty(max(g.numel() for g in grads), dtype=torch.float32, device=local.device)
     for g in grads:

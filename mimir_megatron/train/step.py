@@ -63,8 +63,6 @@ class Trainer:
     dp_group: dist.ProcessGroup | None
     clip_grad: float
     autocast: Callable[[], AbstractContextManager]
-    grads_sharded: bool = False
-    """Each data-parallel rank holds only its rows of the gradients (``optim.fully_shard``)."""
     gathered: Callable[[], AbstractContextManager] = nullcontext
     """A block with every weight whole on every rank (evaluation decodes from them; FSDP2
     gathers them, otherwise nothing to do). Collective."""
@@ -119,7 +117,7 @@ def build_trainer(model: torch.nn.Module, optim_cfg, *, device: torch.device, dp
 
     return Trainer(model=model, ddp=ddp, optimizer=optimizer, ema=ema, params=params, device=device,
                    dp_group=dp_group, clip_grad=optim_cfg.clip_grad, autocast=autocast,
-                   grads_sharded=optim_cfg.fully_shard, gathered=getattr(ddp, "gathered", nullcontext))
+                   gathered=getattr(ddp, "gathered", nullcontext))
 
 
 def train_step(trainer: Trainer, micro_batches: Sequence[Batch], plan: StepPlan, *, step: int,
@@ -151,7 +149,7 @@ def train_step(trainer: Trainer, micro_batches: Sequence[Batch], plan: StepPlan,
     dist.all_reduce(loss_sum, group=t.dp_group)
     if hooks is not None and hooks.after_reduction is not None:
         hooks.after_reduction(step + 1, loss_sum, t.params)
-    norm = grad_norm(t.params, t.optimizer, rows_over_dp=t.grads_sharded, dp_group=t.dp_group)
+    norm = grad_norm(t.params, t.optimizer)
     # A fill, not a host-to-device copy of a Python value; MAX over all ranks (TP ones too).
     stop = torch.full((), float(bool(stop_requested and stop_requested())), device=t.device)
     dist.all_reduce(stop, op=dist.ReduceOp.MAX)
