@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.integrity import write_json_atomic
+from mimir_megatron.integrity import DIGEST_KEY, digest_matches, with_digest, write_json_atomic
 
 from .suite import SuiteSpec
 
@@ -162,8 +162,8 @@ class CheckedDataset:
 @dataclass(frozen=True)
 class ContaminationReport:
     """The report of ``mimir audit contamination`` (``<suite>.json``): one record, written by
-    :meth:`write`, read back by :meth:`read` (format, fields and types checked, one line naming the
-    file and the field otherwise)."""
+    :meth:`write` with the digest of its content, read back by :meth:`read` (format, digest, fields
+    and types checked, one line naming the file and what is wrong otherwise)."""
 
     benchmarks: Mapping[str, BenchmarkCheck]
     suite: str = ""
@@ -193,10 +193,15 @@ class ContaminationReport:
             raise UserError(f"{path}: not a contamination report (invalid JSON: {exc})") from None
         if not isinstance(body, dict):
             raise UserError(f"{path}: not a contamination report (a JSON object expected)")
-        return _report_from_dict(_migrated_report(body, path), path)
+        migrated = _migrated_report(body, path)
+        if DIGEST_KEY in body and not digest_matches(body):
+            raise UserError(f"{path}: edited after `mimir audit contamination` wrote it (its digest does "
+                            "not match its content)")
+        return _report_from_dict(migrated, path)
 
     def write(self, directory: str | Path) -> Path:
-        """Write ``<directory>/<suite>.json`` atomically; the path written."""
+        """Write ``<directory>/<suite>.json`` with the digest of its content, atomically; the path
+        written."""
         body = {"format": FORMAT, "suite": self.suite, "suite_file": self.suite_file, "seed": self.seed,
                 "ngram": self.ngram, "whitespace_variants": list(self.whitespace_variants),
                 "limit": self.limit, "index": dict(self.index or {}),
@@ -204,7 +209,7 @@ class ContaminationReport:
                 "tokenizer": dict(self.tokenizer or {}), "created": self.created,
                 "benchmarks": {name: check.to_dict() for name, check in self.benchmarks.items()}}
         Path(directory).mkdir(parents=True, exist_ok=True)
-        return write_json_atomic(report_file(directory, self.suite), body, indent=1)
+        return write_json_atomic(report_file(directory, self.suite), with_digest(body), indent=1)
 
     def metrics(self) -> dict[str, float]:
         """Per benchmark checked: contaminated items and fraction, longest span, documents hit
@@ -232,8 +237,9 @@ class ContaminationReport:
 
 
 def _migrated_report(body: dict[str, Any], path: Path) -> dict[str, Any]:
-    """A report of an older format brought to today's, or a refusal naming its version (no older
-    format exists: reports of another version are refused)."""
+    """A report of an older format brought to today's, or a refusal naming its version. A report
+    written before reports carried a digest holds today's fields and reads as it is (there is
+    nothing to verify); a report of another version (or of none) is refused."""
     found = body.get("format")
     if found != FORMAT:
         raise UserError(f"{path}: format {found!r} is not one this version of mimir reads (it reads "

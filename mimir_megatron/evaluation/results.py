@@ -7,9 +7,12 @@ writer.
 - ``table5.json`` (:class:`SweepResults`): the Table 5 rows (one per schedule), the trained
   schedule, the McNemar tests and the contamination marks.
 
-Both carry ``format``; a file written before it (no ``format``: the same fields) reads as today's
-(:func:`_migrated`), another version is refused by name. :meth:`read` checks the fields and
-their types and names the file and the field in one line.
+Both carry ``format`` and the digest of their content (:mod:`mimir_megatron.integrity`), and are
+read by one rule (:func:`_read_record`): another version is refused by name, a file whose content
+no longer matches its digest is refused as edited, then :meth:`read` checks the fields and their
+types, naming the file and the field in one line. A file written before ``format`` or the digest
+was recorded holds today's fields and reads as today's (:func:`_migrated`; without a digest there
+is nothing to verify).
 """
 
 from __future__ import annotations
@@ -18,15 +21,44 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.integrity import write_json_atomic
+from mimir_megatron.integrity import DIGEST_KEY, digest_matches, with_digest, write_json_atomic
 
 RESULTS_FORMAT = "mimir-eval-results-v1"
 SWEEP_FORMAT = "mimir-sweep-results-v1"
 RESULTS_NAME = "results.json"
 SWEEP_NAME = "table5.json"
+
+
+class _ResultsFile:
+    """What ``results.json`` and ``table5.json`` share: their name in an output directory, their
+    format, the command that writes them, one writer (with the digest, atomically) and one reader."""
+
+    NAME: ClassVar[str]
+    FORMAT: ClassVar[str]
+    WRITER: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def write(self, directory: str | Path) -> Path:
+        """Write ``<directory>/<NAME>`` with the digest of its content, atomically; the path written."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        return write_json_atomic(Path(directory) / self.NAME, with_digest(self.to_dict()))
+
+    @classmethod
+    def read(cls, path: str | Path) -> Self:
+        """The file at ``path`` (the file, or the output directory holding it); a one-line
+        :class:`UserError` naming the file and what is wrong."""
+        path = Path(path)
+        path = path / cls.NAME if path.is_dir() else path
+        return cls._from_fields(_Fields(_read_record(path, cls.FORMAT, cls.WRITER), path), path)
+
+    @classmethod
+    def _from_fields(cls, body: _Fields, path: Path) -> Self:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -57,8 +89,12 @@ class TaskScore:
 
 
 @dataclass(frozen=True)
-class EvalResults:
+class EvalResults(_ResultsFile):
     """``results.json`` of ``mimir eval``."""
+
+    NAME: ClassVar[str] = RESULTS_NAME
+    FORMAT: ClassVar[str] = RESULTS_FORMAT
+    WRITER: ClassVar[str] = "mimir eval"
 
     suite: str
     model: str
@@ -72,16 +108,8 @@ class EvalResults:
                 "tasks": {name: task.to_dict() for name, task in self.tasks.items()},
                 "category_averages": dict(self.category_averages)}
 
-    def write(self, directory: str | Path) -> Path:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        return write_json_atomic(Path(directory) / RESULTS_NAME, self.to_dict())
-
     @classmethod
-    def read(cls, path: str | Path) -> EvalResults:
-        """``results.json`` at ``path`` (the file, or the eval's output directory)."""
-        path = Path(path)
-        path = path / RESULTS_NAME if path.is_dir() else path
-        body = _Fields(_migrated(_load(path), path, RESULTS_FORMAT, "mimir eval"), path)
+    def _from_fields(cls, body: _Fields, path: Path) -> EvalResults:
         tasks = {}
         for name, task in body.mapping("tasks").items():
             t = _Fields(task, path, f"tasks.{name}.") if isinstance(task, dict) else None
@@ -102,9 +130,13 @@ class EvalResults:
 
 
 @dataclass(frozen=True)
-class SweepResults:
+class SweepResults(_ResultsFile):
     """``table5.json`` of ``mimir sweep``. ``rows`` are the table's rows as written (D, H, L,
     schedule, trained, one score column per task); their columns depend on the suite."""
+
+    NAME: ClassVar[str] = SWEEP_NAME
+    FORMAT: ClassVar[str] = SWEEP_FORMAT
+    WRITER: ClassVar[str] = "mimir sweep"
 
     suite: str
     rows: tuple[Mapping[str, Any], ...]
@@ -117,15 +149,8 @@ class SweepResults:
                 "rows": [dict(r) for r in self.rows], "mcnemar": [dict(m) for m in self.mcnemar],
                 "contamination": None if self.contamination is None else dict(self.contamination)}
 
-    def write(self, directory: str | Path) -> Path:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        return write_json_atomic(Path(directory) / SWEEP_NAME, self.to_dict())
-
     @classmethod
-    def read(cls, path: str | Path) -> SweepResults:
-        path = Path(path)
-        path = path / SWEEP_NAME if path.is_dir() else path
-        body = _Fields(_migrated(_load(path), path, SWEEP_FORMAT, "mimir sweep"), path)
+    def _from_fields(cls, body: _Fields, path: Path) -> SweepResults:
         rows = body.list("rows")
         for i, row in enumerate(rows):
             r = _Fields(row, path, f"rows[{i}].") if isinstance(row, dict) else None
@@ -140,20 +165,27 @@ class SweepResults:
                    mcnemar=tuple(mcnemar), contamination=body.mapping("contamination", required=False))
 
 
-def _load(path: Path) -> Any:
+def _read_record(path: Path, expected: str, writer: str) -> dict[str, Any]:
+    """The reading rule of both files: JSON, an object, of a format this version reads
+    (:func:`_migrated`), its content still the one its digest was computed over."""
     try:
-        return json.loads(path.read_text())
+        body = json.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"{path}: not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{path}: not a results file (invalid JSON: {exc})") from None
-
-
-def _migrated(body: Any, path: Path, expected: str, writer: str) -> dict[str, Any]:
-    """A file of an older format brought to today's: one without ``format`` (written before it was
-    recorded) holds today's fields; another version is refused, naming it."""
     if not isinstance(body, dict):
         raise UserError(f"{path}: not a results file (a JSON object expected)")
+    migrated = _migrated(body, path, expected, writer)
+    if DIGEST_KEY in body and not digest_matches(body):
+        raise UserError(f"{path}: edited after `{writer}` wrote it (its digest does not match its content)")
+    return migrated
+
+
+def _migrated(body: dict[str, Any], path: Path, expected: str, writer: str) -> dict[str, Any]:
+    """A file of an older format brought to today's: one without ``format`` (written before it was
+    recorded) or without a digest (written before digests were) holds today's fields, so it reads
+    as it is; another version is refused, naming it."""
     found = body.get("format", expected)
     if found != expected:
         raise UserError(f"{path}: format {found!r} is not one this version of mimir reads (it reads "

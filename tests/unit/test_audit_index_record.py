@@ -7,6 +7,7 @@ import hashlib
 import json
 
 import pytest
+from record_damage import assert_refused, damage, drop, put, reseal
 
 from mimir_megatron.audits.index_format import (
     META_NAME,
@@ -64,60 +65,36 @@ def test_an_index_from_before_the_tokenizer_was_recorded_with_a_non_ascii_path_l
     assert meta.to_json() == body
 
 
-def _drop(*keys):
-    def damage(raw):
-        node = raw
-        for key in keys[:-1]:
-            node = node[key]
-        del node[keys[-1]]
-    return damage
-
-
-def _set(value, *keys):
-    def damage(raw):
-        node = raw
-        for key in keys[:-1]:
-            node = node[key]
-        node[keys[-1]] = value
-    return damage
-
-
-# (damage, the fingerprint re-sealed so that only the check under test can catch it, the line's words)
+# (change, the fingerprint re-sealed so that only the check under test can catch it, the line's words)
 DAMAGED = {
-    "missing encoding": (_drop("encoding"), True, "encoding is missing"),
-    "missing source field": (_drop("sources", 0, "category"), True, "sources[0].category is missing"),
-    "missing shard units": (_drop("shards", 1, "units"), True, "shards[1].units is missing"),
-    "missing fingerprint": (_drop("fingerprint"), False, "fingerprint is missing"),
-    "sources not a list": (_set({"x": 1}, "sources"), True, "sources must be a list"),
-    "tokens a string": (_set("14", "shards", 0, "tokens"), True, "shards[0].tokens must be an integer, got '14'"),
-    "documents a boolean": (_set(True, "sources", 1, "documents"), True,
+    "missing encoding": (drop("encoding"), True, "encoding is missing"),
+    "missing source field": (drop("sources", 0, "category"), True, "sources[0].category is missing"),
+    "missing shard units": (drop("shards", 1, "units"), True, "shards[1].units is missing"),
+    "missing fingerprint": (drop("fingerprint"), False, "fingerprint is missing"),
+    "sources not a list": (put({"x": 1}, "sources"), True, "sources must be a list"),
+    "tokens a string": (put("14", "shards", 0, "tokens"), True, "shards[0].tokens must be an integer, got '14'"),
+    "documents a boolean": (put(True, "sources", 1, "documents"), True,
                             "sources[1].documents must be an integer, got True"),
-    "a unit of four counts": (_set([0, 0, 0, 2], "shards", 0, "units", 0), True,
+    "a unit of four counts": (put([0, 0, 0, 2], "shards", 0, "units", 0), True,
                               "shards[0].units[0] must be five counts"),
-    "a unit of an unknown source": (_set([2, 0, 0, 1, 4], "shards", 1, "units", 0), True,
+    "a unit of an unknown source": (put([2, 0, 0, 1, 4], "shards", 1, "units", 0), True,
                                     "shards[1].units[0] names source 2, but there are 2"),
-    "tokenizer a string": (_set("demo", "tokenizer"), True, "tokenizer must be null or"),
-    "shard ids out of order": (_set(5, "shards", 1, "id"), True, "shard ids [0, 5] are not 0..1 in order"),
-    "unknown version": (_set("mimir-audit-index-v2", "format"), True,
+    "tokenizer a string": (put("demo", "tokenizer"), True, "tokenizer must be null or"),
+    "shard ids out of order": (put(5, "shards", 1, "id"), True, "shard ids [0, 5] are not 0..1 in order"),
+    "unknown version": (put("mimir-audit-index-v2", "format"), True,
                         "format 'mimir-audit-index-v2', expected 'mimir-audit-index-v1'"),
-    "unknown encoding": (_set("u32", "encoding"), True, "encoding 'u32' is not one of u16, u16x2"),
-    "edited, fingerprint kept": (_set(15, "shards", 0, "tokens"), False, "does not match the content"),
+    "unknown encoding": (put("u32", "encoding"), True, "encoding 'u32' is not one of u16, u16x2"),
+    "edited, fingerprint kept": (put(15, "shards", 0, "tokens"), False, "does not match the content"),
 }
 
 
-@pytest.mark.parametrize("damage,reseal,words", DAMAGED.values(), ids=DAMAGED.keys())
-def test_a_damaged_record_is_refused_in_one_line_naming_the_file(tmp_path, damage, reseal, words):
-    raw = record().to_json()
-    damage(raw)
-    if reseal:
-        raw["fingerprint"] = json_digest(raw, exclude="fingerprint")
+@pytest.mark.parametrize("change,resealed,words", DAMAGED.values(), ids=DAMAGED.keys())
+def test_a_damaged_record_is_refused_in_one_line_naming_the_file(tmp_path, change, resealed, words):
+    record().write(tmp_path)
     path = tmp_path / META_NAME
-    path.write_text(json.dumps(raw))
+    damage(path, change, *([reseal("fingerprint")] if resealed else []))
     for open_it in (IndexMetadata.read, AuditIndex):  # the record's reader, and opening the index
-        with pytest.raises(UserError) as err:
-            open_it(tmp_path)
-        line = str(err.value)
-        assert line.startswith(f"{path}: ") and "\n" not in line and words in line, line
+        assert_refused(lambda: open_it(tmp_path), path, words)
 
 
 @pytest.mark.parametrize("text,words", [("{", "not a readable index record"), ("[]", "holds list")],

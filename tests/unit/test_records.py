@@ -1,6 +1,7 @@
 """Every stored record refuses a hand-damaged file in one line naming the file and what is wrong:
-a missing field, a field of the wrong type, a version this mimir does not read, and (for the
-self-digesting ones) content edited after its digest was written."""
+a missing field, a field of the wrong type, a version this mimir does not read, and content edited
+after its digest was written; a record written before digests (or formats) were recorded reads as
+its record's migration says. The hand edits are tests/helpers/record_damage.py's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mimir_megatron.errors import UserError
+from record_damage import assert_refused, damage, drop, put, reseal
 
 
 def _manifest(directory: Path) -> Path:
@@ -126,94 +127,112 @@ def _read_plan(directory: Path):
     return PlanRecord.read(directory / "plan.json")
 
 
-def _redigest(record: dict) -> None:
-    """A careful hand edit: the record's own digest recomputed, so the field check must speak."""
-    from mimir_megatron.integrity import json_digest
+# The records: (writer, reader, the digest computed again after a careful hand edit)
+RECORDS = {
+    "manifest": (_manifest, _read_manifest, reseal()),
+    "sidecar": (_sidecar, _read_sidecar, reseal(leave_out=("format",))),  # the provenance record's own digest
+    "report": (_report, _read_report, reseal()),
+    "results": (_results, _read_results, reseal()),
+    "sweep": (_sweep, _read_sweep, reseal()),
+    "plan": (_plan, _read_plan, reseal()),
+    "state": (_state, _read_state, reseal()),
+}
 
-    record["digest"] = json_digest({k: v for k, v in record.items() if k != "format"}
-                                   if "license" in record else record)
-
-
-def _pop(*keys):
-    def change(record):
-        inner = record
-        for key in keys[:-1]:
-            inner = inner[key]
-        inner.pop(keys[-1])
-    return change
-
-
-def _set(value, *keys):
-    def change(record):
-        inner = record
-        for key in keys[:-1]:
-            inner = inner[key]
-        inner[keys[-1]] = value
-    return change
-
-
-# (writer, reader, change, recompute the digest, what the line must say)
+# (record, change, recompute the digest so that only the check under test speaks, what the line must say)
 CASES = {
-    "manifest-missing-field": (_manifest, _read_manifest, _pop("documents"), True, "documents: missing"),
-    "manifest-missing-nested": (_manifest, _read_manifest, _pop("tokenizer", "sha256"), True,
-                                "tokenizer.sha256: missing"),
-    "manifest-wrong-type": (_manifest, _read_manifest, _set("3", "documents"), True,
+    "manifest-missing-field": ("manifest", drop("documents"), True, "documents: missing"),
+    "manifest-missing-nested": ("manifest", drop("tokenizer", "sha256"), True, "tokenizer.sha256: missing"),
+    "manifest-wrong-type": ("manifest", put("3", "documents"), True,
                             "documents: a non-negative integer expected, got '3'"),
-    "manifest-wrong-shard": (_manifest, _read_manifest, _set([{"prefix": 5, "documents": 1}], "shards"), True,
+    "manifest-wrong-shard": ("manifest", put([{"prefix": 5, "documents": 1}], "shards"), True,
                              "shards[0].prefix: a string expected"),
-    "manifest-unknown-version": (_manifest, _read_manifest, _set("mimir-prepared-v0", "format"), True,
+    "manifest-unknown-version": ("manifest", put("mimir-prepared-v0", "format"), True,
                                  "format 'mimir-prepared-v0' is not one this version of mimir reads"),
-    "manifest-edited": (_manifest, _read_manifest, _set(4, "documents"), False,
-                        "edited after mimir prepare wrote it"),
-    "manifest-digest-removed": (_manifest, _read_manifest, _pop("digest"), False, "has no digest"),
-    "sidecar-missing-field": (_sidecar, _read_sidecar, _pop("basis"), True, "provenance.basis: required"),
-    "sidecar-wrong-type": (_sidecar, _read_sidecar, _set("da", "languages"), True,
-                           "provenance.languages: a list of ISO 639 codes"),
-    "sidecar-unknown-version": (_sidecar, _read_sidecar, _set("mimir-provenance-v9", "format"), True,
+    "manifest-edited": ("manifest", put(4, "documents"), False, "edited after mimir prepare wrote it"),
+    "manifest-digest-removed": ("manifest", drop("digest"), False, "has no digest"),
+    "sidecar-missing-field": ("sidecar", drop("basis"), True, "provenance.basis: required"),
+    "sidecar-wrong-type": ("sidecar", put("da", "languages"), True, "provenance.languages: a list of ISO 639 codes"),
+    "sidecar-unknown-version": ("sidecar", put("mimir-provenance-v9", "format"), True,
                                 "format 'mimir-provenance-v9' is not one this version of mimir reads"),
-    "sidecar-edited": (_sidecar, _read_sidecar, _set("CC0-1.0", "license"), False,
-                       "provenance record was edited after it was written"),
-    "report-missing-field": (_report, _read_report, _pop("benchmarks", "arith", "items"), False,
+    "sidecar-edited": ("sidecar", put("CC0-1.0", "license"), False, "provenance record was edited after it was written"),
+    "report-missing-field": ("report", drop("benchmarks", "arith", "items"), True,
                              "benchmarks.arith: items, contaminated and longest_span.tokens are required"),
-    "report-wrong-type": (_report, _read_report, _set("13", "ngram"), False, "ngram: an integer expected"),
-    "report-wrong-nested-type": (_report, _read_report, _set("many", "benchmarks", "arith", "contaminated"),
-                                 False, "benchmarks.arith.contaminated: an integer expected"),
-    "report-unknown-version": (_report, _read_report, _set("mimir-contamination-v0", "format"), False,
+    "report-missing-benchmarks": ("report", drop("benchmarks"), True, "benchmarks: missing"),
+    "report-wrong-type": ("report", put("13", "ngram"), True, "ngram: an integer expected"),
+    "report-wrong-nested-type": ("report", put("many", "benchmarks", "arith", "contaminated"), True,
+                                 "benchmarks.arith.contaminated: an integer expected"),
+    "report-unknown-version": ("report", put("mimir-contamination-v0", "format"), True,
                                "format 'mimir-contamination-v0' is not one this version of mimir reads"),
-    "results-missing-field": (_results, _read_results, _pop("tasks", "arith", "n"), False, "tasks.arith.n: missing"),
-    "results-wrong-type": (_results, _read_results, _set("half", "tasks", "arith", "score"), False,
+    "report-edited": ("report", put(0, "benchmarks", "arith", "contaminated"), False,
+                      "edited after `mimir audit contamination` wrote it (its digest does not match its content)"),
+    "results-missing-field": ("results", drop("tasks", "arith", "n"), True, "tasks.arith.n: missing"),
+    "results-wrong-type": ("results", put("half", "tasks", "arith", "score"), True,
                            "tasks.arith.score: a number expected"),
-    "results-unknown-version": (_results, _read_results, _set("mimir-eval-results-v0", "format"), False,
+    "results-unknown-version": ("results", put("mimir-eval-results-v0", "format"), True,
                                 "format 'mimir-eval-results-v0' is not one this version of mimir reads"),
-    "sweep-missing-field": (_sweep, _read_sweep, _pop("rows", 0, "H"), False, "rows[0].H: missing"),
-    "sweep-wrong-type": (_sweep, _read_sweep, _set([2], "trained"), False, "trained: [H, L] expected"),
-    "sweep-unknown-version": (_sweep, _read_sweep, _set("mimir-sweep-results-v2", "format"), False,
-                              "format 'mimir-sweep-results-v2' is not one this version of mimir reads"),
-    "plan-missing-field": (_plan, _read_plan, _pop("configured", "fits"), False, "configured.fits: missing"),
-    "plan-wrong-type": (_plan, _read_plan, _set("8", "gpus"), False, "gpus: an integer expected"),
-    "plan-unknown-version": (_plan, _read_plan, _set("mimir-plan-v0", "format"), False,
+    "results-edited": ("results", put(0.75, "tasks", "arith", "score"), False,
+                       "edited after `mimir eval` wrote it (its digest does not match its content)"),
+    "sweep-missing-field": ("sweep", drop("rows", 0, "H"), True, "rows[0].H: missing"),
+    "sweep-wrong-type": ("sweep", put([2], "trained"), True, "trained: [H, L] expected"),
+    "sweep-unknown-version": ("sweep", put("mimir-sweep-results-v9", "format"), True,
+                              "format 'mimir-sweep-results-v9' is not one this version of mimir reads"),
+    "sweep-edited": ("sweep", put(75.0, "rows", 0, "arith"), False,
+                     "edited after `mimir sweep` wrote it (its digest does not match its content)"),
+    "plan-missing-field": ("plan", drop("configured", "fits"), True, "configured.fits: missing"),
+    "plan-wrong-type": ("plan", put("8", "gpus"), True, "gpus: an integer expected"),
+    "plan-unknown-version": ("plan", put("mimir-plan-v0", "format"), True,
                              "format 'mimir-plan-v0' is not one this version of mimir reads"),
-    "state-missing-field": (_state, _read_state, _pop("step"), True, "trainer state lacks step"),
-    "state-wrong-type": (_state, _read_state, _set("7", "step"), True, "step must be a non-negative integer"),
-    "state-edited": (_state, _read_state, _set(8, "step"), False,
-                     "damaged trainer state (its content does not match its digest)"),
+    "plan-edited": ("plan", put(16, "gpus"), False, "edited after it was written (its digest does not match its content)"),
+    "state-missing-field": ("state", drop("step"), True, "trainer state lacks step"),
+    "state-wrong-type": ("state", put("7", "step"), True, "step must be a non-negative integer"),
+    "state-edited": ("state", put(8, "step"), False, "damaged trainer state (its content does not match its digest)"),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_hand_damaged_record_is_refused_in_one_line_naming_the_file(tmp_path, case):
-    write, read, change, redigest, says = CASES[case]
+    name, change, redigest, says = CASES[case]
+    write, read, resealed = RECORDS[name]
     path = write(tmp_path / "record")
     assert read(tmp_path / "record") is not None  # undamaged: read back
-    record = json.loads(path.read_text())
-    change(record)
-    if redigest:
-        _redigest(record)
-    path.write_text(json.dumps(record))
-    with pytest.raises(UserError) as caught:
-        read(tmp_path / "record")
-    line = str(caught.value)
-    assert "\n" not in line and str(path) in line and says in line, line
+    damage(path, change, *([resealed] if redigest else []))
+    assert_refused(lambda: read(tmp_path / "record"), path, says)
+
+
+# (record, without a format too, a field edited by hand: its keys, its new value, how the record gives it)
+BEFORE_DIGESTS = {
+    "report": ("report", False, ("benchmarks", "arith", "contaminated"), 0,
+               lambda report: report.benchmarks["arith"].contaminated),
+    "results": ("results", False, ("tasks", "arith", "score"), 0.75, lambda results: results.tasks["arith"].score),
+    "results-formatless": ("results", True, ("tasks", "arith", "score"), 0.75,
+                           lambda results: results.tasks["arith"].score),
+    "sweep": ("sweep", False, ("rows", 0, "arith"), 75.0, lambda sweep: sweep.rows[0]["arith"]),
+    "sweep-formatless": ("sweep", True, ("rows", 0, "arith"), 75.0, lambda sweep: sweep.rows[0]["arith"]),
+    "plan": ("plan", False, ("gpus",), 16, lambda plan: plan.gpus),
+    "plan-formatless": ("plan", True, ("gpus",), 16, lambda plan: plan.gpus),
+}
+
+
+@pytest.mark.parametrize("case", BEFORE_DIGESTS)
+def test_a_record_written_before_digests_reads_as_it_is(tmp_path, case):
+    """The contamination report, the eval and sweep results and the plan carry a digest since this
+    version: a file written before (no digest; results and plans maybe no format either) holds
+    today's fields and reads as it is, through the record's migration. There is nothing to verify,
+    so a hand edit of such a file is read too."""
+    name, formatless, keys, edited, value = BEFORE_DIGESTS[case]
+    write, read, _ = RECORDS[name]
+    path = write(tmp_path / "record")
+    damage(path, drop("digest"), *([drop("format")] if formatless else []), put(edited, *keys))
+    assert value(read(tmp_path / "record")) == edited
+
+
+def test_a_report_without_a_format_is_refused_naming_it(tmp_path):
+    """The contamination report has carried its format from the first version: a report without
+    one is not a report `mimir audit contamination` wrote (its rule since then)."""
+    path = _report(tmp_path / "record")
+    damage(path, drop("digest"), drop("format"))
+    assert_refused(lambda: _read_report(tmp_path / "record"), path,
+                   "format None is not one this version of mimir reads (it reads 'mimir-contamination-v1')")
 
 
 def test_records_read_back_what_was_written(tmp_path):
@@ -234,6 +253,18 @@ def test_records_read_back_what_was_written(tmp_path):
     assert _read_sweep(_sweep(tmp_path / "w").parent).trained == (2, 3)
     plan = _read_plan(_plan(tmp_path / "p").parent)
     assert (plan.gpus, plan.configured.fits, plan.layouts[0].dp) == (8, True, 8)
+    # What the writers hand to tools carries the digest, and reads back: the plan file, MLflow's
+    # plan.json (PlanRecord.json), the eval's and the sweep's files written again from a read.
+    from mimir_megatron.integrity import digest_matches
+    from mimir_megatron.train.plan.record import PlanRecord
+
+    assert plan.to_dict() == json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert digest_matches(json.loads(plan.json())) and PlanRecord.from_dict(json.loads(plan.json())) == plan
+    again = results.write(tmp_path / "e2")
+    assert again.read_text() == (tmp_path / "e" / "results.json").read_text()
+    sweep = _read_sweep(tmp_path / "w")
+    assert sweep.write(tmp_path / "w2").read_text() == (tmp_path / "w" / "table5.json").read_text()
+    assert report.write(tmp_path / "r2").read_text() == (tmp_path / "r" / "demo.json").read_text()
 
 
 def test_digests_written_before_the_canonical_encoding_still_verify(tmp_path):

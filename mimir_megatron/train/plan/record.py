@@ -1,10 +1,12 @@
 """The plan as a file (``mimir plan --json``, MLflow's ``plan.json``): one record, one reader, one
 writer.
 
-The record is :func:`.report.to_dict`'s layout with ``format``; :class:`PlanRecord` names what a
-tool compares (the cluster, the run's size, each layout's fit, step time, throughput and cost)
-and keeps the rest in :attr:`PlanRecord.content`. A file written before ``format`` was recorded
-holds the same fields and reads as today's; another version is refused by name.
+The record is :func:`.report.to_dict`'s layout with ``format`` and the digest of its content
+(:mod:`mimir_megatron.integrity`); :class:`PlanRecord` names what a tool compares (the cluster,
+the run's size, each layout's fit, step time, throughput and cost) and keeps the rest in
+:attr:`PlanRecord.content`. A file whose content no longer matches its digest is refused as
+edited. A file written before ``format`` or the digest was recorded holds the same fields and
+reads as today's (:func:`_migrated`); another version is refused by name.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.integrity import write_json_atomic
+from mimir_megatron.integrity import DIGEST_KEY, digest_matches, with_digest, write_json_atomic
 
 if TYPE_CHECKING:
     from .layouts import RunPlan
@@ -55,7 +57,8 @@ class PlanRecord:
     layouts: tuple[LayoutSummary, ...]
     """The fitting layouts, fastest first (as many as were asked for)."""
     content: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
-    """The whole record as stored (memory terms, phases, the GPU's specification, ...)."""
+    """The whole record as stored (memory terms, phases, the GPU's specification, ...), without its
+    digest (checked when read, computed again when written)."""
 
     @classmethod
     def of(cls, plan: RunPlan, top: int = 10) -> PlanRecord:
@@ -65,8 +68,12 @@ class PlanRecord:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], path: str | Path = "plan") -> PlanRecord:
-        """The record of a plan's dict; a one-line :class:`UserError` naming ``path`` and the field."""
+        """The record of a plan's dict; a one-line :class:`UserError` naming ``path`` and the field,
+        or saying that its content was edited after its digest was computed."""
         body = _migrated(dict(values), path)
+        if DIGEST_KEY in body and not digest_matches(body):
+            raise UserError(f"{path}: edited after it was written (its digest does not match its content)")
+        body.pop(DIGEST_KEY, None)
         f = _Fields(body, path)
         return cls(config=f.get("config", str, "a string"), gpus=f.int("gpus"), nodes=f.int("nodes"),
                    seq_len=f.int("seq_len"), global_batch=f.int("global_batch"), steps=f.int("steps"),
@@ -77,7 +84,8 @@ class PlanRecord:
                    content=MappingProxyType({**body, "format": FORMAT}))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT, **{k: v for k, v in self.content.items() if k != "format"}}
+        """The record as stored: its content, with its format and digest."""
+        return with_digest({"format": FORMAT, **{k: v for k, v in self.content.items() if k != "format"}})
 
     def json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
@@ -100,8 +108,9 @@ class PlanRecord:
 
 
 def _migrated(body: dict[str, Any], path: str | Path) -> dict[str, Any]:
-    """A plan of an older format brought to today's: one without ``format`` holds today's fields;
-    another version is refused, naming it."""
+    """A plan of an older format brought to today's: one without ``format`` or without a digest
+    (written before they were recorded) holds today's fields and reads as it is; another version is
+    refused, naming it."""
     found = body.get("format", FORMAT)
     if found != FORMAT:
         raise UserError(f"{path}: format {found!r} is not one this version of mimir reads (it reads "
