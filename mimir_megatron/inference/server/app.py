@@ -245,7 +245,7 @@ def app_server(app: FastAPI) -> Server:
 
 def serve(engine: InferenceEngine, host: str = "127.0.0.1", port: int = 8000, **limits) -> None:
     """Serve until interrupted (``mimir serve``): SIGTERM or Ctrl-C finishes the requests and
-    streams in flight, then exits; a second Ctrl-C exits at once."""
+    streams in flight, then exits (SIGTERM: exit 0); a second Ctrl-C exits at once."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -261,8 +261,18 @@ def serve(engine: InferenceEngine, host: str = "127.0.0.1", port: int = 8000, **
                             "exit now)")
             super().handle_exit(sig, frame)
 
+    def drained(sig: int, frame) -> None:
+        log.info("SIGTERM: the requests in flight are finished; exiting")
+
     config = uvicorn.Config(build_app(engine, **limits), host=host, port=port, log_level="info")
-    Server(config).run()
+    # uvicorn sends the SIGTERM it handled again once its shutdown is complete, to the handler in
+    # place before it started: Python's default would end the process by the signal (exit 143,
+    # logs unflushed) after a clean drain. This one lets `mimir serve` return and exit 0.
+    previous = signal.signal(signal.SIGTERM, drained)
+    try:
+        Server(config).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager
