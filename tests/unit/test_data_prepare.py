@@ -257,3 +257,27 @@ def test_the_stages_called_by_hand_give_the_document_prepare_writes(tmp_path):
     prepare([src], TOK, tmp_path / "out", workers=1, progress=False, **options)
     shard = IndexedDataset(str(tmp_path / "out" / "shards" / "00000"))
     assert (shard[0].tolist(), shard[1].tolist(), truncated) == (prefix, response, False)
+
+
+def test_the_options_of_prepare_are_listed_once(tmp_path):
+    """PrepareOptions is the one list of prepare()'s options and of their defaults: they are given
+    as one or as keywords of its names, a keyword that is not one is refused by name before
+    anything is written, and the checked settings and a prepare config default to its values."""
+    from mimir_data_prep.prepare_config import DatasetJob, PrepareJob
+    from mimir_data_prep.settings import PrepareOptions, PrepareSettings, prepare_settings
+
+    given = prepare_settings(TOK, PrepareOptions(seq_len=64, control_chars="strip"), personal_data="redact")
+    assert given == prepare_settings(TOK, seq_len=64, control_chars="strip", personal_data="redact")
+    assert (given.seq_len, given.control_chars, given.personal_data, given.too_long) == (64, "strip", "redact",
+                                                                                         "drop")
+    with pytest.raises(TypeError, match="sequence_len"):
+        prepare([tmp_path / "in.jsonl"], TOK, tmp_path / "out", sequence_len=64, progress=False)
+    assert not (tmp_path / "out").exists()
+    defaults = {f.name: f.default for f in dataclasses.fields(PrepareOptions)}
+    compared = 0
+    for record in (PrepareSettings, PrepareJob, DatasetJob):
+        for f in dataclasses.fields(record):
+            if f.name in defaults and f.default not in (None, "", dataclasses.MISSING) and f.name != "columns":
+                assert f.default == defaults[f.name], (record.__name__, f.name, f.default)
+                compared += 1
+    assert compared == 13  # seven of PrepareSettings, five of PrepareJob, one of DatasetJob
