@@ -82,37 +82,37 @@ def prepare_settings(tokenizer_dir: str | Path, options: PrepareOptions | None =
     """The options (``options`` and/or ``keywords``, as :func:`prepare_options`) checked (a
     one-line UserError naming the first bad one) and frozen; the denylist is read and checked
     against the tokenizer here, before anything is written."""
-    o = prepare_options(options, **keywords)
-    seq_len, too_long, input_format, columns = o.seq_len, o.too_long, o.input_format, o.columns
-    personal_data, control_chars, denylist = o.personal_data, o.control_chars, o.denylist
-    if too_long not in TOO_LONG_POLICIES:
-        raise UserError(f"--too-long must be one of {TOO_LONG_POLICIES}, got {too_long!r}")
-    if seq_len < 2:
-        raise UserError(f"--seq-len must be >= 2, got {seq_len}")
-    if input_format not in INPUT_FORMATS:
-        raise UserError(f"--input-format must be one of {INPUT_FORMATS}, got {input_format!r}")
-    if personal_data not in PERSONAL_DATA_POLICIES:
-        raise UserError(f"--personal-data must be one of {PERSONAL_DATA_POLICIES}, got {personal_data!r}")
-    if control_chars not in CONTROL_CHAR_POLICIES:
-        raise UserError(f"--control-chars must be one of {CONTROL_CHAR_POLICIES}, got {control_chars!r}")
-    column_map = parse_columns(columns)
-    if input_format == "columns" and not column_map:
+    given = prepare_options(options, **keywords)
+    if given.too_long not in TOO_LONG_POLICIES:
+        raise UserError(f"--too-long must be one of {TOO_LONG_POLICIES}, got {given.too_long!r}")
+    if given.seq_len < 2:
+        raise UserError(f"--seq-len must be >= 2, got {given.seq_len}")
+    if given.input_format not in INPUT_FORMATS:
+        raise UserError(f"--input-format must be one of {INPUT_FORMATS}, got {given.input_format!r}")
+    if given.personal_data not in PERSONAL_DATA_POLICIES:
+        raise UserError(f"--personal-data must be one of {PERSONAL_DATA_POLICIES}, "
+                        f"got {given.personal_data!r}")
+    if given.control_chars not in CONTROL_CHAR_POLICIES:
+        raise UserError(f"--control-chars must be one of {CONTROL_CHAR_POLICIES}, "
+                        f"got {given.control_chars!r}")
+    column_map = parse_columns(given.columns)
+    if given.input_format == "columns" and not column_map:
         raise UserError("--input-format columns needs --columns TARGET=COLUMN,...")
-    denylist = check_denylist(denylist, tokenizer_dir)
+    denylist = check_denylist(given.denylist, tokenizer_dir)
     tokenizer_dir = str(Path(tokenizer_dir).resolve())
     return PrepareSettings(
         tokenizer_dir=tokenizer_dir,
         tokenizer_sha256=tokenizer_sha256(tokenizer_dir) if Path(tokenizer_dir).is_dir() else "",
-        seq_len=seq_len,
-        too_long=too_long,
-        min_response_tokens=o.min_response_tokens,
-        strict=o.strict,
-        input_format=input_format,
+        seq_len=given.seq_len,
+        too_long=given.too_long,
+        min_response_tokens=given.min_response_tokens,
+        strict=given.strict,
+        input_format=given.input_format,
         columns=tuple(sorted(column_map.items())),
-        control_chars=control_chars,
+        control_chars=given.control_chars,
         denylist=str(denylist.path.resolve()) if denylist else "",
         denylist_sha256=denylist.sha256 if denylist else "",
-        personal_data=personal_data,
+        personal_data=given.personal_data,
     )
 
 

@@ -34,7 +34,7 @@ from mimir_megatron.errors import UserError
 from mimir_megatron.integrity import sha256_file, write_json_atomic
 
 from .files import data_files, too_many_files_line
-from .manifest import MANIFEST_NAME, Manifest  # noqa: F401 - MANIFEST_NAME: beside the layout above
+from .manifest import Manifest
 
 REJECTS_NAME = "rejects.jsonl"
 SHARDS_DIR = "shards"
