@@ -31,6 +31,8 @@ def write_corpus(root: Path, tokens: int, seed: int, docs_per_file: int = 50_000
     buffers filled a file at a time: per-document calls would dominate the benchmark)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+    from mimir_megatron.data.manifest import write_manifest
+
     rng = np.random.default_rng(seed)
     out = root / "corpus"
     (out / "shards").mkdir(parents=True)
@@ -58,10 +60,9 @@ def write_corpus(root: Path, tokens: int, seed: int, docs_per_file: int = 50_000
         written += int(lens.sum())
         shards.append({"prefix": prefix, "documents": len(docs)})
         n += 1
-    manifest = {"format": "mimir-prepared-v1", "documents": sum(s["documents"] for s in shards),
-                "tokens": {"total": written}, "tokenizer": {"sha256": "synthetic"}, "shards": shards,
-                "outputs": {f"{s['prefix']}.bin": f"seed{seed}-{i}" for i, s in enumerate(shards)}}
-    (out / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(out, {"documents": sum(s["documents"] for s in shards), "tokens": {"total": written},
+                         "tokenizer": {"sha256": "synthetic"}, "dtype": "int32", "shards": shards,
+                         "outputs": {f"{s['prefix']}.bin": f"seed{seed}-{i}" for i, s in enumerate(shards)}})
     return out
 
 

@@ -14,7 +14,6 @@ rows (made-up text: the clean case). Not a test: numbers depend on the machine a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -32,6 +31,7 @@ def write_corpus(root: Path, tokens: int, seed: int) -> Path:
     from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
 
     from mimir_megatron.chat import ChatRenderer, tokenizer_sha256
+    from mimir_megatron.data.manifest import write_manifest
 
     renderer = ChatRenderer(DEMO_TOKENIZER_DIR)
     train, _ = generate(seed)
@@ -56,9 +56,9 @@ def write_corpus(root: Path, tokens: int, seed: int) -> Path:
     builder.document_indices.extend(range(2, 2 * len(lengths) + 1, 2))
     builder.finalize(str(out / "shards/00000.idx"))
     tokenizer = {"path": str(DEMO_TOKENIZER_DIR), "sha256": tokenizer_sha256(DEMO_TOKENIZER_DIR)}
-    (out / "manifest.json").write_text(json.dumps({
-        "format": "mimir-prepared-v1", "documents": len(lengths), "tokens": {"total": sum(lengths)},
-        "tokenizer": tokenizer, "shards": [{"prefix": "shards/00000", "documents": len(lengths)}]}))
+    write_manifest(out, {"documents": len(lengths), "tokens": {"total": sum(lengths)}, "tokenizer": tokenizer,
+                         "dtype": "uint16", "shards": [{"prefix": "shards/00000", "documents": len(lengths)}],
+                         "outputs": {}})
     return out
 
 

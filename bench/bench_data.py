@@ -67,11 +67,11 @@ def bench_prepare(documents: int, workers: list[int], tokenizer: str | None) -> 
                 progress=False,
             )
             dt = time.perf_counter() - start
-            tok = m["tokens"]["total"]
+            tok = m.tokens_total
             print(
-                f"prepare: {m['documents']:,} docs, {tok:,} tokens, {size_mib:.1f} MiB JSONL, "
+                f"prepare: {m.documents:,} docs, {tok:,} tokens, {size_mib:.1f} MiB JSONL, "
                 f"{n} worker(s): {dt:.1f} s, {tok / dt:,.0f} tokens/s total, "
-                f"{tok / dt / n:,.0f} tokens/s per worker, {m['documents'] / dt:,.0f} docs/s "
+                f"{tok / dt / n:,.0f} tokens/s per worker, {m.documents / dt:,.0f} docs/s "
                 "(includes worker start-up)"
             )
 
@@ -107,7 +107,7 @@ def bench_against_tokenizer(documents: int, tokenizer: str | None) -> None:
         start, cpu = time.perf_counter(), time.process_time()
         m = prepare([corpus], tok_dir, Path(tmp) / "out", seq_len=4096, workers=1, progress=False)
         prepare_s, prepare_cpu = time.perf_counter() - start, time.process_time() - cpu
-    assert m["tokens"]["total"] == tokens, (m["tokens"]["total"], tokens)
+    assert m.tokens_total == tokens, (m.tokens_total, tokens)
     # CPU seconds as well as wall seconds: on a shared machine the load moves the wall-clock ratio.
     print(f"tokenizer encode_batch (1 thread): {tokens / encode_s:,.0f} tokens/s; mimir prepare (1 worker, "
           f"read + screen + render + encode + write): {tokens / prepare_s:,.0f} tokens/s; ratio "

@@ -79,7 +79,8 @@ def write_shard(prefix: Path, lengths: np.ndarray, noise: np.ndarray) -> tuple[i
 def write_mixture(root: Path, total_tokens: int, shards: int) -> Path:
     """161 prepared datasets (manifests with per-file sha256, as `mimir prepare` writes them) and
     their mixture YAML; shards are given to datasets by token share (at least one each)."""
-    from mimir_megatron.data.prepared import FORMAT, manifest_digest, sha256_file
+    from mimir_megatron.data.manifest import write_manifest
+    from mimir_megatron.integrity import sha256_file
 
     lengths, repeats = synthetic_lengths(total_tokens)
     tokens = np.array([int(x.sum()) for x in lengths])
@@ -97,11 +98,9 @@ def write_mixture(root: Path, total_tokens: int, shards: int) -> Path:
             for ext in (".bin", ".idx"):
                 outputs[rel + ext] = sha256_file(path / (rel + ext))
             documents, total = documents + docs, total + toks
-        manifest = {"format": FORMAT, "documents": documents, "tokens": {"total": total}, "dtype": "int32",
-                    "tokenizer": {"path": "synthetic", "sha256": hashlib.sha256(b"synthetic").hexdigest()},
-                    "shards": entries, "outputs": outputs}
-        manifest["digest"] = manifest_digest(manifest)
-        (path / "manifest.json").write_text(json.dumps(manifest))
+        tokenizer = {"path": "synthetic", "sha256": hashlib.sha256(b"synthetic").hexdigest()}
+        write_manifest(path, {"documents": documents, "tokens": {"total": total}, "dtype": "int32",
+                              "tokenizer": tokenizer, "shards": entries, "outputs": outputs})
         lines.append(f"  - {{path: {path.name}, category: c{i % 8}, language: en, repeat: {repeat}}}")
     (root / "mixture.yaml").write_text("\n".join(lines) + "\n")
     return root / "mixture.yaml"

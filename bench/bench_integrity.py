@@ -19,7 +19,6 @@ the floor either way. Not a test: numbers depend on the machine and its load (pr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -85,13 +84,16 @@ def bench_data(tmp: Path, size: int) -> None:
 
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from mimir_megatron.data.prepared import hash_outputs, output_problems, sha256_file, shard_problems
+    from mimir_megatron.data.manifest import write_manifest
+    from mimir_megatron.data.prepared import hash_outputs, output_problems, shard_problems
+    from mimir_megatron.integrity import sha256_file
 
     data = tmp / "prepared"
     (data / "shards").mkdir(parents=True)
     shards, per_shard = 4, size // 4 // 2  # uint16 tokens
     rng = np.random.default_rng(1)
-    manifest = {"dtype": "uint16", "shards": [], "outputs": {}}
+    shard_entries: list[dict] = []
+    outputs: dict[str, str] = {}
     for s in range(shards):
         prefix = data / "shards" / f"{s:05d}"
         builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
@@ -101,11 +103,14 @@ def bench_data(tmp: Path, size: int) -> None:
             builder.add_document(rng.integers(0, 50000, n, dtype=np.uint16), [n // 4, n - n // 4])
             documents, left = documents + 1, left - n
         builder.finalize(f"{prefix}.idx")
-        manifest["shards"].append({"prefix": f"shards/{s:05d}", "documents": documents})
+        shard_entries.append({"prefix": f"shards/{s:05d}", "documents": documents})
         for ext in ("bin", "idx"):
-            manifest["outputs"][f"shards/{s:05d}.{ext}"] = sha256_file(f"{prefix}.{ext}")
-    (data / "manifest.json").write_text(json.dumps(manifest))
-    files = [data / rel for rel in manifest["outputs"]]
+            outputs[f"shards/{s:05d}.{ext}"] = sha256_file(f"{prefix}.{ext}")
+    manifest = write_manifest(data, {"documents": sum(e["documents"] for e in shard_entries),
+                                     "tokens": {"total": shards * per_shard}, "dtype": "uint16",
+                                     "tokenizer": {"sha256": "0" * 64}, "shards": shard_entries,
+                                     "outputs": outputs})
+    files = [data / rel for rel in manifest.outputs]
     gb = sum(p.stat().st_size for p in files) / 1e9
     read = timed(read_all, files)
     structural = timed(lambda: shard_problems(data, manifest))

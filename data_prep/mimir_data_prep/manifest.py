@@ -1,6 +1,7 @@
-"""The write-manifest stage of `mimir prepare`: the finished shards' statistics summed into
-``manifest.json`` (with its digest, :mod:`mimir_megatron.data.prepared`) and their rejects
-merged into ``rejects.jsonl``, in shard order."""
+"""The write-manifest stage of `mimir prepare`: the finished shards' statistics summed into the
+manifest's content (:func:`manifest_content`), written by the manifest's one writer
+(:func:`mimir_megatron.data.manifest.write_manifest`: its format, its digest, its checks), and
+their rejects merged into ``rejects.jsonl``, in shard order."""
 
 from __future__ import annotations
 
@@ -10,16 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from mimir_megatron.chat import ChatRenderer
-from mimir_megatron.data.prepared import (
-    FORMAT,
-    MANIFEST_NAME,
-    REJECTS_NAME,
-    SEQUENCES_PER_DOCUMENT,
-    SHARDS_DIR,
-    manifest_digest,
-)
+from mimir_megatron.data.manifest import Manifest, write_manifest
+from mimir_megatron.data.prepared import REJECTS_NAME, SEQUENCES_PER_DOCUMENT, SHARDS_DIR
 from mimir_megatron.data.provenance import Provenance, stored_record
-from mimir_megatron.integrity import sha256_file, write_json_atomic
+from mimir_megatron.integrity import sha256_file
 
 from .records import REJECT_REASONS
 from .settings import PrepareSettings
@@ -46,7 +41,7 @@ def merge_rejects(tasks: list[ShardTask], out: Path) -> str:
     return sha256_file(out / REJECTS_NAME)
 
 
-def write_manifest(
+def write_dataset_manifest(
     tasks: list[ShardTask],
     stats: dict[int, ShardStats],
     settings: PrepareSettings,
@@ -55,8 +50,25 @@ def write_manifest(
     out: Path,
     formats: dict[str, dict],
     provenance: Provenance | None,
-) -> dict:
+) -> Manifest:
     """Write ``rejects.jsonl`` and ``manifest.json`` for the finished shards; the manifest."""
+    rejects_sha256 = merge_rejects(tasks, out)
+    content = manifest_content(tasks, stats, settings, renderer, sources, formats, provenance, rejects_sha256)
+    return write_manifest(out, content)
+
+
+def manifest_content(
+    tasks: list[ShardTask],
+    stats: dict[int, ShardStats],
+    settings: PrepareSettings,
+    renderer: ChatRenderer,
+    sources: list[dict],
+    formats: dict[str, dict],
+    provenance: Provenance | None,
+    rejects_sha256: str,
+) -> dict:
+    """The manifest's content for the finished shards (what :func:`write_manifest` writes, which
+    adds the format and the digest): the shards' statistics summed, in shard order."""
     rejects = {r: 0 for r in REJECT_REASONS}
     personal: dict[str, int] = {}
     totals = {"lines": 0, "documents": 0, "prefix": 0, "response": 0, "truncated": 0, "stripped": 0}
@@ -77,13 +89,12 @@ def write_manifest(
         outputs.update({k: v for k, v in s.files.items() if not k.endswith(".rejects.jsonl")})
         shards.append({"prefix": f"{SHARDS_DIR}/{task.shard_id:05d}", "documents": s.documents,
                        "source": task.path, "first_line": task.first_line, "lines": s.lines})
-    outputs[REJECTS_NAME] = merge_rejects(tasks, out)
+    outputs[REJECTS_NAME] = rejects_sha256
     rejected = sum(rejects.values())
     assert totals["documents"] + rejected == totals["lines"], "accepted + rejected != lines read"
     from megatron.core.datasets.indexed_dataset import DType
 
-    manifest = {
-        "format": FORMAT,
+    return {
         "layout": f"{SEQUENCES_PER_DOCUMENT} sequences per document: prefix, then response",
         "sources": sources,
         "provenance": stored_record(provenance),
@@ -126,6 +137,3 @@ def write_manifest(
         "shards": shards,
         "outputs": dict(sorted(outputs.items())),
     }
-    manifest["digest"] = manifest_digest(manifest)
-    write_json_atomic(out / MANIFEST_NAME, manifest)
-    return manifest

@@ -25,16 +25,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from mimir_megatron.chat import ChatRenderer
+from mimir_megatron.data.manifest import Manifest
 from mimir_megatron.data.prepared import SHARDS_DIR
 from mimir_megatron.data.provenance import SIDECAR_SUFFIX, Provenance, checked_record, read_provenance
 from mimir_megatron.errors import UserError
 from mimir_megatron.integrity import sha256_file
 
 from .layouts import decide_layouts
-from .manifest import source_record, write_manifest
-from .settings import PrepareSettings, prepare_settings
+from .manifest import source_record, write_dataset_manifest
+from .settings import PrepareOptions, PrepareSettings, prepare_settings
 from .shard_pool import ShardJob, run_shards
 from .shard_writer import ShardStats, finished_shard
 from .shards import DEFAULT_SHARD_BYTES, ShardTask, plan_shards
@@ -46,24 +48,21 @@ def prepare(
     inputs: list[str | Path],
     tokenizer_dir: str | Path,
     output_dir: str | Path,
+    options: PrepareOptions | None = None,
     *,
-    seq_len: int = 4096,
-    too_long: str = "drop",
-    min_response_tokens: int = 2,
-    strict: bool = False,
-    input_format: str = "auto",
-    columns: str | dict[str, str] | None = None,
-    control_chars: str = "reject",
     workers: int | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool = True,
     provenance: Provenance | None = None,
-    denylist: str | Path | None = None,
-    personal_data: str = "reject",
     part: str | None = None,
     merge: bool = False,
-) -> dict | None:
-    """Prepare ``inputs`` into ``output_dir`` and return the manifest (also written to disk).
+    **keywords: Any,
+) -> Manifest | None:
+    """Prepare ``inputs`` into ``output_dir`` and return its manifest (the typed record written).
+
+    What decides the output (``seq_len``, ``too_long``, ``columns``, ``denylist``, ...) is
+    ``options`` and/or ``keywords`` of :class:`~.settings.PrepareOptions`'s field names (the one
+    list of them and their defaults): ``prepare(inputs, tok, out, seq_len=256, workers=1)``.
 
     Spread over machines (a Slurm array, ``launchers/prepare_array.sh``): each job runs with
     ``part`` (``I/N``: the I-th of N contiguous ranges of the shards, from 0; or ``START:END``,
@@ -77,11 +76,7 @@ def prepare(
     are rejected as ``benchmark_overlap``."""
     if not inputs:
         raise UserError("no input files given")
-    settings = prepare_settings(
-        tokenizer_dir, seq_len=seq_len, too_long=too_long, min_response_tokens=min_response_tokens,
-        strict=strict, input_format=input_format, columns=columns, control_chars=control_chars,
-        denylist=denylist, personal_data=personal_data,
-    )
+    settings = prepare_settings(tokenizer_dir, options, **keywords)
     plan = plan_dataset(inputs, output_dir, settings, shard_bytes=shard_bytes, provenance=provenance,
                         part=part, merge=merge)
     workers = pool_size(workers, len(plan.todo))
@@ -168,14 +163,14 @@ def prepare_planned(
     show: bool = True,
     provenance: Callable[[int], Provenance | None] | None = None,
     after: Mapping[int, Iterable[int]] | None = None,
-) -> list[dict | BaseException]:
+) -> list[Manifest | BaseException]:
     """Prepare the planned datasets together; per dataset, its manifest or the exception that
     stopped it (the others go on). Their shards share ``workers`` processes, and each manifest
     is written (the write-manifest stage) as soon as its shards are finished and so are the
     datasets ``after[i]`` names; ``provenance(i)``, when given, is then asked for dataset i's
     record (a provenance that names an earlier dataset reads its manifest)."""
     after = {i: set(after.get(i, ())) if after else set() for i in range(len(plans))}
-    results: dict[int, dict | BaseException] = {}
+    results: dict[int, Manifest | BaseException] = {}
     stats = {i: dict(plan.done) for i, plan in enumerate(plans)}
     left = {i: len(plan.todo) for i, plan in enumerate(plans)}
     failed: set[int] = set()
@@ -228,13 +223,13 @@ def prepare_planned(
 
 
 def finish_dataset(plan: DatasetPlan, stats: dict[int, ShardStats], sources: list[dict],
-                   provenance: Provenance | None, started: float) -> dict:
+                   provenance: Provenance | None, started: float) -> Manifest:
     """The write-manifest stage of one dataset whose shards are all finished; its manifest."""
-    manifest = write_manifest(plan.tasks, stats, plan.settings, plan.renderer, sources, plan.out,
-                              plan.formats, provenance)
+    manifest = write_dataset_manifest(plan.tasks, stats, plan.settings, plan.renderer, sources, plan.out,
+                                      plan.formats, provenance)
     log.info("%s: %d documents, %d tokens, %d rejected of %d lines (%.1f s)", plan.out,
-             manifest["documents"], manifest["tokens"]["total"], manifest["rejected"],
-             manifest["lines_read"], time.perf_counter() - started)
+             manifest.documents, manifest.tokens_total, manifest.rejected, manifest.lines_read,
+             time.perf_counter() - started)
     return manifest
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mimir_megatron.data.manifest import Manifest
 from mimir_megatron.data.provenance import (
     Provenance,
     declaration_from_mapping,
@@ -45,7 +46,7 @@ from mimir_megatron.yaml_config import raise_errors, read_yaml, typed_section
 from .layouts import INPUT_FORMATS, parse_columns
 from .personal_data import POLICIES as PERSONAL_DATA_POLICIES
 from .records import CONTROL_CHAR_POLICIES
-from .settings import TOO_LONG_POLICIES
+from .settings import TOO_LONG_POLICIES, PrepareOptions
 from .shards import DEFAULT_SHARD_BYTES
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class DatasetJob:
     name: str = ""
     input: list[str] = field(default_factory=list)  # JSONL/Parquet files
     output: str = ""  # prepared dataset directory
-    input_format: str = "auto"
+    input_format: str = PrepareOptions.input_format
     columns: dict[str, str] = field(default_factory=dict)  # target -> column, for `columns`
     control_chars: str | None = None  # default: the file-level setting
     personal_data: str | None = None  # default: the file-level setting
@@ -70,13 +71,13 @@ class PrepareJob:
     """Settings shared by every dataset of the file, and the datasets."""
 
     tokenizer: str = ""
-    seq_len: int = 4096
-    too_long: str = "drop"
-    min_response_tokens: int = 2
-    control_chars: str = "reject"
+    seq_len: int = PrepareOptions.seq_len  # the defaults are prepare()'s (settings.PrepareOptions)
+    too_long: str = PrepareOptions.too_long
+    min_response_tokens: int = PrepareOptions.min_response_tokens
+    control_chars: str = PrepareOptions.control_chars
     workers: int | None = None
     denylist: str = ""  # `mimir audit contamination --denylist` output, applied to every dataset
-    personal_data: str = "reject"  # mimir_data_prep.personal_data.POLICIES
+    personal_data: str = PrepareOptions.personal_data  # mimir_data_prep.personal_data.POLICIES
     datasets: list[DatasetJob] = field(default_factory=list)
 
 
@@ -179,7 +180,7 @@ def dataset_provenance(d: DatasetJob, where: str, base: Path, job: PrepareJob, i
 def run_prepare_config(
     path: str | Path, *, progress: bool = True, workers: int | None = None, denylist: str | None = None,
     personal_data: str | None = None, shard_bytes: int | None = None,
-) -> list[dict[str, Any]]:
+) -> list[Manifest]:
     """Prepare every dataset of the file; returns their manifests, in the file's order.
     ``denylist`` and ``personal_data`` (the command line's) replace the file's settings.
 

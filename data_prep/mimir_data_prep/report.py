@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from mimir_megatron.data.manifest import MANIFEST_NAME, Manifest
 from mimir_megatron.data.mixture import Mixture, MixtureEntry, load_mixture
-from mimir_megatron.data.prepared import MANIFEST_NAME, read_manifest
 from mimir_megatron.data.provenance import FORMS, UNKNOWN, provenance_from_record
 from mimir_megatron.errors import UserError
 
@@ -48,7 +48,7 @@ def dataset_rows(mixture: Mixture) -> list[DatasetRow]:
     for e in mixture.entries:
         tokens, declared = _tokens(e)
         provenance = None if declared else provenance_from_record(
-            read_manifest(e.path).get("provenance"),
+            Manifest.read(e.path).provenance,
             f"dataset {e.name}: {e.path / 'manifest.json'}: provenance")
         known = {}
         if provenance is not None:
@@ -71,7 +71,7 @@ def dataset_rows(mixture: Mixture) -> list[DatasetRow]:
 
 def _tokens(entry: MixtureEntry) -> tuple[int, bool]:
     if (Path(entry.path) / MANIFEST_NAME).is_file():
-        return int(read_manifest(entry.path)["tokens"]["total"]), False
+        return Manifest.read(entry.path).tokens_total, False
     if entry.tokens is not None:
         return entry.tokens, True
     raise UserError(

@@ -21,7 +21,8 @@ from typing import Callable
 import numpy as np
 
 from mimir_megatron.chat import ChatRenderer
-from mimir_megatron.data.prepared import FORMAT, SHARDS_DIR
+from mimir_megatron.data.manifest import FORMAT
+from mimir_megatron.data.prepared import SHARDS_DIR
 from mimir_megatron.integrity import sha256_file, write_json_atomic
 
 from .read import read_records

@@ -79,8 +79,8 @@ def _make_plan(sources: list[AuditSource], shard_tokens: int, encoding: str) -> 
             first += n_docs
         described.append(IndexedSource(
             name=source.name, path=str(source.path), category=source.category, documents=first,
-            tokens=sum(u.tokens for u in units if u.source == si), outputs=ds.manifest.get("outputs", {}),
-            tokenizer=tokenizer_of(ds.manifest),
+            tokens=sum(u.tokens for u in units if u.source == si), outputs=dict(ds.record.outputs),
+            tokenizer=tokenizer_of(ds.record),
         ))
     if encoding == "auto":
         # megatron stores ids as uint16 only for vocabularies < 65,500 (DType.optimal_dtype).

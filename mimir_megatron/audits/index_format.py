@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from mimir_megatron.data.manifest import Manifest
 from mimir_megatron.errors import UserError
 from mimir_megatron.integrity import digest_matches, json_digest, write_json_atomic
 
@@ -107,10 +108,10 @@ def encode_documents(tokens: np.ndarray, lengths: np.ndarray, encoding: str) -> 
 # --- the datasets' tokenizer ------------------------------------------------------------------
 
 
-def tokenizer_of(manifest: dict) -> dict | None:
+def tokenizer_of(manifest: Manifest) -> dict | None:
     """``{"sha256", "path"}`` of the tokenizer a prepared dataset's manifest names (None: none)."""
-    tokenizer = manifest.get("tokenizer") or {}
-    return {"sha256": tokenizer["sha256"], "path": tokenizer.get("path")} if tokenizer.get("sha256") else None
+    tokenizer = manifest.tokenizer
+    return {"sha256": tokenizer.sha256, "path": tokenizer.path} if tokenizer.sha256 else None
 
 
 def common_tokenizer(named: list[tuple[str, dict | None]]) -> dict | None:

@@ -85,12 +85,12 @@ class AuditIndex:
         built before this was recorded answers from its sources' manifests (None if none says)."""
         if self.metadata.tokenizer_recorded:
             return self.metadata.tokenizer
-        from mimir_megatron.data.prepared import read_manifest
+        from mimir_megatron.data.manifest import Manifest
 
         named = []
         for s in self.metadata.sources:
             try:
-                manifest = read_manifest(s.path)
+                manifest = Manifest.read(s.path)
             except UserError:
                 continue
             named.append((s.name, tokenizer_of(manifest)))

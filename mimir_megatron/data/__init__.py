@@ -19,7 +19,7 @@ _EXPORTS = {
     "EpochIndex": ".packing", "build_epoch_index": ".packing", "epoch_plan": ".packing", "pack": ".packing",
     "padding_fraction": ".packing",
     "Manifest": ".manifest", "write_manifest": ".manifest",
-    "PreparedDataset": ".prepared", "read_manifest": ".prepared",
+    "PreparedDataset": ".prepared",
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)
 

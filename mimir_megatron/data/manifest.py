@@ -1,7 +1,9 @@
 """The manifest of a prepared dataset (``manifest.json``): one typed record, one reader, one writer.
 
-``mimir prepare`` writes it (:func:`write_manifest`) once every shard is done; everyone else
-reads it through :meth:`Manifest.read`, which checks, naming the file and the field in one line:
+``mimir prepare`` writes it (:func:`write_manifest`, the one writer: it sets the format, computes
+the digest and refuses what the reader would refuse) once every shard is done; everyone else
+reads it through :meth:`Manifest.read` (the writer returns the same typed record), which checks,
+naming the file and the field in one line:
 
 - the format (``mimir-prepared-v1``; a manifest of another version goes through
   :func:`_migrated`, which today knows no older version and refuses it, naming the version);
@@ -90,6 +92,14 @@ class Manifest:
     lines_read: int | None = None
     rejected: int | None = None
     rejects: Mapping[str, int] = field(default_factory=dict)
+    accepted: int | None = None
+    tokens_prefix: int | None = None
+    tokens_response: int | None = None
+    truncated: int | None = None
+    """Documents whose prefix was cut to fit (``--too-long truncate-prefix``)."""
+    control_chars_stripped: int | None = None
+    input_formats: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Per input file: the layout asked for and the one read (``requested``, ``format``)."""
     seq_len: int | None = None
     denylist: Mapping[str, Any] | None = None
     personal_data: Mapping[str, Any] | None = None
@@ -120,15 +130,16 @@ class Manifest:
         return self.digest_problem is None
 
 
-def write_manifest(directory: str | Path, content: Mapping[str, Any]) -> dict[str, Any]:
-    """Write ``content`` (without its digest) as the manifest of the dataset ``directory``, with
-    its digest, atomically; the record as written. It is validated first: a writer cannot write
-    what :meth:`Manifest.read` would refuse."""
-    path = Path(directory) / MANIFEST_NAME
-    record = with_digest({**content, "format": content.get("format", FORMAT)})
-    _validated(record, path)
+def write_manifest(directory: str | Path, content: Mapping[str, Any]) -> Manifest:
+    """Write ``content`` as the manifest of the dataset ``directory`` atomically, with today's
+    format first and its digest last (a ``digest`` in ``content`` is replaced); the typed record
+    as written. It is validated first: a writer cannot write what :meth:`Manifest.read` would
+    refuse. The one place a manifest's digest is computed."""
+    path = Path(directory).resolve() / MANIFEST_NAME
+    record = with_digest({"format": FORMAT, **content})
+    manifest = _validated(record, path)
     write_json_atomic(path, record)
-    return record
+    return manifest
 
 
 @lru_cache(maxsize=4096)
@@ -183,6 +194,11 @@ def _validated(raw: Any, path: Path) -> Manifest:
         raise UserError(f"{path}: outputs.{bad}: a sha256 (string) expected, got {outputs[bad]!r}")
     settings = fields.mapping("settings", required=False) or {}
     settings_fields = _Fields(settings, path, "settings.")
+    tokens = _Fields(fields.mapping("tokens"), path, "tokens.")
+    input_formats = fields.mapping("input_formats", required=False) or {}
+    bad = next((k for k, v in input_formats.items() if not isinstance(v, dict)), None)
+    if bad is not None:
+        raise UserError(f"{path}: input_formats.{bad}: a JSON object expected, got {input_formats[bad]!r}")
     rejects = fields.mapping("rejects", required=False) or {}
     bad = next((k for k, v in rejects.items() if type(v) is not int), None)
     if bad is not None:
@@ -201,7 +217,7 @@ def _validated(raw: Any, path: Path) -> Manifest:
     return Manifest(
         path=path, content=MappingProxyType(raw),
         documents=fields.int("documents"),
-        tokens_total=_Fields(fields.mapping("tokens"), path, "tokens.").int("total"),
+        tokens_total=tokens.int("total"),
         tokenizer=TokenizerRecord(sha256=tokenizer_fields.str("sha256"),
                                   path=tokenizer_fields.str("path", required=False),
                                   vocab_size=tokenizer_fields.int("vocab_size", required=False),
@@ -211,7 +227,13 @@ def _validated(raw: Any, path: Path) -> Manifest:
         provenance=fields.mapping("provenance", required=False),
         digest=digest, digest_problem=problem, sources=tuple(sources),
         lines_read=fields.int("lines_read", required=False), rejected=fields.int("rejected", required=False),
-        rejects=MappingProxyType(dict(rejects)), seq_len=settings_fields.int("seq_len", required=False),
+        rejects=MappingProxyType(dict(rejects)), accepted=fields.int("accepted", required=False),
+        tokens_prefix=tokens.int("prefix", required=False),
+        tokens_response=tokens.int("response", required=False),
+        truncated=fields.int("truncated", required=False),
+        control_chars_stripped=fields.int("control_chars_stripped", required=False),
+        input_formats=MappingProxyType(dict(input_formats)),
+        seq_len=settings_fields.int("seq_len", required=False),
         denylist=settings_fields.mapping("denylist", required=False),
         personal_data=fields.mapping("personal_data", required=False),
     )

@@ -24,31 +24,21 @@ import errno
 import json
 import os
 import threading
-from collections.abc import Mapping
 from concurrent.futures import Future
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.integrity import json_digest as manifest_digest  # noqa: F401 - data_prep imports it here
 from mimir_megatron.integrity import sha256_file, write_json_atomic
 
 from .files import data_files, too_many_files_line
-from .manifest import FORMAT, MANIFEST_NAME, Manifest  # noqa: F401 - FORMAT: data_prep imports it here
+from .manifest import Manifest
 
 REJECTS_NAME = "rejects.jsonl"
 SHARDS_DIR = "shards"
 SEQUENCES_PER_DOCUMENT = 2
-
-
-def read_manifest(path: str | Path) -> Mapping[str, Any]:
-    """The stored content of a prepared dataset's manifest, read and checked by
-    :meth:`~.manifest.Manifest.read` (digest included). For the modules another change moves onto
-    :class:`~.manifest.Manifest` (the audit index, ``data_prep``): read the record instead."""
-    return Manifest.read(path).content
 
 
 # The .idx layout of megatron-core's IndexedDataset (version 1): a header, then int32 sequence
@@ -221,9 +211,7 @@ class PreparedDataset:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.record = Manifest.read(self.path)
-        self.manifest = self.record.content
-        """The manifest's stored content (read-only; for the audit index until it reads
-        :attr:`record`)."""
+        """Its manifest (read and checked, digest included)."""
         shards = [s for s in self.record.shards if s.documents > 0]
         self._shard_prefixes = [str(self.path / s.prefix) for s in shards]
         self._shard_documents = [s.documents for s in shards]

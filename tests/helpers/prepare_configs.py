@@ -39,7 +39,7 @@ def write_config(root: Path, *, missing: bool = False) -> Path:
     return config
 
 
-def one_after_another(config: Path, shard_bytes: int) -> list[dict]:
+def one_after_another(config: Path, shard_bytes: int) -> list:  # of Manifest
     """The datasets of ``config`` prepared in order, each with prepare() (the reference)."""
     from mimir_data_prep.prepare import prepare
     from mimir_data_prep.prepare_config import dataset_provenance, load_prepare_config

@@ -120,7 +120,7 @@ def one_epoch(tmp_path_factory):
 def test_export_refuses_an_unrelated_report_and_a_manifest_changed_since_training(one_epoch, caplog):
     """A contamination report built on other data, and a manifest whose licence was changed after
     training with both digests recomputed: each named, exit 2, nothing written."""
-    from mimir_megatron.data.prepared import manifest_digest
+    from mimir_megatron.data.manifest import write_manifest
     from mimir_megatron.data.provenance import record_digest
 
     _, _, root, report = one_epoch
@@ -138,8 +138,7 @@ def test_export_refuses_an_unrelated_report_and_a_manifest_changed_since_trainin
     manifest = json.loads(original)
     manifest["provenance"]["license"] = "CC0-1.0"
     manifest["provenance"]["digest"] = record_digest(manifest["provenance"])
-    manifest["digest"] = manifest_digest(manifest)
-    manifest_path.write_text(json.dumps(manifest))
+    write_manifest(manifest_path.parent, manifest)  # its digest recomputed by the one writer
     try:
         caplog.clear()
         assert main([*export, "--contamination", str(report)]) == 2

@@ -38,14 +38,15 @@ def test_parquet_input_and_parallel_workers_match_serial(tmp_path):
     parallel = prepare(
         inputs, TOK, tmp_path / "p", seq_len=256, workers=2, shard_bytes=600, progress=False
     )
-    assert len(serial["shards"]) > 4  # 3 row groups + several JSONL byte ranges
-    assert serial["outputs"] == parallel["outputs"]
-    assert serial["rejects"]["no_final_assistant"] == 1 and serial["documents"] == 45
+    assert len(serial.shards) > 4  # 3 row groups + several JSONL byte ranges
+    assert serial.outputs == parallel.outputs
+    assert serial.rejects["no_final_assistant"] == 1 and serial.documents == 45
     reject = json.loads((tmp_path / "p" / "rejects.jsonl").read_text())
     assert reject["line"] == 4 and reject["file"].endswith("in.parquet")
     # JSONL shards start on line boundaries and number their lines correctly.
-    firsts = [s["first_line"] for s in serial["shards"] if s["source"].endswith(".jsonl")]
-    counts = [s["lines"] for s in serial["shards"] if s["source"].endswith(".jsonl")]
+    shards = serial.content["shards"]  # where each shard came from: fields the record does not name
+    firsts = [s["first_line"] for s in shards if s["source"].endswith(".jsonl")]
+    counts = [s["lines"] for s in shards if s["source"].endswith(".jsonl")]
     assert firsts == list(np.cumsum([1] + counts[:-1])) and sum(counts) == 40
 
 

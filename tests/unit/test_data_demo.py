@@ -57,7 +57,7 @@ def test_demo_command_prepares_samples_that_fit_the_tiny_model(tmp_path):
     )
     for name in ("arith-en", "arith-da", "algo-en", "algo-da", "text-en", "text-da"):
         ds = PreparedDataset(out / name)
-        assert ds.manifest["rejected"] == 0 and ds.num_documents == 150
+        assert ds.record.rejected == 0 and ds.num_documents == 150
         total = ds.prefix_lengths.astype(int) + ds.response_lengths
         assert total.max() < 200  # well under the 256-token context
         assert ds.response_lengths.min() >= 2

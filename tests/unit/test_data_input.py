@@ -15,6 +15,7 @@ from mimir_data_prep.records import RecordError, to_conversation
 
 from mimir_megatron.chat import ChatRenderer, end_of_turn_ids
 from mimir_megatron.data import PreparedDataset, load_eval_samples
+from mimir_megatron.data.manifest import Manifest
 from mimir_megatron.errors import UserError
 
 TOK = str(DEMO_TOKENIZER_DIR)
@@ -51,7 +52,7 @@ def _tokenizer_with_template(tmp_path: Path, template: str) -> Path:
     return out
 
 
-def _run(tmp_path: Path, name: str, inputs: list[Path], **kwargs) -> dict:
+def _run(tmp_path: Path, name: str, inputs: list[Path], **kwargs) -> Manifest:
     kwargs.setdefault("seq_len", 256)
     return prepare(inputs, kwargs.pop("tokenizer", TOK), tmp_path / name, workers=1, progress=False, **kwargs)
 
@@ -148,7 +149,7 @@ def test_auto_decides_per_file_and_records_the_decision(tmp_path):
         "alpaca": _write(tmp_path / "alpaca.jsonl", [ALPACA] * 4),
     }
     manifest = _run(tmp_path, "out", list(files.values()))
-    formats = {Path(k).stem: v for k, v in manifest["input_formats"].items()}
+    formats = {Path(k).stem: v for k, v in manifest.input_formats.items()}
     assert formats == {
         "chat": {"requested": "auto", "format": "messages", "sampled": 3, "matches": {"messages": 3}},
         "share": {
@@ -160,7 +161,7 @@ def test_auto_decides_per_file_and_records_the_decision(tmp_path):
         "alpaca": {"requested": "auto", "format": "alpaca", "sampled": 4, "matches": {"alpaca": 4}},
     }
     # The odd line out of the ShareGPT file is rejected under the file's layout, not guessed at.
-    assert (manifest["accepted"], manifest["rejects"]["bad_schema"]) == (9, 1)
+    assert (manifest.accepted, manifest.rejects["bad_schema"]) == (9, 1)
     response = PreparedDataset(tmp_path / "out").document(3)[1]  # the first ShareGPT sample
     assert response[-1] == EOT
 
@@ -170,9 +171,9 @@ def test_auto_decides_per_file_and_records_the_decision(tmp_path):
     ):
         _run(tmp_path, "bad", [cols])
     manifest = _run(tmp_path, "cols", [cols], columns="prompt=problem,completion=generated_solution")
-    assert manifest["accepted"] == 2
-    assert list(manifest["input_formats"].values()) == [{"requested": "columns", "format": "columns"}]
-    assert manifest["settings"]["columns"] == {"completion": "generated_solution", "prompt": "problem"}
+    assert manifest.accepted == 2
+    assert list(manifest.input_formats.values()) == [{"requested": "columns", "format": "columns"}]
+    assert manifest.content["settings"]["columns"] == {"completion": "generated_solution", "prompt": "problem"}
 
 
 # --- control characters ------------------------------------------------------------------------
@@ -189,15 +190,15 @@ CONTROL_LINES = [
 def test_control_characters_rejected_with_their_own_reason_or_stripped(tmp_path):
     src = _write(tmp_path / "ctl.jsonl", CONTROL_LINES)
     manifest = _run(tmp_path, "reject", [src])
-    assert manifest["rejects"]["control_characters"] == 3 and manifest["accepted"] == 2
-    assert manifest["control_chars_stripped"] == 0
+    assert manifest.rejects["control_characters"] == 3 and manifest.accepted == 2
+    assert manifest.control_chars_stripped == 0
     rejects = [json.loads(x) for x in (tmp_path / "reject" / "rejects.jsonl").read_text().splitlines()]
     assert [(r["line"], r["reason"]) for r in rejects] == [(i, "control_characters") for i in (2, 3, 4)]
     assert "U+0000" in rejects[0]["detail"] and "U+001B" in rejects[1]["detail"]
 
     stripped = _run(tmp_path, "strip", [src], control_chars="strip")
-    assert stripped["rejected"] == 0 and stripped["accepted"] == 5
-    assert stripped["control_chars_stripped"] == 3
+    assert stripped.rejected == 0 and stripped.accepted == 5
+    assert stripped.control_chars_stripped == 3
     ds = PreparedDataset(tmp_path / "strip")
     clean = ds.document(0)
     for i in (1, 3):  # NUL and \x01 removed: the same tokens as the clean line
@@ -221,8 +222,8 @@ def test_corrupt_parquet_row_group_is_counted_and_the_rest_prepared(tmp_path):
     path.write_bytes(bytes(data))
 
     manifest = _run(tmp_path, "out", [path])  # the same process_shard a worker process runs
-    assert manifest["lines_read"] == 6 and manifest["accepted"] == 4
-    assert manifest["rejects"]["corrupt_row_group"] == 2
+    assert manifest.lines_read == 6 and manifest.accepted == 4
+    assert manifest.rejects["corrupt_row_group"] == 2
     (reject,) = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     assert (reject["file"], reject["line"], reject["row_group"], reject["rows"]) == (str(path), 3, 1, 2)
     assert PreparedDataset(tmp_path / "out").num_documents == 4
@@ -251,7 +252,7 @@ def test_gemma_style_template_response_ends_at_end_of_turn(tmp_path):
     text = renderer.tokenizer.decode(sample.completion_ids, skip_special_tokens=False)
     assert text == answer + "<end_of_turn>"  # not "...<end_of_turn>\n"
     assert sample.completion_ids[-1] in renderer.end_of_turn_ids
-    assert PreparedDataset(tmp_path / "out").manifest["tokenizer"]["end_of_turn_ids"] == [EOT]
+    assert PreparedDataset(tmp_path / "out").record.tokenizer.end_of_turn_ids == (EOT,)
     # The stop token is not the newline, which occurs inside the multi-line answer.
     newline = renderer.encode("\n")
     assert newline[0] in sample.completion_ids[:-1] and newline[0] not in renderer.end_of_turn_ids
@@ -270,12 +271,12 @@ def test_a_conversation_the_template_cannot_render_is_a_template_error_reject(tm
     src = _write(tmp_path / "in.jsonl", [{"prompt": "boom", "completion": "a b c"},
                                          {"prompt": "fine", "completion": "a b c"}])
     manifest = _run(tmp_path, "out", [src], tokenizer=_tokenizer_with_template(tmp_path / "r", refusing))
-    assert (manifest["accepted"], manifest["rejects"]["template_error"]) == (1, 1)
+    assert (manifest.accepted, manifest.rejects["template_error"]) == (1, 1)
     (reject,) = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     assert (reject["line"], reject["reason"]) == (1, "template_error") and "no boom here" in reject["detail"]
     mismatched = GEMMA_TEMPLATE.replace("'<start_of_turn>model\n'", "'<start_of_turn>assistant\n'")
     manifest = _run(tmp_path, "out2", [src], tokenizer=_tokenizer_with_template(tmp_path / "m", mismatched))
-    assert (manifest["accepted"], manifest["rejects"]["template_error"]) == (0, 2)
+    assert (manifest.accepted, manifest.rejects["template_error"]) == (0, 2)
 
 
 def test_yaml_config_sets_the_layout_per_dataset(tmp_path):
@@ -297,8 +298,8 @@ def test_yaml_config_sets_the_layout_per_dataset(tmp_path):
     assert main(["prepare", "--config", str(config), "--workers", "1", "--no-progress"]) == 0
     math, share = PreparedDataset(tmp_path / "out" / "math"), PreparedDataset(tmp_path / "out" / "share")
     assert (math.num_documents, share.num_documents) == (2, 3)
-    assert list(math.manifest["input_formats"].values())[0]["format"] == "columns"
-    assert list(share.manifest["input_formats"].values())[0] == {
+    assert list(math.record.input_formats.values())[0]["format"] == "columns"
+    assert list(share.record.input_formats.values())[0] == {
         "requested": "auto",
         "format": "sharegpt",
         "sampled": 3,

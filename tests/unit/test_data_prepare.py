@@ -37,7 +37,7 @@ def test_round_trip_through_megatron_indexed_dataset(tmp_path, tokenizer):
         ],
     )
     manifest = prepare([src], TOK, tmp_path / "out", seq_len=256, workers=1, progress=False)
-    assert (manifest["lines_read"], manifest["accepted"], manifest["rejected"]) == (3, 3, 0)
+    assert (manifest.lines_read, manifest.accepted, manifest.rejected) == (3, 3, 0)
 
     ds = IndexedDataset(str(tmp_path / "out" / "shards" / "00000"))
     assert len(ds) == 6  # two sequences per document
@@ -56,13 +56,13 @@ def test_round_trip_through_megatron_indexed_dataset(tmp_path, tokenizer):
     assert ds[1][-1] == tokenizer.convert_tokens_to_ids("<end_of_turn>")
 
     lengths = ds.sequence_lengths.reshape(-1, 2)
-    assert manifest["tokens"]["prefix"] == int(lengths[:, 0].sum())
-    assert manifest["tokens"]["response"] == int(lengths[:, 1].sum())
-    for rel, digest in manifest["outputs"].items():
+    assert manifest.tokens_prefix == int(lengths[:, 0].sum())
+    assert manifest.tokens_response == int(lengths[:, 1].sum())
+    for rel, digest in manifest.outputs.items():
         import hashlib
 
         assert hashlib.sha256((tmp_path / "out" / rel).read_bytes()).hexdigest() == digest
-    assert manifest["tokenizer"]["vocab_size"] == 1024 and manifest["dtype"] == "uint16"
+    assert manifest.tokenizer.vocab_size == 1024 and manifest.dtype == "uint16"
 
     prepared = PreparedDataset(tmp_path / "out")
     prefix, response = prepared.document(1)
@@ -102,14 +102,14 @@ def test_rejects_counted_by_reason_with_file_and_line(tmp_path):
     manifest = prepare(
         [src], TOK, tmp_path / "out", seq_len=64, min_response_tokens=3, workers=1, progress=False
     )
-    expected = {reason: 0 for reason in manifest["rejects"]}
+    expected = {reason: 0 for reason in manifest.rejects}
     for _, reason in BAD_LINES:
         if reason:
             expected[reason] += 1
-    assert manifest["rejects"] == expected
-    assert manifest["lines_read"] == 11
-    assert manifest["accepted"] == 2 and manifest["rejected"] == 9
-    assert manifest["accepted"] + manifest["rejected"] == manifest["lines_read"]
+    assert manifest.rejects == expected
+    assert manifest.lines_read == 11
+    assert manifest.accepted == 2 and manifest.rejected == 9
+    assert manifest.accepted + manifest.rejected == manifest.lines_read
     rejects = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     assert [(r["line"], r["reason"]) for r in rejects] == [
         (i + 1, reason) for i, (_, reason) in enumerate(BAD_LINES) if reason
@@ -138,12 +138,12 @@ def test_truncate_prefix_keeps_the_end_of_the_prefix(tmp_path):
         workers=1,
         progress=False,
     )
-    assert manifest["accepted"] == 1 and manifest["truncated"] == 1
+    assert manifest.accepted == 1 and manifest.truncated == 1
     ds = PreparedDataset(tmp_path / "out")
     prefix, response = ds.document(0)
     assert len(prefix) + len(response) - 1 == 32
     full = prepare([src], TOK, tmp_path / "full", seq_len=4096, workers=1, progress=False)
-    assert full["truncated"] == 0
+    assert full.truncated == 0
     full_prefix, _ = PreparedDataset(tmp_path / "full").document(0)
     assert prefix.tolist() == full_prefix[-len(prefix) :].tolist()
 
@@ -160,13 +160,13 @@ def test_rerun_skips_finished_shards_and_redoes_changed_inputs(tmp_path):
     mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.bin")}
     again = prepare([a, b], TOK, out, seq_len=256, workers=1, progress=False)
     assert {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.bin")} == mtimes
-    assert again["outputs"] == first["outputs"]
+    assert again.outputs == first.outputs
 
     _write_lines(b, [_chat(f"Write backwards: ab{i}", f"{i}ba") for i in range(3)])
     third = prepare([a, b], TOK, out, seq_len=256, workers=1, progress=False)
     now = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.bin")}
     assert now["00000.bin"] == mtimes["00000.bin"] and now["00001.bin"] != mtimes["00001.bin"]
-    assert third["documents"] == 8
+    assert third.documents == 8
 
 
 @pytest.mark.parametrize("policy", ["drop", "truncate-prefix"])
@@ -205,8 +205,8 @@ def test_a_config_prepares_its_datasets_as_one_after_another_would(tmp_path):
     (tmp_path / "out").rename(tmp_path / "reference")
     manifests = run_prepare_config(config, workers=1, progress=False, shard_bytes=700)
     assert manifests == reference and tree(tmp_path / "out") == expected
-    assert [len(m["shards"]) > 1 for m in manifests] == [True] * 4
-    assert manifests[3]["provenance"]["derived_from"][0]["digest"] == manifests[0]["provenance"]["digest"]
+    assert [len(m.shards) > 1 for m in manifests] == [True] * 4
+    assert manifests[3].provenance["derived_from"][0]["digest"] == manifests[0].provenance["digest"]
 
 
 def test_a_failing_dataset_of_a_config_stops_only_itself_and_what_derives_from_it(tmp_path, caplog):
@@ -257,3 +257,27 @@ def test_the_stages_called_by_hand_give_the_document_prepare_writes(tmp_path):
     prepare([src], TOK, tmp_path / "out", workers=1, progress=False, **options)
     shard = IndexedDataset(str(tmp_path / "out" / "shards" / "00000"))
     assert (shard[0].tolist(), shard[1].tolist(), truncated) == (prefix, response, False)
+
+
+def test_the_options_of_prepare_are_listed_once(tmp_path):
+    """PrepareOptions is the one list of prepare()'s options and of their defaults: they are given
+    as one or as keywords of its names, a keyword that is not one is refused by name before
+    anything is written, and the checked settings and a prepare config default to its values."""
+    from mimir_data_prep.prepare_config import DatasetJob, PrepareJob
+    from mimir_data_prep.settings import PrepareOptions, PrepareSettings, prepare_settings
+
+    given = prepare_settings(TOK, PrepareOptions(seq_len=64, control_chars="strip"), personal_data="redact")
+    assert given == prepare_settings(TOK, seq_len=64, control_chars="strip", personal_data="redact")
+    assert (given.seq_len, given.control_chars, given.personal_data, given.too_long) == (64, "strip", "redact",
+                                                                                         "drop")
+    with pytest.raises(TypeError, match="sequence_len"):
+        prepare([tmp_path / "in.jsonl"], TOK, tmp_path / "out", sequence_len=64, progress=False)
+    assert not (tmp_path / "out").exists()
+    defaults = {f.name: f.default for f in dataclasses.fields(PrepareOptions)}
+    compared = 0
+    for record in (PrepareSettings, PrepareJob, DatasetJob):
+        for f in dataclasses.fields(record):
+            if f.name in defaults and f.default not in (None, "", dataclasses.MISSING) and f.name != "columns":
+                assert f.default == defaults[f.name], (record.__name__, f.name, f.default)
+                compared += 1
+    assert compared == 13  # seven of PrepareSettings, five of PrepareJob, one of DatasetJob

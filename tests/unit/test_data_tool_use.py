@@ -319,8 +319,8 @@ def test_converted_file_prepares_with_loss_on_the_final_turn(converted, tmp_path
         == 0
     )
     ds = PreparedDataset(tmp_path / "ds")
-    assert ds.manifest["accepted"] == 6 and ds.manifest["rejected"] == 0
-    assert list(ds.manifest["input_formats"].values())[0]["format"] == "messages"
+    assert ds.record.accepted == 6 and ds.record.rejected == 0
+    assert list(ds.record.input_formats.values())[0]["format"] == "messages"
     decode = ChatRenderer(DEMO_TOKENIZER_DIR).tokenizer.decode
 
     def texts(i):

@@ -288,7 +288,7 @@ def test_agreement_data_passes_on_the_terms_its_agreement_states(tmp_path, caplo
 
 def _rewrite(manifest_path: Path, change) -> None:
     """A hand edit that recomputes both digests, as a careful forger would."""
-    from mimir_megatron.data.prepared import manifest_digest
+    from mimir_megatron.data.manifest import write_manifest
     from mimir_megatron.data.provenance import record_digest
 
     manifest = json.loads(manifest_path.read_text())
@@ -296,8 +296,9 @@ def _rewrite(manifest_path: Path, change) -> None:
     if "digest" in manifest["provenance"]:
         manifest["provenance"]["digest"] = record_digest(manifest["provenance"])
     if "digest" in manifest:
-        manifest["digest"] = manifest_digest(manifest)
-    manifest_path.write_text(json.dumps(manifest))
+        write_manifest(manifest_path.parent, manifest)  # the manifest's digest, by its one writer
+    else:
+        manifest_path.write_text(json.dumps(manifest))  # its digest deleted by hand
 
 
 @pytest.mark.parametrize("change, field", [

@@ -306,3 +306,55 @@ def test_the_run_directory_of_a_checkpoint_is_derived_in_one_place(tmp_path):
     assert cfg.run_dir == Path("runs") / "demo" and cfg.checkpoint_dir == Path("runs") / "demo" / "checkpoints"
     cfg.run.dir = str(tmp_path / "run")
     assert RunDirectory.configured(cfg.run.dir, cfg.run.name).mlflow_uri == f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}"
+
+
+def test_mimir_prepare_writes_its_manifest_through_the_one_writer(tmp_path, monkeypatch):
+    """data_prep builds the manifest's content and hands it to ``write_manifest``, the one place
+    its format and digest are set: the file is written by that writer (a second writer in
+    data_prep, with its own digest rule or its own write, fails here), its bytes are what the
+    writer makes of its content, and it reads back as the record prepare() returns. Danish text in
+    the input and the provenance: a digest over ASCII-escaped JSON would differ."""
+    from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
+    from mimir_data_prep.prepare import prepare
+
+    from mimir_megatron.data import manifest as manifest_module
+    from mimir_megatron.data.provenance import Provenance
+    from mimir_megatron.integrity import json_digest
+
+    written, real = [], manifest_module.write_json_atomic
+    monkeypatch.setattr(manifest_module, "write_json_atomic",
+                        lambda path, value, **kw: written.append(Path(path)) or real(path, value, **kw))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "Tæl til tre på dansk.", "completion": "Én, to, tre."},
+                              ensure_ascii=False) + "\n")
+    provenance = Provenance(id="da", source="Københavns tal", license="CC-BY-4.0", basis="open-licence",
+                            form="reformatted", languages=("da",))
+    returned = prepare([src], DEMO_TOKENIZER_DIR, tmp_path / "out", seq_len=64, workers=1, progress=False,
+                       provenance=provenance)
+    path = tmp_path / "out" / "manifest.json"
+    assert written == [path.resolve()]
+    assert returned == manifest_module.Manifest.read(tmp_path / "out") and returned.digest_problem is None
+    assert (returned.documents, returned.provenance["source"]) == (1, "Københavns tal")
+    (tmp_path / "again").mkdir()
+    rewritten = manifest_module.write_manifest(tmp_path / "again", returned.content)
+    assert (tmp_path / "again" / "manifest.json").read_bytes() == path.read_bytes()
+    assert rewritten.digest == returned.digest == json_digest(returned.content)  # the canonical rule
+
+
+def test_the_manifest_writer_owns_the_format_and_the_digest(tmp_path):
+    """Whatever the content says of them, ``write_manifest`` writes today's format first and the
+    digest of the content last; what the reader would refuse it refuses, writing nothing."""
+    from mimir_megatron.data.manifest import FORMAT, MANIFEST_NAME, write_manifest
+
+    content = dict(_read_manifest(_manifest(tmp_path / "m").parent).content)
+    (tmp_path / "n").mkdir()
+    record = write_manifest(tmp_path / "n", {**content, "digest": "0" * 64})
+    stored = json.loads((tmp_path / "n" / MANIFEST_NAME).read_text())
+    assert (list(stored)[0], list(stored)[-1], stored["digest"]) == ("format", "digest", content["digest"])
+    assert record.content == stored and stored["format"] == FORMAT
+    for bad, says in (({"format": "mimir-prepared-v0"}, "format 'mimir-prepared-v0'"),
+                      ({"documents": -1}, "documents: a non-negative integer expected")):
+        (tmp_path / "bad").mkdir(exist_ok=True)
+        with pytest.raises(UserError, match=says):
+            write_manifest(tmp_path / "bad", {**content, **bad})
+        assert not (tmp_path / "bad" / MANIFEST_NAME).exists()
