@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from mimir_megatron.errors import UserError
 from record_damage import assert_refused, damage, drop, put, reseal
 
 
