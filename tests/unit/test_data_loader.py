@@ -73,7 +73,8 @@ def test_the_packer_runs_the_c_loop_the_install_built(bestfit_library, monkeypat
     """The test environment installs the package with a C compiler (tests/run.sh): its best fit is
     the built library in mimir_kernels, never a silent fall back to Python."""
     path = bestfit_library.library_path()
-    assert path is not None and path.parent.name == "mimir_kernels", "the install built no mimir_kernels/_bestfit"
+    assert path is not None and path.parent.name == "mimir_kernels", \
+        "the install built no mimir_kernels/_bestfit: install a C compiler (apt-get install gcc) and pip install -e . again"
     calls = []
     native = bestfit_library.pack_windows_native
     monkeypatch.setattr(bestfit_library, "pack_windows_native", lambda *a: calls.append(1) or native(*a))
