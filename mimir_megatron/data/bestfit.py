@@ -4,8 +4,8 @@ pure-Python loop (:func:`mimir_megatron.data.packing._best_fit`) where it was no
 The C loop (``kernels/mimir_kernels/csrc/bestfit.c``) is the Python one statement for statement
 (the same sorted list of free spaces, the same ``bisect_left``, the same insert and pop), so the
 contexts are identical; numpy does the sort before it and the grouping after it. A packing index
-at the paper's scale (174M samples an epoch) is the reason: ~1.6 µs a sample in Python, ~25x the
-C loop's.
+at the paper's scale (174M samples an epoch) is the reason: the loop takes ~1.6 µs a sample in
+Python, ~25x the C loop's (a whole index ~5x: bench/bench_data.py, docs/performance.md).
 
 ``pip install`` builds it (pyproject.toml's optional ``ext-modules``) into the installed
 ``mimir_kernels`` package as ``_bestfit<EXT_SUFFIX>``, a plain shared library loaded here with
@@ -54,9 +54,9 @@ def library() -> ctypes.CDLL | None:
     except OSError as exc:
         lib, why = None, f"does not load ({exc})"
     if lib is None:
-        log.info("packing: the C best fit (mimir_kernels/_bestfit) %s, so it runs in Python, ~25x "
-                 "slower (~1.6 µs a sample, ~5 CPU-min an epoch of 174M samples); reinstall with a C "
-                 "compiler (apt-get install gcc) to build it", why)
+        log.info("packing: the C best fit (mimir_kernels/_bestfit) %s, so it runs in Python: an "
+                 "epoch's index ~5x slower (~1.4 µs a sample, ~4 CPU-min for 174M samples); reinstall "
+                 "with a C compiler (apt-get install gcc) to build it", why)
         return None
     lib.pack_windows.restype = ctypes.c_int64
     lib.pack_windows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32] + \
