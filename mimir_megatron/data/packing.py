@@ -23,8 +23,7 @@ from . import bestfit
 log = logging.getLogger(__name__)
 
 PACKING_VERSION = 1  # bump when the algorithm changes: it is part of the cache key
-NATIVE_FROM = 200_000  # samples from which an epoch packs through the compiled best fit
-NATIVE_PER_WORKER = 4_000_000  # samples worth a packing process of their own, compiled
+NATIVE_PER_WORKER = 4_000_000  # samples worth a packing process of their own, in C
 
 
 @dataclass(frozen=True)
@@ -102,8 +101,8 @@ def _pack_windows(
     lengths: np.ndarray, seq_len: int, window: int, native: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """Best fit of consecutive windows of ``lengths``: (window positions of every context's
-    items, context after context; items per context). ``native``: through the compiled loop
-    (:mod:`.bestfit`, the same result) when it builds."""
+    items, context after context; items per context). ``native``: through the C loop
+    (:mod:`.bestfit`, the same result) when the install built it."""
     lib = bestfit.library() if native else None
     if lib is not None:
         return bestfit.pack_windows_native(lib, lengths, seq_len, window)
@@ -128,8 +127,8 @@ def _packed_windows(
     """:func:`_pack_windows` of all of ``lengths``, its windows spread over ``workers`` processes
     (windows are independent: the result is the same for any number of workers)."""
     windows = -(-len(lengths) // window)
-    native = native and bestfit.library() is not None  # built here once, not in every process
-    # a few windows are not worth a process; compiled, a process packs ~10M samples a second
+    native = native and bestfit.library() is not None  # looked up here once, not in every process
+    # a few windows are not worth a process; in C, a process packs ~10M samples a second
     workers = max(1, min(workers, windows // 4, -(-len(lengths) // NATIVE_PER_WORKER) if native else workers))
     if workers == 1:
         return _pack_windows(lengths, seq_len, window, native)
@@ -149,19 +148,17 @@ def _packed_windows(
 
 def pack(
     lengths: np.ndarray, seq_len: int, window: int, seed: int, epoch: int, workers: int = 1,
-    native: bool | None = None,
+    native: bool = True,
 ) -> EpochIndex:
     """Pack samples (``lengths[i]`` positions each, all <= seq_len) into contexts.
 
     Returns an EpochIndex whose ``docs`` are *positions into lengths*; the caller maps them.
     ``workers`` > 1 packs windows in that many processes, with the same result. ``native``: the
-    compiled best fit (:mod:`.bestfit`; the same result); default: from :data:`NATIVE_FROM`
-    samples, below which compiling it would cost more than it saves.
+    best fit in C (:mod:`.bestfit`; the same result) when the install built it; False: in Python.
     """
     if len(lengths) and int(lengths.max()) > seq_len:
         raise ValueError(f"a sample of {int(lengths.max())} tokens exceeds seq_len={seq_len}")
     dtype = _id_dtype(len(lengths))
-    native = len(lengths) >= NATIVE_FROM if native is None else native
     flat, size = _packed_windows(np.asarray(lengths), seq_len, window, workers, native)
     if not len(size):
         return EpochIndex(np.zeros(0, dtype), np.zeros(1, np.int64))

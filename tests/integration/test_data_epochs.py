@@ -4,6 +4,7 @@ loader or a training run resumed across an epoch boundary continues exactly."""
 from __future__ import annotations
 
 import collections
+import os
 
 import numpy as np
 import pytest
@@ -189,15 +190,21 @@ def _reference_windows(lengths: np.ndarray, seq_len: int, window: int) -> tuple[
     return items, sizes
 
 
-def test_the_compiled_packer_packs_what_the_python_one_did(monkeypatch):
+def test_the_c_packer_packs_what_the_python_one_did(monkeypatch):
     """Random lengths (uniform, long-tailed, many equal, all full, all one token) and windows:
-    the compiled best fit (this machine has a C compiler) and the Python fallback both give the
-    reference's contexts, and whole epochs packed either way, in 1 or 3 processes, are equal."""
+    the best fit in C (built by the test environment's install, into mimir_kernels) and the
+    Python fallback both give the reference's contexts, and whole epochs packed either way, in 1
+    or 3 processes, are equal. The C loop is seen to run (no silent fall back)."""
     from mimir_megatron.data import bestfit
     from mimir_megatron.data import packing
     from mimir_megatron.data.packing import _pack_windows, pack
 
+    if os.environ.get("MIMIR_PACKING", "").lower() == "python":
+        pytest.skip("MIMIR_PACKING=python")
     assert bestfit.library() is not None
+    calls = collections.Counter()
+    native = bestfit.pack_windows_native
+    monkeypatch.setattr(bestfit, "pack_windows_native", lambda *a: calls.update(["C"]) or native(*a))
     rng = np.random.default_rng(7)
     for trial in range(60):
         n, seq_len = int(rng.integers(1, 6000)), int(rng.choice([8, 100, 4096]))
@@ -206,12 +213,15 @@ def test_the_compiled_packer_packs_what_the_python_one_did(monkeypatch):
                    rng.choice([1, seq_len // 3 + 1, seq_len // 2, seq_len], n), np.full(n, seq_len),
                    np.ones(n)][trial % 5].astype(np.int32)
         items, sizes = _reference_windows(lengths, seq_len, window)
-        for native in (True, False):
-            got_items, got_sizes = _pack_windows(lengths, seq_len, window, native)
-            assert got_items.tolist() == items and got_sizes.tolist() == sizes, (trial, native)
+        for native_loop in (True, False):
+            got_items, got_sizes = _pack_windows(lengths, seq_len, window, native_loop)
+            assert got_items.tolist() == items and got_sizes.tolist() == sizes, (trial, native_loop)
+        assert calls["C"] == trial + 1  # the native run above went through C
     lengths = np.clip(rng.lognormal(6, 0.9, 300_000), 3, 4096).astype(np.int32)
     python = pack(lengths, 4096, 16384, seed=1, epoch=2, native=False)
+    assert calls["C"] == 60
     monkeypatch.setattr(packing, "NATIVE_PER_WORKER", 50_000)  # so that 3 processes pack it
     for workers in (1, 3):
-        compiled = pack(lengths, 4096, 16384, seed=1, epoch=2, workers=workers)  # 300k: compiled by default
-        assert np.array_equal(compiled.docs, python.docs) and np.array_equal(compiled.offsets, python.offsets)
+        in_c = pack(lengths, 4096, 16384, seed=1, epoch=2, workers=workers)  # in C by default
+        assert np.array_equal(in_c.docs, python.docs) and np.array_equal(in_c.offsets, python.offsets)
+    assert calls["C"] == 61  # workers=1 here; the 3 processes' calls are theirs (spawned)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-
+import os
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +56,62 @@ def test_packing_never_splits_and_is_deterministic():
     assert 1 - lengths.sum() / (a.num_contexts * 64) < 0.02  # best fit pads little
     c = pack(lengths, seq_len=64, window=512, seed=4, epoch=0)
     assert not np.array_equal(a.docs, c.docs)
+
+
+@pytest.fixture
+def bestfit_library():
+    """mimir_megatron.data.bestfit, its loaded library forgotten before and after the test."""
+    from mimir_megatron.data import bestfit
+
+    bestfit.library.cache_clear()
+    yield bestfit
+    bestfit.library.cache_clear()
+
+
+@pytest.mark.skipif(os.environ.get("MIMIR_PACKING", "").lower() == "python", reason="MIMIR_PACKING=python")
+def test_the_packer_runs_the_c_loop_the_install_built(bestfit_library, monkeypatch):
+    """The test environment installs the package with a C compiler (tests/run.sh): its best fit is
+    the built library in mimir_kernels, never a silent fall back to Python."""
+    path = bestfit_library.library_path()
+    assert path is not None and path.parent.name == "mimir_kernels", \
+        "the install built no mimir_kernels/_bestfit: install a C compiler (apt-get install gcc) and pip install -e . again"
+    calls = []
+    native = bestfit_library.pack_windows_native
+    monkeypatch.setattr(bestfit_library, "pack_windows_native", lambda *a: calls.append(1) or native(*a))
+    lengths = np.random.default_rng(2).integers(1, 65, size=1000)
+    index = pack(lengths, seq_len=64, window=128, seed=3, epoch=0)
+    assert calls == [1]
+    python = pack(lengths, seq_len=64, window=128, seed=3, epoch=0, native=False)
+    assert calls == [1] and np.array_equal(index.docs, python.docs) and np.array_equal(index.offsets, python.offsets)
+
+
+def test_without_the_built_loop_packing_runs_in_python_and_says_so_once(bestfit_library, tmp_path,
+                                                                       monkeypatch, caplog):
+    """An install with no C compiler (no library) or a library that does not load: the same
+    contexts, through Python, and one log line naming the cause and the cost; MIMIR_PACKING=python
+    takes the Python loop without a word."""
+    lengths = np.random.default_rng(2).integers(1, 65, size=1000)
+    python = pack(lengths, seq_len=64, window=128, seed=3, epoch=0, native=False)
+    broken = tmp_path / "_bestfit.so"
+    broken.write_bytes(b"not a shared library")
+    monkeypatch.setattr(bestfit_library, "pack_windows_native", lambda *a: pytest.fail("the C loop ran"))
+    for where, cause in ((None, "was not built at install time"), (broken, "does not load")):
+        monkeypatch.setattr(bestfit_library, "library_path", lambda where=where: where)
+        bestfit_library.library.cache_clear()
+        caplog.clear()
+        with caplog.at_level("INFO", logger="mimir_megatron.data.bestfit"):
+            for _ in range(2):
+                index = pack(lengths, seq_len=64, window=128, seed=3, epoch=0)
+                assert np.array_equal(index.docs, python.docs) and np.array_equal(index.offsets, python.offsets)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and cause in lines[0] and "runs in Python: an epoch's index ~5x slower" in lines[0], lines
+    monkeypatch.undo()
+    monkeypatch.setenv("MIMIR_PACKING", "python")
+    bestfit_library.library.cache_clear()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mimir_megatron.data.bestfit"):
+        assert bestfit_library.library() is None
+    assert caplog.records == []
 
 
 def test_epoch_plan_repeats_and_fractions():
