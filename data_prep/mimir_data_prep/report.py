@@ -5,7 +5,9 @@ groups from each dataset's provenance, and the data policy's verdict.
 Tokens per epoch of a dataset = its prepared tokens (prefix + response, from the manifest) times
 its repeat factor. A dataset that is not prepared yet may declare ``tokens`` in the YAML instead,
 which lets a planned mixture be reported before any data is tokenized. A dataset prepared without
-a provenance declaration shows ``unknown`` in every provenance table.
+a provenance declaration shows ``unknown`` in every provenance table. The personal-data screen of
+each prepared dataset (policy, identifiers found by kind, documents rejected) is listed from its
+manifest.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mimir_megatron.data.manifest import MANIFEST_NAME, Manifest
+from mimir_megatron.data.manifest import MANIFEST_NAME, Manifest, PersonalDataScreen
 from mimir_megatron.data.mixture import Mixture, MixtureEntry, load_mixture
 from mimir_megatron.data.provenance import FORMS, UNKNOWN, provenance_from_record
 from mimir_megatron.errors import UserError
@@ -32,6 +34,7 @@ class DatasetRow:
     license: str = UNKNOWN
     basis: str = UNKNOWN
     audit_group: str = UNKNOWN
+    personal_data: PersonalDataScreen | None = None  # None: not prepared, or prepared before the screen
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,9 @@ def dataset_rows(mixture: Mixture) -> list[DatasetRow]:
     rows = []
     for e in mixture.entries:
         tokens, declared = _tokens(e)
-        provenance = None if declared else provenance_from_record(
-            Manifest.read(e.path).provenance,
-            f"dataset {e.name}: {e.path / 'manifest.json'}: provenance")
+        manifest = None if declared else Manifest.read(e.path)
+        provenance = None if manifest is None else provenance_from_record(
+            manifest.provenance, f"dataset {e.name}: {e.path / 'manifest.json'}: provenance")
         known = {}
         if provenance is not None:
             known = {"form": FORMS[provenance.form], "license": provenance.license, "basis": provenance.basis}
@@ -63,6 +66,7 @@ def dataset_rows(mixture: Mixture) -> list[DatasetRow]:
                 int(round(tokens * e.repeat)),
                 declared,
                 audit_group=e.audit_group_of(provenance),
+                personal_data=None if manifest is None else manifest.personal_data,
                 **known,
             )
         )
@@ -151,8 +155,25 @@ def format_report(mixture: Mixture, top: int = 10) -> str:
         )
     if any(r.declared for r in rows):
         out += ["", "* size declared in the mixture file (dataset not prepared yet)"]
+    out += ["", *_personal_data_lines(rows)]
     out += ["", *_policy_lines(mixture, rows)]
     return "\n".join(out)
+
+
+def _personal_data_lines(rows: list[DatasetRow]) -> list[str]:
+    """Each prepared dataset's personal-data screen: policy, documents rejected, what was found."""
+    prepared = [r for r in rows if not r.declared]
+    width = max([7] + [len(r.name) for r in prepared])
+    lines = ["Personal data (the screen of `mimir prepare`: direct identifiers found, documents rejected)",
+             f"{'Dataset':<{width}}  {'Policy':<14}  {'Rejected':>8}  Found"]
+    for r in prepared:
+        screen = r.personal_data
+        if screen is None:
+            lines.append(f"{r.name:<{width}}  {'not screened':<14}  {'-':>8}  (prepared before the screen)")
+            continue
+        found = ", ".join(f"{n:,} {kind}" for kind, n in screen.found.items() if n) or "none"
+        lines.append(f"{r.name:<{width}}  {screen.policy:<14}  {screen.documents_rejected:>8,}  {found}")
+    return lines
 
 
 def _policy_lines(mixture: Mixture, rows: list[DatasetRow]) -> list[str]:

@@ -69,6 +69,20 @@ class TokenizerRecord:
 
 
 @dataclass(frozen=True)
+class PersonalDataScreen:
+    """What the personal-data screen of ``mimir prepare`` did: its policy (``reject``, ``redact``,
+    ``report``), the direct identifiers found by kind, and the documents rejected for them."""
+
+    policy: str
+    found: Mapping[str, int]
+    documents_rejected: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "found": dict(self.found),
+                "documents_rejected": self.documents_rejected}
+
+
+@dataclass(frozen=True)
 class Manifest:
     """A validated manifest. :attr:`content` is the stored record itself (read-only): its digest
     is over it, and fields this class does not name (layout, input formats, ...) live there."""
@@ -102,7 +116,8 @@ class Manifest:
     """Per input file: the layout asked for and the one read (``requested``, ``format``)."""
     seq_len: int | None = None
     denylist: Mapping[str, Any] | None = None
-    personal_data: Mapping[str, Any] | None = None
+    personal_data: PersonalDataScreen | None = None
+    """None for a dataset prepared before the screen was recorded."""
 
     @classmethod
     def read(cls, dataset: str | Path, *, verify_digest: bool = True) -> Manifest:
@@ -235,8 +250,20 @@ def _validated(raw: Any, path: Path) -> Manifest:
         input_formats=MappingProxyType(dict(input_formats)),
         seq_len=settings_fields.int("seq_len", required=False),
         denylist=settings_fields.mapping("denylist", required=False),
-        personal_data=fields.mapping("personal_data", required=False),
+        personal_data=_personal_data(fields.mapping("personal_data", required=False), path),
     )
+
+
+def _personal_data(screen: Mapping[str, Any] | None, path: Path) -> PersonalDataScreen | None:
+    if screen is None:
+        return None
+    fields = _Fields(screen, path, "personal_data.")
+    found = fields.mapping("found")
+    bad = next((k for k, v in found.items() if type(v) is not int), None)
+    if bad is not None:
+        raise UserError(f"{path}: personal_data.found.{bad}: an integer expected, got {found[bad]!r}")
+    return PersonalDataScreen(policy=fields.str("policy"), found=MappingProxyType(dict(found)),
+                              documents_rejected=fields.int("documents_rejected"))
 
 
 class _Fields:

@@ -114,7 +114,7 @@ def _manifest_processing(entry: DatasetLineage) -> dict[str, Any]:
             "rejects": {k: v for k, v in manifest.rejects.items() if v},
             "tokenizer_sha256": manifest.tokenizer.sha256,
             "seq_len": manifest.seq_len,
-            "personal_data": dict(manifest.personal_data) if manifest.personal_data is not None else None}
+            "personal_data": manifest.personal_data.to_dict() if manifest.personal_data is not None else None}
 
 
 def contamination_summary(report_paths: list[Path],
@@ -291,7 +291,7 @@ def _illegal_content_statement(lineage: list[DatasetLineage]) -> str:
         if manifest is None:
             continue
         seen += 1
-        screened += bool(manifest.personal_data)
+        screened += manifest.personal_data is not None
         denylisted += bool(manifest.denylist)
     if not seen:
         return "not recorded: the datasets' manifests were not available at export"

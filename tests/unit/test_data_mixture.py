@@ -11,19 +11,21 @@ from mimir_megatron.data import load_mixture
 from mimir_megatron.errors import UserError
 
 
-def _manifest(path: Path, tokens: int) -> None:
+def _manifest(path: Path, tokens: int, personal_data: dict | None = None) -> None:
     """A manifest with the fields every one has (no shards: only its counts are read here)."""
     from mimir_megatron.data.manifest import write_manifest
 
     path.mkdir(parents=True)
     write_manifest(path, {"documents": 0, "tokens": {"total": tokens}, "tokenizer": {"sha256": "0" * 64},
-                          "shards": [], "outputs": {}})
+                          "shards": [], "outputs": {},
+                          **({"personal_data": personal_data} if personal_data else {})})
 
 
 @pytest.fixture
 def mixture(tmp_path):
-    _manifest(tmp_path / "da1", 1000)
-    _manifest(tmp_path / "da2", 3000)
+    _manifest(tmp_path / "da1", 1000, {"policy": "reject", "found": {"email": 3, "iban": 0, "phone_number": 1200},
+                                       "documents_rejected": 1203})
+    _manifest(tmp_path / "da2", 3000, {"policy": "redact", "found": {}, "documents_rejected": 0})
     _manifest(tmp_path / "en1", 500)
     path = tmp_path / "mix.yaml"
     path.write_text(
@@ -61,6 +63,12 @@ def test_report_numbers(mixture):
     top = text.split("Top 2 datasets by tokens per epoch")[1].splitlines()
     assert top[2].split()[:2] == ["1", "da1"] and top[3].split()[:2] == ["2", "da2"]
     assert "* size declared" in text
+    screen = text.split("Personal data (")[1].split("\n\n")[0].splitlines()
+    assert [line.split() for line in screen[2:]] == [
+        ["da1", "reject", "1,203", "3", "email,", "1,200", "phone_number"],
+        ["da2", "redact", "0", "none"],
+        ["en1", "not", "screened", "-", "(prepared", "before", "the", "screen)"],
+    ]  # the planned dataset (not prepared) has no line
 
 
 @pytest.mark.parametrize(
@@ -97,3 +105,10 @@ def test_shipped_mixtures_load():
     text = format_report(example)
     assert "70,479,308,60" in text and "Danish instruction & knowledge" in text
     assert len(load_mixture(root / "demo.yaml").entries) == 6
+
+
+def test_a_mistyped_personal_data_record_is_refused_by_name(tmp_path):
+    with pytest.raises(UserError, match=r"personal_data\.found\.email: an integer expected"):
+        _manifest(tmp_path / "a", 10, {"policy": "reject", "found": {"email": "3"}, "documents_rejected": 0})
+    with pytest.raises(UserError, match=r"personal_data\.documents_rejected: missing"):
+        _manifest(tmp_path / "b", 10, {"policy": "reject", "found": {}})

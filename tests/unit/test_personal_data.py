@@ -71,8 +71,8 @@ def _prepare(tmp_path: Path, name: str, *flags: str):
 
 def test_the_default_rejects_direct_identifiers_and_counts_every_kind(tmp_path):
     manifest = _prepare(tmp_path, "default")
-    assert manifest.personal_data == {"policy": "reject", "documents_rejected": 2,
-                                         "found": {"email": 1, "ip_address": 1, "national_id": 1}}
+    assert manifest.personal_data.to_dict() == {"policy": "reject", "documents_rejected": 2,
+                                                "found": {"email": 1, "ip_address": 1, "national_id": 1}}
     assert manifest.documents == 3 and manifest.rejects["personal_data"] == 2
     rejects = (tmp_path / "default" / "rejects.jsonl").read_text()
     assert "direct identifiers found: 1 email" in rejects and "anna.hansen" not in rejects and "070761" not in rejects
@@ -82,7 +82,7 @@ def test_redact_and_report(tmp_path):
     from mimir_megatron.data.prepared import PreparedDataset
 
     redacted = _prepare(tmp_path, "redacted", "--personal-data", "redact")
-    assert redacted.documents == 5 and redacted.personal_data["documents_rejected"] == 0
+    assert redacted.documents == 5 and redacted.personal_data.documents_rejected == 0
     from mimir_megatron.chat import load_tokenizer
 
     tokenizer = load_tokenizer(TOK)
@@ -94,7 +94,7 @@ def test_redact_and_report(tmp_path):
     assert "[EMAIL]" in joined and "[NATIONAL_ID]" in joined and "[IP_ADDRESS]" in joined
     assert "anna.hansen" not in joined and "070761" not in joined
     reported = _prepare(tmp_path, "reported", "--personal-data", "report")
-    assert reported.documents == 5 and reported.personal_data["found"]["email"] == 1
+    assert reported.documents == 5 and reported.personal_data.found["email"] == 1
 
 
 def test_the_counts_reach_the_summary(tmp_path):
