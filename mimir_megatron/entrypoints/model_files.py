@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from mimir_megatron.checkpoint import add_model_arguments, model_dir_from_args
+from mimir_megatron.checkpoint import TrainingRecord, add_model_arguments, model_dir_from_args
 
 log = logging.getLogger("mimir")
 
@@ -86,13 +86,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mimir_megatron.checkpoint import ModelKind, find, load_model_dir
+    from mimir_megatron.checkpoint import load_model_dir, training_record
     from mimir_megatron.config import load_config
     from mimir_megatron.errors import UserError
     from mimir_megatron.interop import export_hf
     from mimir_megatron.model import build_model
 
-    found = None
+    record = None
     if args.seed is not None:
         if not args.config:
             raise UserError("--seed needs --config (the model shape to initialise)")
@@ -101,25 +101,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         source = model_dir_from_args(args)
         model = load_model_dir(source, ema=args.ema, overrides=args.overrides)
-        if source.kind == ModelKind.checkpoint:
-            found = find(source.path)
+        record = training_record(source)
         origin = f"{source.kind} ({source.path})"
-    if args.register and (found is None or args.no_mlflow):
+    if args.register and (record is None or args.no_mlflow):
         raise UserError("--register needs a training checkpoint's export logged to MLflow (not --no-mlflow)")
-    files = _release_files(args, model, found, origin)
+    files = _release_files(args, model, record, origin)
     export_hf(model, args.output, tokenizer_dir=args.tokenizer, extra_files=files)
     print(f"exported to {args.output}")
-    if found is not None and not args.no_mlflow:
+    if record is not None and not args.no_mlflow:
         from mimir_megatron.release.tracking import log_exported_model
 
-        path, state = found
-        log_exported_model(Path(args.output), path, state, args.name or Path(args.output).resolve().name,
-                           register=args.register,
-                           reports=_contamination_reports(args.contamination, path, state))
+        log_exported_model(Path(args.output), record.checkpoint, record.state,
+                           args.name or Path(args.output).resolve().name, register=args.register,
+                           reports=_contamination_reports(args.contamination, record))
     return 0
 
 
-def _release_files(args: argparse.Namespace, model, found, origin: str) -> dict[str, str]:
+def _release_files(args: argparse.Namespace, model, record: TrainingRecord | None,
+                   origin: str) -> dict[str, str]:
     """The model card and the training-data summary (from the checkpoint's lineage, if any)."""
     from mimir_megatron.errors import UserError
     from mimir_megatron.model import count_parameters
@@ -141,15 +140,15 @@ def _release_files(args: argparse.Namespace, model, found, origin: str) -> dict[
             "parameters": f"{count_parameters(model).total:,}"}
     files: dict[str, str] = {}
     summary, base_model = None, args.base_model
-    if found is None:
+    if record is None:
         info["training"] = f"Not recorded: exported from {origin}."
     else:
-        path, state = found
+        path, state = record.checkpoint, record.state
         from mimir_megatron.yaml_config import raise_errors
         from mimir_megatron.release.summary import lineage_problems
 
         raise_errors(lineage_problems(state, path), f"refusing to export {path}'s release documents")
-        contamination = contamination_summary(_contamination_reports(args.contamination, path, state), state)
+        contamination = contamination_summary(_contamination_reports(args.contamination, record), state)
         summary = training_data_summary(state, model_name=name, provider=args.provider, checkpoint=str(path),
                                         contamination=contamination, provider_contact=args.provider_contact,
                                         model_version=args.model_version,
@@ -175,14 +174,13 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
-def _contamination_reports(given: list[str] | None, checkpoint: Path, state) -> list[Path]:
+def _contamination_reports(given: list[str] | None, record: TrainingRecord) -> list[Path]:
     """The reports named on the command line (a directory: its ``*.json``), else the training
     run's own (``RUN/contamination/*.json``)."""
     from mimir_megatron.errors import UserError
-    from mimir_megatron.checkpoint.run_directory import RunDirectory
 
     if not given:
-        return sorted(RunDirectory.of_checkpoint(checkpoint, state).contamination.glob("*.json"))
+        return sorted(record.run_directory.contamination.glob("*.json"))
     reports: list[Path] = []
     for item in map(Path, given):
         if not item.exists():
