@@ -26,28 +26,27 @@ def trained(demo_data, tmp_path_factory):
 
 
 def test_an_audit_of_a_training_checkpoint_is_a_child_run_of_its_training_run(trained, tmp_path):
-    import argparse
 
     from mlflow.tracking import MlflowClient
 
-    from mimir_megatron.audits.report import log_to_mlflow
-    from mimir_megatron.entrypoints.audit import _tracking
+    from mimir_megatron.audits.report import audit_tracking
+    from mimir_megatron.checkpoint import ModelDir, ModelKind
 
     run_dir, result = trained
-    args = argparse.Namespace(checkpoint=str(run_dir / "checkpoints" / "step_0000002"), model=None,
-                              tracking_uri=None, experiment="mimir-audit")
-    where = _tracking(args, tmp_path / "audit")
-    assert where[0] == f"sqlite:///{run_dir.resolve() / 'mlflow.db'}" and where[3] == result.run_id
+    where = audit_tracking(tmp_path / "audit", ModelDir(ModelKind.checkpoint, run_dir / "checkpoints" / "step_0000002"))
+    assert where.uri == f"sqlite:///{run_dir.resolve() / 'mlflow.db'}" and where.parent_run_id == result.run_id
     figure = tmp_path / "match_lengths.png"
     figure.write_bytes(b"\x89PNG")
-    audit_id = log_to_mlflow(*where, "prefix-audit", {"ngram": 13}, {"A/prompts": 6.0}, [figure])
-    client = MlflowClient(where[0])
+    audit_id = where.log("prefix-audit", {"ngram": 13}, {"A/prompts": 6.0}, [figure])
+    client = MlflowClient(where.uri)
     audit = client.get_run(audit_id)
     assert audit.data.tags["mlflow.parentRunId"] == result.run_id
     assert audit.info.experiment_id == client.get_run(result.run_id).info.experiment_id
     assert [f.path for f in client.list_artifacts(audit_id)] == ["match_lengths.png"]
-    elsewhere = argparse.Namespace(checkpoint=None, model=str(tmp_path), tracking_uri=None, experiment="mimir-audit")
-    assert _tracking(elsewhere, tmp_path / "audit")[2:] == ("mimir-audit", None)  # not a training checkpoint
+    (tmp_path / "weights").mkdir()  # not a training checkpoint: the audit's own store
+    elsewhere = audit_tracking(tmp_path / "audit", ModelDir(ModelKind.weights, tmp_path / "weights"))
+    assert (elsewhere.experiment, elsewhere.parent_run_id) == ("mimir-audit", None)
+    assert elsewhere.uri == f"sqlite:///{(tmp_path / 'audit').resolve() / 'mlflow.db'}"
 
 
 def test_an_export_is_a_logged_model_of_its_training_run_and_registrable(trained, tmp_path):
