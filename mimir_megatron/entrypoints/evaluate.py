@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import time
 from pathlib import Path
@@ -248,12 +247,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from mimir_megatron.errors import UserError
-
-    from mimir_megatron.evaluation.runner import run_suite, server_model_name
-    from mimir_megatron.evaluation.sweep import (SweepResult, markdown, parse_schedules, schedule_name,
-                                                 write_sweep)
-    from mimir_megatron.evaluation.tracking import EvalRun, tracking_target
+    from mimir_megatron.evaluation.sweep import markdown, parse_schedules, run_sweep
+    from mimir_megatron.evaluation.tracking import tracking_target
 
     _resolve_model(args)
     suite = _suite(args)
@@ -262,49 +257,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     trained = _trained_schedule(args)
     output = Path(args.output or Path("evals") / f"sweep-{suite.name}" / _source_name(args))
     target = tracking_target(output, args.tracking_uri, args.checkpoint, args.experiment)
-    results = {}
-    started = time.perf_counter()
-    with _server(args, output) as base_url:
-        model_name = args.model_name if args.base_url and args.model_name else server_model_name(base_url)
-        client = _score_client(args, base_url, model_name)
-        parent = EvalRun(target, f"sweep {suite.name}", {**_params(args, suite, model_name),
-                                                          "schedules": args.schedules,
-                                                          "trained_schedule": trained,
-                                                          "contamination_report": report})
-        for schedule in schedules:
-            name = schedule_name(schedule)
-            log.info("schedule %s (H=%d, L=%d)", name, *schedule)
-            result = run_suite(suite, base_url, data_dir=args.data_dir, limit=args.limit,
-                               h_cycles=schedule[0], l_cycles=schedule[1], log_dir=output / "logs" / name,
-                               model_name=model_name, score_client=client,
-                               allow_code_execution=args.allow_code_execution, mc_scoring=args.mc_scoring)
-            results[schedule] = result
-            child = EvalRun(target, f"sweep {suite.name} {name}",
-                            {"h_cycles": schedule[0], "l_cycles": schedule[1], "suite": suite.name},
-                            parent_run_id=parent.run_id)
-            child.log_metrics(result.metrics())
-            child.end()
-            parent.log_metrics({f"{name}/{k}": v for k, v in result.metrics("").items()})
-    if not any(r.scores() for r in results.values()):
-        raise UserError("no task produced a score under any schedule (see the messages above)")
-    sweep = SweepResult(suite, results, trained, marks)
-    paths = write_sweep(sweep, output)
-    (output / "items.jsonl").write_text("".join(
-        json.dumps({"schedule": schedule_name(s), "task": t.spec.name, "id": o.id, "correct": o.correct,
-                    "value": o.value, "prediction": o.prediction}, ensure_ascii=False) + "\n"
-        for s, r in results.items() for t in r.tasks for o in t.outcomes))
-    seconds = time.perf_counter() - started
-    print(markdown(sweep))
-    for test in sweep.mcnemar():
-        prefix = f"mcnemar/{test['task']}/{test['a']}_vs_{test['b']}"
-        parent.log_metrics({f"{prefix}/p_value": test["p_value"], f"{prefix}/only_a": test["only_a"],
-                            f"{prefix}/only_b": test["only_b"]})
-    parent.log_metrics({"sweep/seconds": seconds, **_contamination_metrics(marks)})
-    for path in [*paths, output / "items.jsonl"]:
-        parent.log_artifact(path, "sweep")
-    parent.log_artifacts(output / "logs", "inspect_logs")
-    parent.end()
-    print(f"sweep tables, heatmap and logs: {output}   MLflow: {target.uri}   {seconds:.0f} s")
+    params = {**_params(args, suite, ""), "schedules": args.schedules, "trained_schedule": trained,
+              "contamination_report": report}
+    done = run_sweep(suite, schedules, output, _server(args, output), target,
+                     model_name=args.model_name if args.base_url and args.model_name else None,
+                     score_client=lambda url, name: _score_client(args, url, name), trained=trained,
+                     marks=marks, params=params, data_dir=args.data_dir, limit=args.limit,
+                     allow_code_execution=args.allow_code_execution, mc_scoring=args.mc_scoring,
+                     metrics=_contamination_metrics(marks))
+    print(markdown(done.sweep))
+    print(f"sweep tables, heatmap and logs: {output}   MLflow: {target.uri}   {done.seconds:.0f} s")
     return 0
 
 

@@ -224,3 +224,35 @@ def test_mlflow_receives_the_metrics(stubbed):
     assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert parent.data.metrics["mcnemar/mmlu/2x3_vs_1x3/p_value"] == 0.5
     assert parent.data.metrics["2x3/gec"] == pytest.approx(0.5)
+
+
+def test_the_sweep_is_a_function_of_typed_arguments(stubbed, tmp_path):
+    """`mimir sweep`'s workflow without the CLI, around a server it is handed: the tables, items and
+    MLflow runs of the command's sweep above (same suite, schedules and stub answers)."""
+    import contextlib
+
+    from mlflow.tracking import MlflowClient
+
+    from mimir_megatron.evaluation.sweep import run_sweep
+    from mimir_megatron.evaluation.tracking import TrackingTarget
+
+    root = stubbed["root"]
+    suite = load_suite(root / "stubbed.yaml").select(["mmlu", "gec"])
+    script, _ = _script(suite, root / "data")
+    target = TrackingTarget(stubbed["uri"], "sweep-direct", (tmp_path / "mlartifacts").as_uri())
+    with serve_stub(script) as url:
+        done = run_sweep(suite, [(2, 3), (1, 3)], tmp_path / "sweep", contextlib.nullcontext(url), target,
+                         trained=(2, 3), params={"asked": "by the caller"}, data_dir=root / "data", limit=LIMIT,
+                         metrics={"extra/metric": 1.0})
+    by_command = json.loads((root / "sweep" / "table5.json").read_text())
+    assert done.sweep.rows() == by_command["rows"]
+    assert {(t["task"], t["p_value"]) for t in done.sweep.mcnemar()} == {("mmlu", 0.5), ("gec", 0.5)}
+    for name in ("table5.csv", "items.jsonl"):
+        assert (tmp_path / "sweep" / name).read_text() == (root / "sweep" / name).read_text(), name
+    assert [p.name for p in done.files] == ["table5.md", "table5.csv", "table5.json", "heatmap.png", "items.jsonl"]
+    client = MlflowClient(stubbed["uri"])
+    parent = client.get_run(done.run_id)
+    assert parent.data.params["model"] == "stub-model" and parent.data.params["asked"] == "by the caller"
+    assert parent.data.metrics["extra/metric"] == 1.0 and parent.data.metrics["2x3/gec"] == pytest.approx(0.5)
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{done.run_id}'")
+    assert sorted(r.info.run_name for r in children) == ["sweep stubbed 1x3", "sweep stubbed 2x3"]
