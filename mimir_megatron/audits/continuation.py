@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from mimir_megatron.checkpoint.model_dir import ModelDir
 from mimir_megatron.errors import UserError
 
+from .index_query import AuditIndex
 from .model import AuditModel
+from .report import AuditResult, AuditTracking
 from .sampling import CategoryDocuments, Probe, sample_windows
 from .sources import AuditSource
 
@@ -44,6 +49,45 @@ class ContinuationSettings:
 
 MASKS = ("prompt", "training")
 TRAINING = ", training mask"  # suffix of the training-mask columns
+
+
+def continuation_audit(model: ModelDir | AuditModel, sources: list[AuditSource] | AuditIndex,
+                       output: str | Path, settings: ContinuationSettings, *, ema: bool = False,
+                       tokenizer: str | Path | None = None, tracking: AuditTracking | None = None,
+                       params: Mapping[str, Any] | None = None, progress: bool = True) -> AuditResult:
+    """`mimir audit continuation`: the 64+64 audit of ``model`` (a model directory, loaded with
+    ``ema`` and ``tokenizer``, or a loaded :class:`AuditModel`) on ``sources`` (prepared datasets
+    with their audit categories, :func:`~.sources.resolve_sources`, or those of an audit index),
+    written to ``output``: ``table12.md`` / ``.csv`` / ``.json`` and ``exact_matches.jsonl``
+    (with ``mask='training'`` also ``exact_matches_training_mask.jsonl``). With ``tracking``, one
+    MLflow run named ``continuation-audit`` holds ``params`` (default: the settings), the table's
+    numbers as metrics and the files."""
+    from .report import write_table
+
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(sources, AuditIndex):
+        sources = sources.audit_sources
+    if isinstance(model, ModelDir):
+        from . import model as audit_model
+
+        model = audit_model.load_audit_model(model, ema=ema, tokenizer=str(tokenizer) if tokenizer else None,
+                                             batch_size=settings.batch_size)
+    rows, matches, training_matches = run_continuation_audit(model, sources, settings, progress=progress)
+    title = "64+64 exact-continuation audit (Table 12 layout)"
+    if settings.mask == "training":
+        title += "; columns ending in 'training mask': each window scored with its training mask"
+    files = write_table(rows, out, "table12", title)
+    files.append(write_matches(matches, out / "exact_matches.jsonl", model.decode))
+    if settings.mask == "training":
+        files.append(write_matches(training_matches, out / "exact_matches_training_mask.jsonl", model.decode,
+                                   mask="training"))
+    metrics = {f"{r['category']}/{k}": v for r in rows for k, v in r.items() if isinstance(v, (int, float))}
+    run_id = None
+    if tracking is not None:
+        asked = asdict(settings) if params is None else dict(params)
+        run_id = tracking.log("continuation-audit", {**asked, "model_name": model.name}, metrics, files)
+    return AuditResult(out / "table12.md", files, metrics, rows, run_id)
 
 
 def run_continuation_audit(model: AuditModel, sources: list[AuditSource], settings: ContinuationSettings,

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from mimir_megatron.checkpoint.model_dir import ModelDir
 from mimir_megatron.errors import UserError
 
 from .index_query import AuditIndex
 from .model import AuditModel
+from .report import AuditResult, AuditTracking
 from .sampling import CategoryDocuments, Probe, sample_prefixes
 
 log = logging.getLogger("mimir.audit")
@@ -57,6 +61,42 @@ class PrefixOutcome:
     span_hits: int
     reproduces_source: bool
     """The output starts with the probe document's own continuation for >= long_match tokens."""
+
+
+def prefix_audit(model: ModelDir | AuditModel, index: str | Path | AuditIndex, output: str | Path,
+                 settings: PrefixSettings, *, generic: str | Path | list[dict] | None = None,
+                 ema: bool = False, tokenizer: str | Path | None = None,
+                 tracking: AuditTracking | None = None, params: Mapping[str, Any] | None = None,
+                 progress: bool = True) -> AuditResult:
+    """`mimir audit prefix`: the audit of ``model`` (a model directory, loaded with ``ema`` and
+    ``tokenizer``, or a loaded :class:`AuditModel`) against ``index``, written to ``output``:
+    ``table11.md`` / ``.csv`` / ``.json``, ``prefix_outputs.jsonl`` and ``match_lengths.png``.
+    ``generic``: generic prompts (a JSONL file, :func:`read_generic_prompts`, or its records).
+    With ``tracking``, one MLflow run named ``prefix-audit`` holds ``params`` (default: the
+    settings), the table's numbers as metrics and the files."""
+    from .report import match_length_figure, write_table
+
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    index = index if isinstance(index, AuditIndex) else AuditIndex(index)
+    if isinstance(generic, (str, Path)):
+        generic = read_generic_prompts(str(generic))
+    if isinstance(model, ModelDir):
+        from . import model as audit_model
+
+        model = audit_model.load_audit_model(model, ema=ema, tokenizer=str(tokenizer) if tokenizer else None,
+                                             batch_size=settings.batch_size)
+    rows, outcomes, lengths = run_prefix_audit(model, index, settings, generic, progress=progress)
+    files = write_table(rows, out, "table11", "Prefix audit (Table 11 layout)")
+    files.append(write_outcomes(outcomes, out / "prefix_outputs.jsonl", model.decode))
+    files.append(match_length_figure(lengths, out / "match_lengths.png", settings.long_match))
+    metrics = {f"{r['setting']}/{k}": v for r in rows for k, v in r.items()
+               if isinstance(v, (int, float)) and k != "setting"}
+    run_id = None
+    if tracking is not None:
+        asked = asdict(settings) if params is None else dict(params)
+        run_id = tracking.log("prefix-audit", {**asked, "model_name": model.name}, metrics, files)
+    return AuditResult(out / "table11.md", files, metrics, rows, run_id)
 
 
 def run_prefix_audit(model: AuditModel, index: AuditIndex, settings: PrefixSettings,

@@ -1,13 +1,71 @@
-"""Audit outputs: tables (Markdown, CSV, JSON), the match-length figure, and MLflow logging."""
+"""Audit outputs: tables (Markdown, CSV, JSON), the match-length figure, and MLflow logging;
+what an audit returns (:class:`AuditResult`) and where its MLflow run goes (:func:`audit_tracking`)."""
 
 from __future__ import annotations
 
 import csv
 import json
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from mimir_megatron.checkpoint.model_dir import ModelDir, ModelKind
 
 log = logging.getLogger("mimir.audit")
+
+DEFAULT_EXPERIMENT = "mimir-audit"
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """What an audit wrote: the Markdown table (what the command prints), every file (the MLflow
+    run's artifacts), the headline metrics, the table's rows and the MLflow run (None: not logged,
+    or the store failed)."""
+
+    table: Path
+    files: list[Path]
+    metrics: dict[str, float]
+    rows: list[dict] = field(default_factory=list)
+    run_id: str | None = None
+    errors: tuple[str, ...] = field(default=())
+    """What could not be audited (a contamination check's benchmarks that failed, with why)."""
+
+
+@dataclass(frozen=True)
+class AuditTracking:
+    """Where an audit's MLflow run goes: the store, where a new experiment keeps its artifacts,
+    the experiment and the training run it is a child of (None: none)."""
+
+    uri: str
+    artifact_location: str
+    experiment: str = DEFAULT_EXPERIMENT
+    parent_run_id: str | None = None
+
+    def log(self, run_name: str, params: Mapping[str, Any], metrics: dict[str, float],
+            artifacts: list[Path]) -> str | None:
+        """One run of the audit (:func:`log_to_mlflow`); its id, or None with a warning."""
+        return log_to_mlflow(self.uri, self.artifact_location, self.experiment, self.parent_run_id, run_name,
+                             dict(params), metrics, artifacts)
+
+
+def audit_tracking(output: str | Path, model: ModelDir | None = None, uri: str | None = None,
+                   experiment: str = DEFAULT_EXPERIMENT) -> AuditTracking:
+    """Where the MLflow run of an audit writing to ``output`` goes: ``uri``, else for a training
+    checkpoint its training run's store and experiment, as a child run of it (its figures and
+    tables then sit beside the run's curves), else a sqlite database in the output directory;
+    artifacts beside that database, never in ``./mlruns`` of the working directory."""
+    from mimir_megatron.evaluation.tracking import tracking_target
+    from mimir_megatron.ops.mlflow_server import run_store
+
+    output = Path(output)
+    if model is not None and model.kind == ModelKind.checkpoint and not uri:
+        target = tracking_target(output, checkpoint=model)
+        if target.parent_run_id:
+            return AuditTracking(target.uri, target.artifact_root, target.experiment, target.parent_run_id)
+    default_uri, artifacts = run_store(output)
+    return AuditTracking(uri or default_uri, artifacts.as_uri(), experiment)
 
 
 def write_table(rows: list[dict], out_dir: Path, stem: str, title: str, json_rows: bool = True,

@@ -21,7 +21,7 @@ with one job:
 - :mod:`.trainer_state`: :class:`TrainerState`, its one reader and one writer.
 - :mod:`.run_directory`: the paths of a run, derived in one place (:class:`~.run_directory.RunDirectory`).
 - :mod:`.model_dir`: which form a model directory has, and what it says about its model
-  (tokenizer, trained schedule, display and served names).
+  (tokenizer, trained schedule, display and served names, run directory and lineage).
 - :mod:`.compat`: layout version and model-shape checks (whether training may go on from a
   checkpoint is the trainer's policy: ``mimir_megatron.train.resume``).
 - :mod:`.state`: the sharded model/optimizer/EMA state and the per-rank RNG state.
@@ -56,13 +56,17 @@ from .model_dir import (
     ModelKind,
     add_model_arguments,
     detect_model_dir,
+    TrainingRecord,
     display_name,
+    lineage,
     load_model_dir,
     model_dir_from_args,
     resolve_model_dir,
+    run_directory,
     served_name,
     tokenizer_dir,
     trained_schedule,
+    training_record,
 )
 from .trainer_state import BaseModel, DatasetLineage, TrainerState, read_trainer_state
 
@@ -79,7 +83,7 @@ __all__ = [
     "FORMAT", "FORMS_HELP", "MODEL_FORMS_HELP", "RUN_CHECKPOINTS", "BaseModel", "ModelDir", "ModelKind",
     "add_model_arguments", "detect_model_dir", "load_model_dir", "model_dir_from_args", "resolve_model_dir",
     "tokenizer_dir", "trained_schedule", "display_name", "served_name", "DatasetLineage", "TrainerState",
-    "find",
+    "TrainingRecord", "training_record", "run_directory", "lineage", "find",
     "is_checkpoint", "is_checkpoint_source", "latest_checkpoint", "read_trainer_state", "resolve",
     "step_dir_name", *_LAZY,
 ]

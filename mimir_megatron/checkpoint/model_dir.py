@@ -8,7 +8,9 @@ a run's checkpoints directory or the run directory), project weights (`mimir imp
 to say which form it is; a path given as the wrong form is refused with the flag that fits.
 
 Recognising a form reads directory entries only (no torch, no omegaconf): `--help` and a mistyped
-path stay instant.
+path stay instant. What a model directory says about its model, without loading weights, is asked
+here too: its tokenizer, trained schedule, display and served names, and for a training checkpoint
+the run it belongs to and the data lineage it records (:func:`training_record`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from pathlib import Path
 
 from mimir_megatron.errors import UserError
 
-from .layout import FORMS_HELP, RUN_CHECKPOINTS, is_checkpoint_source
+from .layout import FORMS_HELP, RUN_CHECKPOINTS, find, is_checkpoint_source
+from .run_directory import RunDirectory
+from .trainer_state import DatasetLineage, TrainerState
 
 WEIGHTS_CONFIG = "model.yaml"
 """The model settings file of project weights (beside ``model.safetensors``)."""
@@ -115,14 +119,55 @@ def load_model_dir(source: ModelDir, *, ema: bool = False, tensor_parallel_size:
 # -- what a model directory says about its model (no weights are loaded) ----------------------------
 
 
+@dataclass(frozen=True)
+class TrainingRecord:
+    """What a training checkpoint records of the run that wrote it."""
+
+    checkpoint: Path
+    """The ``step_N`` directory (a run or checkpoints directory resolved through ``latest``)."""
+    state: TrainerState
+
+    @property
+    def run_directory(self) -> RunDirectory:
+        """The run the checkpoint belongs to (:meth:`RunDirectory.of_checkpoint`)."""
+        return RunDirectory.of_checkpoint(self.checkpoint, self.state)
+
+    @property
+    def lineage(self) -> tuple[DatasetLineage, ...]:
+        """Per dataset of the run's mixture: its provenance, the digest its manifest had, and
+        what of it went into the weights up to this step."""
+        return self.state.lineage
+
+
+def training_record(source: ModelDir) -> TrainingRecord | None:
+    """The checkpoint and trainer state of a training checkpoint (its digest checked); None for
+    project weights and transformers directories, which record no training run."""
+    if source.kind != ModelKind.checkpoint:
+        return None
+    found = find(source.path)
+    return TrainingRecord(*found) if found else None
+
+
+def run_directory(source: ModelDir) -> RunDirectory | None:
+    """The run directory of a training checkpoint (its MLflow store, contamination reports, ...);
+    None for the forms that record no training run."""
+    record = training_record(source)
+    return record.run_directory if record else None
+
+
+def lineage(source: ModelDir) -> tuple[DatasetLineage, ...] | None:
+    """The data lineage a training checkpoint records (:attr:`TrainingRecord.lineage`); None
+    where the form records none (project weights, a transformers directory)."""
+    record = training_record(source)
+    return record.lineage if record else None
+
+
 def _model_settings(source: ModelDir) -> dict:
     """The model's recorded settings: a checkpoint's trainer state, a weights directory's
     ``model.yaml`` (h_cycles, l_cycles, tokenizer, ...). Empty for a transformers directory."""
     if source.kind == ModelKind.checkpoint:
-        from .layout import find
-
-        found = find(source.path)
-        return dict(found[1].model) if found else {}
+        record = training_record(source)
+        return dict(record.state.model) if record else {}
     if source.kind == ModelKind.weights:
         from mimir_megatron.yaml_config import read_yaml
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
 from mimir_megatron.checkpoint import add_model_arguments, model_dir_from_args
 
@@ -137,143 +136,63 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tracking(args: argparse.Namespace, out: Path) -> tuple[str, str, str, str | None]:
-    """Where the audit's MLflow run goes, (store, artifact location, experiment, parent run):
-    ``--tracking-uri``, else for a training checkpoint its training run's store and experiment,
-    as a child run of it (its figures and tables then sit beside the run's curves), else a sqlite
-    database in the output directory; artifacts beside that database, never in ``./mlruns`` of
-    the working directory."""
-    from mimir_megatron.evaluation.tracking import tracking_target
-    from mimir_megatron.ops.mlflow_server import run_store
-
-    model = getattr(args, "checkpoint", None) or getattr(args, "model", None)
-    if model and not args.tracking_uri:
-        target = tracking_target(out, checkpoint=model)
-        if target.parent_run_id:
-            return target.uri, target.artifact_root, target.experiment, target.parent_run_id
-    default_uri, artifacts = run_store(out)
-    return args.tracking_uri or default_uri, artifacts.as_uri(), args.experiment, None
+def _params(args: argparse.Namespace) -> dict:
+    """The command line, as the audit's MLflow params."""
+    return {k: v for k, v in vars(args).items() if k != "handler"}
 
 
 def cmd_prefix(args: argparse.Namespace) -> int:
-    from mimir_megatron.audits.index_query import AuditIndex
-    from mimir_megatron.audits.model import load_audit_model
-    from mimir_megatron.audits.prefix import (PrefixSettings, read_generic_prompts, run_prefix_audit,
-                                              write_outcomes)
-    from mimir_megatron.audits.report import log_to_mlflow, match_length_figure, write_table
+    from mimir_megatron.audits.prefix import PrefixSettings, prefix_audit
+    from mimir_megatron.audits.report import audit_tracking
 
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    index = AuditIndex(args.index)
-    generic = read_generic_prompts(args.generic) if args.generic else None
-    model = load_audit_model(model_dir_from_args(args), ema=args.ema, tokenizer=args.tokenizer,
-                             batch_size=args.batch_size)
+    source = model_dir_from_args(args)
     settings = PrefixSettings(
         categories=_categories(args.categories) or [], per_category=args.per_category,
         prefix_tokens=args.prefix_tokens, max_new_tokens=args.max_new_tokens, min_match=args.min_match,
         long_match=args.long_match, max_hits=args.max_hits, position=args.position, seed=args.seed,
         batch_size=args.batch_size)
-    rows, outcomes, lengths = run_prefix_audit(model, index, settings, generic)
-    files = write_table(rows, out, "table11", "Prefix audit (Table 11 layout)")
-    files.append(write_outcomes(outcomes, out / "prefix_outputs.jsonl", model.decode))
-    files.append(match_length_figure(lengths, out / "match_lengths.png", settings.long_match))
-    print((out / "table11.md").read_text())
-    metrics = {f"{r['setting']}/{k}": v for r in rows for k, v in r.items()
-               if isinstance(v, (int, float)) and k != "setting"}
-    log_to_mlflow(*_tracking(args, out), "prefix-audit",
-                  {**{k: v for k, v in vars(args).items() if k != "handler"}, "model_name": model.name},
-                  metrics, files)
+    tracking = audit_tracking(args.output, source, args.tracking_uri, args.experiment)
+    result = prefix_audit(source, args.index, args.output, settings, generic=args.generic, ema=args.ema,
+                          tokenizer=args.tokenizer, params=_params(args), tracking=tracking)
+    print(result.table.read_text())
     return 0
 
 
 def cmd_continuation(args: argparse.Namespace) -> int:
-    from mimir_megatron.audits.continuation import ContinuationSettings, run_continuation_audit, write_matches
-    from mimir_megatron.audits.model import load_audit_model
-    from mimir_megatron.audits.report import log_to_mlflow, write_table
+    from mimir_megatron.audits.continuation import ContinuationSettings, continuation_audit
+    from mimir_megatron.audits.report import audit_tracking
     from mimir_megatron.audits.sources import resolve_sources
 
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
     if args.index:
         from mimir_megatron.audits.index_query import AuditIndex
 
         sources = AuditIndex(args.index).audit_sources
     else:
         sources = resolve_sources(args.mixture, args.data)
-    model = load_audit_model(model_dir_from_args(args), ema=args.ema, tokenizer=args.tokenizer,
-                             batch_size=args.batch_size)
+    source = model_dir_from_args(args)
     settings = ContinuationSettings(
         categories=_categories(args.categories), samples=args.samples, prefix_tokens=args.prefix_tokens,
         continuation_tokens=args.continuation_tokens, method=args.method, mask=args.mask, seed=args.seed,
         batch_size=args.batch_size)
-    rows, matches, training_matches = run_continuation_audit(model, sources, settings)
-    title = "64+64 exact-continuation audit (Table 12 layout)"
-    if args.mask == "training":
-        title += "; columns ending in 'training mask': each window scored with its training mask"
-    files = write_table(rows, out, "table12", title)
-    files.append(write_matches(matches, out / "exact_matches.jsonl", model.decode))
-    if args.mask == "training":
-        files.append(write_matches(training_matches, out / "exact_matches_training_mask.jsonl", model.decode,
-                                   mask="training"))
-    print((out / "table12.md").read_text())
-    metrics = {f"{r['category']}/{k}": v for r in rows for k, v in r.items() if isinstance(v, (int, float))}
-    log_to_mlflow(*_tracking(args, out), "continuation-audit",
-                  {**{k: v for k, v in vars(args).items() if k != "handler"}, "model_name": model.name},
-                  metrics, files)
+    tracking = audit_tracking(args.output, source, args.tracking_uri, args.experiment)
+    result = continuation_audit(source, sources, args.output, settings, ema=args.ema,
+                                tokenizer=args.tokenizer, params=_params(args), tracking=tracking)
+    print(result.table.read_text())
     return 0
 
 
 def cmd_contamination(args: argparse.Namespace) -> int:
     import os
 
-    from mimir_megatron.errors import UserError
-    from mimir_megatron.evaluation.suite import load_suite
+    from mimir_megatron.audits.contamination import ContaminationSettings
+    from mimir_megatron.audits.contamination_audit import contamination_audit
+    from mimir_megatron.audits.report import audit_tracking
 
-    from mimir_megatron.audits.contamination import (
-        ContaminationSettings,
-        check_ngram,
-        check_tokenizer,
-        contamination_report,
-        denylist_entries,
-        run_contamination,
-        write_report,
-    )
-    from mimir_megatron.audits.denylist import write_denylist
-    from mimir_megatron.audits.index_query import AuditIndex
-    from mimir_megatron.audits.report import log_to_mlflow
-
-    # every check before anything is written
-    suite = load_suite(args.suite)
-    if args.tasks:
-        suite = suite.select([t.strip() for t in args.tasks.split(",") if t.strip()])
-    if not Path(args.index).is_dir():
-        raise UserError(f"index not found: {args.index}")
-    index = AuditIndex(args.index)
-    check_ngram(args.ngram, index)
-    if args.max_hits < 1:
-        raise UserError(f"--max-hits must be >= 1, got {args.max_hits}")
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"--limit must be >= 1, got {args.limit}")
-    tokenizer_dir, tokenizer = check_tokenizer(index, args.tokenizer)
-    data_dir = Path(args.data_dir or suite.data_dir)
     settings = ContaminationSettings(ngram=args.ngram, max_hits=args.max_hits, limit=args.limit,
                                      workers=args.workers or max(1, len(os.sched_getaffinity(0))))
-    results = run_contamination(index, suite, data_dir, tokenizer_dir, settings,
-                                progress=not args.no_progress)
-    report = contamination_report(results, suite, index, tokenizer, settings)
-    out = Path(args.output)
-    files = write_report(report, results, out, index)
-    print(files[1].read_text())
-    if args.denylist:
-        entries = denylist_entries(results, args.ngram)
-        source = {"suite": suite.name, "suite_file": suite.source, "index": str(index.path.resolve()),
-                  "report": str(files[0].resolve())}
-        files.append(write_denylist(args.denylist, tokenizer, args.ngram, entries, source))
-        log.info("denylist %s: %d entries from %d contaminated items", args.denylist, len(entries),
-                 len({(e["benchmark"], e["item"]) for e in entries}))
-    metrics = report.metrics()
-    log_to_mlflow(*_tracking(args, out), "contamination-audit",
-                  {**{k: v for k, v in vars(args).items() if k != "handler"}, "suite_name": suite.name,
-                   "tokenizer_sha256": tokenizer["sha256"], "index_documents": index.num_documents,
-                   "index_tokens": index.num_tokens}, metrics, files)
-    return 1 if any(b.error for b in results) else 0
+    result = contamination_audit(
+        args.suite, args.index, args.output, settings, tasks=_categories(args.tasks), data_dir=args.data_dir,
+        tokenizer=args.tokenizer, denylist=args.denylist, progress=not args.no_progress, params=_params(args),
+        tracking=audit_tracking(args.output, None, args.tracking_uri, args.experiment))
+    print(result.table.read_text())
+    return 1 if result.errors else 0

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
-import time
 from pathlib import Path
 
 from mimir_megatron.checkpoint import add_model_arguments, model_dir_from_args
@@ -183,25 +181,6 @@ def _marks(args: argparse.Namespace, suite):
     return benchmark_marks(report, suite, args.data_dir), (str(report.path) if report else None)
 
 
-def _contamination_metrics(marks, result=None) -> dict[str, float]:
-    """``contamination/<task>`` (the share of items contaminated) and, with an evaluation's
-    ``result``, ``eval/clean/<task>`` and ``eval/contaminated/<task>`` (the score split)."""
-    from mimir_megatron.evaluation.report import score_split
-
-    metrics = {f"contamination/{name}": mark.fraction for name, mark in (marks or {}).items()
-               if mark is not None and not mark.stale}
-    if result is None or marks is None:
-        return metrics
-    for task in result.tasks:
-        split = score_split(task, marks.get(task.spec.name))
-        if split is None:
-            continue
-        for part, score in (("clean", split.clean), ("contaminated", split.contaminated)):
-            if score is not None:
-                metrics[f"eval/{part}/{task.spec.name}"] = score
-    return metrics
-
-
 def _params(args: argparse.Namespace, suite, model_name: str) -> dict:
     return {"suite": suite.name, "suite_file": suite.source, "model": model_name,
             "source": args.checkpoint or args.hf or args.weights or args.base_url,
@@ -210,50 +189,34 @@ def _params(args: argparse.Namespace, suite, model_name: str) -> dict:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from mimir_megatron.evaluation.report import markdown, write_tables
-    from mimir_megatron.evaluation.runner import run_suite, server_model_name
-    from mimir_megatron.evaluation.tracking import EvalRun, tracking_target
+    from mimir_megatron.evaluation.report import markdown
+    from mimir_megatron.evaluation.tracking import tracking_target
+    from mimir_megatron.evaluation.workflow import run_eval
 
     _resolve_model(args)
     suite = _suite(args)
     marks, report = _marks(args, suite)
     schedule = "" if args.h_cycles is None and args.l_cycles is None else f"-h{args.h_cycles}l{args.l_cycles}"
     output = Path(args.output or Path("evals") / suite.name / (_source_name(args) + schedule))
-    started = time.perf_counter()
-    with _server(args, output) as base_url:
-        model_name = args.model_name if args.base_url and args.model_name else server_model_name(base_url)
-        result = run_suite(suite, base_url, data_dir=args.data_dir, limit=args.limit,
-                           h_cycles=args.h_cycles, l_cycles=args.l_cycles, log_dir=output / "logs",
-                           model_name=model_name, score_client=_score_client(args, base_url, model_name),
-                           allow_code_execution=args.allow_code_execution, mc_scoring=args.mc_scoring)
-    seconds = time.perf_counter() - started
-    tables = write_tables(result, output, model_name, marks)
-    print(markdown(result, f"{suite.name} — {model_name}", marks))
     target = tracking_target(output, args.tracking_uri, args.checkpoint, args.experiment)
-    run = EvalRun(target, f"eval {suite.name}" + (f" step {target.checkpoint_step}"
-                                                  if target.checkpoint_step is not None else ""),
-                  {**_params(args, suite, model_name), "h_cycles": args.h_cycles, "l_cycles": args.l_cycles,
-                   "contamination_report": report})
-    run.log_metrics({**result.metrics(), **_contamination_metrics(marks, result), "eval/seconds": seconds},
-                    step=target.checkpoint_step or 0)
-    for path in tables:
-        run.log_artifact(path, "tables")
-    if (output / "logs").is_dir():
-        run.log_artifacts(output / "logs", "inspect_logs")
-    run.end()
+    done = run_eval(suite, output, _server(args, output), target,
+                    model_name=args.model_name if args.base_url and args.model_name else None,
+                    score_client=lambda url, name: _score_client(args, url, name),
+                    h_cycles=args.h_cycles, l_cycles=args.l_cycles, marks=marks,
+                    params={**_params(args, suite, ""), "contamination_report": report},
+                    data_dir=args.data_dir, limit=args.limit, allow_code_execution=args.allow_code_execution,
+                    mc_scoring=args.mc_scoring)
+    print(markdown(done.result, f"{suite.name} — {done.model_name}", marks))
     print(f"tables and logs: {output}   MLflow: {target.uri} (experiment {target.experiment}"
-          + (f", run {run.run_id}" if run.run_id else "") + f")   {seconds:.0f} s")
-    failed = [t for t in result.tasks if t.error and not t.skipped]
+          + (f", run {done.run_id}" if done.run_id else "") + f")   {done.seconds:.0f} s")
+    failed = [t for t in done.result.tasks if t.error and not t.skipped]
     return 1 if failed else 0
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from mimir_megatron.errors import UserError
-
-    from mimir_megatron.evaluation.runner import run_suite, server_model_name
-    from mimir_megatron.evaluation.sweep import (SweepResult, markdown, parse_schedules, schedule_name,
-                                                 write_sweep)
-    from mimir_megatron.evaluation.tracking import EvalRun, tracking_target
+    from mimir_megatron.evaluation.sweep import markdown, parse_schedules, run_sweep
+    from mimir_megatron.evaluation.tracking import tracking_target
+    from mimir_megatron.evaluation.workflow import contamination_metrics
 
     _resolve_model(args)
     suite = _suite(args)
@@ -262,49 +225,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     trained = _trained_schedule(args)
     output = Path(args.output or Path("evals") / f"sweep-{suite.name}" / _source_name(args))
     target = tracking_target(output, args.tracking_uri, args.checkpoint, args.experiment)
-    results = {}
-    started = time.perf_counter()
-    with _server(args, output) as base_url:
-        model_name = args.model_name if args.base_url and args.model_name else server_model_name(base_url)
-        client = _score_client(args, base_url, model_name)
-        parent = EvalRun(target, f"sweep {suite.name}", {**_params(args, suite, model_name),
-                                                          "schedules": args.schedules,
-                                                          "trained_schedule": trained,
-                                                          "contamination_report": report})
-        for schedule in schedules:
-            name = schedule_name(schedule)
-            log.info("schedule %s (H=%d, L=%d)", name, *schedule)
-            result = run_suite(suite, base_url, data_dir=args.data_dir, limit=args.limit,
-                               h_cycles=schedule[0], l_cycles=schedule[1], log_dir=output / "logs" / name,
-                               model_name=model_name, score_client=client,
-                               allow_code_execution=args.allow_code_execution, mc_scoring=args.mc_scoring)
-            results[schedule] = result
-            child = EvalRun(target, f"sweep {suite.name} {name}",
-                            {"h_cycles": schedule[0], "l_cycles": schedule[1], "suite": suite.name},
-                            parent_run_id=parent.run_id)
-            child.log_metrics(result.metrics())
-            child.end()
-            parent.log_metrics({f"{name}/{k}": v for k, v in result.metrics("").items()})
-    if not any(r.scores() for r in results.values()):
-        raise UserError("no task produced a score under any schedule (see the messages above)")
-    sweep = SweepResult(suite, results, trained, marks)
-    paths = write_sweep(sweep, output)
-    (output / "items.jsonl").write_text("".join(
-        json.dumps({"schedule": schedule_name(s), "task": t.spec.name, "id": o.id, "correct": o.correct,
-                    "value": o.value, "prediction": o.prediction}, ensure_ascii=False) + "\n"
-        for s, r in results.items() for t in r.tasks for o in t.outcomes))
-    seconds = time.perf_counter() - started
-    print(markdown(sweep))
-    for test in sweep.mcnemar():
-        prefix = f"mcnemar/{test['task']}/{test['a']}_vs_{test['b']}"
-        parent.log_metrics({f"{prefix}/p_value": test["p_value"], f"{prefix}/only_a": test["only_a"],
-                            f"{prefix}/only_b": test["only_b"]})
-    parent.log_metrics({"sweep/seconds": seconds, **_contamination_metrics(marks)})
-    for path in [*paths, output / "items.jsonl"]:
-        parent.log_artifact(path, "sweep")
-    parent.log_artifacts(output / "logs", "inspect_logs")
-    parent.end()
-    print(f"sweep tables, heatmap and logs: {output}   MLflow: {target.uri}   {seconds:.0f} s")
+    params = {**_params(args, suite, ""), "schedules": args.schedules, "trained_schedule": trained,
+              "contamination_report": report}
+    done = run_sweep(suite, schedules, output, _server(args, output), target,
+                     model_name=args.model_name if args.base_url and args.model_name else None,
+                     score_client=lambda url, name: _score_client(args, url, name), trained=trained,
+                     marks=marks, params=params, data_dir=args.data_dir, limit=args.limit,
+                     allow_code_execution=args.allow_code_execution, mc_scoring=args.mc_scoring,
+                     metrics=contamination_metrics(marks))
+    print(markdown(done.sweep))
+    print(f"sweep tables, heatmap and logs: {output}   MLflow: {target.uri}   {done.seconds:.0f} s")
     return 0
 
 

@@ -1,24 +1,14 @@
-"""`mimir generate`: batched generation from a JSONL file of prompts.
+"""`mimir generate`: batched generation from a JSONL file of prompts
+(:mod:`mimir_megatron.inference.jsonl`: the line format, bad lines).
 
     mimir generate --checkpoint runs/demo/checkpoints --input prompts.jsonl --output out.jsonl
-
-Input lines: ``{"prompt": "text"}``, ``{"messages": [...], "tools"?: [...]}`` (rendered with the
-tokenizer's chat template up to the generation prompt) or ``{"prompt_ids": [...]}``; any other
-fields are copied to the output line, which adds ``completion``, ``completion_ids``,
-``finish_reason`` (and ``logprobs`` with ``--logprobs``). A bad line is reported with its line
-number and written to the output with an ``error`` field; the others are still generated.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-from pathlib import Path
 
 from mimir_megatron.checkpoint import add_model_arguments
-
-log = logging.getLogger("mimir")
 
 
 def add_generate_source(p: argparse.ArgumentParser) -> None:
@@ -67,82 +57,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_generate, setup="megatron")
 
 
-def _prompt_ids(engine, record) -> list[int]:
-    from mimir_megatron.inference import RequestError
-
-    if not isinstance(record, dict):
-        raise RequestError("a line must be a JSON object")
-    keys = [k for k in ("prompt", "messages", "prompt_ids") if k in record]
-    if len(keys) != 1:
-        raise RequestError("a line needs exactly one of prompt, messages, prompt_ids")
-    value = record[keys[0]]
-    if keys[0] == "prompt_ids":
-        return value
-    if keys[0] == "prompt":
-        if not isinstance(value, str):
-            raise RequestError("prompt must be a string")
-        return engine.encode(value)
-    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-        raise RequestError("messages must be a list of objects")
-    return engine.render_chat(value, record.get("tools"))
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
-    from mimir_megatron.errors import UserError
-    from mimir_megatron.inference import GenerationRequest, RequestError, SamplingParams
+    from mimir_megatron.inference import SamplingParams
+    from mimir_megatron.inference.jsonl import generate_jsonl
 
-    source = Path(args.input)
-    if not source.is_file():
-        raise UserError(f"input file not found: {source}")
-    engine = engine_from_args(args, max_batch_size=args.batch_size)
-    engine.limits.schedule(args.h_cycles, args.l_cycles)
-    records, requests, errors = [], [], {}
-    with source.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            record = None
-            try:
-                record = json.loads(raw)
-                params = SamplingParams(
-                    max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature,
-                    top_k=args.top_k,
-                    top_p=args.top_p,
-                    seed=None if args.seed is None else args.seed + number - 1,
-                    stop_strings=tuple(args.stop),
-                )
-                request = GenerationRequest(_prompt_ids(engine, record), params, args.h_cycles, args.l_cycles)
-                engine.limits.check_request(request)
-                requests.append((len(records), request))
-            except (json.JSONDecodeError, UnicodeDecodeError, RequestError) as exc:
-                errors[len(records)] = f"line {number}: {exc}"
-                log.error("%s: %s", source, errors[len(records)])
-            records.append(record if isinstance(record, dict) else {"line": number})
-    results = engine.generate([r for _, r in requests], progress=True) if requests else []
-    by_index = {i: res for (i, _), res in zip(requests, results)}
-    tmp = Path(args.output + ".tmp")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    with tmp.open("w") as out:
-        for i, record in enumerate(records):
-            line = dict(record)
-            if i in errors:
-                line["error"] = errors[i]
-            else:
-                res = by_index[i]
-                line.update(
-                    completion=res.text, completion_ids=res.token_ids, finish_reason=res.finish_reason
-                )
-                if args.logprobs:
-                    line["logprobs"] = res.logprobs
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
-    tmp.replace(args.output)
-    log.info(
-        "generated %d of %d lines (%d bad) -> %s; %s",
-        len(requests),
-        len(records),
-        len(errors),
-        args.output,
-        engine.stats.summary(),
-    )
-    return 1 if errors and not requests else 0
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              stop_strings=tuple(args.stop))
+    done = generate_jsonl(lambda: engine_from_args(args, max_batch_size=args.batch_size), args.input,
+                          args.output, sampling, h_cycles=args.h_cycles, l_cycles=args.l_cycles,
+                          logprobs=args.logprobs)
+    return 1 if done.bad and not done.generated else 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from pathlib import Path
 
 from mimir_megatron.checkpoint import add_model_arguments, model_dir_from_args
 
@@ -86,13 +85,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mimir_megatron.checkpoint import ModelKind, find, load_model_dir
+    from mimir_megatron.checkpoint import load_model_dir, training_record
     from mimir_megatron.config import load_config
     from mimir_megatron.errors import UserError
-    from mimir_megatron.interop import export_hf
     from mimir_megatron.model import build_model
+    from mimir_megatron.release.export import ReleaseDetails, export_model
 
-    found = None
+    record = None
     if args.seed is not None:
         if not args.config:
             raise UserError("--seed needs --config (the model shape to initialise)")
@@ -101,69 +100,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         source = model_dir_from_args(args)
         model = load_model_dir(source, ema=args.ema, overrides=args.overrides)
-        if source.kind == ModelKind.checkpoint:
-            found = find(source.path)
+        record = training_record(source)
         origin = f"{source.kind} ({source.path})"
-    if args.register and (found is None or args.no_mlflow):
-        raise UserError("--register needs a training checkpoint's export logged to MLflow (not --no-mlflow)")
-    files = _release_files(args, model, found, origin)
-    export_hf(model, args.output, tokenizer_dir=args.tokenizer, extra_files=files)
+    details = ReleaseDetails(
+        name=args.name, license=args.license, provider=args.provider, provider_contact=args.provider_contact,
+        model_version=args.model_version, placed_on_market=args.placed_on_market, base_model=args.base_model,
+        accept_licence_risk=args.accept_licence_risk, contamination=args.contamination)
+    export_model(model, args.output, details, record=record, origin=origin, ema=args.ema,
+                 tokenizer=args.tokenizer, register=args.register, mlflow=not args.no_mlflow)
     print(f"exported to {args.output}")
-    if found is not None and not args.no_mlflow:
-        from mimir_megatron.release.tracking import log_exported_model
-
-        path, state = found
-        log_exported_model(Path(args.output), path, state, args.name or Path(args.output).resolve().name,
-                           register=args.register,
-                           reports=_contamination_reports(args.contamination, path, state))
     return 0
-
-
-def _release_files(args: argparse.Namespace, model, found, origin: str) -> dict[str, str]:
-    """The model card and the training-data summary (from the checkpoint's lineage, if any)."""
-    from mimir_megatron.errors import UserError
-    from mimir_megatron.model import count_parameters
-    from mimir_megatron.release.card import hf_license, model_card
-    from mimir_megatron.release.summary import contamination_summary, summary_markdown, training_data_summary
-
-    hf_license(args.license)  # a bad --license is refused before anything is written
-    if args.placed_on_market:
-        import datetime
-
-        try:
-            datetime.date.fromisoformat(args.placed_on_market)
-        except ValueError:
-            raise UserError(f"--placed-on-market: a date YYYY-MM-DD, got {args.placed_on_market!r}") from None
-    name = args.name or Path(args.output).resolve().name
-    cfg = model.cfg
-    info = {"layers_l": cfg.num_layers_L, "layers_h": cfg.num_layers_H, "hidden": cfg.hidden_size,
-            "schedule": "".join(("L" * cfg.l_cycles + "H") * cfg.h_cycles),
-            "parameters": f"{count_parameters(model).total:,}"}
-    files: dict[str, str] = {}
-    summary, base_model = None, args.base_model
-    if found is None:
-        info["training"] = f"Not recorded: exported from {origin}."
-    else:
-        path, state = found
-        from mimir_megatron.yaml_config import raise_errors
-        from mimir_megatron.release.summary import lineage_problems
-
-        raise_errors(lineage_problems(state, path), f"refusing to export {path}'s release documents")
-        contamination = contamination_summary(_contamination_reports(args.contamination, path, state), state)
-        summary = training_data_summary(state, model_name=name, provider=args.provider, checkpoint=str(path),
-                                        contamination=contamination, provider_contact=args.provider_contact,
-                                        model_version=args.model_version,
-                                        placed_on_market=args.placed_on_market)
-        files["training_data_summary.json"] = json.dumps(summary, indent=2, ensure_ascii=False) + "\n"
-        files["training_data_summary.md"] = summary_markdown(summary)
-        if base_model is None and state.base_model is not None:
-            base_model = state.base_model.source
-        weights = "the EMA of the weights" if args.ema else "the trained weights"
-        info["training"] = (f"{state.step:,} optimizer steps ({state.consumed_samples:,} packed contexts); "
-                            f"exported from {path.name} ({weights}).")
-    files["README.md"] = model_card(model_name=name, model_info=info, summary=summary, license=args.license,
-                                    base_model=base_model, accept_licence_risk=args.accept_licence_risk)
-    return files
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -173,19 +119,3 @@ def cmd_import(args: argparse.Namespace) -> int:
     save_weights(model, args.output)
     print(f"imported {args.hf} -> {args.output}")
     return 0
-
-
-def _contamination_reports(given: list[str] | None, checkpoint: Path, state) -> list[Path]:
-    """The reports named on the command line (a directory: its ``*.json``), else the training
-    run's own (``RUN/contamination/*.json``)."""
-    from mimir_megatron.errors import UserError
-    from mimir_megatron.checkpoint.run_directory import RunDirectory
-
-    if not given:
-        return sorted(RunDirectory.of_checkpoint(checkpoint, state).contamination.glob("*.json"))
-    reports: list[Path] = []
-    for item in map(Path, given):
-        if not item.exists():
-            raise UserError(f"contamination report not found: {item}")
-        reports += sorted(item.glob("*.json")) if item.is_dir() else [item]
-    return reports

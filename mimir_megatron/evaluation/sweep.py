@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +23,12 @@ from mimir_megatron.errors import UserError
 from .contamination import BenchmarkMark
 from .results import SweepResults
 from .runner import SuiteResult, TaskResult
+from .scoring_client import ScoreClient
 from .stats import McNemar, mcnemar_exact
 from .suite import SuiteSpec, TaskSpec
+from .tracking import TrackingTarget
+
+log = logging.getLogger("mimir")
 
 Schedule = tuple[int, int]
 DAGGER = "†"
@@ -173,3 +182,72 @@ def write_sweep(sweep: SweepResult, output: Path) -> list[Path]:
                  contamination=contamination).write(output)
     heatmap(sweep, paths[3])
     return paths
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """What :func:`run_sweep` did: the sweep, the files it wrote (``sweep/`` artifacts of its
+    MLflow run), how long it took (server start-up included) and its MLflow run (None: the store
+    failed; the files are the record)."""
+
+    sweep: SweepResult
+    files: list[Path]
+    seconds: float
+    run_id: str | None
+
+
+def run_sweep(suite: SuiteSpec, schedules: list[Schedule], output: Path, server: AbstractContextManager[str],
+              tracking: TrackingTarget, *, model_name: str | None = None,
+              score_client: Callable[[str, str], ScoreClient] | None = None, trained: Schedule | None = None,
+              marks: dict[str, BenchmarkMark | None] | None = None, params: Mapping[str, Any] | None = None,
+              data_dir: str | Path | None = None, limit: int | None = None,
+              allow_code_execution: bool = False, mc_scoring: str | None = None,
+              metrics: Mapping[str, float] | None = None) -> SweepRun:
+    """`mimir sweep`: ``suite`` under each of ``schedules`` on the server ``server`` yields the URL
+    of (started on entry, stopped once every schedule ran), asking for ``model_name`` (default:
+    the first the server lists; ``score_client(url, name)`` makes the log-likelihood client).
+    Writes Table 5 (:func:`write_sweep`) and every item's outcome (``items.jsonl``) to ``output``
+    and logs to ``tracking`` one run with ``params`` (the model's name added as ``model``), a child
+    run per schedule, the McNemar tests, ``metrics`` and the files."""
+    from .runner import run_suite, server_model_name
+    from .tracking import EvalRun
+
+    results: dict[Schedule, SuiteResult] = {}
+    started = time.perf_counter()
+    with server as base_url:
+        model_name = model_name or server_model_name(base_url)
+        client = score_client(base_url, model_name) if score_client else None
+        parent = EvalRun(tracking, f"sweep {suite.name}", {**(params or {}), "model": model_name})
+        for schedule in schedules:
+            name = schedule_name(schedule)
+            log.info("schedule %s (H=%d, L=%d)", name, *schedule)
+            result = run_suite(suite, base_url, data_dir=data_dir, limit=limit,
+                               h_cycles=schedule[0], l_cycles=schedule[1], log_dir=output / "logs" / name,
+                               model_name=model_name, score_client=client,
+                               allow_code_execution=allow_code_execution, mc_scoring=mc_scoring)
+            results[schedule] = result
+            child = EvalRun(tracking, f"sweep {suite.name} {name}",
+                            {"h_cycles": schedule[0], "l_cycles": schedule[1], "suite": suite.name},
+                            parent_run_id=parent.run_id)
+            child.log_metrics(result.metrics())
+            child.end()
+            parent.log_metrics({f"{name}/{k}": v for k, v in result.metrics("").items()})
+    if not any(r.scores() for r in results.values()):
+        raise UserError("no task produced a score under any schedule (see the messages above)")
+    sweep = SweepResult(suite, results, trained, marks)
+    files = [*write_sweep(sweep, output), output / "items.jsonl"]
+    files[-1].write_text("".join(
+        json.dumps({"schedule": schedule_name(s), "task": t.spec.name, "id": o.id, "correct": o.correct,
+                    "value": o.value, "prediction": o.prediction}, ensure_ascii=False) + "\n"
+        for s, r in results.items() for t in r.tasks for o in t.outcomes))
+    seconds = time.perf_counter() - started
+    for test in sweep.mcnemar():
+        prefix = f"mcnemar/{test['task']}/{test['a']}_vs_{test['b']}"
+        parent.log_metrics({f"{prefix}/p_value": test["p_value"], f"{prefix}/only_a": test["only_a"],
+                            f"{prefix}/only_b": test["only_b"]})
+    parent.log_metrics({"sweep/seconds": seconds, **(metrics or {})})
+    for path in files:
+        parent.log_artifact(path, "sweep")
+    parent.log_artifacts(output / "logs", "inspect_logs")
+    parent.end()
+    return SweepRun(sweep, files, seconds, parent.run_id)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mimir_megatron.checkpoint.model_dir import ModelDir, ModelKind, training_record
+
 log = logging.getLogger(__name__)
 
 DEFAULT_EXPERIMENT = "mimir-eval"
@@ -29,24 +31,24 @@ class TrackingTarget:
     checkpoint_step: int | None = None
 
 
-def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path | None = None,
+def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path | ModelDir | None = None,
                     experiment: str | None = None) -> TrackingTarget:
-    """Where an evaluation's MLflow run goes (see the module docstring)."""
-    from mimir_megatron.checkpoint import find
-    from mimir_megatron.checkpoint.run_directory import RunDirectory
-
-    found = find(checkpoint) if checkpoint else None
-    if found is not None and not uri:
-        path, state = found
-        run_dir, recorded = RunDirectory.of_checkpoint(path, state), state.recorded_run()
+    """Where an evaluation's MLflow run goes (see the module docstring). ``checkpoint``: the
+    evaluated model, a training checkpoint in any form (a path that is none, or a model directory
+    of another form, records no training run)."""
+    if checkpoint and not isinstance(checkpoint, ModelDir):
+        checkpoint = ModelDir(ModelKind.checkpoint, Path(checkpoint))
+    record = training_record(checkpoint) if checkpoint else None
+    if record is not None and not uri:
+        run_dir, recorded = record.run_directory, record.state.recorded_run()
         return TrackingTarget(
             uri=recorded.tracking_uri or run_dir.mlflow_uri,
             experiment=experiment or recorded.experiment or DEFAULT_EXPERIMENT,
             artifact_root=run_dir.artifact_root,
-            parent_run_id=state.mlflow_run_id, checkpoint_step=state.step)
+            parent_run_id=record.state.mlflow_run_id, checkpoint_step=record.state.step)
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(output / 'mlflow.db').resolve()}"
     return TrackingTarget(uri, experiment or DEFAULT_EXPERIMENT, (output / "mlartifacts").resolve().as_uri(),
-                          checkpoint_step=found[1].step if found else None)
+                          checkpoint_step=record.state.step if record else None)
 
 
 class EvalRun:

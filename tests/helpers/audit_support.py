@@ -60,3 +60,15 @@ def write_prepared(path: Path, docs: list[tuple[list[int], list[int]]], dtype=np
         "provenance": stored_record(generated_provenance(path.name)),
     })
     return path
+
+
+class RecordingTracking:
+    """Stands in for :class:`~mimir_megatron.audits.report.AuditTracking`: records the run an
+    audit logs instead of starting MLflow."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple] = []
+
+    def log(self, run_name: str, params, metrics, artifacts) -> str:
+        self.runs.append((run_name, dict(params), dict(metrics), list(artifacts)))
+        return "run-1"

@@ -174,6 +174,37 @@ def test_report_is_logged_to_mlflow(planted):
                                                                          "denylist.json"}
 
 
+
+def test_the_contamination_audit_is_a_function_of_typed_arguments(planted, tmp_path):
+    """`mimir audit contamination`'s workflow without the CLI writes what the command wrote; a
+    task that cannot be checked is named in the result's errors (the command's exit 1)."""
+    from dataclasses import asdict
+
+    from audit_support import RecordingTracking
+
+    from mimir_megatron.audits.contamination import ContaminationSettings
+    from mimir_megatron.audits.contamination_audit import contamination_audit
+
+    settings = ContaminationSettings(ngram=NGRAM, workers=1)
+    tracking = RecordingTracking()
+    result = contamination_audit(load_suite(str(planted["suite"])), planted["root"] / "idx", tmp_path / "out",
+                                 settings, denylist=tmp_path / "denylist.json", tracking=tracking, progress=False)
+    assert result.errors == () and result.table == tmp_path / "out" / "planted.md"
+    for name in ("planted.md", "planted.csv", "planted_items.jsonl"):
+        assert (tmp_path / "out" / name).read_text() == (planted["out"] / name).read_text(), name
+    report = json.loads((tmp_path / "out" / "planted.json").read_text())
+    assert {**report, "created": None} == {**planted["report"], "created": None}
+    denylist, by_command = (json.loads(p.read_text()) for p in (tmp_path / "denylist.json",
+                                                                 planted["root"] / "denylist.json"))
+    assert denylist["entries"] == by_command["entries"] and len(denylist["entries"]) > 0
+    ((name, params, metrics, artifacts),) = tracking.runs
+    assert name == "contamination-audit" and artifacts == result.files and metrics == result.metrics
+    assert params == {**asdict(settings), "suite_name": "planted", "index_documents": report["index"]["documents"],
+                      "index_tokens": report["index"]["tokens"], "tokenizer_sha256": report["tokenizer"]["sha256"]}
+    failed = contamination_audit(planted["suite"], planted["root"] / "idx", tmp_path / "failed", settings,
+                                 tasks=["gen"], data_dir=tmp_path / "nowhere", progress=False)
+    assert len(failed.errors) == 1 and failed.errors[0].startswith("gen: ") and failed.run_id is None
+
 def test_denylist_drops_exactly_the_planted_documents_and_the_reindexed_data_is_clean(planted):
     """The workflow in place: the same prepare again, now with the denylist (finished shards of the
     run without it must not be reused), then index -> contamination again."""

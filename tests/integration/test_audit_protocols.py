@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from audit_support import write_prepared
+from audit_support import RecordingTracking, write_prepared
 
 from mimir_megatron.audits import AuditIndex, AuditSource, build_index
 from mimir_megatron.audits.continuation import ContinuationSettings, run_continuation_audit
@@ -248,3 +248,54 @@ def test_training_mask_scores_each_window_with_its_prompt_part_and_reports_both(
     with pytest.raises(Exception, match="--mask training needs --method score"):
         run_continuation_audit(model, sources, ContinuationSettings(mask="training", method="generate"),
                                progress=False)
+
+
+def test_the_prefix_audit_is_a_function_of_typed_arguments(corpus, tmp_path):
+    """`mimir audit prefix`'s workflow without the CLI: a loaded model, the index's directory, a
+    generic-prompts file; what it writes is what the protocol computed, what it logs is its table."""
+    from dataclasses import asdict
+
+    from mimir_megatron.audits.prefix import prefix_audit
+
+    index, _, full, memorised = corpus
+    settings = PrefixSettings(categories=["A", "B"], per_category=6, prefix_tokens=20, max_new_tokens=40,
+                              min_match=5, long_match=30, seed=3)
+    generic = tmp_path / "generic.jsonl"
+    generic.write_text(json.dumps({"prompt_ids": full["b"][0][:20]}) + "\n")
+    tracking = RecordingTracking()
+    result = prefix_audit(FakeModel(memorised), index.path, tmp_path / "out", settings, generic=generic,
+                          tracking=tracking, progress=False)
+    rows, outcomes, _ = run_prefix_audit(FakeModel(memorised), index, settings, [{"prompt_ids": full["b"][0][:20]}],
+                                         progress=False)
+    assert result.rows == rows and json.loads((tmp_path / "out" / "table11.json").read_text()) == rows
+    assert result.table == tmp_path / "out" / "table11.md" and "| Generic | 1 |" in result.table.read_text()
+    lines = [json.loads(line) for line in (tmp_path / "out" / "prefix_outputs.jsonl").read_text().splitlines()]
+    assert [line["output_ids"] for line in lines] == [o.output_ids for o in outcomes]
+    assert {p.name for p in result.files} == {"table11.md", "table11.csv", "table11.json", "prefix_outputs.jsonl",
+                                              "match_lengths.png"}
+    ((name, params, metrics, artifacts),) = tracking.runs
+    assert (name, result.run_id, artifacts) == ("prefix-audit", "run-1", result.files)
+    assert params == {**asdict(settings), "model_name": "fake"}  # no params given: the settings
+    assert metrics == result.metrics and metrics["Prefix A/prompts"] == 6 and metrics["Generic/prompts"] == 1
+
+
+def test_the_continuation_audit_is_a_function_of_typed_arguments(corpus, tmp_path):
+    """`mimir audit continuation`'s workflow without the CLI, on an index's datasets, both masks."""
+    from mimir_megatron.audits.continuation import continuation_audit
+
+    index, sources, _, memorised = corpus
+    settings = ContinuationSettings(samples=25, prefix_tokens=16, continuation_tokens=16, mask="training", seed=0)
+    tracking = RecordingTracking()
+    result = continuation_audit(MaskRecordingModel(memorised), index, tmp_path / "out", settings,
+                                tracking=tracking, params={"asked": "by the caller"}, progress=False)
+    rows, matches, training = run_continuation_audit(MaskRecordingModel(memorised), sources, settings,
+                                                     progress=False)
+    assert result.rows == rows and result.table.read_text().startswith("# 64+64 exact-continuation audit")
+    written = (tmp_path / "out" / "exact_matches.jsonl").read_text().splitlines()
+    written_training = (tmp_path / "out" / "exact_matches_training_mask.jsonl").read_text().splitlines()
+    assert [json.loads(line)["offset"] for line in written] == [m.offset for m in matches]
+    assert len(written_training) == len(training) < len(written)
+    ((name, params, metrics, _),) = tracking.runs
+    assert name == "continuation-audit" and params == {"asked": "by the caller", "model_name": "fake"}
+    assert metrics["Total/exact matches"] == len(matches) > 0
+    assert metrics["Total/exact matches, training mask"] == len(training)

@@ -71,6 +71,32 @@ def test_the_lineage_is_what_the_loader_fed(reference_run, demo_data):
         assert got == want and len(got) > 2
 
 
+
+def test_the_model_directory_names_the_run_and_the_lineage_the_trainer_wrote(reference_run, demo_data, tmp_path):
+    """What `model_dir` says of a checkpoint in each of its forms (the latest is step 6) is what the
+    trainer wrote: the run directory it was configured with (its config.yaml and MLflow store there)
+    and the lineage it logged to MLflow with the checkpoint."""
+    from dataclasses import asdict
+
+    from mlflow.tracking import MlflowClient
+
+    from mimir_megatron.checkpoint import detect_model_dir, lineage, run_directory
+    from mimir_megatron.train.config import load_train_config
+
+    run_dir, result = reference_run
+    cfg = load_train_config(REPO / "configs" / "train" / "demo.yaml", train_overrides(demo_data, run_dir))
+    client = MlflowClient(f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
+    logged = json.loads(Path(client.download_artifacts(result.run_id, "data/lineage.json", str(tmp_path)))
+                        .read_text())
+    for form in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "step_0000006"):
+        source = detect_model_dir(form)
+        found = run_directory(source)
+        assert found is not None and found.root == cfg.run_dir and found.checkpoints == cfg.checkpoint_dir, form
+        assert found.config_file.is_file() and client.get_run(result.run_id)  # the trainer's store is there
+        assert found.mlflow_uri == client.tracking_uri
+        assert json.loads(json.dumps([asdict(e) for e in lineage(source)], default=str)) == logged, form
+    assert sum(e["documents"] for e in logged) > 0
+
 def _prepare(tmp_path: Path, name: str, lines: list[dict], *flags: str) -> None:
     raw = tmp_path / f"{name}.jsonl"
     raw.write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -224,3 +224,67 @@ def test_mlflow_receives_the_metrics(stubbed):
     assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert parent.data.metrics["mcnemar/mmlu/2x3_vs_1x3/p_value"] == 0.5
     assert parent.data.metrics["2x3/gec"] == pytest.approx(0.5)
+
+
+def test_the_sweep_is_a_function_of_typed_arguments(stubbed, tmp_path):
+    """`mimir sweep`'s workflow without the CLI, around a server it is handed: the tables, items and
+    MLflow runs of the command's sweep above (same suite, schedules and stub answers)."""
+    import contextlib
+
+    from mlflow.tracking import MlflowClient
+
+    from mimir_megatron.evaluation.sweep import run_sweep
+    from mimir_megatron.evaluation.tracking import TrackingTarget
+
+    root = stubbed["root"]
+    suite = load_suite(root / "stubbed.yaml").select(["mmlu", "gec"])
+    script, _ = _script(suite, root / "data")
+    target = TrackingTarget(stubbed["uri"], "sweep-direct", (tmp_path / "mlartifacts").as_uri())
+    with serve_stub(script) as url:
+        done = run_sweep(suite, [(2, 3), (1, 3)], tmp_path / "sweep", contextlib.nullcontext(url), target,
+                         trained=(2, 3), params={"asked": "by the caller"}, data_dir=root / "data", limit=LIMIT,
+                         metrics={"extra/metric": 1.0})
+    by_command = json.loads((root / "sweep" / "table5.json").read_text())
+    assert done.sweep.rows() == by_command["rows"]
+    assert {(t["task"], t["p_value"]) for t in done.sweep.mcnemar()} == {("mmlu", 0.5), ("gec", 0.5)}
+    for name in ("table5.csv", "items.jsonl"):
+        assert (tmp_path / "sweep" / name).read_text() == (root / "sweep" / name).read_text(), name
+    assert [p.name for p in done.files] == ["table5.md", "table5.csv", "table5.json", "heatmap.png", "items.jsonl"]
+    client = MlflowClient(stubbed["uri"])
+    parent = client.get_run(done.run_id)
+    assert parent.data.params["model"] == "stub-model" and parent.data.params["asked"] == "by the caller"
+    assert parent.data.metrics["extra/metric"] == 1.0 and parent.data.metrics["2x3/gec"] == pytest.approx(0.5)
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{done.run_id}'")
+    assert sorted(r.info.run_name for r in children) == ["sweep stubbed 1x3", "sweep stubbed 2x3"]
+
+
+def test_an_evaluation_is_a_function_of_typed_arguments(stubbed, tmp_path):
+    """`mimir eval`'s workflow without the CLI, around a server it is handed: the scores and items of
+    the command's evaluation above, its contamination split from the marks, one MLflow run."""
+    import contextlib
+
+    from mlflow.tracking import MlflowClient
+
+    from mimir_megatron.evaluation.contamination import ContaminationReport, benchmark_marks
+    from mimir_megatron.evaluation.tracking import TrackingTarget
+    from mimir_megatron.evaluation.workflow import run_eval
+
+    root = stubbed["root"]
+    suite = load_suite(root / "stubbed.yaml").select(["mmlu", "gec"])
+    script, _ = _script(suite, root / "data")
+    marks = benchmark_marks(ContaminationReport.read(root / "contamination" / "stubbed.json"), suite, root / "data")
+    target = TrackingTarget(stubbed["uri"], "eval-direct", (tmp_path / "mlartifacts").as_uri(), checkpoint_step=7)
+    with serve_stub(script) as url:
+        done = run_eval(suite, tmp_path / "eval", contextlib.nullcontext(url), target, h_cycles=2, l_cycles=3,
+                        marks=marks, params={"asked": "by the caller"}, data_dir=root / "data", limit=LIMIT)
+    by_command = json.loads((root / "eval" / "results.json").read_text())["tasks"]
+    mine = json.loads((tmp_path / "eval" / "results.json").read_text())["tasks"]
+    assert mine == {name: by_command[name] for name in ("mmlu", "gec")}
+    assert done.model_name == "stub-model" and done.result.metrics()["eval/mmlu"] == pytest.approx(0.5)
+    assert [p.name for p in done.tables] == ["results.md", "results.csv", "results.json", "items.jsonl"]
+    run = MlflowClient(stubbed["uri"]).get_run(done.run_id)
+    assert run.info.run_name == "eval stubbed step 7"
+    assert {k: run.data.params[k] for k in ("asked", "model", "h_cycles", "l_cycles")} == \
+        {"asked": "by the caller", "model": "stub-model", "h_cycles": "2", "l_cycles": "3"}
+    assert run.data.metrics["contamination/mmlu"] == 0.25
+    assert run.data.metrics["eval/contaminated/mmlu"] == 1.0 and run.data.metrics["eval/clean/mmlu"] == pytest.approx(1 / 3)

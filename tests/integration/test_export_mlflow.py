@@ -26,28 +26,27 @@ def trained(demo_data, tmp_path_factory):
 
 
 def test_an_audit_of_a_training_checkpoint_is_a_child_run_of_its_training_run(trained, tmp_path):
-    import argparse
 
     from mlflow.tracking import MlflowClient
 
-    from mimir_megatron.audits.report import log_to_mlflow
-    from mimir_megatron.entrypoints.audit import _tracking
+    from mimir_megatron.audits.report import audit_tracking
+    from mimir_megatron.checkpoint import ModelDir, ModelKind
 
     run_dir, result = trained
-    args = argparse.Namespace(checkpoint=str(run_dir / "checkpoints" / "step_0000002"), model=None,
-                              tracking_uri=None, experiment="mimir-audit")
-    where = _tracking(args, tmp_path / "audit")
-    assert where[0] == f"sqlite:///{run_dir.resolve() / 'mlflow.db'}" and where[3] == result.run_id
+    where = audit_tracking(tmp_path / "audit", ModelDir(ModelKind.checkpoint, run_dir / "checkpoints" / "step_0000002"))
+    assert where.uri == f"sqlite:///{run_dir.resolve() / 'mlflow.db'}" and where.parent_run_id == result.run_id
     figure = tmp_path / "match_lengths.png"
     figure.write_bytes(b"\x89PNG")
-    audit_id = log_to_mlflow(*where, "prefix-audit", {"ngram": 13}, {"A/prompts": 6.0}, [figure])
-    client = MlflowClient(where[0])
+    audit_id = where.log("prefix-audit", {"ngram": 13}, {"A/prompts": 6.0}, [figure])
+    client = MlflowClient(where.uri)
     audit = client.get_run(audit_id)
     assert audit.data.tags["mlflow.parentRunId"] == result.run_id
     assert audit.info.experiment_id == client.get_run(result.run_id).info.experiment_id
     assert [f.path for f in client.list_artifacts(audit_id)] == ["match_lengths.png"]
-    elsewhere = argparse.Namespace(checkpoint=None, model=str(tmp_path), tracking_uri=None, experiment="mimir-audit")
-    assert _tracking(elsewhere, tmp_path / "audit")[2:] == ("mimir-audit", None)  # not a training checkpoint
+    (tmp_path / "weights").mkdir()  # not a training checkpoint: the audit's own store
+    elsewhere = audit_tracking(tmp_path / "audit", ModelDir(ModelKind.weights, tmp_path / "weights"))
+    assert (elsewhere.experiment, elsewhere.parent_run_id) == ("mimir-audit", None)
+    assert elsewhere.uri == f"sqlite:///{(tmp_path / 'audit').resolve() / 'mlflow.db'}"
 
 
 def test_an_export_is_a_logged_model_of_its_training_run_and_registrable(trained, tmp_path):
@@ -99,3 +98,31 @@ def test_an_export_is_a_logged_model_of_its_training_run_and_registrable(trained
     assert (version.source, version.run_id, version.description) == (f"models:/{model.model_id}",
                                                                      result.run_id, card)
     assert client.get_registered_model("demo-model").description == card
+
+
+def test_an_export_is_a_function_of_typed_arguments(trained, tmp_path):
+    """`mimir export`'s workflow without the CLI, from a loaded model and its training record:
+    the files the command writes; --register without a training record is refused."""
+    from mimir_megatron.checkpoint import detect_model_dir, load_model_dir, training_record
+    from mimir_megatron.errors import UserError
+    from mimir_megatron.release.export import ReleaseDetails, export_model
+
+    run_dir, _ = trained
+    assert main(["export", "--model", str(run_dir), "--output", str(tmp_path / "cli"), "--license", "Apache-2.0",
+                 "--provider", "Test Lab", "--no-mlflow"]) == 0
+    source = detect_model_dir(run_dir)
+    model = load_model_dir(source)
+    out = export_model(model, tmp_path / "lib", ReleaseDetails(name="cli", license="Apache-2.0", provider="Test Lab"),
+                       record=training_record(source), mlflow=False)
+    for name in ("README.md", "training_data_summary.json", "training_data_summary.md", "config.json",
+                 "tokenizer.json"):
+        assert (out / name).read_text() == (tmp_path / "cli" / name).read_text(), name
+    general = json.loads((out / "training_data_summary.json").read_text())["general"]
+    step = training_record(source).checkpoint
+    assert (general["provider"], general["model"], general["checkpoint"], general["step"]) == \
+        ("Test Lab", "cli", str(step), 2)
+    card = (out / "README.md").read_text()
+    assert "license: apache-2.0" in card and f"exported from {step.name} (the trained weights)" in card
+    with pytest.raises(UserError, match="^--register needs a training checkpoint's export"):
+        export_model(model, tmp_path / "refused", register="demo", origin="a test")
+    assert not (tmp_path / "refused").exists()

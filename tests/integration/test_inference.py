@@ -359,6 +359,31 @@ def test_generate_command_writes_one_line_per_input(text_model_dir, tmp_path):
     assert again.token_ids == got[1]["completion_ids"]
 
 
+def test_generating_a_jsonl_file_is_a_function_of_typed_arguments(text_model_dir, tmp_path):
+    """`mimir generate`'s workflow without the CLI: a mistyped input fails before the engine is
+    loaded; a bad line is written with its error; line i samples with seed + i - 1."""
+    from dataclasses import replace
+
+    from mimir_megatron.errors import UserError
+    from mimir_megatron.inference import load_engine
+    from mimir_megatron.inference.jsonl import generate_jsonl
+
+    loads = []
+    with pytest.raises(UserError, match="input file not found"):
+        generate_jsonl(lambda: loads.append(1), tmp_path / "missing.jsonl", tmp_path / "out.jsonl")
+    assert loads == [] and not (tmp_path / "out.jsonl").exists()
+    engine = load_engine(weights=text_model_dir)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_ids": [5, 6, 7], "id": "x"}) + "\n\n"
+                                       + json.dumps({"prompt": 3}) + "\n" + json.dumps({"prompt_ids": [8, 9]}) + "\n")
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=10)
+    done = generate_jsonl(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", sampling, logprobs=True)
+    assert (done.lines, done.generated, done.bad) == (3, 2, 1)
+    got = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert got[0]["id"] == "x" and got[1] == {"prompt": 3, "error": "line 3: prompt must be a string"}
+    for row, ids, number in ((got[0], [5, 6, 7], 1), (got[2], [8, 9], 4)):
+        again = engine.generate([GenerationRequest(ids, replace(sampling, seed=10 + number - 1))])[0]
+        assert row["completion_ids"] == again.token_ids and len(row["logprobs"]) == len(again.token_ids)
+
 def test_engine_loads_a_training_checkpoint_and_its_ema(demo_data, tmp_path):
     """The engine reads a checkpoint without the trainer; the reference is the training-state
     loader (resume's path) into a model built from the run's own config."""

@@ -4,6 +4,7 @@ a form named by the wrong flag refused with the flag that fits, --ema only for c
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,41 @@ def test_a_models_names_come_from_its_directory(forms, name, display, served):
     assert served_name(source) == served
     if source.kind == ModelKind.checkpoint:
         assert display_name(source, ema=True) == display + "-ema"
+
+
+def test_the_run_directory_and_lineage_of_each_form(tmp_path, forms):
+    """A checkpoint's run directory is its ``checkpoints/`` folder's parent, else (``checkpoint.dir``
+    set elsewhere) the one its recorded configuration names; its lineage is the one recorded. The
+    other forms record no run and no lineage."""
+    from mimir_megatron.checkpoint import (
+        DatasetLineage,
+        TrainerState,
+        lineage,
+        run_directory,
+        training_record,
+    )
+    from mimir_megatron.checkpoint.trainer_state import write_trainer_state
+
+    recorded = (DatasetLineage(name="d", path="/data/d", category="c", language="en", audit_group="A",
+                               provenance={"status": "unknown"}, provenance_digest=None, documents=3,
+                               tokens=30),)
+    elsewhere = tmp_path / "ckpts" / "step_0000002"  # checkpoint.dir outside the run directory
+    elsewhere.mkdir(parents=True)
+    write_trainer_state(elsewhere, TrainerState(step=2, lineage=recorded,
+                                                config={"run": {"dir": str(tmp_path / "the-run"), "name": "r"}}))
+    beside = tmp_path / "run2" / "checkpoints" / "step_0000002"
+    beside.mkdir(parents=True)
+    write_trainer_state(beside, TrainerState(step=2, config={"run": {"dir": "/elsewhere", "name": "r"}}))
+    unnamed = tmp_path / "unnamed" / "step_0000002"
+    unnamed.mkdir(parents=True)
+    write_trainer_state(unnamed, TrainerState(step=2, config={"run": {"name": "r"}}))
+
+    assert run_directory(detect_model_dir(elsewhere)).root == tmp_path / "the-run"
+    assert lineage(detect_model_dir(elsewhere)) == recorded
+    assert run_directory(detect_model_dir(tmp_path / "run2")).root == tmp_path / "run2"  # its folder wins
+    assert lineage(detect_model_dir(tmp_path / "run2")) == ()
+    assert run_directory(detect_model_dir(unnamed)).root == Path("runs") / "r"  # run.dir unset: runs/<name>
+    assert training_record(detect_model_dir(elsewhere)).checkpoint == elsewhere
+    for name in ("weights", "hf"):
+        source = detect_model_dir(forms[name])
+        assert (training_record(source), run_directory(source), lineage(source)) == (None, None, None)
