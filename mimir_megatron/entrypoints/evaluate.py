@@ -175,9 +175,12 @@ def _score_client(args: argparse.Namespace, base_url: str, model_name: str):
 
 def _marks(args: argparse.Namespace, suite):
     """Contamination marks per task (None without a report), read before anything runs."""
+    from mimir_megatron.checkpoint.model_dir import ModelDir, ModelKind, run_directory
     from mimir_megatron.evaluation.contamination import benchmark_marks, find_report
 
-    report = find_report(args.contamination, suite.name, args.checkpoint)
+    checkpoint = ModelDir(ModelKind.checkpoint, Path(args.checkpoint)) if args.checkpoint else None
+    run_dir = run_directory(checkpoint) if checkpoint else None
+    report = find_report(args.contamination, suite.name, run_dir)
     return benchmark_marks(report, suite, args.data_dir), (str(report.path) if report else None)
 
 

@@ -16,12 +16,15 @@ import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mimir_megatron.errors import UserError
 from mimir_megatron.integrity import DIGEST_KEY, digest_matches, with_digest, write_json_atomic
 
 from .suite import SuiteSpec
+
+if TYPE_CHECKING:
+    from mimir_megatron.checkpoint.run_directory import RunDirectory
 
 log = logging.getLogger(__name__)
 
@@ -315,23 +318,17 @@ def _report_from_dict(body: dict[str, Any], path: Path) -> ContaminationReport:
 
 
 def find_report(explicit: str | None, suite_name: str,
-                checkpoint: str | None = None) -> ContaminationReport | None:
-    """``explicit`` (a missing one is an error), else the training run's report if there is one."""
+                run_dir: RunDirectory | None = None) -> ContaminationReport | None:
+    """``explicit`` (a missing one is an error), else the report of the training run ``run_dir``
+    (:func:`mimir_megatron.checkpoint.model_dir.run_directory`) if there is one."""
     if explicit:
         path = Path(explicit)
         return ContaminationReport.read(report_file(path, suite_name) if path.is_dir() else path)
-    if checkpoint:
-        from mimir_megatron.checkpoint import find
-
-        from mimir_megatron.checkpoint.run_directory import RunDirectory
-
-        found = find(checkpoint)
-        if found:
-            path, state = found
-            candidate = report_file(RunDirectory.of_checkpoint(path, state).contamination, suite_name)
-            if candidate.is_file():
-                log.info("contamination report of the training run: %s", candidate)
-                return ContaminationReport.read(candidate)
+    if run_dir is not None:
+        candidate = report_file(run_dir.contamination, suite_name)
+        if candidate.is_file():
+            log.info("contamination report of the training run: %s", candidate)
+            return ContaminationReport.read(candidate)
     return None
 
 

@@ -172,20 +172,22 @@ def test_training_checkpoint_evaluations_go_under_the_training_run(tmp_path):
 
 def test_contamination_report_is_found_in_the_training_run(tmp_path):
     """`mimir eval --checkpoint` of a run finds RUN/contamination/<suite>.json; --contamination wins."""
+    from mimir_megatron.checkpoint.model_dir import resolve_model_dir, run_directory
     from mimir_megatron.evaluation.contamination import find_report
 
     ckpts = tmp_path / "runs" / "demo" / "checkpoints"
     (ckpts / "step_0000002").mkdir(parents=True)
     write_trainer_state(ckpts / "step_0000002", TrainerState(step=2, config={"run": {"name": "demo", "dir": ""}}))
-    assert find_report(None, "demo", str(ckpts)) is None  # no report: nothing marked
+    run_dir = run_directory(resolve_model_dir(checkpoint=ckpts))
+    assert find_report(None, "demo", run_dir) is None  # no report: nothing marked
     report = tmp_path / "runs" / "demo" / "contamination" / "demo.json"
     report.parent.mkdir()
     report.write_text('{"format": "mimir-contamination-v1", "suite": "demo", "benchmarks": {}}')
-    assert find_report(None, "demo", str(ckpts)).path == report
-    assert find_report(None, "other", str(ckpts)) is None
+    assert find_report(None, "demo", run_dir).path == report
+    assert find_report(None, "other", run_dir) is None
     assert find_report(str(report.parent), "demo").path == report
     with pytest.raises(UserError, match="contamination report not found"):
-        find_report(str(tmp_path / "nowhere.json"), "demo", str(ckpts))
+        find_report(str(tmp_path / "nowhere.json"), "demo", run_dir)
 
 
 def test_type_mistakes_of_every_task_and_of_the_suite_are_each_one_line(tmp_path):
