@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..layouts import INPUT_FORMATS
+from ..personal_data import POLICIES as PERSONAL_DATA_POLICIES
+from ..records import CONTROL_CHAR_POLICIES
+from ..settings import TOO_LONG_POLICIES, PrepareOptions
 from .provenance_flags import add_provenance_flags, given_provenance_flags, provenance_from_flags
+
+DEFAULTS = PrepareOptions()  # the one list of prepare's options and their defaults
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,20 +31,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="YAML listing several datasets (input, output, input_format, columns each); "
         "replaces -i/-t/-o (see data_prep/mimir_data_prep/prepare_config.py)",
     )
-    p.add_argument("--seq-len", type=int, default=4096, help="context length (default 4096)")
+    p.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len,
+                   help=f"context length (default {DEFAULTS.seq_len})")
     p.add_argument(
         "--too-long",
-        choices=("drop", "truncate-prefix"),
-        default="drop",
-        help="what to do with samples longer than the context (default drop)",
+        choices=TOO_LONG_POLICIES,
+        default=DEFAULTS.too_long,
+        help=f"what to do with samples longer than the context (default {DEFAULTS.too_long})",
     )
-    p.add_argument("--min-response-tokens", type=int, default=2,
-                   help="reject samples whose assistant turns hold fewer tokens (default 2)")
+    p.add_argument("--min-response-tokens", type=int, default=DEFAULTS.min_response_tokens,
+                   help=f"reject samples whose assistant turns hold fewer tokens "
+                   f"(default {DEFAULTS.min_response_tokens})")
     p.add_argument(
         "--input-format",
-        choices=("auto", "messages", "sharegpt", "alpaca", "columns"),
-        default="auto",
-        help="input layout; auto decides per file from its first lines (default auto)",
+        choices=INPUT_FORMATS,
+        default=DEFAULTS.input_format,
+        help=f"input layout; auto decides per file from its first lines (default {DEFAULTS.input_format})",
     )
     p.add_argument(
         "--columns",
@@ -49,9 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--control-chars",
-        choices=("reject", "strip"),
-        default="reject",
-        help="lines with NUL or other control characters: reject them (default) or strip the characters",
+        choices=CONTROL_CHAR_POLICIES,
+        default=DEFAULTS.control_chars,
+        help=f"lines with NUL or other control characters: reject them or strip the characters "
+        f"(default {DEFAULTS.control_chars})",
     )
     p.add_argument(
         "--denylist",
@@ -62,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--personal-data",
-        choices=("reject", "redact", "report"),
+        choices=PERSONAL_DATA_POLICIES,
         default=None,
         help="documents holding personal data (e-mail, phone, IBAN, payment card, national id incl. "
         "the Danish "
