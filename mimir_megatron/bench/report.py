@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import asdict
@@ -15,15 +14,17 @@ from mimir_megatron.bench.peer import PEER_NAME
 if TYPE_CHECKING:
     import torch
 
+    from mimir_megatron.bench.run import BenchRequest
+
 
 class Report:
     """Prints each result as it is measured and rewrites the JSON after each one, so a run cut
     short (a time limit, an out-of-memory kill) keeps what it measured."""
 
-    def __init__(self, args: argparse.Namespace, device: torch.device, attended_keys: float) -> None:
+    def __init__(self, request: BenchRequest, device: torch.device, attended_keys: float) -> None:
         import torch
 
-        self.args, self.results, self.attended_keys = args, [], attended_keys
+        self.request, self.results, self.attended_keys = request, [], attended_keys
         print(f"attention FLOPs counted for {attended_keys:,.1f} keys per position (this batch)")
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         self.torch_version = torch.__version__
@@ -62,10 +63,10 @@ class Report:
         self._write()
 
     def _write(self) -> None:
-        if not self.args.json:
+        if not self.request.json_path:
             return
-        a = self.args
-        payload = {"shape": a.config or a.shape, "windows": a.window, "seq_len": a.seq_len,
+        a = self.request
+        payload = {"shape": a.config or a.shape, "windows": list(a.windows), "seq_len": a.seq_len,
                    "micro_batch": a.micro_batch, "samples_per_context": a.samples_per_context,
                    "precision": a.precision, "device": self.device_name, "torch": self.torch_version,
                    "attended_keys_per_token": self.attended_keys,
@@ -73,4 +74,4 @@ class Report:
                             "ema_decay": a.ema_decay},
                    "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in self.results],
                    "ratio_vs_transformers": self.ratios()}
-        Path(a.json).write_text(json.dumps(payload, indent=2))
+        Path(a.json_path).write_text(json.dumps(payload, indent=2))

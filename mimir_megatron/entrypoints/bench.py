@@ -1,14 +1,4 @@
-"""`mimir bench` arguments and the command: which variants run, in which order, on which batch.
-
-Our model can be measured in several variants in one run (``--variant``), each a set of model
-overrides: the speed levers (attention kernel, layer backend and FP8, torch.compile, recompute,
-chunked loss) are all model settings. A variant that fails (out of memory, a missing library)
-is reported with its error; the others still run. Several windows (``--window 5,8``) are
-measured on the same model of each variant, so a run builds, exports and compiles once.
-
-Order (:func:`run_order`): the variants as given, except that compiled ones go last (a compile
-takes minutes, so under a time limit it is the one to lose), and the peer runs right after the
-first variant, so a run cut short still has a ratio.
+"""`mimir bench`: its arguments; the run is :func:`mimir_megatron.bench.run.run_bench`.
 
 Reports tokens/s, TFLOP/s (formula: :mod:`mimir_megatron.train.flops`), MFU when the device's
 peak is known (``--peak-tflops``, else the GPU table of :mod:`mimir_megatron.train.plan.gpus`),
@@ -18,22 +8,10 @@ step-time median and spread, and peak memory, as a table and as JSON.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
-from dataclasses import dataclass
+from pathlib import Path
 
+from mimir_megatron.bench.run import BenchRequest, Variant
 from mimir_megatron.bench.shapes import SHAPES
-
-
-@dataclass
-class Variant:
-    """One configuration of our model to measure: a name and model ``key=value`` overrides."""
-
-    name: str
-    overrides: list[str]
-
-
-PEER = None
-"""Stands for the transformers peer in a run order."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -92,64 +70,15 @@ def parse_windows(text: str) -> list[int]:
     return windows
 
 
-def is_compiled(variant: Variant, shared: Sequence[str] = ()) -> bool:
-    """Whether the variant's settings (shared ones first, its own override them) compile."""
-    value = None
-    for item in [*shared, *variant.overrides]:
-        key, _, v = item.partition("=")
-        if key.strip().removeprefix("model.") == "execution.compile":
-            value = v.strip().lower()
-    return value in ("true", "1", "yes", "on")
-
-
-def run_order(variants: list[Variant], peer: bool, shared: Sequence[str] = ()) -> list[Variant | None]:
-    """The measuring order: uncompiled variants as given, then compiled ones; the peer
-    (:data:`PEER`) right after the first."""
-    order: list[Variant | None] = sorted(variants, key=lambda v: is_compiled(v, shared))
-    if peer:
-        order.insert(min(1, len(order)), PEER)
-    return order
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
-    import torch
+    from mimir_megatron.bench.run import run_bench
 
-    from mimir_megatron import backend
-    from mimir_megatron.bench.measure import BenchSetup, SharedWeights, StepSettings, bench_batch
-    from mimir_megatron.bench.ours import bench_ours
-    from mimir_megatron.bench.peer import bench_peer
-    from mimir_megatron.bench.report import Report
-    from mimir_megatron.bench.shapes import model_config
-    from mimir_megatron.train.flops import attended_keys_per_token
-
-    variants = [parse_variant(v) for v in args.variant] or [Variant("mimir-megatron", [])]
-    configs = {v.name: model_config(args.shape, args.config, [*args.overrides, *v.overrides])
-               for v in variants}
-    device = backend.device()
-    peak = args.peak_tflops
-    if peak is None and device.type == "cuda":
-        # The project's one GPU table (mimir_megatron/train/plan/gpus.yaml); unknown: no MFU.
-        from mimir_megatron.train.plan.gpus import spec_for_device
-
-        spec = spec_for_device(torch.cuda.get_device_name(device))
-        peak = spec.bf16_tflops if spec is not None else None
-    first = next(iter(configs.values()))
-    batch = bench_batch(first.vocab_size, args.micro_batch, args.seq_len, args.samples_per_context)
-    step = StepSettings(optimizer=args.optimizer, lr=args.lr, clip_grad=args.clip_grad,
-                        ema_decay=args.ema_decay)
-    setup = BenchSetup(windows=args.window, tokens=args.micro_batch * args.seq_len, seq_len=args.seq_len,
-                       batch=batch.to(device), device=device, precision=args.precision,
-                       peak_tflops=peak, warmup=args.warmup, steps=args.steps,
-                       attended_keys=attended_keys_per_token(batch.segment_ids, batch.prefix_mask).item(),
-                       step=step)
-    report = Report(args, device, setup.attended_keys)
-    weights = SharedWeights()
-    for item in run_order(variants, peer=not args.no_peer, shared=args.overrides):
-        if item is PEER:
-            results = bench_peer(first, setup, weights, args.peer_checkpointing)
-        else:
-            results = bench_ours(item.name, configs[item.name], setup, weights)
-        for result in results:
-            report.add(result)
-    report.finish()
+    report = run_bench(BenchRequest(
+        shape=args.shape, config=args.config, windows=tuple(args.window), seq_len=args.seq_len,
+        micro_batch=args.micro_batch, samples_per_context=args.samples_per_context, steps=args.steps,
+        warmup=args.warmup, precision=args.precision, optimizer=args.optimizer, lr=args.lr,
+        clip_grad=args.clip_grad, ema_decay=args.ema_decay,
+        variants=tuple(parse_variant(v) for v in args.variant), overrides=tuple(args.overrides),
+        peer=not args.no_peer, peer_checkpointing=args.peer_checkpointing, peak_tflops=args.peak_tflops,
+        json_path=Path(args.json) if args.json else None))
     return 0 if all(r.error is None for r in report.results) else 1

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from polling import hang_limit
 
-from mimir_megatron.entrypoints.bench import PEER, Variant, parse_windows, run_order
 from mimir_megatron.bench.peer import peer_l_bp_cycles
+from mimir_megatron.bench.run import PEER, BenchRequest, Variant, run_order
+from mimir_megatron.entrypoints.bench import parse_windows
 from mimir_megatron.model.window import plan_window
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -35,6 +36,20 @@ def test_run_order_puts_the_peer_second_and_compiled_variants_last():
     assert run_order([dense], peer=True) == [dense, PEER]
     # A shared compile=true compiles every variant but one that turns it off: that one goes first.
     assert run_order([flex, varlen], peer=True, shared=["execution.compile=true"]) == [varlen, PEER, flex]
+
+
+def test_run_bench_is_a_function_a_notebook_can_call(tmp_path, capsys):
+    """The run without the CLI: typed settings in, the report (results, ratios, JSON) out."""
+    from mimir_megatron.bench.run import run_bench
+
+    request = BenchRequest(windows=(2, 5), seq_len=16, micro_batch=1, steps=1, warmup=0, peer=False,
+                           variants=(Variant("small", ["hidden_size=64", "ffn_hidden_size=128"]),),
+                           overrides=("vocab_size=256",), json_path=tmp_path / "bench.json")
+    report = run_bench(request)
+    assert [(r.name, r.k, r.error) for r in report.results] == [("small", 2, None), ("small", 5, None)]
+    written = json.loads((tmp_path / "bench.json").read_text())
+    assert (written["windows"], written["seq_len"], written["step"]["lr"]) == ([2, 5], 16, 1e-4)
+    assert "small" in capsys.readouterr().out
 
 
 def test_windows_parse():

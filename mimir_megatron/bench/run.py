@@ -1,0 +1,128 @@
+"""One `mimir bench` run as a function: which variants run, in which order, on which batch.
+
+Our model can be measured in several variants in one run, each a set of model overrides: the
+speed levers (attention kernel, layer backend and FP8, torch.compile, recompute, chunked loss)
+are all model settings. A variant that fails (out of memory, a missing library) is reported with
+its error; the others still run. Several windows are measured on the same model of each variant,
+so a run builds, exports and compiles once.
+
+Order (:func:`run_order`): the variants as given, except that compiled ones go last (a compile
+takes minutes, so under a time limit it is the one to lose), and the peer runs right after the
+first variant, so a run cut short still has a ratio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mimir_megatron.bench.report import Report
+
+
+@dataclass
+class Variant:
+    """One configuration of our model to measure: a name and model ``key=value`` overrides."""
+
+    name: str
+    overrides: list[str]
+
+
+PEER = None
+"""Stands for the transformers peer in a run order."""
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """What one run measures (`mimir bench`'s flags; the defaults are the command's)."""
+
+    shape: str = "tiny"
+    config: str | None = None  # a model YAML instead of ``shape``
+    windows: tuple[int, ...] = (5,)
+    seq_len: int = 256
+    micro_batch: int = 4
+    samples_per_context: int = 1
+    steps: int = 5
+    warmup: int = 2
+    precision: str = "auto"
+    optimizer: str = "adamw"
+    lr: float = 1e-4
+    clip_grad: float = 1.0
+    ema_decay: float = 0.9999
+    variants: tuple[Variant, ...] = ()  # none: our model as configured, named "mimir-megatron"
+    overrides: tuple[str, ...] = ()  # model key=value overrides for every variant
+    peer: bool = True
+    peer_checkpointing: bool = False
+    peak_tflops: float | None = None  # None: the GPU table's, unknown on CPU (no MFU)
+    json_path: Path | None = None
+    our_variants: tuple[Variant, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "our_variants", self.variants or (Variant("mimir-megatron", []),))
+
+
+def is_compiled(variant: Variant, shared: Sequence[str] = ()) -> bool:
+    """Whether the variant's settings (shared ones first, its own override them) compile."""
+    value = None
+    for item in [*shared, *variant.overrides]:
+        key, _, v = item.partition("=")
+        if key.strip().removeprefix("model.") == "execution.compile":
+            value = v.strip().lower()
+    return value in ("true", "1", "yes", "on")
+
+
+def run_order(variants: list[Variant], peer: bool, shared: Sequence[str] = ()) -> list[Variant | None]:
+    """The measuring order: uncompiled variants as given, then compiled ones; the peer
+    (:data:`PEER`) right after the first."""
+    order: list[Variant | None] = sorted(variants, key=lambda v: is_compiled(v, shared))
+    if peer:
+        order.insert(min(1, len(order)), PEER)
+    return order
+
+
+def run_bench(request: BenchRequest) -> Report:
+    """Measure every variant (and the peer) as ``request`` says; the report, printed and (with
+    ``json_path``) written as each result arrives."""
+    import torch
+
+    from mimir_megatron import backend
+    from mimir_megatron.bench.measure import BenchSetup, SharedWeights, StepSettings, bench_batch
+    from mimir_megatron.bench.ours import bench_ours
+    from mimir_megatron.bench.peer import bench_peer
+    from mimir_megatron.bench.report import Report
+    from mimir_megatron.bench.shapes import model_config
+    from mimir_megatron.train.flops import attended_keys_per_token
+
+    configs = {v.name: model_config(request.shape, request.config, [*request.overrides, *v.overrides])
+               for v in request.our_variants}
+    device = backend.device()
+    peak = request.peak_tflops
+    if peak is None and device.type == "cuda":
+        # The project's one GPU table (mimir_megatron/train/plan/gpus.yaml); unknown: no MFU.
+        from mimir_megatron.train.plan.gpus import spec_for_device
+
+        spec = spec_for_device(torch.cuda.get_device_name(device))
+        peak = spec.bf16_tflops if spec is not None else None
+    first = next(iter(configs.values()))
+    batch = bench_batch(first.vocab_size, request.micro_batch, request.seq_len, request.samples_per_context)
+    step = StepSettings(optimizer=request.optimizer, lr=request.lr, clip_grad=request.clip_grad,
+                        ema_decay=request.ema_decay)
+    setup = BenchSetup(windows=list(request.windows), tokens=request.micro_batch * request.seq_len,
+                       seq_len=request.seq_len, batch=batch.to(device), device=device,
+                       precision=request.precision, peak_tflops=peak, warmup=request.warmup,
+                       steps=request.steps,
+                       attended_keys=attended_keys_per_token(batch.segment_ids, batch.prefix_mask).item(),
+                       step=step)
+    report = Report(request, device, setup.attended_keys)
+    weights = SharedWeights()
+    for item in run_order(list(request.our_variants), peer=request.peer, shared=request.overrides):
+        if item is PEER:
+            results = bench_peer(first, setup, weights, request.peer_checkpointing)
+        else:
+            results = bench_ours(item.name, configs[item.name], setup, weights)
+        for result in results:
+            report.add(result)
+    report.finish()
+    return report
