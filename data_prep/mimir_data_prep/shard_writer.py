@@ -26,7 +26,7 @@ from mimir_megatron.integrity import sha256_file, write_json_atomic
 
 from .read import read_records
 from .records import REJECT_REASONS, RecordError
-from .render import fit_document, render_texts
+from .render import SingleRender, fit_document, render_texts
 from .screen import load_denylist, screen_text, screen_tokens
 from .settings import PrepareSettings, StrictModeError
 from .shards import CorruptRowGroup, ShardTask
@@ -95,6 +95,7 @@ def finished_shard(task: ShardTask, settings: PrepareSettings, out: Path) -> Sha
 # --- the worker's state: a renderer per tokenizer, and where progress goes ---------------------
 
 _renderers: dict[str, ChatRenderer] = {}
+_single_renders: dict[str, SingleRender] = {}
 Progress = Callable[[int, int, int, int], None]  # (job, documents, tokens, rejects)
 _progress: Progress | None = None
 
@@ -117,6 +118,13 @@ def renderer_for(tokenizer_dir: str) -> ChatRenderer:
     if tokenizer_dir not in _renderers:
         _renderers[tokenizer_dir] = ChatRenderer(tokenizer_dir)
     return _renderers[tokenizer_dir]
+
+
+def single_render_for(tokenizer_dir: str) -> SingleRender:
+    """The renderer's template, rendered once per conversation where that is proven equal."""
+    if tokenizer_dir not in _single_renders:
+        _single_renders[tokenizer_dir] = SingleRender(renderer_for(tokenizer_dir))
+    return _single_renders[tokenizer_dir]
 
 
 # --- one shard ---------------------------------------------------------------------------------
@@ -159,6 +167,7 @@ class _ShardFill:
                  stats: ShardStats, rejects, job: int) -> None:
         self.task, self.settings, self.renderer = task, settings, renderer
         self.builder, self.stats, self.rejects, self.job = builder, stats, rejects, job
+        self.single = single_render_for(settings.tokenizer_dir)
         self.denylist = load_denylist(settings)
         self.pending = [0, 0, 0]  # documents, tokens, rejects not yet reported
 
@@ -184,7 +193,7 @@ class _ShardFill:
         try:
             conv, stripped = screen_text(record, self.settings, self.stats.personal_data)
             self.stats.control_chars_stripped += stripped
-            return render_texts(conv, self.renderer)
+            return render_texts(conv, self.single)
         except RecordError as exc:
             return exc
 
