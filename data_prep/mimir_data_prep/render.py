@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import types
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -116,8 +117,31 @@ def template_environment():
                     f"{name!r}. Please rename the attribute."
                 )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    class Environment(ImmutableSandboxedEnvironment):
+        """The sandbox with its attribute verdicts remembered for the types a chat template
+        reads (JSON values, ``loop``, namespaces): for them a verdict depends only on the type
+        and the attribute's name, and finding it (ABC isinstance tests) was half of a render."""
+
+        verdicts: dict = {}
+        remembered = frozenset({str, int, float, bool, type(None), dict, list, jinja2.runtime.LoopContext,
+                                TemplateNamespace})
+
+        def is_safe_attribute(self, obj, attr, value):
+            kind = type(obj)
+            if kind not in self.remembered or type(attr) is not str:
+                return super().is_safe_attribute(obj, attr, value)
+            verdict = self.verdicts.get((kind, attr))
+            if verdict is None:
+                verdict = self.verdicts[kind, attr] = super().is_safe_attribute(obj, attr, value)
+            return verdict
+
+        def is_safe_callable(self, obj):
+            # a JSON value's built-in method (dict.get, str.strip) can carry no unsafe marker
+            if type(obj) is types.BuiltinMethodType and type(obj.__self__) in self.remembered:
+                return True
+            return super().is_safe_callable(obj)
+
+    env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
                        namespace=TemplateNamespace)

@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 
 from mimir_megatron.chat import ChatRenderer
 from mimir_megatron.data.prepared import FORMAT, SHARDS_DIR
@@ -178,7 +177,7 @@ class _ShardFill:
                 batch.append((line, record, raw))
             else:
                 self.stats.lines += 1
-                batch.append((line, self._texts(record), raw))
+                batch.append((line, self._texts(record, raw), raw))
             if len(batch) >= BATCH:
                 self._flush(batch)
                 batch = []
@@ -186,12 +185,12 @@ class _ShardFill:
         if _progress and any(self.pending):
             _progress(self.job, *self.pending)
 
-    def _texts(self, record):
+    def _texts(self, record, raw: bytes | None):
         """Screen and render one conversation: (prefix text, response text) or its RecordError."""
         if isinstance(record, RecordError):
             return record
         try:
-            conv, stripped = screen_text(record, self.settings, self.stats.personal_data)
+            conv, stripped = screen_text(record, self.settings, self.stats.personal_data, raw)
             self.stats.control_chars_stripped += stripped
             return render_texts(conv, self.single)
         except RecordError as exc:
@@ -220,7 +219,8 @@ class _ShardFill:
                 self.pending = [0, 0, 0]
 
     def _accept(self, prefix: list[int], response: list[int], truncated: bool) -> None:
-        self.builder.add_document(np.asarray(prefix + response), lengths=[len(prefix), len(response)])
+        # a list: the builder converts it to its dtype once (an int64 array first was a second copy)
+        self.builder.add_document(prefix + response, lengths=[len(prefix), len(response)])
         s = self.stats
         s.truncated += truncated
         s.documents += 1

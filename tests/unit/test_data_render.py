@@ -237,3 +237,51 @@ class _TwoRenders(SingleRender):
     def __init__(self, renderer):
         super().__init__(renderer)
         self.plan = None
+
+
+def test_a_line_the_control_character_screen_skips_holds_none():
+    """The screen skips the search of a line whose bytes cannot hold a control character: for
+    every code point below U+00A0 and beside it, raw or escaped, at one or two depths of JSON
+    in a JSON string, a line whose decoded strings hold a control character is never skipped."""
+    from mimir_data_prep.records import _CONTROL
+    from mimir_data_prep.screen import _MAY_HOLD_CONTROL
+
+    skipped = 0
+    for code in [*range(0xA1), 0x2028, 0xFFFD, 0x1F600]:
+        text = f"a{chr(code)}b"
+        inner = json.dumps({"arguments": text}, ensure_ascii=code % 2 == 0)
+        for value in (text, inner, json.dumps(inner)):
+            for ascii_only in (True, False):
+                raw = json.dumps({"messages": [{"role": "user", "content": value}]},
+                                 ensure_ascii=ascii_only).encode()
+                holds = _CONTROL.search(text) is not None
+                if _MAY_HOLD_CONTROL.search(raw) is None:
+                    skipped += 1
+                    assert not holds, (code, raw)
+    assert skipped > 500  # most lines are skipped
+
+
+def test_the_screens_fast_path_gives_the_same_conversation(tmp_path):
+    """Lines with escaped and raw control characters under both policies: the same conversation
+    and count with the raw line given (the fast path) as without it."""
+    from mimir_data_prep.records import decode_json_line, to_conversation
+    from mimir_data_prep.screen import screen_text
+    from mimir_data_prep.settings import prepare_settings
+
+    texts = ["plain", "nul \u0000", "bell \u0007", "del \u007f", "c1 \u0085", "ok \u00e6\u00f8", "bs \b ff \f",
+             "tab\tnl\n", "\\u0000 written out"]
+    for policy in ("reject", "strip"):
+        settings = prepare_settings(str(DEMO_TOKENIZER_DIR), control_chars=policy, personal_data="report")
+        for text in texts:
+            for ascii_only in (True, False):
+                raw = json.dumps({"messages": [{"role": "user", "content": text},
+                                               {"role": "assistant", "content": "ok"}]}, ensure_ascii=ascii_only)
+                raw = raw.encode()
+                results = []
+                for given in (raw, None):
+                    try:
+                        conv = to_conversation(decode_json_line(raw, policy))
+                        results.append(screen_text(conv, settings, {}, given))
+                    except Exception as exc:  # noqa: BLE001 (compared below)
+                        results.append(repr(exc))
+                assert results[0] == results[1], (policy, text, results)
