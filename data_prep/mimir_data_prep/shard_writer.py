@@ -11,9 +11,11 @@ Documents go through in batches of :data:`BATCH` so that the tokenizer encodes a
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -132,6 +134,25 @@ def single_render_for(tokenizer_dir: str) -> SingleRender:
 def process_shard(task: ShardTask, settings: PrepareSettings, out_dir: str, job: int = 0) -> ShardStats:
     """Tokenize one shard into ``shards/<id>.bin/.idx`` plus its rejects and statistics;
     progress is reported as ``job`` (the dataset's number in a multi-dataset run)."""
+    with _collect_young_only():
+        return _write_shard(task, settings, out_dir, job)
+
+
+@contextmanager
+def _collect_young_only():
+    """The objects that exist before a shard (torch's, megatron's, transformers': ~500,000) left
+    out of the garbage collector's full passes while it is written: each pass walked them all,
+    15-20 % of `mimir prepare`'s CPU time on one worker. Afterwards every object is collectable again
+    (nothing leaks; freezing is only a hint to the collector, so undoing a freeze a library made
+    before is harmless)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _write_shard(task: ShardTask, settings: PrepareSettings, out_dir: str, job: int) -> ShardStats:
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     renderer = renderer_for(settings.tokenizer_dir)

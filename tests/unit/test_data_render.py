@@ -1,7 +1,8 @@
-"""The render stage renders a conversation's chat template once (mimir_data_prep.render): on every
-template it proves, the (prefix, response) texts equal ChatRenderer's two renders exactly, on
-adversarial conversations; a template it cannot prove is rendered twice; a prepared dataset is the
-same bytes either way."""
+"""`mimir prepare`'s fast paths. The render stage renders a conversation's chat template once
+(mimir_data_prep.render): on every template it proves, the (prefix, response) texts equal
+ChatRenderer's two renders exactly, on adversarial conversations; a template it cannot prove is
+rendered twice; a prepared dataset is the same bytes either way. The control-character screen
+skips lines that cannot hold one; a shard leaves nothing frozen from the garbage collector."""
 
 from __future__ import annotations
 
@@ -285,3 +286,21 @@ def test_the_screens_fast_path_gives_the_same_conversation(tmp_path):
                     except Exception as exc:  # noqa: BLE001 (compared below)
                         results.append(repr(exc))
                 assert results[0] == results[1], (policy, text, results)
+
+
+def test_a_shard_leaves_no_object_frozen_from_the_collector(tmp_path):
+    """process_shard freezes the objects that exist before it (the collector's full passes skip
+    them) and unfreezes them after, also when it fails: nothing stays out of collection."""
+    import gc
+
+    from mimir_data_prep.prepare import prepare
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "hello there"}]}) + "\n")
+    prepare([src], str(DEMO_TOKENIZER_DIR), tmp_path / "out", workers=1, progress=False)
+    assert gc.get_freeze_count() == 0
+    src.write_text("{bad\n")
+    with pytest.raises(Exception):
+        prepare([src], str(DEMO_TOKENIZER_DIR), tmp_path / "strict", workers=1, progress=False, strict=True)
+    assert gc.get_freeze_count() == 0
