@@ -3,7 +3,7 @@ peak memory for a 103B-token mixture with synthetic document lengths.
 
     python bench/bench_data.py            # full: 103,214,604,702 tokens (several minutes)
     python bench/bench_data.py --small    # 1B tokens, a few seconds
-    python bench/bench_data.py --against-tokenizer [--small]   # prepare vs encode_batch
+    python bench/bench_data.py --against-tokenizer [--small] [--split]   # prepare vs encode_batch
 
 Not a test: numbers depend on the machine. Peak memory is the process's maximum resident set
 size, read after each phase (it includes the Python/torch baseline, printed first).
@@ -76,10 +76,57 @@ def bench_prepare(documents: int, workers: list[int], tokenizer: str | None) -> 
             )
 
 
-def bench_against_tokenizer(documents: int, tokenizer: str | None) -> None:
+def stage_clock():
+    """CPU seconds per stage of `mimir prepare` (one worker, in this process): the stages'
+    functions wrapped with process-time accumulators; 'rest' (the loop, the garbage collector) is
+    the total less the stages. Returns the accumulators (filled as prepare runs)."""
+    import mimir_data_prep.shard_writer as writer
+
+    from mimir_megatron.chat import ChatRenderer
+
+    spent: dict[str, float] = {}
+
+    def clocked(owner, name: str, stage: str, generator: bool = False) -> None:
+        inner = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[stage] = spent.get(stage, 0.0) + time.process_time() - start
+
+        def iterate(*args, **kwargs):
+            items = inner(*args, **kwargs)
+            while True:
+                start = time.process_time()
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+                finally:
+                    spent[stage] = spent.get(stage, 0.0) + time.process_time() - start
+                yield item
+
+        setattr(owner, name, iterate if generator else call)
+
+    clocked(writer, "read_records", "read", generator=True)
+    clocked(writer, "screen_text", "screen")
+    clocked(writer, "screen_tokens", "screen")
+    clocked(writer, "render_texts", "template")
+    clocked(ChatRenderer, "encode_batch", "encode")
+    for name in ("_accept", "_reject"):
+        clocked(writer._ShardFill, name, "write")
+    clocked(writer, "fit_document", "write")
+    clocked(writer, "sha256_file", "write")
+    return spent
+
+
+def bench_against_tokenizer(documents: int, tokenizer: str | None, split: bool = False) -> None:
     """`mimir prepare` on one worker against the tokenizer's own `encode_batch` of the same texts
     (the rendered prefix and response of every conversation, one thread): the ratio is how close
-    preparation comes to tokenizing alone."""
+    preparation comes to tokenizing alone. ``split``: prepare's CPU time per stage, measured in a
+    second run (the clocks cost time of their own)."""
     import json
     import os
 
@@ -107,6 +154,12 @@ def bench_against_tokenizer(documents: int, tokenizer: str | None) -> None:
         start, cpu = time.perf_counter(), time.process_time()
         m = prepare([corpus], tok_dir, Path(tmp) / "out", seq_len=4096, workers=1, progress=False)
         prepare_s, prepare_cpu = time.perf_counter() - start, time.process_time() - cpu
+        if split:
+            spent = stage_clock()
+            cpu = time.process_time()
+            prepare([corpus], tok_dir, Path(tmp) / "split", seq_len=4096, workers=1, progress=False)
+            total = time.process_time() - cpu
+            spent["rest"] = total - sum(spent.values())
     assert m.tokens_total == tokens, (m.tokens_total, tokens)
     # CPU seconds as well as wall seconds: on a shared machine the load moves the wall-clock ratio.
     print(f"tokenizer encode_batch (1 thread): {tokens / encode_s:,.0f} tokens/s; mimir prepare (1 worker, "
@@ -114,6 +167,9 @@ def bench_against_tokenizer(documents: int, tokenizer: str | None) -> None:
           f"{encode_s / prepare_s:.2f}x wall, {encode_cpu / prepare_cpu:.2f}x CPU "
           f"({encode_cpu:.2f} against {prepare_cpu:.2f} CPU-s; {documents:,} conversations, "
           f"{tokens:,} tokens)")
+    if split:
+        print(f"prepare's CPU time by stage ({total:.2f} CPU-s, a second run, clocked): " + ", ".join(
+            f"{stage} {100 * s / total:.0f} %" for stage, s in sorted(spent.items(), key=lambda kv: -kv[1])))
 
 
 def synthetic_mixture(total_tokens: int, seed: int = 0):
@@ -176,10 +232,13 @@ def main() -> int:
     parser.add_argument("--skip-index", action="store_true")
     parser.add_argument("--against-tokenizer", action="store_true",
                         help="only: mimir prepare against the tokenizer's encode_batch on the same texts")
+    parser.add_argument("--split", action="store_true",
+                        help="with --against-tokenizer: prepare's CPU time per stage (read, screen, "
+                             "template, encode, write, rest)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.against_tokenizer:
-        bench_against_tokenizer(2000 if args.small else 20000, args.tokenizer)
+        bench_against_tokenizer(2000 if args.small else 20000, args.tokenizer, args.split)
         return 0
     if not args.skip_prepare:
         bench_prepare(2000 if args.small else 40000, args.workers, args.tokenizer)

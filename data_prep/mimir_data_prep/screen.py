@@ -11,6 +11,8 @@ document to keep (stripped or redacted when the policy says so).
 
 from __future__ import annotations
 
+import re
+
 from mimir_megatron.errors import UserError
 
 from .personal_data import screen_personal_data
@@ -20,11 +22,21 @@ from .settings import PrepareSettings
 _denylists: dict[tuple[str, str], object] = {}  # per process: read once, used by every shard
 
 
-def screen_text(conv: Conversation, settings: PrepareSettings,
-                found: dict[str, int]) -> tuple[Conversation, bool]:
+# What a JSON line must hold for a string decoded from it to hold a control character: the
+# character itself (C1 ones in UTF-8) or an escape of one (\u00XX, \b, \f; at any depth of JSON
+# in JSON strings, as the escape's own backslash is written last).
+_MAY_HOLD_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\xc2[\x80-\x9f]|\\(?:u00|b|f)")
+
+
+def screen_text(conv: Conversation, settings: PrepareSettings, found: dict[str, int],
+                raw: bytes | None = None) -> tuple[Conversation, bool]:
     """(the conversation to render, whether control characters were stripped from it); the
-    personal data found is added to ``found`` (kind -> count)."""
-    conv, stripped = clean_control_chars(conv, settings.control_chars)
+    personal data found is added to ``found`` (kind -> count). ``raw``: the JSON line the
+    conversation was decoded from; one that cannot hold a control character is not searched."""
+    if raw is not None and _MAY_HOLD_CONTROL.search(raw) is None:
+        stripped = 0
+    else:
+        conv, stripped = clean_control_chars(conv, settings.control_chars)
     conv = screen_personal_data(conv, settings.personal_data, found)
     return conv, stripped > 0
 
