@@ -5,6 +5,7 @@ One tiny random model (the demo tokenizer's 1024-token vocabulary) and one serve
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -341,7 +342,6 @@ def test_mimir_serve_command_end_to_end(tmp_path, repo):
     """The real entry point: `mimir serve --hf DIR` in its own process, on 127.0.0.1. Ctrl-C lets
     a stream in flight go on; a second Ctrl-C ends the process at once (exit 130)."""
     import signal
-    import socket
     import subprocess
     import sys
 
@@ -351,23 +351,19 @@ def test_mimir_serve_command_end_to_end(tmp_path, repo):
 
     assert main(["export", "--config", str(repo / "configs/model/tiny.yaml"), "--seed", "0",
                  "--output", str(tmp_path / "hf")]) == 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:
+    with open(log_path, "w") as log:  # port 0: the OS picks a free one, uvicorn logs which
         proc = subprocess.Popen([sys.executable, "-m", "mimir_megatron.cli", "serve", "--hf", str(tmp_path / "hf"),
                                  "--tokenizer", str(repo / "data_prep/mimir_data_prep/demo/tokenizer"),
-                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, text=True)
+                                 "--port", "0"], stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        def up() -> bool:
+        def listening() -> bool:
             assert proc.poll() is None, log_path.read_text()
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-            except httpx.TransportError:
-                return False
+            return re.search(r"running on http://127\.0\.0\.1:(\d+)", log_path.read_text()) is not None
 
-        _wait_for(up, timeout=300)
+        _wait_for(listening, timeout=300)
+        port = int(re.search(r"running on http://127\.0\.0\.1:(\d+)", log_path.read_text()).group(1))
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
         assert client.models.list().data[0].id == "hf"
         out = client.completions.create(model="hf", prompt="Hello", max_tokens=3, temperature=0)
