@@ -4,5 +4,6 @@ Modules (the command itself is :mod:`mimir_megatron.entrypoints.bench`): :mod:`.
 shapes, shipped as code so an installed wheel needs no checkout), :mod:`.measure` (batch,
 timing, shared weights, results), :mod:`.ours` (our model through
 :func:`mimir_megatron.train.step.train_step`), :mod:`.peer` (transformers), :mod:`.report`
-(table, ratios, JSON) and :mod:`.run` (one run as a function: :func:`.run.run_bench`). Importing this package imports neither torch nor transformers.
+(table, ratios, JSON) and :mod:`.run` (one run as a function: :func:`.run.run_bench`). Importing
+this package imports neither torch nor transformers.
 """
