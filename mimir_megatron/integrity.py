@@ -13,6 +13,9 @@ the run lock) uses these, so one file decides how a digest is computed and how a
   (named per process, so two writers never share one), flushed and fsynced, then renamed over the
   target: a reader sees the old file or the new one, never a torn one, and a crash leaves no
   partial record under the real name.
+- :func:`read_json_object` / :func:`refuse_if_edited`: the reading side of a self-digesting JSON
+  record: the stored object (a one-line error naming the file when it is missing, not JSON or not
+  an object) and the refusal of one whose content no longer matches its digest.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from mimir_megatron.errors import UserError
 
 DIGEST_KEY = "digest"
 
@@ -104,3 +109,27 @@ def _fsync_directory(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def read_json_object(path: Path, what: str, *, missing: str | None = None) -> dict[str, Any]:
+    """The JSON object stored at ``path`` (a ``what``: "plan", "results file", ...); a one-line
+    :class:`UserError` naming the file when it is missing (``missing``, default "PATH: not found"),
+    unreadable, not JSON or not an object."""
+    try:
+        body = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(missing or f"{path}: not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: not a {what} (invalid JSON: {exc})") from None
+    if not isinstance(body, dict):
+        raise UserError(f"{path}: not a {what} (a JSON object expected)")
+    return body
+
+
+def refuse_if_edited(record: Mapping[str, Any], path: str | Path, writer: str | None = None) -> None:
+    """A one-line :class:`UserError` when ``record`` holds a digest its content no longer matches
+    (``writer``: the command that wrote it, named in the message); a record without a digest
+    (written before digests were) passes."""
+    if DIGEST_KEY in record and not digest_matches(record):
+        by = f"`{writer}` wrote it" if writer else "it was written"
+        raise UserError(f"{path}: edited after {by} (its digest does not match its content)")

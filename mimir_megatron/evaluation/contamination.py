@@ -11,7 +11,6 @@ same data (sha256) the evaluation reads; otherwise it is shown as stale and not 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.integrity import DIGEST_KEY, digest_matches, with_digest, write_json_atomic
+from mimir_megatron.integrity import read_json_object, refuse_if_edited, with_digest, write_json_atomic
 
 from .suite import SuiteSpec
 
@@ -188,18 +187,10 @@ class ContaminationReport:
     @classmethod
     def read(cls, path: str | Path) -> ContaminationReport:
         path = Path(path)
-        try:
-            body = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"contamination report not found: {path}") from None
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise UserError(f"{path}: not a contamination report (invalid JSON: {exc})") from None
-        if not isinstance(body, dict):
-            raise UserError(f"{path}: not a contamination report (a JSON object expected)")
+        body = read_json_object(path, "contamination report",
+                                missing=f"contamination report not found: {path}")
         migrated = _migrated_report(body, path)
-        if DIGEST_KEY in body and not digest_matches(body):
-            raise UserError(f"{path}: edited after `mimir audit contamination` wrote it (its digest does "
-                            "not match its content)")
+        refuse_if_edited(body, path, "mimir audit contamination")
         return _report_from_dict(migrated, path)
 
     def write(self, directory: str | Path) -> Path:

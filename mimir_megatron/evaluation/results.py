@@ -17,14 +17,13 @@ is nothing to verify).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.integrity import DIGEST_KEY, digest_matches, with_digest, write_json_atomic
+from mimir_megatron.integrity import read_json_object, refuse_if_edited, with_digest, write_json_atomic
 
 RESULTS_FORMAT = "mimir-eval-results-v1"
 SWEEP_FORMAT = "mimir-sweep-results-v1"
@@ -166,19 +165,11 @@ class SweepResults(_ResultsFile):
 
 
 def _read_record(path: Path, expected: str, writer: str) -> dict[str, Any]:
-    """The reading rule of both files: JSON, an object, of a format this version reads
+    """The reading rule of both files: a JSON object of a format this version reads
     (:func:`_migrated`), its content still the one its digest was computed over."""
-    try:
-        body = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: not a results file (invalid JSON: {exc})") from None
-    if not isinstance(body, dict):
-        raise UserError(f"{path}: not a results file (a JSON object expected)")
+    body = read_json_object(path, "results file")
     migrated = _migrated(body, path, expected, writer)
-    if DIGEST_KEY in body and not digest_matches(body):
-        raise UserError(f"{path}: edited after `{writer}` wrote it (its digest does not match its content)")
+    refuse_if_edited(body, path, writer)
     return migrated
 
 

@@ -19,7 +19,13 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.integrity import DIGEST_KEY, digest_matches, with_digest, write_json_atomic
+from mimir_megatron.integrity import (
+    DIGEST_KEY,
+    read_json_object,
+    refuse_if_edited,
+    with_digest,
+    write_json_atomic,
+)
 
 if TYPE_CHECKING:
     from .layouts import RunPlan
@@ -71,8 +77,7 @@ class PlanRecord:
         """The record of a plan's dict; a one-line :class:`UserError` naming ``path`` and the field,
         or saying that its content was edited after its digest was computed."""
         body = _migrated(dict(values), path)
-        if DIGEST_KEY in body and not digest_matches(body):
-            raise UserError(f"{path}: edited after it was written (its digest does not match its content)")
+        refuse_if_edited(body, path)
         body.pop(DIGEST_KEY, None)
         f = _Fields(body, path)
         return cls(config=f.get("config", str, "a string"), gpus=f.int("gpus"), nodes=f.int("nodes"),
@@ -96,15 +101,7 @@ class PlanRecord:
     @classmethod
     def read(cls, path: str | Path) -> PlanRecord:
         path = Path(path)
-        try:
-            body = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"{path}: not found") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UserError(f"{path}: not a plan (invalid JSON: {exc})") from None
-        if not isinstance(body, dict):
-            raise UserError(f"{path}: not a plan (a JSON object expected)")
-        return cls.from_dict(body, path)
+        return cls.from_dict(read_json_object(path, "plan"), path)
 
 
 def _migrated(body: dict[str, Any], path: str | Path) -> dict[str, Any]:
