@@ -141,7 +141,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         provenance=provenance_from_flags(args, default_id=Path(args.output).name),
         denylist=args.denylist,
-        personal_data=args.personal_data or "reject",
+        personal_data=args.personal_data or DEFAULTS.personal_data,
         part=args.part,
         merge=args.merge,
     )
