@@ -49,8 +49,8 @@ class GroupRow:
 def dataset_rows(mixture: Mixture) -> list[DatasetRow]:
     rows = []
     for e in mixture.entries:
-        tokens, declared = _tokens(e)
-        manifest = None if declared else Manifest.read(e.path)
+        manifest = Manifest.read(e.path) if (Path(e.path) / MANIFEST_NAME).is_file() else None
+        tokens, declared = _tokens(e, manifest)
         provenance = None if manifest is None else provenance_from_record(
             manifest.provenance, f"dataset {e.name}: {e.path / 'manifest.json'}: provenance")
         known = {}
@@ -73,9 +73,9 @@ def dataset_rows(mixture: Mixture) -> list[DatasetRow]:
     return rows
 
 
-def _tokens(entry: MixtureEntry) -> tuple[int, bool]:
-    if (Path(entry.path) / MANIFEST_NAME).is_file():
-        return Manifest.read(entry.path).tokens_total, False
+def _tokens(entry: MixtureEntry, manifest: Manifest | None) -> tuple[int, bool]:
+    if manifest is not None:
+        return manifest.tokens_total, False
     if entry.tokens is not None:
         return entry.tokens, True
     raise UserError(

@@ -14,7 +14,7 @@ first variant, so a run cut short still has a ratio.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,10 +57,11 @@ class BenchRequest:
     peer_checkpointing: bool = False
     peak_tflops: float | None = None  # None: the GPU table's, unknown on CPU (no MFU)
     json_path: Path | None = None
-    our_variants: tuple[Variant, ...] = field(init=False, default=())
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "our_variants", self.variants or (Variant("mimir-megatron", []),))
+    @property
+    def our_variants(self) -> tuple[Variant, ...]:
+        """The variants measured: those given, else our model as configured."""
+        return self.variants or (Variant("mimir-megatron", []),)
 
 
 def is_compiled(variant: Variant, shared: Sequence[str] = ()) -> bool:
