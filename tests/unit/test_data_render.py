@@ -304,3 +304,40 @@ def test_a_shard_leaves_no_object_frozen_from_the_collector(tmp_path):
     with pytest.raises(Exception):
         prepare([src], str(DEMO_TOKENIZER_DIR), tmp_path / "strict", workers=1, progress=False, strict=True)
     assert gc.get_freeze_count() == 0
+
+
+def test_encode_batch_gives_the_ids_of_the_tokenizers_encode_batch(monkeypatch):
+    """ChatRenderer.encode_batch encodes without character offsets (encode_batch_fast): the ids
+    equal the offset-tracking encode_batch's on rendered adversarial conversations (special
+    tokens, markup, non-ASCII, empty texts) and on the demo data, and the fast call is the one made."""
+    from mimir_data_prep.demo_data import generate
+
+    renderer = ChatRenderer(DEMO_TOKENIZER_DIR)
+    backend = renderer.tokenizer.backend_tokenizer
+    texts = ["", " ", "\n\n", "<eos><eos>x", *WORDS]
+    for messages, tools in CONVERSATIONS:
+        texts += list(_outcome(renderer.render, messages, tools))
+    train, held_out = generate(seed=1, train_per_group=40, eval_per_group=5)
+    for samples in (*train.values(), *held_out.values()):
+        for s in samples:
+            texts += list(renderer.render([{"role": "user", "content": s.prompt},
+                                           {"role": "assistant", "content": s.completion}]))
+    want = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    calls: list[str] = []
+    monkeypatch.setattr(renderer.tokenizer, "_tokenizer", _Spy(backend, calls), raising=False)
+    assert renderer.tokenizer.backend_tokenizer is not backend, "the spy is not the renderer's tokenizer"
+    assert renderer.encode_batch(texts) == want
+    assert calls == ["encode_batch_fast"]
+    assert sum(map(len, want)) > 10_000
+
+
+class _Spy:
+    """A Rust tokenizer that records which of its batch calls is made."""
+
+    def __init__(self, backend, calls: list[str]) -> None:
+        self.backend, self.calls = backend, calls
+
+    def __getattr__(self, name: str):
+        if name.startswith("encode_batch"):
+            self.calls.append(name)
+        return getattr(self.backend, name)
