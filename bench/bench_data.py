@@ -125,8 +125,9 @@ def stage_clock():
 def bench_against_tokenizer(documents: int, tokenizer: str | None, split: bool = False) -> None:
     """`mimir prepare` on one worker against the tokenizer's own `encode_batch` of the same texts
     (the rendered prefix and response of every conversation, one thread): the ratio is how close
-    preparation comes to tokenizing alone. ``split``: prepare's CPU time per stage, measured in a
-    second run (the clocks cost time of their own)."""
+    preparation comes to tokenizing alone; a second line against `encode_batch_fast` (no offsets,
+    the call prepare makes). ``split``: prepare's CPU time per stage, measured in a second run (the
+    clocks cost time of their own)."""
     import json
     import os
 
@@ -151,6 +152,10 @@ def bench_against_tokenizer(documents: int, tokenizer: str | None, split: bool =
         start, cpu = time.perf_counter(), time.process_time()
         tokens = sum(len(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False))
         encode_s, encode_cpu = time.perf_counter() - start, time.process_time() - cpu
+        # the second peer: the offset-free call prepare itself makes (ChatRenderer.encode_batch)
+        start, cpu = time.perf_counter(), time.process_time()
+        fast_tokens = sum(len(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=False))
+        fast_s, fast_cpu = time.perf_counter() - start, time.process_time() - cpu
         start, cpu = time.perf_counter(), time.process_time()
         m = prepare([corpus], tok_dir, Path(tmp) / "out", seq_len=4096, workers=1, progress=False)
         prepare_s, prepare_cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -160,13 +165,15 @@ def bench_against_tokenizer(documents: int, tokenizer: str | None, split: bool =
             prepare([corpus], tok_dir, Path(tmp) / "split", seq_len=4096, workers=1, progress=False)
             total = time.process_time() - cpu
             spent["rest"] = total - sum(spent.values())
-    assert m.tokens_total == tokens, (m.tokens_total, tokens)
+    assert m.tokens_total == tokens == fast_tokens, (m.tokens_total, tokens, fast_tokens)
     # CPU seconds as well as wall seconds: on a shared machine the load moves the wall-clock ratio.
     print(f"tokenizer encode_batch (1 thread): {tokens / encode_s:,.0f} tokens/s; mimir prepare (1 worker, "
           f"read + screen + render + encode + write): {tokens / prepare_s:,.0f} tokens/s; ratio "
           f"{encode_s / prepare_s:.2f}x wall, {encode_cpu / prepare_cpu:.2f}x CPU "
           f"({encode_cpu:.2f} against {prepare_cpu:.2f} CPU-s; {documents:,} conversations, "
           f"{tokens:,} tokens)")
+    print(f"second peer, encode_batch_fast (1 thread, no offsets): {tokens / fast_s:,.0f} tokens/s; ratio "
+          f"{fast_s / prepare_s:.2f}x wall, {fast_cpu / prepare_cpu:.2f}x CPU ({fast_cpu:.2f} CPU-s)")
     if split:
         print(f"prepare's CPU time by stage ({total:.2f} CPU-s, a second run, clocked): " + ", ".join(
             f"{stage} {100 * s / total:.0f} %" for stage, s in sorted(spent.items(), key=lambda kv: -kv[1])))
