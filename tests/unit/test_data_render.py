@@ -341,3 +341,42 @@ class _Spy:
         if name.startswith("encode_batch"):
             self.calls.append(name)
         return getattr(self.backend, name)
+
+
+SANDBOX_PROBES = [  # what a template may try on the values it is given
+    "{{ message.update({'role': 'x'}) }}", "{{ messages.append(1) }}", "{{ message.pop('role') }}",
+    "{{ message.__class__ }}", "{{ message.items.__self__ }}", "{{ messages.__class__.__mro__ }}",
+    "{{ message.role }}|{{ message.missing }}|{{ message.get('content') }}|{{ messages.index(message) }}",
+    "{{ message.get('missing', 'd') }}|{{ message.items() | list }}|{{ loop_vars }}",
+    "{{ '{0.__class__}'.format(message) }}", "{{ message.content.format(message) }}",
+    "{% for m in messages %}{{ m.get('role') }}{{ loop.index }}{{ m.keys() | list }}{% endfor %}",
+    "{{ message.clear() }}", "{{ messages.sort() }}", "{{ message.setdefault('a', 1) }}",
+    "{{ message.get.__self__ }}", "{{ message.get is defined }}{{ message.pop is defined }}", "{{ ns.x }}{% set ns.y = message.get('role') %}{{ ns.y }}",
+]
+
+
+@pytest.mark.parametrize("source", SANDBOX_PROBES)
+def test_the_template_environment_refuses_what_jinjas_sandbox_refuses(source):
+    """The render environment's fast paths for JSON values (remembered attribute verdicts,
+    getattr without the str.format check, built-in methods called directly) give what jinja's
+    own ImmutableSandboxedEnvironment gives: the same output or the same error, unsafe access
+    refused alike."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from mimir_data_prep.render import template_environment
+
+    ours = template_environment()
+    reference = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              extensions=["jinja2.ext.loopcontrols"])
+    reference.filters["tojson"] = ours.filters["tojson"]
+    reference.globals.update(ours.globals)
+    outcomes = []
+    for env in (ours, reference):
+        message = {"role": "user", "content": "hi {0}"}
+        variables = {"message": message, "messages": [message, {"role": "assistant", "content": "ok"}]}
+        try:
+            template = env.from_string("{% set ns = namespace(x=1) %}" + source)
+            outcomes.append(template.render(**variables))
+        except Exception as exc:  # noqa: BLE001 (compared below)
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+        assert message == {"role": "user", "content": "hi {0}"}
+    assert outcomes[0] == outcomes[1]
