@@ -16,7 +16,7 @@ import re
 from mimir_megatron.errors import UserError
 
 from .personal_data import screen_personal_data
-from .records import Conversation, RecordError, clean_control_chars
+from .records import Conversation, RecordError, clean_control_chars, holds_control_bytes
 from .settings import PrepareSettings
 
 _denylists: dict[tuple[str, str], object] = {}  # per process: read once, used by every shard
@@ -24,19 +24,15 @@ _denylists: dict[tuple[str, str], object] = {}  # per process: read once, used b
 
 # What a JSON line must hold for a string decoded from it to hold a control character: the
 # character itself (C1 ones in UTF-8) or an escape of one (\u00XX, \b, \f; at any depth of JSON
-# in JSON strings, as the escape's own backslash is written last). Three cheap searches, not one
-# regex of three alternatives: that one tried each at every byte (~10 us a line of 1 KiB).
-_C0_BYTES = bytes([*range(0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F])
-_C1_UTF8 = re.compile(rb"\xc2[\x80-\x9f]")
+# in JSON strings, as the escape's own backslash is written last). Cheap searches, not one regex
+# of three alternatives: that one tried each at every byte (~10 us a line of 1 KiB).
 _CONTROL_ESCAPE = re.compile(rb"\\(?:u00|b|f)")
 
 
 def may_hold_control(raw: bytes) -> bool:
     """Whether a string decoded from the JSON line ``raw`` can hold a control character (False:
     none can, the line need not be searched)."""
-    return (len(raw.translate(None, _C0_BYTES)) != len(raw)
-            or _CONTROL_ESCAPE.search(raw) is not None
-            or (b"\xc2" in raw and _C1_UTF8.search(raw) is not None))
+    return holds_control_bytes(raw) or _CONTROL_ESCAPE.search(raw) is not None
 
 
 def screen_text(conv: Conversation, settings: PrepareSettings, found: dict[str, int],

@@ -262,6 +262,20 @@ def test_a_line_the_control_character_screen_skips_holds_none():
     assert skipped > 500  # most lines are skipped
 
 
+def test_the_control_byte_test_agrees_with_the_regex_on_every_code_point():
+    """decode_json_line looks for raw control characters in the line's bytes: for every code
+    point, alone and beside ASCII and wider text, the bytes hold one exactly where the regex finds
+    one in the text (the regex then names it)."""
+    from mimir_data_prep.records import _CONTROL, holds_control_bytes
+
+    for code in range(0x110000):
+        if 0xD800 <= code < 0xE000:
+            continue  # surrogates: not encodable, no line holds one
+        texts = [chr(code)] + ([f"a{chr(code)}b", f"æ{chr(code)}日😀"] if code < 0x800 else [])
+        for text in texts:
+            assert holds_control_bytes(text.encode()) == (_CONTROL.search(text) is not None), hex(code)
+
+
 def test_the_screens_fast_path_gives_the_same_conversation(tmp_path):
     """Lines with escaped and raw control characters under both policies: the same conversation
     and count with the raw line given (the fast path) as without it."""
