@@ -77,6 +77,9 @@ class SingleRenderPlan:
     max_index: int
 
 
+_STR_FORMATTERS = frozenset({"format", "format_map"})  # the sandbox always checks these
+
+
 def template_environment():
     """A jinja2 environment that renders as transformers' ``apply_chat_template`` does."""
     import jinja2
@@ -164,7 +167,9 @@ def template_environment():
         def call(self, context, obj, /, *args, **kwargs):
             """A JSON value's built-in method called directly: safe (is_safe_callable), it takes
             no context and raises no StopIteration, the two things Context.call looks for."""
-            if type(obj) is types.BuiltinMethodType and type(obj.__self__) in self.remembered:
+            # never a str's format/format_map: jinja before 3.1.5 checks those here, not in getattr
+            if (type(obj) is types.BuiltinMethodType and type(obj.__self__) in self.remembered
+                    and obj.__name__ not in _STR_FORMATTERS):
                 kwargs.pop("_block_vars", None)  # what jinja's compiled calls pass for Context.call
                 kwargs.pop("_loop_vars", None)
                 return obj(*args, **kwargs)
