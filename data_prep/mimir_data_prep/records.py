@@ -32,6 +32,10 @@ REJECT_REASONS = (
 CONTROL_CHAR_POLICIES = ("reject", "strip")
 # C0 controls except tab, newline and carriage return; DEL; C1 controls. NUL is the common one.
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+# The same characters in UTF-8 bytes (none of these bytes occurs inside another character's): a
+# deletion and a short search, where the regex on the decoded line took ~3 us a KiB.
+_CONTROL_C0_BYTES = bytes([*range(0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F])
+_CONTROL_C1_UTF8 = re.compile(rb"\xc2[\x80-\x9f]")
 
 KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -67,16 +71,24 @@ def decode_json_line(raw: bytes, control_chars: str = "reject") -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RecordError("invalid_utf8", f"byte {exc.start}: {exc.reason}") from None
-    match = _CONTROL.search(text)
+    match = _CONTROL.search(text) if holds_control_bytes(raw) else None
     if match and control_chars != "strip":
         where = f"raw U+{ord(match.group()):04X} at column {match.start() + 1}"
         raise RecordError("control_characters", where)
     try:
-        return json.loads(text, strict=match is None)
+        # without keywords json.loads reuses its decoder (strict); a keyword builds a new one
+        return json.loads(text) if match is None else json.loads(text, strict=False)
     except json.JSONDecodeError as exc:
         raise RecordError("malformed_json", f"column {exc.colno}: {exc.msg}") from None
     except RecursionError:  # json recurses once per nesting level
         raise RecordError("malformed_json", "nested too deeply") from None
+
+
+def holds_control_bytes(raw: bytes) -> bool:
+    """Whether the UTF-8 bytes ``raw`` hold a control character (what ``_CONTROL`` matches in
+    their text) as itself, not escaped."""
+    return (len(raw.translate(None, _CONTROL_C0_BYTES)) != len(raw)
+            or (b"\xc2" in raw and _CONTROL_C1_UTF8.search(raw) is not None))
 
 
 def to_conversation(obj: Any) -> Conversation:

@@ -20,7 +20,10 @@ random nonce; a render that does not hold it exactly once goes the two-render wa
 
 The template is compiled once with jinja2 (public API), in an environment built as
 transformers builds its own (sandboxed, ``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``,
-its ``tojson``, ``raise_exception``, ``strftime_now``, ``dict``, ``namespace``), and the messages
+its ``tojson``, ``raise_exception``, ``strftime_now``, ``dict``, ``namespace``); its sandbox
+skips, for JSON values only, the checks that cannot apply to them (a remembered attribute
+verdict; no ``str.format`` wrapping of a dict's or list's attribute; a built-in method called
+without ``Context.call``), and refuses what jinja's own sandbox refuses (tested). The messages
 are passed as ``apply_chat_template`` passes them (keys whose value is None dropped, the reasoning
 field aliases filled). Each process also checks, once, that the single render equals the two
 renders on probe conversations; anything that cannot be matched exactly (non-JSON values, tools
@@ -72,6 +75,9 @@ class SingleRenderPlan:
     marker: str
     generation_tail: str
     max_index: int
+
+
+_STR_FORMATTERS = frozenset({"format", "format_map"})  # the sandbox always checks these
 
 
 def template_environment():
@@ -140,6 +146,34 @@ def template_environment():
             if type(obj) is types.BuiltinMethodType and type(obj.__self__) in self.remembered:
                 return True
             return super().is_safe_callable(obj)
+
+        def getattr(self, obj, attribute):
+            """The sandbox's getattr less its str.format check for a dict or a list: their
+            attributes are their own methods or not methods at all, never a str's format."""
+            kind = type(obj)
+            if kind is not dict and kind is not list:
+                return super().getattr(obj, attribute)
+            try:
+                value = getattr(obj, attribute)
+            except AttributeError:
+                try:
+                    return obj[attribute]
+                except (TypeError, LookupError):
+                    return self.undefined(obj=obj, name=attribute)
+            if self.is_safe_attribute(obj, attribute, value):
+                return value
+            return self.unsafe_undefined(obj, attribute)
+
+        def call(self, context, obj, /, *args, **kwargs):
+            """A JSON value's built-in method called directly: safe (is_safe_callable), it takes
+            no context and raises no StopIteration, the two things Context.call looks for."""
+            # never a str's format/format_map: jinja before 3.1.5 checks those here, not in getattr
+            if (type(obj) is types.BuiltinMethodType and type(obj.__self__) in self.remembered
+                    and obj.__name__ not in _STR_FORMATTERS):
+                kwargs.pop("_block_vars", None)  # what jinja's compiled calls pass for Context.call
+                kwargs.pop("_loop_vars", None)
+                return obj(*args, **kwargs)
+            return super().call(context, obj, *args, **kwargs)
 
     env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
@@ -302,14 +336,14 @@ class SingleRender:
             return None
         chat = []
         for message in messages:
-            if type(message) is not dict:
+            if type(message) is not dict or not _plain(message):
                 return None
-            message = {k: v for k, v in message.items() if v is not None}
-            if not _plain(message):
-                return None
-            reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-            if reasoning is not None:
-                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+            if None in message.values():  # the template never gets to change a message: no copy
+                message = {k: v for k, v in message.items() if v is not None}
+            for field in _REASONING_FIELDS:
+                if (reasoning := message.get(field)) is not None:
+                    message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+                    break
             chat.append(message)
         try:
             text = plan.template.render(**self.special, messages=chat, tools=tools, documents=None,
@@ -319,12 +353,13 @@ class SingleRender:
         at = text.find(plan.marker)
         if at < 0 or text.find(plan.marker, at + 1) >= 0:
             return None
-        head = text[:at]
-        full = head + text[at + len(plan.marker) :]
-        prefix = head + plan.generation_tail
-        if not full.startswith(prefix):
+        # whole = head + rest and prefix = head + tail: the whole starts with the prefix where
+        # the rest starts with the tail, and the response is the rest after it
+        rest = text[at + len(plan.marker) :]
+        if not rest.startswith(plan.generation_tail):
             return None  # the two-render way raises its own error
-        return prefix, self.renderer._cut_after_end_of_turn(full[len(prefix) :])
+        prefix = text[:at] + plan.generation_tail
+        return prefix, self.renderer._cut_after_end_of_turn(rest[len(plan.generation_tail) :])
 
     def _probe(self, plan: SingleRenderPlan) -> str | None:
         """The first probe conversation whose single render differs from the two renders."""
@@ -347,10 +382,16 @@ def _plain(value) -> bool:
     kind = type(value)
     if kind in _PLAIN_SCALARS or value is None:
         return True
-    if kind is dict:
-        return all(type(k) is str and _plain(v) for k, v in value.items())
+    if kind is dict:  # loops, not all() over a generator: this runs for every message
+        for key, item in value.items():
+            if type(key) is not str or not (type(item) in _PLAIN_SCALARS or item is None or _plain(item)):
+                return False
+        return True
     if kind is list:
-        return all(_plain(v) for v in value)
+        for item in value:
+            if not (type(item) in _PLAIN_SCALARS or item is None or _plain(item)):
+                return False
+        return True
     return False
 
 

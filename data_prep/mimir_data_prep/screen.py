@@ -16,7 +16,7 @@ import re
 from mimir_megatron.errors import UserError
 
 from .personal_data import screen_personal_data
-from .records import Conversation, RecordError, clean_control_chars
+from .records import Conversation, RecordError, clean_control_chars, holds_control_bytes
 from .settings import PrepareSettings
 
 _denylists: dict[tuple[str, str], object] = {}  # per process: read once, used by every shard
@@ -24,8 +24,15 @@ _denylists: dict[tuple[str, str], object] = {}  # per process: read once, used b
 
 # What a JSON line must hold for a string decoded from it to hold a control character: the
 # character itself (C1 ones in UTF-8) or an escape of one (\u00XX, \b, \f; at any depth of JSON
-# in JSON strings, as the escape's own backslash is written last).
-_MAY_HOLD_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\xc2[\x80-\x9f]|\\(?:u00|b|f)")
+# in JSON strings, as the escape's own backslash is written last). Cheap searches, not one regex
+# of three alternatives: that one tried each at every byte (~10 us a line of 1 KiB).
+_CONTROL_ESCAPE = re.compile(rb"\\(?:u00|b|f)")
+
+
+def may_hold_control(raw: bytes) -> bool:
+    """Whether a string decoded from the JSON line ``raw`` can hold a control character (False:
+    none can, the line need not be searched)."""
+    return holds_control_bytes(raw) or _CONTROL_ESCAPE.search(raw) is not None
 
 
 def screen_text(conv: Conversation, settings: PrepareSettings, found: dict[str, int],
@@ -33,7 +40,7 @@ def screen_text(conv: Conversation, settings: PrepareSettings, found: dict[str, 
     """(the conversation to render, whether control characters were stripped from it); the
     personal data found is added to ``found`` (kind -> count). ``raw``: the JSON line the
     conversation was decoded from; one that cannot hold a control character is not searched."""
-    if raw is not None and _MAY_HOLD_CONTROL.search(raw) is None:
+    if raw is not None and not may_hold_control(raw):
         stripped = 0
     else:
         conv, stripped = clean_control_chars(conv, settings.control_chars)

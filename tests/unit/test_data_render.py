@@ -245,7 +245,7 @@ def test_a_line_the_control_character_screen_skips_holds_none():
     every code point below U+00A0 and beside it, raw or escaped, at one or two depths of JSON
     in a JSON string, a line whose decoded strings hold a control character is never skipped."""
     from mimir_data_prep.records import _CONTROL
-    from mimir_data_prep.screen import _MAY_HOLD_CONTROL
+    from mimir_data_prep.screen import may_hold_control
 
     skipped = 0
     for code in [*range(0xA1), 0x2028, 0xFFFD, 0x1F600]:
@@ -256,10 +256,24 @@ def test_a_line_the_control_character_screen_skips_holds_none():
                 raw = json.dumps({"messages": [{"role": "user", "content": value}]},
                                  ensure_ascii=ascii_only).encode()
                 holds = _CONTROL.search(text) is not None
-                if _MAY_HOLD_CONTROL.search(raw) is None:
+                if not may_hold_control(raw):
                     skipped += 1
                     assert not holds, (code, raw)
     assert skipped > 500  # most lines are skipped
+
+
+def test_the_control_byte_test_agrees_with_the_regex_on_every_code_point():
+    """decode_json_line looks for raw control characters in the line's bytes: for every code
+    point, alone and beside ASCII and wider text, the bytes hold one exactly where the regex finds
+    one in the text (the regex then names it)."""
+    from mimir_data_prep.records import _CONTROL, holds_control_bytes
+
+    for code in range(0x110000):
+        if 0xD800 <= code < 0xE000:
+            continue  # surrogates: not encodable, no line holds one
+        texts = [chr(code)] + ([f"a{chr(code)}b", f"æ{chr(code)}日😀"] if code < 0x800 else [])
+        for text in texts:
+            assert holds_control_bytes(text.encode()) == (_CONTROL.search(text) is not None), hex(code)
 
 
 def test_the_screens_fast_path_gives_the_same_conversation(tmp_path):
@@ -304,3 +318,79 @@ def test_a_shard_leaves_no_object_frozen_from_the_collector(tmp_path):
     with pytest.raises(Exception):
         prepare([src], str(DEMO_TOKENIZER_DIR), tmp_path / "strict", workers=1, progress=False, strict=True)
     assert gc.get_freeze_count() == 0
+
+
+def test_encode_batch_gives_the_ids_of_the_tokenizers_encode_batch(monkeypatch):
+    """ChatRenderer.encode_batch encodes without character offsets (encode_batch_fast): the ids
+    equal the offset-tracking encode_batch's on rendered adversarial conversations (special
+    tokens, markup, non-ASCII, empty texts) and on the demo data, and the fast call is the one made."""
+    from mimir_data_prep.demo_data import generate
+
+    renderer = ChatRenderer(DEMO_TOKENIZER_DIR)
+    backend = renderer.tokenizer.backend_tokenizer
+    texts = ["", " ", "\n\n", "<eos><eos>x", *WORDS]
+    for messages, tools in CONVERSATIONS:
+        texts += list(_outcome(renderer.render, messages, tools))
+    train, held_out = generate(seed=1, train_per_group=40, eval_per_group=5)
+    for samples in (*train.values(), *held_out.values()):
+        for s in samples:
+            texts += list(renderer.render([{"role": "user", "content": s.prompt},
+                                           {"role": "assistant", "content": s.completion}]))
+    want = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    calls: list[str] = []
+    monkeypatch.setattr(renderer.tokenizer, "_tokenizer", _Spy(backend, calls), raising=False)
+    assert renderer.tokenizer.backend_tokenizer is not backend, "the spy is not the renderer's tokenizer"
+    assert renderer.encode_batch(texts) == want
+    assert calls == ["encode_batch_fast"]
+    assert sum(map(len, want)) > 10_000
+
+
+class _Spy:
+    """A Rust tokenizer that records which of its batch calls is made."""
+
+    def __init__(self, backend, calls: list[str]) -> None:
+        self.backend, self.calls = backend, calls
+
+    def __getattr__(self, name: str):
+        if name.startswith("encode_batch"):
+            self.calls.append(name)
+        return getattr(self.backend, name)
+
+
+SANDBOX_PROBES = [  # what a template may try on the values it is given
+    "{{ message.update({'role': 'x'}) }}", "{{ messages.append(1) }}", "{{ message.pop('role') }}",
+    "{{ message.__class__ }}", "{{ message.items.__self__ }}", "{{ messages.__class__.__mro__ }}",
+    "{{ message.role }}|{{ message.missing }}|{{ message.get('content') }}|{{ messages.index(message) }}",
+    "{{ message.get('missing', 'd') }}|{{ message.items() | list }}|{{ loop_vars }}",
+    "{{ '{0.__class__}'.format(message) }}", "{{ message.content.format(message) }}",
+    "{% for m in messages %}{{ m.get('role') }}{{ loop.index }}{{ m.keys() | list }}{% endfor %}",
+    "{{ message.clear() }}", "{{ messages.sort() }}", "{{ message.setdefault('a', 1) }}",
+    "{{ message.get.__self__ }}", "{{ message.get is defined }}{{ message.pop is defined }}", "{{ ns.x }}{% set ns.y = message.get('role') %}{{ ns.y }}",
+]
+
+
+@pytest.mark.parametrize("source", SANDBOX_PROBES)
+def test_the_template_environment_refuses_what_jinjas_sandbox_refuses(source):
+    """The render environment's fast paths for JSON values (remembered attribute verdicts,
+    getattr without the str.format check, built-in methods called directly) give what jinja's
+    own ImmutableSandboxedEnvironment gives: the same output or the same error, unsafe access
+    refused alike."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from mimir_data_prep.render import template_environment
+
+    ours = template_environment()
+    reference = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              extensions=["jinja2.ext.loopcontrols"])
+    reference.filters["tojson"] = ours.filters["tojson"]
+    reference.globals.update(ours.globals)
+    outcomes = []
+    for env in (ours, reference):
+        message = {"role": "user", "content": "hi {0}"}
+        variables = {"message": message, "messages": [message, {"role": "assistant", "content": "ok"}]}
+        try:
+            template = env.from_string("{% set ns = namespace(x=1) %}" + source)
+            outcomes.append(template.render(**variables))
+        except Exception as exc:  # noqa: BLE001 (compared below)
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+        assert message == {"role": "user", "content": "hi {0}"}
+    assert outcomes[0] == outcomes[1]

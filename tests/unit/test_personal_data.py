@@ -135,3 +135,36 @@ def test_the_prepare_yaml_sets_the_policy_per_file_and_dataset_and_the_flag_wins
     config.write_text(config.read_text().replace("personal_data: report", "personal_data: drop"))
     with pytest.raises(ConfigError, match=r"personal_data: one of \('reject', 'redact', 'report'\), got 'drop'"):
         load_prepare_config(config)
+
+
+def test_the_digit_prefilter_agrees_with_the_regex_on_every_code_point():
+    """find's quick digit test (a byte deletion where the text is Latin-1) says what ``\\d``
+    says for every code point alone and beside Latin-1 and wider text: a digit it missed would skip
+    the IBAN, card, national id, IPv4 and phone patterns."""
+    import re
+
+    from mimir_data_prep.personal_data import _has_digit
+
+    digit = re.compile(r"\d")
+    for code in range(0x110000):
+        texts = [chr(code)]
+        if code < 0x100 or chr(code).isdecimal():
+            texts += [f"æ{chr(code)}ø", f"日{chr(code)}", f"a{chr(code)}😀"]
+        for text in texts:
+            assert _has_digit(text) == (digit.search(text) is not None), hex(code)
+
+
+def test_reject_and_report_count_what_redact_counts():
+    """Reject and report only visit the strings (nothing is rebuilt): the same counts per kind,
+    in the same order, as redact's walk over nested messages and tools, and the value unchanged."""
+    from mimir_data_prep.personal_data import Screen
+
+    value = [{"role": "user", "content": text, "n": 3, "none": None,
+              "tool_calls": [{"function": {"arguments": {"note": text, "list": [text, 7]}}}]}
+             for text, _, _ in PLANTED] + ["fe80::1 og anna@example.dk", ["10.0.0.1", 5]]
+    redacted, want = Screen("redact").screen(value)
+    assert redacted != value and sum(want.values()) >= 3 * len(PLANTED)
+    for policy in ("reject", "report"):
+        kept, counts = Screen(policy).screen(value)
+        assert kept is value
+        assert list(counts.items()) == list(want.items()), policy
