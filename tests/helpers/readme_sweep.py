@@ -122,7 +122,8 @@ def run_sweep(output: Path, repo: Path = REPO, run_dir: Path | None = None) -> s
 
 
 # Demo numbers are bit for bit on one kind of CPU: torch picks its vectorised kernels (and so the
-# rounding of reductions) by the CPU's capability, and over 400 steps rounding becomes other weights.
+# rounding of reductions) by the CPU's capability, the BLAS library its own by the CPU's vendor, and
+# over 400 steps rounding becomes other weights.
 # docs/results.md records the kind it was measured on. On another kind the check compares what
 # survives that: the exact match on 300 samples within EXACT_MATCH_SLACK, the sweep's layout
 # (schedules, tasks, sample counts) exactly, and its mean score within MEAN_SCORE_SLACK points; its
@@ -133,9 +134,21 @@ MEAN_SCORE_SLACK = 5.0  # two kinds measured 2.4 points apart (20.8 and 18.5)
 
 
 def cpu_kind() -> str:
-    """This machine's kind as torch's CPU kernels see it (DEFAULT, AVX2, AVX512, ...)."""
+    """This machine's kind: the capability torch's CPU kernels see (DEFAULT, AVX2, AVX512, ...)
+    and the CPU's vendor, since the BLAS library picks its own kernels by vendor too (an AMD
+    and an Intel CPU, both AVX512 to torch, ended the demo 0.007 apart in exact match)."""
     import torch
-    return torch.backends.cpu.get_cpu_capability()
+    return f"{torch.backends.cpu.get_cpu_capability()} {cpu_vendor()}".strip()
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id (GenuineIntel, AuthenticAMD; empty where /proc/cpuinfo does not say)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    found = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.MULTILINE)
+    return found.group(1) if found else ""
 
 
 def recorded_cpu_kind() -> str:
