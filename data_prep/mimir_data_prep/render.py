@@ -141,11 +141,13 @@ def template_environment():
                 verdict = self.verdicts[kind, attr] = super().is_safe_attribute(obj, attr, value)
             return verdict
 
+        def json_builtin(self, obj) -> bool:
+            """Whether ``obj`` is a built-in method of a remembered type (dict.get, str.strip)."""
+            return type(obj) is types.BuiltinMethodType and type(obj.__self__) in self.remembered
+
         def is_safe_callable(self, obj):
-            # a JSON value's built-in method (dict.get, str.strip) can carry no unsafe marker
-            if type(obj) is types.BuiltinMethodType and type(obj.__self__) in self.remembered:
-                return True
-            return super().is_safe_callable(obj)
+            # a JSON value's built-in method can carry no unsafe marker
+            return self.json_builtin(obj) or super().is_safe_callable(obj)
 
         def getattr(self, obj, attribute):
             """The sandbox's getattr less its str.format check for a dict or a list: their
@@ -168,8 +170,7 @@ def template_environment():
             """A JSON value's built-in method called directly: safe (is_safe_callable), it takes
             no context and raises no StopIteration, the two things Context.call looks for."""
             # never a str's format/format_map: jinja before 3.1.5 checks those here, not in getattr
-            if (type(obj) is types.BuiltinMethodType and type(obj.__self__) in self.remembered
-                    and obj.__name__ not in _STR_FORMATTERS):
+            if self.json_builtin(obj) and obj.__name__ not in _STR_FORMATTERS:
                 kwargs.pop("_block_vars", None)  # what jinja's compiled calls pass for Context.call
                 kwargs.pop("_loop_vars", None)
                 return obj(*args, **kwargs)
