@@ -200,7 +200,7 @@ class TrackingSection:
     """MLflow experiment name."""
     run_name: str = ""
     """MLflow run name; empty: `<run.name>-k<window>-s<steps>-<config hash>` (e.g.
-    `demo-k2to5-s400-3fa1c2`), which tells runs of one recipe apart."""
+    `demo-k2to5-s300-3fa1c2`), which tells runs of one recipe apart."""
     enabled: bool = True
     retry_seconds: float = 10.0
     """While the server is unreachable, metrics are buffered and delivery is retried this often."""

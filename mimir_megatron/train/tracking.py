@@ -110,7 +110,7 @@ def config_digest(config: dict[str, Any]) -> str:
 
 def run_name(cfg: Any) -> str:
     """The MLflow run name: ``tracking.run_name`` if set, else ``<run.name>-k<window>-s<steps>-<hash
-    of the resolved config>`` (``k2to5`` for a linear window schedule), e.g. ``demo-k2to5-s400-3fa1c2``."""
+    of the resolved config>`` (``k2to5`` for a linear window schedule), e.g. ``demo-k2to5-s300-3fa1c2``."""
     if cfg.tracking.run_name:
         return cfg.tracking.run_name
     w = cfg.window

@@ -123,7 +123,7 @@ def run_sweep(output: Path, repo: Path = REPO, run_dir: Path | None = None) -> s
 
 # Demo numbers are bit for bit on one kind of CPU: torch picks its vectorised kernels (and so the
 # rounding of reductions) by the CPU's capability, the BLAS library its own by the CPU's vendor, and
-# over 400 steps rounding becomes other weights.
+# over the demo's 300 steps rounding becomes other weights.
 # docs/results.md records the kind it was measured on. On another kind the check compares what
 # survives that: the exact match on 300 samples within EXACT_MATCH_SLACK, the sweep's layout
 # (schedules, tasks, sample counts) exactly, and its mean score within MEAN_SCORE_SLACK points; its

@@ -46,7 +46,7 @@ def test_params_split_hyperparameters_from_settings_and_follow_what_the_run_does
 
 def test_run_names_tell_runs_of_a_recipe_apart_unless_the_user_names_one():
     demo = load_train_config(DEMO)
-    assert run_name(demo).startswith("demo-k2to5-s400-")
+    assert run_name(demo).startswith("demo-k2to5-s300-")
     assert run_name(load_train_config(DEMO, ["optim.lr=1e-3"])) != run_name(demo)
     constant = load_train_config(DEMO, ["window.schedule=constant", "window.k=3", "train.steps=50"])
     assert run_name(constant).startswith("demo-k3-s50-")
