@@ -5,7 +5,7 @@ schedule-sweep table (with the commit it was measured at).
     .venv/bin/python tests/helpers/readme_sweep.py            # re-measure; print the differences, exit 1 if any
     .venv/bin/python tests/helpers/readme_sweep.py --update   # re-measure and rewrite the table in docs/results.md
 
-The demo command runs first (bash launchers/demo_cpu.sh: ~6 min on 2 cores when runs/demo has no
+The demo command runs first (bash launchers/demo_cpu.sh: ~4 min on 2 cores when runs/demo has no
 finished run, else ~20 s of re-evaluation), and its exact match is compared with the one README.md
 and docs/results.md quote; the sweep itself takes ~1.5 min. The check in
 tests/system/test_readme_results.py uses the same functions, so the docs and what the code produces

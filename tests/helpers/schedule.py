@@ -15,7 +15,7 @@ LONGEST_FIRST = (
     # builds the image (~1 min from Docker's cache; a cold machine: base, wheelhouse, ~10 min),
     # then waits mostly on containers: first, so that it overlaps the demo's training
     "tests/system/test_docker.py",
-    "tests/system/test_readme_results.py",  # trains the demo (~5 min), then `mimir sweep`
+    "tests/system/test_readme_results.py",  # trains the demo (~4 min alone), then `mimir sweep`
     "tests/system/test_slurm.py",  # one- and two-node clusters, ~4 min
     "tests/system/test_ui_browser.py",  # a 6-step run, `mimir ui`, three chromium pages, ~3 min
     "tests/integration/test_data_epochs.py",  # a 2-rank run across epoch boundaries, resumes, ~2 min

@@ -3,7 +3,7 @@
 The demo command's exact match (README.md's expected output and docs/results.md) and the schedule
 sweep on its checkpoint (docs/results.md), and what README.md and docs/results.md show of the demo's
 exported model card and training-data summary: runs launchers/demo_cpu.sh in a temporary run
-directory (~3.5 min on 2 cores), then ~1 min of `mimir sweep`.
+directory (~4 min on 2 cores alone, ~8 min beside the suite's other worker), then ~1 min of `mimir sweep`.
 On a difference, re-measure and rewrite the table: .venv/bin/python tests/helpers/readme_sweep.py --update
 
 The numbers are bit for bit on the kind of CPU docs/results.md names (torch's kernels round by the
