@@ -53,7 +53,7 @@ def find(text: str) -> list[tuple[str, int, int]]:
     # large share of `mimir prepare`'s time). The order of the kinds is kept (it breaks ties).
     digits, colons = _has_digit(text), text.count(":") >= 2
     if not (digits or colons or "@" in text):
-        return found
+        return found  # (what _may_hold tests)
     if "@" in text:
         found += [("email", m.start(), m.end()) for m in _EMAIL.finditer(text)]
     if digits:
@@ -77,6 +77,12 @@ def find(text: str) -> list[tuple[str, int, int]]:
 
 
 _ASCII_DIGITS = b"0123456789"
+
+
+def _may_hold(text: str) -> bool:
+    """Whether :func:`find` can find anything in ``text`` (False: it finds nothing). Of several
+    strings joined, False for each of them."""
+    return "@" in text or text.count(":") >= 2 or _has_digit(text)
 
 
 def _has_digit(text: str) -> bool:
@@ -182,8 +188,11 @@ class Screen:
         """``value`` (a conversation's messages or tools: nested lists, dicts, strings) with its
         personal data redacted under ``redact`` (unchanged otherwise), and the counts per kind."""
         counts: dict[str, int] = {}
+        strings = _strings(value)
+        if not strings or not _may_hold("\n".join(strings)):
+            return value, counts  # one test for the whole conversation: most hold nothing to find
         if self.policy != "redact":  # nothing is rewritten: only the strings are visited
-            for text in _strings(value):
+            for text in strings:
                 for kind, _, _ in find(text):
                     counts[kind] = counts.get(kind, 0) + 1
             return value, counts
@@ -220,7 +229,10 @@ def _strings(node: Any, out: list[str] | None = None) -> list[str]:
         out.append(node)
     elif isinstance(node, (dict, list)):
         for value in node.values() if isinstance(node, dict) else node:
-            _strings(value, out)
+            if isinstance(value, str):  # the common leaf without a call
+                out.append(value)
+            else:
+                _strings(value, out)
     return out
 
 

@@ -146,7 +146,10 @@ def _check_message(index: int, message: Any) -> dict[str, Any]:
     content = message.get("content")
     if content is not None and not isinstance(content, str):
         raise RecordError("bad_schema", f"message {index} content must be a string")
-    # Parquet fills absent struct fields with None; drop them so templates see plain dicts.
+    # Parquet fills absent struct fields with None; drop them so templates see plain dicts (a
+    # message without one is kept as it is: nothing changes a message after this)
+    if type(message) is dict and None not in message.values():
+        return message
     return {k: v for k, v in message.items() if v is not None or k == "content"}
 
 

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 
 from mimir_megatron.chat import ChatRenderer
 from mimir_megatron.data.manifest import FORMAT
@@ -231,25 +232,29 @@ class _ShardFill:
                 prefix, response = next(ids), next(ids)
                 try:
                     prefix, truncated = fit_document(prefix, response, self.settings)
-                    screen_tokens(prefix + response, self.denylist, self.settings)
+                    document = prefix + response
+                    screen_tokens(document, self.denylist, self.settings)
                 except RecordError as exc:
                     self._reject(line, exc, raw)
                     continue
-                self._accept(prefix, response, truncated)
+                self._accept(document, len(prefix), len(response), truncated)
             if _progress and self.pending[0] + self.pending[2] >= PROGRESS_EVERY:
                 _progress(self.job, *self.pending)
                 self.pending = [0, 0, 0]
 
-    def _accept(self, prefix: list[int], response: list[int], truncated: bool) -> None:
-        # a list: the builder converts it to its dtype once (an int64 array first was a second copy)
-        self.builder.add_document(prefix + response, lengths=[len(prefix), len(response)])
+    def _accept(self, document: list[int], prefix: int, response: int, truncated: bool) -> None:
+        """Write a document of ``prefix`` + ``response`` tokens."""
+        # an array of the builder's dtype, which it copies as it is: from a list the builder's
+        # numpy.array first looks through the list for the items' types (~2 us a document more)
+        ids = np.fromiter(document, self.builder.dtype, len(document))
+        self.builder.add_document(ids, lengths=[prefix, response])
         s = self.stats
         s.truncated += truncated
         s.documents += 1
-        s.prefix_tokens += len(prefix)
-        s.response_tokens += len(response)
+        s.prefix_tokens += prefix
+        s.response_tokens += response
         self.pending[0] += 1
-        self.pending[1] += len(prefix) + len(response)
+        self.pending[1] += prefix + response
 
     def _reject(self, line: int, exc: RecordError, raw: bytes | None) -> None:
         self.stats.rejects[exc.reason] += 1

@@ -366,6 +366,11 @@ SANDBOX_PROBES = [  # what a template may try on the values it is given
     "{% for m in messages %}{{ m.get('role') }}{{ loop.index }}{{ m.keys() | list }}{% endfor %}",
     "{{ message.clear() }}", "{{ messages.sort() }}", "{{ message.setdefault('a', 1) }}",
     "{{ message.get.__self__ }}", "{{ message.get is defined }}{{ message.pop is defined }}", "{{ ns.x }}{% set ns.y = message.get('role') %}{{ ns.y }}",
+    "{% for m in messages %}{{ loop.first }}{{ loop.index }}{{ loop.index0 }}{{ loop.depth }}{{ loop.length }}"
+    "{{ loop.revindex }}{{ loop.last }}{{ loop.cycle('a', 'b') }}{{ loop.changed(m.role) }}{{ loop.previtem }}"
+    "{{ loop.missing }}{{ loop.first.__class__ }}{% endfor %}",
+    "{% for m in messages %}{{ loop.length }}{{ loop._length }}{% endfor %}",  # a private int: refused
+    "{% for m in messages %}{{ loop.__class__ }}{% endfor %}", "{% for m in messages %}{{ loop._iterator }}{% endfor %}",
 ]
 
 
