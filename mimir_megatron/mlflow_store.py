@@ -12,6 +12,7 @@ with this store's own artifact location, as it does for a new file. Any problem 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -32,8 +33,11 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING = "custom_model_development"
 
 
-def mlflow_client(uri: str, request_timeout_s: int | None = None) -> Any:
+def mlflow_client(uri: str, request_timeout_s: int | None = None, artifact_root: str | None = None) -> Any:
     """An ``MlflowClient`` on ``uri``; a new sqlite store starts from the migrated template.
+
+    ``artifact_root``: the run directory's artifact folder when ``uri`` is its own store: a store
+    copied or moved from another run directory is first pointed at it (:func:`rebase_moved_store`).
 
     ``request_timeout_s`` (training, evaluation): MLflow's defaults for a run that must not stall
     on an unreachable server, unless the environment sets them: that HTTP timeout, no request
@@ -47,7 +51,58 @@ def mlflow_client(uri: str, request_timeout_s: int | None = None) -> Any:
     from mlflow.tracking import MlflowClient
 
     seed_sqlite_store(uri)
+    if artifact_root is not None and rebase_moved_store(uri, artifact_root):
+        # MLflow keeps each run's artifact folder per run id for the process: a copy of a run
+        # opened in the process that ran the original (a notebook, the tests) must not reuse it.
+        from mlflow.tracking._tracking_service import utils
+
+        getattr(utils, "_artifact_repos_cache", {}).clear()
     return MlflowClient(tracking_uri=uri)
+
+
+# Where MLflow records an artifact location (absolute URIs): a table and its column. logged_models
+# is MLflow 3's; a store without it is skipped.
+_ARTIFACT_COLUMNS = (("experiments", "artifact_location"), ("runs", "artifact_uri"),
+                     ("logged_models", "artifact_location"))
+
+
+def rebase_moved_store(uri: str, artifact_root: str) -> int:
+    """Point a run directory's own store, copied or moved from another run directory, at its own
+    artifact folder; how many recorded locations changed.
+
+    MLflow records artifact locations absolute, so ``<copy>/mlflow.db`` still names
+    ``<original>/mlartifacts``: a copy resumed, evaluated or exported would write its artifacts
+    into the original's folder. Applies only where ``uri`` is ``sqlite:///<dir>/mlflow.db``,
+    ``artifact_root`` is ``<dir>/mlartifacts`` (the run directory's layout) and every experiment
+    made with such a folder names the same other one (the store as a whole came from elsewhere); a
+    store shared by several run directories (``tracking.uri``) is left alone."""
+    path = sqlite_path(uri)
+    if path is None or path.name != "mlflow.db" or not path.is_file():
+        return 0
+    if (path.parent / "mlartifacts").resolve().as_uri() != artifact_root:
+        return 0
+    suffix = "/mlartifacts"
+    with contextlib.closing(sqlite3.connect(path, timeout=30)) as conn, conn:
+        try:
+            recorded = {row[0] for row in conn.execute("SELECT artifact_location FROM experiments")}
+        except sqlite3.Error:
+            return 0  # not an MLflow store yet: MLflow makes it
+        moved = {loc for loc in recorded if loc and loc.endswith(suffix)}
+        if len(moved) != 1 or artifact_root in moved:
+            return 0
+        (old,) = moved
+        changed = 0
+        for table, column in _ARTIFACT_COLUMNS:
+            try:  # the old folder itself or a path below it, never a sibling that shares its prefix
+                changed += conn.execute(
+                    f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE substr({column}, 1, ?) = ? "
+                    f"AND (length({column}) = ? OR substr({column}, ?, 1) = '/')",
+                    (artifact_root, len(old) + 1, len(old), old, len(old), len(old) + 1)).rowcount
+            except sqlite3.OperationalError:  # no such table in this MLflow's schema
+                continue
+    log.warning("MLflow store %s was made in another run directory: %d artifact location(s) moved from "
+                "%s to %s (MLflow records them absolute)", path, changed, old, artifact_root)
+    return changed
 
 
 def experiment_id(client: Any, name: str, artifact_location: str, kind: str = MODEL_TRAINING) -> str:

@@ -137,7 +137,7 @@ def log_to_mlflow(uri: str, artifact_location: str, experiment: str, parent_run_
     try:
         from mimir_megatron.mlflow_store import experiment_id, mlflow_client
 
-        client = mlflow_client(uri)
+        client = mlflow_client(uri, artifact_root=artifact_location)
         exp_id = experiment_id(client, experiment, artifact_location)
         tags = {"mimir.kind": "audit"} | ({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})
         run = client.create_run(exp_id, run_name=run_name, tags=tags)

@@ -61,7 +61,7 @@ class EvalRun:
         try:
             from mimir_megatron.mlflow_store import experiment_id, mlflow_client
 
-            self.client = mlflow_client(target.uri, request_timeout_s=10)
+            self.client = mlflow_client(target.uri, request_timeout_s=10, artifact_root=target.artifact_root)
             exp_id = experiment_id(self.client, target.experiment, target.artifact_root)
             all_tags = dict(tags or {})
             parent = parent_run_id or target.parent_run_id

@@ -38,7 +38,7 @@ def log_exported_model(output: Path, checkpoint: Path, state: Any, name: str, re
         return None
     target = tracking_target(output, checkpoint=checkpoint)
     try:
-        client = mlflow_client(target.uri, request_timeout_s=10)
+        client = mlflow_client(target.uri, request_timeout_s=10, artifact_root=target.artifact_root)
         run = client.get_run(state.mlflow_run_id)
         exp_id = run.info.experiment_id or experiment_id(client, target.experiment, target.artifact_root)
         for report in reports:

@@ -197,7 +197,7 @@ class Tracker:
         if enabled:
             from mimir_megatron.mlflow_store import mlflow_client
 
-            self._client = mlflow_client(self.uri, request_timeout_s=5)
+            self._client = mlflow_client(self.uri, request_timeout_s=5, artifact_root=self.artifact_root)
 
     # -- public --------------------------------------------------------------------------------
 

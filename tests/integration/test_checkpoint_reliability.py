@@ -77,6 +77,7 @@ def test_a_rollback_keeps_the_new_timeline(demo_data, tmp_path, reference):
     timeline's checkpoints are kept and `latest` names one of them, and the run continues."""
     run_dir = copy_of(reference, tmp_path)
     ckpts = run_dir / "checkpoints"
+    originals = {p: p.stat().st_mtime_ns for p in (reference[0] / "mlartifacts").rglob("*") if p.is_file()}
     back = run(demo_data, run_dir, f"checkpoint.resume={ckpts / 'step_0000003'}", "checkpoint.keep=1",
                stop_at_step=4)
     assert back.losses == reference[1][3:4]
@@ -87,6 +88,10 @@ def test_a_rollback_keeps_the_new_timeline(demo_data, tmp_path, reference):
     assert rest.losses == reference[1][4:]
     assert latest(run_dir) == "step_0000006"
     assert_same_state(ckpts / "step_0000006", step_dir(reference[0], 6))
+    # The copy's MLflow artifacts (lineage, plan) went to its own folder, not to the original's.
+    assert originals and {p: p.stat().st_mtime_ns for p in originals} == originals
+    assert {p for p in (reference[0] / "mlartifacts").rglob("*") if p.is_file()} == set(originals)
+    assert list((run_dir / "mlartifacts").rglob("lineage.json"))
 
 
 # -- configuration drift ----------------------------------------------------------------------------

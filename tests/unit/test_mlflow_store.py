@@ -4,6 +4,7 @@ MLflow created itself (Default experiment with this store's artifact location, r
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -85,3 +86,63 @@ def test_request_defaults_are_set_only_when_asked_and_never_over_the_environment
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
     mlflow_store.mlflow_client(server, request_timeout_s=5)
     assert [os.environ[name] for name in names] == ["WARNING", "0", "60"]
+
+
+def _run_with_an_artifact_and_a_model(root):
+    """A run directory's store as training makes it: an experiment whose artifacts go to
+    ``root/mlartifacts``, a run with a file, a logged model; the run's id."""
+    client = mlflow_store.mlflow_client(f"sqlite:///{root / 'mlflow.db'}", artifact_root=(root / "mlartifacts").as_uri())
+    exp_id = mlflow_store.experiment_id(client, "mimir-demo", (root / "mlartifacts").as_uri())
+    run_id = client.create_run(exp_id, run_name="demo").info.run_id
+    client.log_text(run_id, "original", "data/lineage.json")
+    client.create_logged_model(exp_id, name="demo", source_run_id=run_id)
+    return run_id
+
+
+def _locations(root, run_id):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    models = client.search_logged_models(experiment_ids=[run.info.experiment_id])
+    return [client.get_experiment(run.info.experiment_id).artifact_location, run.info.artifact_uri,
+            *(m.artifact_location for m in models)]
+
+
+def test_a_copied_run_directory_writes_its_artifacts_into_its_own_folder(tmp_path, cache):
+    """MLflow records artifact locations absolute: a copy of a run directory, opened as a run
+    directory's store, is pointed at its own mlartifacts (the original's store untouched), once."""
+
+    original, copy = tmp_path / "runs" / "demo", tmp_path / "elsewhere" / "demo_copy"
+    run_id = _run_with_an_artifact_and_a_model(original)
+    shutil.copytree(original, copy)
+    before = _locations(original, run_id)
+    assert len(before) == 3 and all(loc.startswith((original / "mlartifacts").as_uri()) for loc in before)
+
+    # In this process MLflow remembers the original run's artifact folder by run id: the copy
+    # must not write there all the same.
+    client = mlflow_store.mlflow_client(f"sqlite:///{copy / 'mlflow.db'}", artifact_root=(copy / "mlartifacts").as_uri())
+    after = _locations(copy, run_id)
+    assert after == [loc.replace(original.as_uri(), copy.as_uri()) for loc in before]
+    client.log_text(run_id, "resumed copy", "data/lineage.json")
+    written = list((copy / "mlartifacts").rglob("lineage.json"))
+    assert [p.read_text() for p in written] == ["resumed copy"]
+    assert [p.read_text() for p in (original / "mlartifacts").rglob("lineage.json")] == ["original"]
+    assert _locations(original, run_id) == before
+    assert mlflow_store.rebase_moved_store(f"sqlite:///{copy / 'mlflow.db'}", (copy / "mlartifacts").as_uri()) == 0
+
+
+def test_a_store_shared_by_run_directories_is_left_alone(tmp_path, cache):
+    """tracking.uri naming one store for several run directories: each run's artifacts stay where
+    its own run directory put them, whichever directory opens the store."""
+    shared, other = tmp_path / "shared", tmp_path / "runs" / "b"
+    run_id = _run_with_an_artifact_and_a_model(shared)
+    before = _locations(shared, run_id)
+    uri = f"sqlite:///{shared / 'mlflow.db'}"
+    assert mlflow_store.rebase_moved_store(uri, (other / "mlartifacts").as_uri()) == 0  # not this store's folder
+    # a store not named as a run directory's own (mlflow.db) is never rewritten
+    renamed = tmp_path / "copy" / "tracking.db"
+    renamed.parent.mkdir()
+    shutil.copyfile(shared / "mlflow.db", renamed)
+    assert mlflow_store.rebase_moved_store(f"sqlite:///{renamed}", (renamed.parent / "mlartifacts").as_uri()) == 0
+    assert _locations(shared, run_id) == before
