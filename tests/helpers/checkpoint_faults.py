@@ -57,3 +57,36 @@ def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
 
 def remount_read_only(path: Path) -> None:
     subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+
+
+
+def wait_for_the_run_lock(run_dir: Path) -> None:
+    """Return once no process holds ``run_dir``'s trainer lock (a killed trainer's children too).
+
+    ``proc.wait()`` reaps the killed process only: a process it started or forked (a rank under
+    torchrun, megatron's asynchronous checkpoint writer, which inherits the locked file) holds the
+    lock until the kernel has finished it, a moment later on a loaded machine, and a resume started
+    at once is refused as "in use by another trainer"."""
+    from polling import wait_for
+
+    from mimir_megatron.train.run_lock import RunDirectoryBusy, RunLock
+
+    def free() -> bool:
+        lock = RunLock(run_dir)
+        try:
+            lock.acquire()
+        except RunDirectoryBusy:
+            return False
+        lock.release()
+        return True
+
+    wait_for(free, f"the killed trainer's processes to release {run_dir}'s lock", timeout=60)
+
+
+def kill_group_and_wait_for_the_lock(proc: subprocess.Popen, run_dir: Path) -> None:
+    """SIGKILL a trainer's process group, reap it, and wait for its run directory's lock."""
+    import signal
+
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_for_the_run_lock(run_dir)

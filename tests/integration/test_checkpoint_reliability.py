@@ -10,14 +10,13 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from checkpoint_faults import patch_data_writes
+from checkpoint_faults import kill_group_and_wait_for_the_lock, patch_data_writes
 from checkpoint_states import assert_same_state
 from conftest import REPO, train_overrides
 
@@ -190,8 +189,7 @@ def test_a_kill_during_an_async_write_keeps_the_previous_checkpoint(demo_data, t
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.2)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the trainer, its forked writer and helpers
-        proc.wait()
+        kill_group_and_wait_for_the_lock(proc, tmp_path)  # the trainer, its forked writer and helpers
     assert latest(tmp_path) == "step_0000003"
     assert not step_dir(tmp_path, 6).exists()
     # Python's and numpy's generators are process-specific (seeded by the OS; training draws none).
@@ -254,8 +252,7 @@ def _kill_on(proc: subprocess.Popen, log_path: Path, run_dir: Path, event: tuple
     if proc.poll() is not None:
         pytest.fail(f"the run ended (exit {proc.returncode}) right after {kind} {at}, before its kill:"
                     f"\n{log_path.read_text()[-3000:]}")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_group_and_wait_for_the_lock(proc, run_dir)
 
 
 @pytest.mark.slow

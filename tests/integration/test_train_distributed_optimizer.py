@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from checkpoint_faults import wait_for_the_run_lock
 from checkpoint_states import assert_close_states, assert_same_state
 from conftest import REPO, train_overrides
 from distributed import run_ranks
@@ -166,6 +167,7 @@ def test_a_killed_bf16_run_resumes_to_the_uninterrupted_state(demo_data, tmp_pat
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait()
+    wait_for_the_run_lock(run_dir)
     assert not (run_dir / STEP_6).exists()
     resumed = run(demo_data, run_dir, *BF16, "train.log_interval=1")
     assert resumed.losses == one_bf16[1][len(one_bf16[1]) - len(resumed.losses):]

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from checkpoint_faults import wait_for_the_run_lock
 from checkpoint_states import assert_close_states, assert_same_state
 from conftest import REPO, train_overrides
 from distributed import free_port, run_ranks
@@ -140,6 +141,7 @@ def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_state(demo_data, tmp
     finally:
         for proc in procs:
             proc.wait()
+    wait_for_the_run_lock(run_dir)
     assert not (run_dir / STEP_6).exists() and (run_dir / STEP_3).is_dir()
     # The final evaluation decodes from the gathered weights on both ranks (after the last checkpoint).
     run_ranks("train_worker.py", 2, str(demo_data), str(run_dir), "none", *FSDP, *BF16, *DATA_PARALLEL,
