@@ -16,11 +16,17 @@ again without it; after a few refusals it takes the completion's next token), an
 budget left equals the completion, the row follows the completion. A request whose budget is
 smaller than the completion from the start is refused before decoding.
 
+The shortest reply from the start (the 400 for a budget below it, a row's first completion) is
+searched per branch: each offered tool's call alone, and the answer where a response format
+comes with tools (:meth:`Grammars.union`, OpenAI's rule: a tool call or the schema's answer); the
+cheapest branch is the grammar's. A branch whose replies are few texts (:func:`finite_texts`:
+enums, consts, booleans, bounded integers) is searched exactly (:func:`fewest_tokens`); others
+with the greedy :func:`completion`.
+
 Numbers. llguidance's JSON number admits any exponent; a row also refuses a token that would
 make the number being written overflow a double or take its exponent past :data:`MAX_EXPONENT`
 (and completions never write one), and an ``integer`` without bounds is bounded to
-:data:`INTEGER_BOUNDS` in the schema. :meth:`Grammars.union` is OpenAI's rule for tools offered
-with a response format: a tool call or the schema's answer.
+:data:`INTEGER_BOUNDS` in the schema.
 """
 
 from __future__ import annotations
@@ -516,12 +522,18 @@ class Grammar:
         """Every reply's text, where they are few (:func:`finite_texts`): searched exactly."""
         self._shortest: list[int] | None = None
         self._searched_to = -1
+        self._searching = threading.Lock()
+        """The requests that send this grammar share it (worker threads): one search at a time."""
 
     def shortest(self, budget: int) -> list[int] | None:
         """The shortest reply from the grammar's start as far as it is known (None: none within
         ``budget`` tokens): the shortest of the branches' for a union, exact where the replies
         are few texts, else the greedy :func:`completion` (an upper bound where an enum or
         ``anyOf`` inside an unbounded value offers branches)."""
+        with self._searching:
+            return self._search(budget)
+
+    def _search(self, budget: int) -> list[int] | None:
         if self.branches and self._shortest is None and budget > self._searched_to:
             # each alternative searched alone (the greedy search would follow one only), its reply
             # then ended as this grammar ends one

@@ -3,7 +3,8 @@
 The project's templates (the demo tokenizer under ``data_prep/``, what ``mimir prepare`` trains on)
 write each call of an assistant turn as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 after the turn's text. A call whose JSON does not parse stays in the content as text (the client
-sees what the model wrote), as vLLM's parsers do.
+sees what the model wrote), as vLLM's parsers do. A call's ``arguments`` are the text the model
+wrote (OpenAI's), so that a stream's argument deltas (:class:`ToolCallStream`) add up to them.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ class CompletionBodies:
              generation: Generation) -> dict:
         choices = []
         for i, r in enumerate(results):
-            message: dict = {"role": "assistant", "content": r.text if r.text is not None else "", "refusal": None}
+            message: dict = {"role": "assistant", "content": r.text if r.text is not None else "",
+                             "refusal": None}
             finish = r.finish_reason
             if generation.parse_tool_calls:
                 content, calls = parse_tool_calls(message["content"])
