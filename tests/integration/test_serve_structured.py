@@ -584,6 +584,9 @@ def test_openais_refusals_name_the_field_with_its_code(engine, served):
         [{"role": "user", "content": "word " * n}], [WEATHER_STRING])) < needs)
     error = _smallest(url, [WEATHER_STRING], messages=[{"role": "user", "content": "word " * words}])
     assert (error["param"], error["code"], error["needs"]) == ("messages", "context_length_exceeded", needs)
+    error = refused("responses", {"input": "x", "tools": [{"type": "function", **WEATHER_STRING["function"]}],
+                                  "tool_choice": "required", "max_output_tokens": needs - 1})
+    assert (error["param"], error["code"]) == ("max_output_tokens", "integer_below_min_value")
 
     error = refused("chat/completions", {"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {
         "schema": SCHEMA}}})
