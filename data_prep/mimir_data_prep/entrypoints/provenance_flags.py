@@ -58,8 +58,9 @@ def given_provenance_flags(args: argparse.Namespace) -> list[str]:
     return [f"--{flag.replace('_', '-')}" for flag in PROVENANCE_FLAGS if getattr(args, flag)]
 
 
-def provenance_from_flags(args: argparse.Namespace, default_id: str):
-    """The resolved provenance of the provenance flags; None when none was given."""
+def provenance_from_flags(args: argparse.Namespace, default_id: str, output: str | Path | None = None):
+    """The resolved provenance of the provenance flags for ``output`` (the dataset or file it
+    describes, which its --derived-from may not name); None when none was given."""
     from mimir_megatron.yaml_config import raise_errors
     from mimir_megatron.data.provenance import ProvenanceDeclaration, resolve_declaration
 
@@ -68,7 +69,8 @@ def provenance_from_flags(args: argparse.Namespace, default_id: str):
         return None
     errors: list[str] = []
     provenance = resolve_declaration(ProvenanceDeclaration(**given), "provenance", default_id=default_id,
-                                     base=Path.cwd(), errors=errors)
+                                     base=Path.cwd(), output=Path(output) if output else None,
+                                     errors=errors)
     # Name the flag a mistake is in: "provenance.license: ..." -> "--license: ...".
     flag_of = {field: f"--{flag.replace('_', '-')}" for flag, field in PROVENANCE_FLAGS.items()}
     raise_errors([re.sub(r"^provenance\.([a-z_]+)", lambda m: flag_of.get(m.group(1), m.group(0)), e)
