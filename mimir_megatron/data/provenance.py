@@ -460,9 +460,9 @@ def resolve_declaration(
         license_, problem = normalise_license(decl.license)
         if problem:
             errors.append(f"{where}.license: {problem}")
-    elif not decl.derived_from:
+    elif not decl.derived_from and not decl.generator_license:
         errors.append(f"{where}.license: required (an SPDX expression, or {' / '.join(EXTRA_LICENCES)}); "
-                      "only a dataset with derived_from inherits one")
+                      "only a dataset with derived_from or a generator_license inherits one")
     else:  # inherited: every parent's terms, and the generator's
         generator_terms = [_normalised(decl.generator_license)] if decl.generator_license else []
         license_ = combine_licenses([*(p.terms for p in parents), *generator_terms])
@@ -524,7 +524,7 @@ def ancestry_problems(provenance: Provenance, path: str | Path | None, name: str
             if parent.path is None or parent.digest is None:
                 continue
             if parent.path in chain:
-                loop = " -> ".join([*_names(chain, parent.path), parent.id])
+                loop = " -> ".join([*_names(chain, parent.path), names.get(parent.path, parent.id)])
                 problems.append(f"{name}: its lineage loops ({loop}): a dataset cannot be derived from "
                                 "itself")
                 continue
@@ -539,7 +539,7 @@ def ancestry_problems(provenance: Provenance, path: str | Path | None, name: str
             now = found.digest if found is not None else None
             if now != parent.digest:
                 terms = found.license if found is not None else UNKNOWN
-                whose = "it" if child_name == name else f"its ancestor {child_name}"
+                whose = "it" if child is provenance else f"its ancestor {child_name}"
                 problems.append(f"{name}: {whose} was derived from {parent.id} ({parent.path}), which "
                                 f"changed since (the record pinned {parent.digest[:12]}, now "
                                 f"{(now or UNKNOWN)[:12]}, licence {terms}); prepare {child_name} again "
@@ -554,9 +554,36 @@ def ancestry_problems(provenance: Provenance, path: str | Path | None, name: str
 
     start = [*descendants, *([str(Path(path).resolve())] if path is not None else [])]
     if path is not None:
-        names[str(Path(path).resolve())] = name
-    walk(provenance, name, start)
+        names[str(Path(path).resolve())] = provenance.id
+    walk(provenance, provenance.id, start)
     return problems
+
+
+def agreement_ancestors(provenance: Provenance) -> list[Parent]:
+    """The agreement sources a dataset was derived from, directly or through parents that are
+    still where they were recorded (a parent's own parents are read from its record on disk; one
+    that is gone, or changed since, ends the walk there)."""
+    found: dict[tuple[str, str | None], Parent] = {}
+    seen: set[str] = set()
+
+    def walk(record: Provenance) -> None:
+        for parent in record.derived_from:
+            if parent.basis == "agreement":
+                found.setdefault((parent.id, parent.digest), parent)
+                continue
+            if not parent.path or parent.path in seen or parent.digest is None:
+                continue
+            seen.add(parent.path)
+            try:
+                stored = read_provenance(parent.path)
+                above = None if stored is False else checked_record(stored, parent.path)
+            except UserError:
+                continue  # a damaged parent: the gate names it
+            if above is not None and above.digest == parent.digest:
+                walk(above)
+
+    walk(provenance)
+    return list(found.values())
 
 
 # -- where records live ---------------------------------------------------------------------------

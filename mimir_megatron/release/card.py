@@ -15,6 +15,7 @@ from typing import Any
 
 from mimir_megatron.data.licences import (
     EXTRA_LICENCES,
+    base_licence,
     combine_licenses,
     dropped_terms,
     licence_category,
@@ -94,8 +95,8 @@ def hf_license(expression: str | None) -> CardLicence:
         return CardLicence(normalised, key)
     name = re.sub(r"[^a-z0-9.]+", "-", normalised.lower()).strip("-")
     ids = license_keys(normalised)
-    link = f"https://spdx.org/licenses/{ids[0]}.html" if len(ids) == 1 and ids[0] not in EXTRA_LICENCES \
-        else "https://spdx.org/licenses/"
+    single = len(ids) == 1 and ids[0] not in EXTRA_LICENCES
+    link = f"https://spdx.org/licenses/{base_licence(ids[0])}.html" if single else "https://spdx.org/licenses/"
     return CardLicence(normalised, "other", name, link)
 
 

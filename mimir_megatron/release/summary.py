@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 from mimir_megatron.checkpoint import BaseModel, DatasetLineage, TrainerState
 from mimir_megatron.data.manifest import MANIFEST_NAME, Manifest
-from mimir_megatron.data.provenance import BASES, FORMS, UNKNOWN, effective_terms, provenance_from_record
+from mimir_megatron.data.provenance import (
+    BASES,
+    FORMS,
+    UNKNOWN,
+    agreement_ancestors,
+    effective_terms,
+    provenance_from_record,
+)
 from mimir_megatron.errors import UserError
 
 if TYPE_CHECKING:
@@ -97,7 +104,9 @@ def _provenance_row(entry: DatasetLineage, total: int, model: str = THIS_RUN) ->
         "research_organisation": p.research_organisation, "lawful_access": p.lawful_access,
         "derived_from": [{"id": d.id, "source": d.source, "license": d.license, "basis": d.basis,
                           "digest": d.digest} for d in p.derived_from],
-        "agreement_derived": p.basis != "agreement" and any(d.basis == "agreement" for d in p.derived_from),
+        "agreement_sources": [{"id": d.id, "source": d.source, "license": d.license, "basis": d.basis,
+                               "digest": d.digest} for d in agreement_ancestors(p)],
+        "agreement_derived": p.basis != "agreement" and bool(agreement_ancestors(p)),
     }
 
 
@@ -227,8 +236,7 @@ def training_data_summary(state: TrainerState, *, model_name: str, provider: str
     # each once: known by their record's digest (ids are not unique across sources).
     trained = {row["provenance"] for row in rows if row["basis"] == "agreement" and row["tokens"]}
     agreement_sources = {(d["id"], d["digest"]): d for row in rows if row["tokens"]
-                         for d in row.get("derived_from", [])
-                         if d["basis"] == "agreement" and d["digest"] not in trained}
+                         for d in row.get("agreement_sources", []) if d["digest"] not in trained}
     commercial = [r for r in rows if r["license"] != UNKNOWN
                   and any(licence_category(k) == "Commercial" for k in license_keys(r["license"]))]
     undeclared = _undeclared_share(rows, total)

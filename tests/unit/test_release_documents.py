@@ -8,27 +8,17 @@ counts differ in ratio), so every figure is checked against hand-computed values
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from mimir_megatron.checkpoint import DatasetLineage, TrainerState
 from mimir_megatron.data.policy import DataPolicy
-from mimir_megatron.data.provenance import ProvenanceDeclaration, resolve_declaration, stored_record
 from mimir_megatron.errors import UserError
 from mimir_megatron.release.card import hf_license, licence_risk, model_card
 from mimir_megatron.release.summary import report_mismatch, summary_markdown, training_data_summary
+from provenance_data import declared as _record
 
 INFO = {"layers_l": 1, "layers_h": 1, "schedule": "LH", "hidden": 8, "parameters": "1", "training": "t"}
-
-
-def _record(**fields) -> dict:
-    values = {"source": "s", "basis": "open-licence", "form": "reformatted", **fields}
-    errors: list[str] = []
-    found = resolve_declaration(ProvenanceDeclaration(**values), "ds", default_id=fields.get("id", "ds"),
-                                base=Path("."), errors=errors)
-    assert found is not None, errors
-    return stored_record(found)
 
 
 def _entry(name: str, record: dict, documents: int, tokens: int) -> DatasetLineage:
