@@ -191,7 +191,7 @@ def combine_licenses(expressions: Iterable[str]) -> str:
         return expressions[0]
     licensing = _licensing()
     joined = " AND ".join(f"({e})" for e in expressions)
-    return str(licensing.dedup(licensing.parse(joined)))
+    return str(licensing.dedup(licensing.parse(joined).flatten()))  # nested ANDs as one
 
 
 def dropped_terms(declared: str, inherited: str) -> list[str]:

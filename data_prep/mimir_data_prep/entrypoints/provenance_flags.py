@@ -32,7 +32,8 @@ def add_provenance_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--source-revision", help="the revision or version retrieved")
     g.add_argument("--retrieved", help="the retrieval date, YYYY-MM-DD")
     g.add_argument("--license", help="an SPDX expression (CC-BY-4.0, Apache-2.0 AND MIT), public-domain "
-                   "or proprietary-agreement; inherited from --derived-from when omitted")
+                   "or proprietary-agreement; inherited from --derived-from and --generator-license when "
+                   "omitted (an OR may narrow their terms, never drop one)")
     g.add_argument("--basis", choices=tuple(BASES), help="the permission basis")
     g.add_argument("--form", choices=tuple(FORMS), help="the form the data entered the corpus in (Table 6)")
     g.add_argument("--audit-group",
@@ -43,7 +44,9 @@ def add_provenance_flags(p: argparse.ArgumentParser) -> None:
                    "repeat")
     g.add_argument("--generator", help="the models or programs that generated synthetic data")
     g.add_argument("--generator-license",
-                   help="the generator models' terms (an SPDX expression); they bind synthetic data too")
+                   help="the generator models' terms (an SPDX expression, or 'unknown', which the default "
+                   "data policy refuses); they bind synthetic data too; required with --generator for "
+                   "--basis synthetic")
     g.add_argument("--research-organisation",
                    help="basis tdm-research: the research organisation mining the data (DSM Art. 3)")
     g.add_argument("--lawful-access",
