@@ -195,6 +195,16 @@ CASES = {
     "plan-digest-removed": ("plan", drop("digest"), False, "has no digest, though the version that wrote it"),
     "state-digest-removed": ("state", drop("digest"), False, "its digest was deleted"),
 }
+# A record that lost its format too still has its digest checked (the migration never skips it).
+for _name, (_keys, _value, _says) in {
+        "results": (("tasks", "arith", "score"), 0.75, "edited after `mimir eval` wrote it"),
+        "sweep": (("rows", 0, "arith"), 75.0, "edited after `mimir sweep` wrote it"),
+        "plan": (("gpus",), 16, "edited after it was written"),
+        "state": (("step",), 8, "damaged trainer state (its content does not match its digest)")}.items():
+    def _change(record, keys=_keys, value=_value):
+        record.pop("format", None)
+        put(value, *keys)(record)
+    CASES[f"{_name}-formatless-edited"] = (_name, _change, False, _says)
 
 
 @pytest.mark.parametrize("case", CASES)
