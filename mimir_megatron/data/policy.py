@@ -334,32 +334,7 @@ def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world
             except UserError as exc:
                 problems.append(f"dataset {entry.name}: {exc}")
                 continue
-            edited = False
-            for problem in (manifest.digest_problem, record_problem(manifest.provenance)):
-                if problem:
-                    edited = True
-                    problems.append(f"dataset {entry.name}: {entry.path / 'manifest.json'}: {problem}")
-            for path in changed_inputs(manifest):
-                problems.append(f"dataset {entry.name}: input {path} changed since it was prepared "
-                                "(its sha256 differs from the manifest's); prepare it again")
-            record = manifest.provenance
-            try:
-                provenance = provenance_from_record(record, f"dataset {entry.name}: "
-                                                            f"{entry.path / 'manifest.json'}: provenance")
-            except UserError as exc:
-                problems.append(str(exc))
-            else:
-                if not edited:  # an edited record's verdict means nothing
-                    problems += policy_problems(entry.name, record, mixture.policy,
-                                                entry.audit_group_of(provenance), manifest.personal_data)
-                    if provenance is not None:
-                        problems += ancestry_problems(provenance, entry.path, f"dataset {entry.name}")
-            if mixture.policy.public_key:
-                from .signing import signature_problem
-
-                problem = signature_problem(entry.path, manifest, mixture.policy.public_key)
-                if problem:
-                    problems.append(f"dataset {entry.name}: {problem}")
+            problems += declaration_problems(entry, manifest, mixture.policy)
             structural = shard_problems(entry.path, manifest)
             # A dataset with a structural problem is hashed whole by every rank: its digests then
             # name the damaged or swapped file itself, the same line on every rank.
@@ -380,6 +355,40 @@ def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world
     else:
         log.warning("prepared data: structure checked, sha256 not verified (data.verify=false: for "
                     "trusted corpora only)")
+    return problems
+
+
+def declaration_problems(entry, manifest: Manifest, policy: DataPolicy) -> list[str]:
+    """The checks of one dataset of a mixture (``entry``) that read its records, not its data: its
+    manifest and provenance record intact, its inputs unchanged, its provenance valid and allowed
+    by ``policy`` (personal data included), its parents unchanged since it was derived from them,
+    its manifest signed when the policy asks. One line each, naming the dataset."""
+    where = f"dataset {entry.name}"
+    problems, edited = [], False
+    for problem in (manifest.digest_problem, record_problem(manifest.provenance)):
+        if problem:
+            edited = True
+            problems.append(f"{where}: {entry.path / 'manifest.json'}: {problem}")
+    for path in changed_inputs(manifest):
+        problems.append(f"{where}: input {path} changed since it was prepared (its sha256 differs from the "
+                        "manifest's); prepare it again")
+    record = manifest.provenance
+    try:
+        provenance = provenance_from_record(record, f"{where}: {entry.path / 'manifest.json'}: provenance")
+    except UserError as exc:
+        problems.append(str(exc))
+    else:
+        if not edited:  # an edited record's verdict means nothing
+            problems += policy_problems(entry.name, record, policy, entry.audit_group_of(provenance),
+                                        manifest.personal_data)
+            if provenance is not None:
+                problems += ancestry_problems(provenance, entry.path, where)
+    if policy.public_key:
+        from .signing import signature_problem
+
+        problem = signature_problem(entry.path, manifest, policy.public_key)
+        if problem:
+            problems.append(f"{where}: {problem}")
     return problems
 
 
