@@ -22,6 +22,7 @@ import logging
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -144,41 +145,65 @@ def _parent_documents(path: Path, settings: PrepareSettings) -> Iterator[str] | 
 
 
 class _NgramSample:
-    """The word n-grams of a sample of documents, and which of them another text holds."""
+    """The word n-grams of a sample of documents, and which of them other texts hold. Words are
+    numbered by Python's string hash (the same within the process, which is all a comparison
+    needs); an n-gram's hash is a weighted sum of its words' (the denylist's rule, on words)."""
+
+    BATCH = 1024
+    """Documents hashed together (one numpy pass, one lookup)."""
 
     def __init__(self, documents: list[str]) -> None:
-        self.vocabulary: dict[str, int] = {}
         rng = np.random.default_rng(0)
         self.weights = rng.integers(1, 2**62, size=NGRAM, dtype=np.uint64) | np.uint64(1)
-        per_document = [self._hashes(text, grow=True) for text in documents]
-        self.owner = np.repeat(np.arange(len(per_document)), [len(h) for h in per_document])
-        flat = np.concatenate(per_document) if per_document else np.zeros(0, dtype=np.uint64)
+        flat, self.owner = self._hashes(documents)
         self.hashes, self.index = np.unique(flat, return_inverse=True)
-        self.documents = len(per_document)
+        self.documents = len(documents)
         self.counts = np.bincount(self.owner, minlength=self.documents)
 
-    def _hashes(self, text: str, grow: bool = False) -> np.ndarray:
-        """The hashes of a text's n-grams (its words numbered by the sample's vocabulary; a word
-        the sample lacks is 0 when not ``grow``-ing it: no n-gram holding it can match)."""
-        words = _WORD.findall(text.casefold())
-        vocabulary = self.vocabulary
-        number = (lambda w: vocabulary.setdefault(w, len(vocabulary) + 1)) if grow else \
-            (lambda w: vocabulary.get(w, 0))
-        ids = np.fromiter((number(w) for w in words), dtype=np.uint64, count=len(words))
-        if len(ids) == 0:
-            return np.zeros(0, dtype=np.uint64)
-        n = min(NGRAM, len(ids))  # a short document is one n-gram: the whole of it
-        windows = np.lib.stride_tricks.sliding_window_view(ids, n)
-        return (windows * self.weights[:n]).sum(axis=1, dtype=np.uint64) + np.uint64(n)
+    def _hashes(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(the n-gram hashes of ``texts``, the text each belongs to). A text of fewer than NGRAM
+        words is one n-gram: all of it."""
+        words = [_WORD.findall(text.casefold()) for text in texts]
+        lengths = np.fromiter(map(len, words), dtype=np.int64, count=len(texts))
+        total = int(lengths.sum())
+        ids = np.fromiter(map(hash, chain.from_iterable(words)), dtype=np.int64, count=total).view(np.uint64)
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        hashes, owners = [np.zeros(0, dtype=np.uint64)], [np.zeros(0, dtype=np.int64)]
+        if total >= NGRAM:  # every window of the concatenation, then those inside one text
+            windows = total - NGRAM + 1
+            summed = np.full(windows, NGRAM, dtype=np.uint64)
+            for k in range(NGRAM):
+                summed += ids[k:k + windows] * self.weights[k]
+            owner = np.repeat(np.arange(len(texts)), lengths)[:windows]
+            inside = np.arange(windows) + NGRAM <= ends[owner]
+            hashes.append(summed[inside])
+            owners.append(owner[inside])
+        for t in np.nonzero((lengths > 0) & (lengths < NGRAM))[0].tolist():
+            n = int(lengths[t])
+            whole = (ids[starts[t]:ends[t]] * self.weights[:n]).sum(dtype=np.uint64, keepdims=True)
+            hashes.append(whole + np.uint64(n))
+            owners.append(np.array([t]))
+        return np.concatenate(hashes), np.concatenate(owners)
 
     def copies(self, texts: Iterable[str]) -> tuple[int, int]:
         """(documents of the sample that are copies of ``texts``, documents with n-grams)."""
         found = np.zeros(len(self.hashes), dtype=bool)
-        for text in texts:
-            hashes = self._hashes(text)
+        batch: list[str] = []
+
+        def mark() -> None:
+            hashes, _ = self._hashes(batch)
+            batch.clear()
             if len(hashes) and len(self.hashes):
                 at = np.minimum(np.searchsorted(self.hashes, hashes), len(self.hashes) - 1)
                 found[at[self.hashes[at] == hashes]] = True
+
+        for text in texts:
+            batch.append(text)
+            if len(batch) >= self.BATCH:
+                mark()
+        if batch:
+            mark()
         shared = np.bincount(self.owner, weights=found[self.index], minlength=self.documents)
         measured = self.counts > 0
         copies = int(((shared >= COPIED_NGRAMS * self.counts) & measured).sum())
