@@ -98,6 +98,17 @@ def test_a_generators_terms_bind_its_output_and_must_be_declared(tmp_path, caplo
     kept = prepare(tmp_path, "kept", *made, "--generator-license", LLAMA)
     assert read_provenance(kept)["license"] == LLAMA  # inherited: the generator's terms
     assert "not a standard licence" in problems(mixture(tmp_path, "kept"))[0]
+    # `mimir synth run`'s sidecar: the generator endpoint's licence, else unknown.
+    from mimir_megatron.data.provenance import derived_provenance, effective_terms
+
+    source = write_raw(tmp_path / "source.jsonl")
+    assert main(["data", "declare", str(source), *OPEN]) == 0
+    unset = derived_provenance([source], id="s", source="synth", form="synthetic-audited", basis="synthetic",
+                               generator="generator m")
+    assert (unset.generator_license, effective_terms(unset)) == ("unknown", "unknown")
+    declared_ = derived_provenance([source], id="s", source="synth", form="synthetic-audited", basis="synthetic",
+                                   generator="generator m", generator_license="Apache-2.0")
+    assert effective_terms(declared_) == "CC-BY-4.0 AND Apache-2.0"
 
 
 # -- 2. a model's lineage includes its base -----------------------------------------------------
