@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import atomic_files, remove_temporaries
 
 from .index_format import (
     META_NAME,
@@ -238,12 +239,11 @@ def build_index(
         tokenized, offsets, table = (shard_file(out, kind, sid) for kind in ("tokenized", "offset", "table"))
         for path in (tokenized, offsets, table):
             path.unlink(missing_ok=True)
-        tmp = {p: p.with_name(p.name + ".tmp") for p in (tokenized, offsets, table)}
-        longest = _write_shard_data(plan, shard.units, sources, tmp[tokenized], tmp[offsets], bar)
-        bar.set_postfix_str(f"shard {sid}: suffix array")
-        _build_suffix_array(tmp[tokenized], tmp[table], mem_bytes, cpus, out / f"work.{sid}")
-        for final, temporary in tmp.items():
-            os.replace(temporary, final)
+        remove_temporaries(tokenized, offsets, table)  # a killed build's, gigabytes each
+        with atomic_files(tokenized, offsets, table) as (tokenized_tmp, offsets_tmp, table_tmp):
+            longest = _write_shard_data(plan, shard.units, sources, tokenized_tmp, offsets_tmp, bar)
+            bar.set_postfix_str(f"shard {sid}: suffix array")
+            _build_suffix_array(tokenized_tmp, table_tmp, mem_bytes, cpus, out / f"work.{sid}")
         write_shard_record(out, shard, longest, time.perf_counter() - start)
     bar.close()
     return out

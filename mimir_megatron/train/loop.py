@@ -25,7 +25,7 @@ from mimir_megatron.stop_signals import STOP_SIGNALS, take_early
 from mimir_megatron.train.config import TrainConfig, flatten
 from mimir_megatron.train.flops import flops_per_token
 from mimir_megatron.train.lineage import LineageCounter, earlier_training_problems
-from mimir_megatron.train.resume import check_resumable, resume_path, verified_resume
+from mimir_megatron.train.resume import check_resumable, data_changed, resume_path, verified_resume
 from mimir_megatron.train.run_lock import RunLock
 from mimir_megatron.train.schedules import StepPlan, plan_step
 from mimir_megatron.train.step import StepHooks, StepOutcome, Trainer, build_trainer, train_step
@@ -320,7 +320,7 @@ def _restore_state(cfg: TrainConfig, trainer: Trainer, resume_from: Path | None,
     if resume_from is not None:
         resume_from, saved = verified_resume(cfg, resume_from, verification)
         start.config_changes = check_resumable(saved, cfg, resume_from, fingerprint)
-        start.data_changed = saved.data_fingerprint != fingerprint
+        start.data_changed = data_changed(saved, fingerprint)
         state = ckpt.load_checkpoint(resume_from, model, optimizer, ema, verified=saved)
         start.step, start.consumed, start.run_id = state.step, state.consumed_samples, state.mlflow_run_id
         start.lineage, start.base_model = state.lineage, state.base_model
