@@ -45,9 +45,9 @@ def _sidecar(directory: Path) -> Path:
 
 
 def _read_sidecar(directory: Path):
-    from mimir_megatron.data.provenance import read_sidecar
+    from mimir_megatron.data.provenance import read_provenance
 
-    return read_sidecar(directory / "data.jsonl")
+    return read_provenance(directory / "data.jsonl").provenance
 
 
 def _report(directory: Path) -> Path:
@@ -188,6 +188,19 @@ def _read_pointer(directory: Path):
     return MlflowPointer.read(directory)
 
 
+def _signature(directory: Path) -> Path:
+    from mimir_megatron.data.signing import ManifestSignature
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return ManifestSignature(key_id="0" * 16, digest="a" * 64, signature=b"\x01" * 64).write(directory)
+
+
+def _read_signature(directory: Path):
+    from mimir_megatron.data.signing import ManifestSignature
+
+    return ManifestSignature.read(directory)
+
+
 # The records: (writer, reader, the digest computed again after a careful hand edit)
 RECORDS = {
     "manifest": (_manifest, _read_manifest, reseal()),
@@ -201,6 +214,7 @@ RECORDS = {
     "stamp": (_stamp, _read_stamp, reseal()),
     "acceptance": (_acceptance, _read_acceptance, reseal()),
     "pointer": (_pointer, _read_pointer, reseal()),
+    "signature": (_signature, _read_signature, lambda record: None),  # a signature is its own check
 }
 
 # (record, change, recompute the digest so that only the check under test speaks, what the line must say)
@@ -286,6 +300,13 @@ CASES = {
     "pointer-unknown-version": ("pointer", put("mimir-synth-mlflow-run-v2", "format"), True,
                                 "format 'mimir-synth-mlflow-run-v2' is not one this version of mimir reads"),
     "pointer-edited": ("pointer", put("ffff", "run_id"), False, "edited after `mimir synth run` wrote it"),
+    "signature-missing-field": ("signature", drop("digest"), False, "digest: missing"),
+    "signature-wrong-type": ("signature", put(5, "key_id"), False, "key_id: a string expected, got 5"),
+    "signature-not-base64": ("signature", put("not base64!", "signature"), False, "signature: base64 expected"),
+    "signature-algorithm": ("signature", put("rsa", "algorithm"), False, "algorithm: 'ed25519' expected, got 'rsa'"),
+    "signature-unknown-version": ("signature", put("mimir-manifest-signature-v0", "format"), False,
+                                  "format 'mimir-manifest-signature-v0' is not one this version of mimir reads"),
+    "signature-without-format": ("signature", drop("format"), False, "format None is not one this version"),
 }
 # A record that lost its format too still has its digest checked (the migration never skips it).
 for _name, (_keys, _value, _says) in {
