@@ -16,19 +16,27 @@ again without it; after a few refusals it takes the completion's next token), an
 budget left equals the completion, the row follows the completion. A request whose budget is
 smaller than the completion from the start is refused before decoding.
 
+The shortest reply from the start (the 400 for a budget below it, a row's first completion) is
+searched per branch: each offered tool's call alone, and the answer where a response format
+comes with tools (:meth:`Grammars.union`, OpenAI's rule: a tool call or the schema's answer); the
+cheapest branch is the grammar's. A branch whose replies are few texts (:func:`finite_texts`:
+enums, consts, booleans, bounded integers) is searched exactly (:func:`fewest_tokens`); others
+with the greedy :func:`completion`.
+
 Numbers. llguidance's JSON number admits any exponent; a row also refuses a token that would
 make the number being written overflow a double or take its exponent past :data:`MAX_EXPONENT`
 (and completions never write one), and an ``integer`` without bounds is bounded to
-:data:`INTEGER_BOUNDS` in the schema. :meth:`Grammars.union` is OpenAI's rule for tools offered
-with a response format: a tool call or the schema's answer.
+:data:`INTEGER_BOUNDS` in the schema.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import logging
 import math
+import re
 import threading
 from typing import Any
 
@@ -47,6 +55,8 @@ _SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "con
               "additionalItems", "unevaluatedProperties", "unevaluatedItems")
 _SUBSCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
 _NEVER = np.iinfo(np.int64).max
+COMPILED_GRAMMARS = 256
+"""Compiled grammars kept per tokenizer (with their shortest replies), newest first."""
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
@@ -201,7 +211,11 @@ class Vocabulary:
                                     b"f", b"-")]
         by_bytes: dict[bytes, int] = {}
         for i, b in enumerate(self.bytes):
-            by_bytes.setdefault(b, i)
+            if b:
+                by_bytes.setdefault(b, i)
+        self.ids_by_bytes = by_bytes
+        """A token id for each token text (special tokens, which have none, left out)."""
+        self.longest = max(map(len, by_bytes), default=1)
         values = [by_bytes[b] for b in small_values if b in by_bytes]
         separators = [by_bytes[b] for b in (b",", b", ") if b in by_bytes]
         self.rank_in_string = ranks(closes_string)
@@ -265,6 +279,142 @@ def completion(matcher, lex: _JsonLexState, vocab: Vocabulary, limit: int) -> li
         lex.feed(vocab.bytes[token])
         path.append(token)
     return None
+
+
+_ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
+                          "writeOnly", "x-guidance"})
+_JSON_TYPES = {"null": (type(None),), "boolean": (bool,), "integer": (int,), "number": (int, float),
+               "string": (str,), "array": (list,), "object": (dict,)}
+FINITE_TEXTS = 64
+"""A grammar whose replies are at most this many texts is searched exactly (every text's fewest
+tokens); above it, or where a schema admits unboundedly many, the greedy :func:`completion`."""
+
+
+def _written(value: Any) -> str:
+    """A JSON value as the grammar writes it (compact: ``", "`` and ``": "``)."""
+    return json.dumps(value, ensure_ascii=False, separators=(_JSON_STYLE["item_separator"],
+                                                              _JSON_STYLE["key_separator"]))
+
+
+def _of_type(value: Any, kinds: list[str]) -> bool:
+    if isinstance(value, bool) and "boolean" not in kinds:
+        return False
+    return any(isinstance(value, _JSON_TYPES.get(kind, ())) for kind in kinds)
+
+
+def finite_texts(schema: Any, limit: int = FINITE_TEXTS) -> list[str] | None:
+    """Every JSON text valid under ``schema`` as the grammar writes it (compact, an object's
+    properties in their order, optional ones present or not), when there are at most ``limit``
+    and the schema says only what this reads (``const``, ``enum``, ``anyOf`` / ``oneOf``, null,
+    booleans, bounded integers, objects without other keys); else None (strings, numbers and
+    arrays admit unboundedly many)."""
+    if not isinstance(schema, dict):
+        return None
+    keys = set(schema) - _ANNOTATIONS
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    if "const" in schema or "enum" in schema:
+        if keys - {"const", "enum", "type"} or (kinds is not None and not isinstance(kinds, list)):
+            return None
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        if not isinstance(values, list):
+            return None
+        texts = list(dict.fromkeys(_written(v) for v in values if kinds is None or _of_type(v, kinds)))
+        return texts if len(texts) <= limit else None
+    for union in ("anyOf", "oneOf"):
+        if union in schema:
+            if keys != {union} or not isinstance(schema[union], list):
+                return None
+            texts = []
+            for branch in schema[union]:
+                found = finite_texts(branch, limit)
+                if found is None:
+                    return None
+                texts = list(dict.fromkeys(texts + found))
+                if len(texts) > limit:
+                    return None
+            return texts
+    if not isinstance(kinds, list):
+        return None
+    texts = []
+    for kind in kinds:
+        found = _finite_of_type(schema, kind, keys - {"type"}, limit)
+        if found is None:
+            return None
+        texts = list(dict.fromkeys(texts + found))
+    return texts if len(texts) <= limit else None
+
+
+def _finite_of_type(schema: dict, kind: str, keys: set[str], limit: int) -> list[str] | None:
+    if kind in ("null", "boolean") and not keys:
+        return ["null"] if kind == "null" else ["true", "false"]
+    if kind == "integer" and keys <= {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}:
+        lows = [math.ceil(schema["minimum"])] if "minimum" in schema else []
+        lows += [math.floor(schema["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in schema else []
+        highs = [math.floor(schema["maximum"])] if "maximum" in schema else []
+        highs += [math.ceil(schema["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in schema else []
+        if not lows or not highs or max(highs) - max(lows) + 1 > limit:
+            return None
+        return [str(i) for i in range(max(lows), min(highs) + 1)]
+    if kind == "object" and keys <= {"properties", "required", "additionalProperties"}:
+        properties = schema.get("properties", {})
+        required = schema.get("required", [])
+        if schema.get("additionalProperties", True) is not False or not isinstance(properties, dict) \
+                or not set(required) <= set(properties):
+            return None
+        members: list[list[str]] = [[]]  # each: the members written so far
+        for name, sub in properties.items():
+            values = finite_texts(sub, limit)
+            if values is None:
+                return None
+            written = [f"{_written(name)}{_JSON_STYLE['key_separator']}{v}" for v in values]
+            members = [m + [w] for m in members for w in written] + ([] if name in required else members)
+            if len(members) > limit:
+                return None
+        return ["{" + _JSON_STYLE["item_separator"].join(m) + "}" for m in members]
+    return None
+
+
+def fewest_tokens(texts: list[str], vocab: Vocabulary) -> list[int] | None:
+    """The token ids that write one of ``texts`` in the fewest tokens (a shortest path over the
+    text's positions, a token an edge), or None when no text can be written with the vocabulary.
+    Texts are taken in sorted order, each reusing the positions it shares with the previous one."""
+    best_path: list[int] | None = None
+    previous, cost, back = b"", [0], [None]
+    for data in sorted(t.encode() for t in texts):
+        shared = next((i for i, (a, b) in enumerate(zip(previous, data)) if a != b),
+                      min(len(previous), len(data)))
+        # positions up to ``shared`` are the previous text's; later ones are reached anew, from
+        # positions up to a token's length before them
+        fresh = [None] * (len(data) - shared)
+        cost, back = cost[:shared + 1] + fresh, back[:shared + 1] + fresh
+        for i in range(max(0, shared - vocab.longest + 1), len(data)):
+            if cost[i] is None:
+                continue
+            for j in range(max(i + 1, shared + 1), min(len(data), i + vocab.longest) + 1):
+                token = vocab.ids_by_bytes.get(data[i:j])
+                if token is not None and (cost[j] is None or cost[i] + 1 < cost[j]):
+                    cost[j], back[j] = cost[i] + 1, (i, token)
+        previous = data
+        if cost[-1] is not None and (best_path is None or cost[-1] < len(best_path)):
+            path, at = [], len(data)
+            while at:
+                at, token = back[at]
+                path.append(token)
+            best_path = path[::-1]
+    return best_path
+
+
+def _finished(matcher, path: list[int], vocab: Vocabulary) -> list[int] | None:
+    """``path`` (and a stop token where the grammar ends by one) when it is a whole reply of the
+    grammar from ``matcher``'s state (which it consumes); None when it is not."""
+    if matcher.validate_tokens(path) < len(path) or not matcher.consume_tokens(path) or matcher.is_error():
+        return None
+    if matcher.is_stopped():
+        return path
+    bits = _allowed_bits(matcher, vocab.size)
+    stops = [t for t in vocab.stop_ids if t < len(bits) and bits[t]]
+    return path + [stops[0]] if stops else None
 
 
 class GrammarConstraint:
@@ -364,25 +514,55 @@ class Grammar:
     """A compiled grammar; :meth:`start` gives a fresh per-row state."""
 
     def __init__(self, lib, tokenizer, text: str, vocab: Vocabulary,
-                 branches: tuple["Grammar", ...] = ()) -> None:
+                 branches: tuple["Grammar", ...] = (), texts: list[str] | None = None) -> None:
         self._lib, self._tokenizer, self.text, self._vocab = lib, tokenizer, text, vocab
         self.branches = branches
         """For a union: its alternatives compiled alone (the shortest reply is the shortest of theirs)."""
+        self.texts = texts
+        """Every reply's text, where they are few (:func:`finite_texts`): searched exactly."""
         self._shortest: list[int] | None = None
         self._searched_to = -1
+        self._searching = threading.Lock()
+        """The requests that send this grammar share it (worker threads): one search at a time."""
 
     def shortest(self, budget: int) -> list[int] | None:
-        """The completion from the grammar's start (None: none within ``budget`` tokens)."""
-        if self.branches:  # each alternative searched alone: the greedy search would follow one only
-            found = [b.shortest(budget) for b in self.branches]
-            return min((f for f in found if f is not None), key=len, default=None)
-        if self._shortest is None and budget > self._searched_to:
+        """The shortest reply from the grammar's start as far as it is known (None: none within
+        ``budget`` tokens): the shortest of the branches' for a union, exact where the replies
+        are few texts, else the greedy :func:`completion` (an upper bound where an enum or
+        ``anyOf`` inside an unbounded value offers branches)."""
+        with self._searching:
+            return self._search(budget)
+
+    def _search(self, budget: int) -> list[int] | None:
+        if self.branches and self._shortest is None and budget > self._searched_to:
+            # each alternative searched alone (the greedy search would follow one only), its reply
+            # then ended as this grammar ends one
+            found = [self._as_whole(b.shortest(budget + 1)) for b in self.branches]
+            self._shortest = min((f for f in found if f is not None), key=len, default=None)
+            self._searched_to = budget
+        elif self._shortest is None and self.texts is not None and self._searched_to < 0:
+            path = fewest_tokens(self.texts, self._vocab)
+            matcher = self._lib.LLMatcher(self._tokenizer, self.text)
+            self._shortest = None if path is None else _finished(matcher, path, self._vocab)
+            if self._shortest is None:
+                log.warning("the exact search found no reply the grammar accepts; searching greedily")
+            self._searched_to = 0
+        if self._shortest is None and budget > self._searched_to and not self.branches:
             matcher = self._lib.LLMatcher(self._tokenizer, self.text)
             self._shortest = completion(matcher, _JsonLexState(), self._vocab, budget)
             self._searched_to = budget
         if self._shortest is not None and len(self._shortest) <= budget:
             return self._shortest
         return None
+
+    def _as_whole(self, path: list[int] | None) -> list[int] | None:
+        """A branch's reply as a reply of this grammar: where the branch ends by itself (``call``)
+        and this one may go on (``call+``), a stop token ends it."""
+        if path is None:
+            return None
+        if path and path[-1] in self._vocab.stop_ids:
+            path = path[:-1]
+        return _finished(self._lib.LLMatcher(self._tokenizer, self.text), path, self._vocab)
 
     def min_tokens(self, budget: int) -> int | None:
         """Tokens the shortest reply takes (None: more than ``budget``)."""
@@ -403,6 +583,8 @@ class Grammars:
         self._built: tuple[Any, Vocabulary] | None = None
         """(llguidance's tokenizer, its :class:`Vocabulary`), published together once both exist."""
         self._building = threading.Lock()
+        self._compiled: collections.OrderedDict[str, Grammar] = collections.OrderedDict()
+        """The newest :data:`COMPILED_GRAMMARS` grammars, by their text."""
 
     def _tokenizer_and_vocab(self, lib) -> tuple[Any, Vocabulary]:
         """Built once, on the first grammar: the server's worker threads compile concurrently, and
@@ -417,47 +599,87 @@ class Grammars:
                     built = self._built = (tokenizer, Vocabulary(tokenizer, self.vocab_size, self.stop_ids))
         return built
 
-    def _compile(self, text: str, field: str) -> Grammar:
+    def _compile(self, text: str, field: str, branches: tuple[Grammar, ...] = (),
+                 texts: list[str] | None = None) -> Grammar:
+        """The grammar of ``text`` (compiled once: agents send the same tools every turn, and a
+        compiled grammar keeps its shortest reply)."""
+        with self._building:
+            cached = self._compiled.get(text)
+            if cached is not None:
+                self._compiled.move_to_end(text)
+                return cached
         lib = _llguidance()
         if self._hf_tokenizer is None:
             raise RequestError("structured output needs the model's tokenizer", field)
         tokenizer, vocab = self._tokenizer_and_vocab(lib)
         failed, messages = lib.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
         if failed:
-            raise RequestError(f"{field} cannot be compiled: {messages[0]}", field)
-        return Grammar(lib, tokenizer, text, vocab)
+            raise RequestError(f"{field} cannot be compiled: {_first_line(messages[0])}", field)
+        grammar = Grammar(lib, tokenizer, text, vocab, branches, texts)
+        with self._building:
+            self._compiled[text] = grammar
+            while len(self._compiled) > COMPILED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return grammar
 
     def json(self, schema: dict[str, Any] | None, field: str = "response_format",
              strict: bool = True) -> Grammar:
         """Any JSON object (``schema`` None), or JSON valid under ``schema`` (``strict``: in
         OpenAI's strict sense, :func:`strict_schema`; else as written, JSON Schema's defaults)."""
         lib = _llguidance()
+        answer = self._answer_schema(schema, strict)
         try:
-            text = lib.LLMatcher.grammar_from_json_schema(self._answer_schema(schema, strict),
-                                                          defaults=_JSON_STYLE)
+            text = lib.LLMatcher.grammar_from_json_schema(answer, defaults=_JSON_STYLE)
         except Exception as exc:  # noqa: BLE001 - the library's own message names the problem
-            raise RequestError(f"{field} cannot be compiled: {exc}", field) from exc
-        return self._compile(text, field)
+            raise RequestError(f"{field} cannot be compiled: {_first_line(str(exc))}", field) from exc
+        return self._compile(text, field, texts=finite_texts(answer))
 
-    def tool_calls(self, tools: list[dict[str, Any]], parallel: bool, field: str = "tool_choice") -> Grammar:
-        """One call (or, ``parallel``, one or more) of the given tools, in the chat template's
-        syntax: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. Each tool's
-        parameters are compiled in OpenAI's strict sense unless the tool says ``strict: false``."""
-        lark = f"start: call{'+' if parallel else ''}\ncall: {self._call_rule(tools)}\n"
-        return self._compile(_llguidance().LLMatcher.grammar_from_lark(lark), field)
+    def tool_call(self, tool: dict[str, Any], field: str = "tools") -> Grammar:
+        """One call of ``tool``, in the chat template's syntax: ``<tool_call>{"name": ...,
+        "arguments": {...}}</tool_call>``, its parameters in OpenAI's strict sense unless the tool
+        says ``strict: false``. Every tool offered must compile (a 400 naming ``field``, whatever
+        the ``tool_choice``); a grammar that offers several tools has their calls as branches."""
+        call = self._call_schema(tool)
+        texts = finite_texts(call)
+        if texts is not None:
+            texts = [f"{TOOL_CALL_OPEN}{t}{TOOL_CALL_CLOSE}" for t in texts]
+        lark = f"start: call\ncall: {self._call_rule([call])}\n"
+        try:
+            return self._compile(self._lark(lark, field), field, texts=texts)
+        except RequestError as exc:
+            raise RequestError(f"tool {call['properties']['name']['const']!r}: {exc}", field) from exc
+
+    def tool_calls(self, tools: list[dict[str, Any]], parallel: bool, field: str = "tool_choice",
+                   calls: list[Grammar] | None = None) -> Grammar:
+        """One call (or, ``parallel``, one or more) of the given tools. Its shortest reply is the
+        cheapest tool's call (``calls``: the tools' :meth:`tool_call` grammars, when compiled already)."""
+        calls = calls if calls is not None else [self.tool_call(t, field) for t in tools]
+        if len(calls) == 1 and not parallel:
+            return calls[0]
+        schemas = [self._call_schema(t) for t in tools]
+        lark = f"start: call{'+' if parallel else ''}\ncall: {self._call_rule(schemas)}\n"
+        return self._compile(self._lark(lark, field), field, branches=tuple(calls))
 
     def union(self, tools: list[dict[str, Any]], parallel: bool, schema: dict[str, Any] | None,
-              strict: bool = True, tools_field: str = "tools", field: str = "response_format") -> Grammar:
+              strict: bool = True, tools_field: str = "tools", field: str = "response_format",
+              calls: list[Grammar] | None = None) -> Grammar:
         """Tools and a response format together, as OpenAI defines them: one call (or, ``parallel``,
         one or more) of the tools as :meth:`tool_calls` writes them, or a final answer as
-        :meth:`json` writes it. Its shortest reply is the shorter of the two's."""
-        branches = (self.tool_calls(tools, parallel, tools_field), self.json(schema, field, strict))
+        :meth:`json` writes it. Its shortest reply is the shortest of the tools' calls and the answer."""
+        calls = calls if calls is not None else [self.tool_call(t, tools_field) for t in tools]
+        branches = (*calls, self.json(schema, field, strict))
         answer = {**self._answer_schema(schema, strict), "x-guidance": _JSON_STYLE}
-        lark = (f"start: call{'+' if parallel else ''} | answer\ncall: {self._call_rule(tools)}\n"
+        schemas = [self._call_schema(t) for t in tools]
+        lark = (f"start: call{'+' if parallel else ''} | answer\ncall: {self._call_rule(schemas)}\n"
                 f"answer: %json {json.dumps(answer)}\n")
-        union = self._compile(_llguidance().LLMatcher.grammar_from_lark(lark), field)
-        union.branches = branches
-        return union
+        return self._compile(self._lark(lark, field), field, branches=branches)
+
+    @staticmethod
+    def _lark(lark: str, field: str) -> str:
+        try:
+            return _llguidance().LLMatcher.grammar_from_lark(lark)
+        except Exception as exc:  # noqa: BLE001 - the library's own message names the problem
+            raise RequestError(f"{field} cannot be compiled: {_first_line(str(exc))}", field) from exc
 
     @staticmethod
     def _answer_schema(schema: dict[str, Any] | None, strict: bool) -> dict[str, Any]:
@@ -466,16 +688,24 @@ class Grammars:
         return bounded_integers(strict_schema(schema) if strict else schema)
 
     @staticmethod
-    def _call_rule(tools: list[dict[str, Any]]) -> str:
-        """The lark rule of one call of any of ``tools``."""
-        calls = []
-        for tool in tools:
-            fn = tool.get("function", tool)
-            parameters = fn.get("parameters") or {"type": "object", "properties": {}}
-            if fn.get("strict") is not False:
-                parameters = strict_schema(parameters)
-            parameters = bounded_integers(parameters)
-            calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                          "properties": {"name": {"const": fn["name"]}, "arguments": parameters}})
+    def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+        """The JSON schema of one call of ``tool``: its name, and its parameters as compiled."""
+        fn = tool.get("function", tool)
+        parameters = fn.get("parameters") or {"type": "object", "properties": {}}
+        if fn.get("strict") is not False:
+            parameters = strict_schema(parameters)
+        parameters = bounded_integers(parameters)
+        return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                "properties": {"name": {"const": fn["name"]}, "arguments": parameters}}
+
+    @staticmethod
+    def _call_rule(calls: list[dict[str, Any]]) -> str:
+        """The lark rule of one call matching any of the call schemas ``calls``."""
         schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": _JSON_STYLE}
         return f"{json.dumps(TOOL_CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_CLOSE)}"
+
+
+def _first_line(message: str) -> str:
+    """A library's error message as one line (llguidance's add the grammar's source, numbered)."""
+    line = message.strip().splitlines()[0] if message.strip() else message
+    return re.sub(r"^at \d+\(\d+\): ", "", line)

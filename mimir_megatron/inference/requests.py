@@ -18,9 +18,12 @@ class RequestError(ValueError):
     """A request the engine cannot serve; the message names the field (``field``: that field's
     name, when known; ``code``: a machine-readable reason such as ``context_length_exceeded``)."""
 
-    def __init__(self, message: str, field: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, field: str | None = None, code: str | None = None,
+                 minimum: int | None = None) -> None:
         super().__init__(message)
         self.field, self.code = field, code
+        self.minimum = minimum
+        """The smallest value ``field`` could take here, where the refusal is that it is too small."""
 
 
 @dataclass
@@ -77,8 +80,17 @@ class RequestLimits:
                 shortest = f"{need} tokens" if need is not None else "more tokens than the context holds"
                 raise RequestError(
                     f"max_new_tokens allows {budget} tokens (with the prompt, within the context), fewer "
-                    f"than the shortest reply the grammar (response format or forced tool call) "
-                    f"allows: {shortest}", "max_new_tokens")
+                    f"than the shortest reply the grammar (response format or tool call) "
+                    f"allows: {shortest}", "max_new_tokens", minimum=need)
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """A prompt and the tokens a client asked for must fit the context together (OpenAI's and
+        vLLM's rule; a request that asks for no number is cut where the context ends)."""
+        if prompt_tokens + max_new_tokens > self.max_context:
+            raise RequestError(
+                f"the model's context holds {self.max_context} tokens; the prompt ({prompt_tokens}) and "
+                f"max_new_tokens ({max_new_tokens}) ask for {prompt_tokens + max_new_tokens}",
+                "prompt", "context_length_exceeded")
 
     def check_pair(self, context: list[int], continuation: list[int],
                    bidirectional_tokens: int | None = None) -> None:

@@ -48,7 +48,8 @@ class GenerationWork:
     sink: Sink
     schedule: tuple[int, int]
     cancelled: bool = False
-    """Set by the server when the client has gone: the request leaves its batch at the next step."""
+    """Set by the server when the client has gone (a stream closed, a connection dropped while
+    waiting for a whole reply): the request leaves the queue or its batch at the next step."""
 
 
 @dataclass
@@ -73,7 +74,7 @@ class SchedulerStats:
     requests_finished: int = 0
     requests_failed: int = 0
     requests_cancelled: int = 0
-    """Dropped from their batch because the client went away."""
+    """Dropped, waiting or from their batch, because the client went away."""
     score_requests: int = 0
     rejected_queue_full: int = 0
     started: float = field(default_factory=time.time)
@@ -171,6 +172,10 @@ class Scheduler:
     def _take(self) -> tuple[list[ScoreWork], list[GenerationWork]]:
         """Under the lock: the scoring work waiting, and the generation work that joins the
         running session (or opens the next one)."""
+        gone = [w for w in self._waiting if w.cancelled]  # their clients left while they waited
+        if gone:
+            self.stats.requests_cancelled += len(gone)
+            self._waiting = collections.deque(w for w in self._waiting if not w.cancelled)
         scoring = [w for w in self._waiting if isinstance(w, ScoreWork)]
         generation = [w for w in self._waiting if isinstance(w, GenerationWork)]
         if self._session is None and generation:
@@ -193,6 +198,7 @@ class Scheduler:
 
     def _admit(self, work: GenerationWork) -> None:
         if work.cancelled:
+            self.stats.requests_cancelled += 1
             return
         try:
             handle = self._session.add(work.request)

@@ -183,6 +183,44 @@ def test_a_client_that_leaves_frees_its_row(served, client):
     assert together[:3] == alone[:3] and together[3] == pytest.approx(alone[3], abs=1e-4)
 
 
+def test_a_client_that_times_out_cancels_each_attempt_and_its_retries(served, monkeypatch):
+    """The openai SDK's timeout with its two default retries, on a request that is still decoding:
+    each abandoned attempt (a whole reply, not a stream) leaves its batch within a step of its
+    client going, so the retries cost a step each, not a whole reply each. Each attempt's batch is
+    held after its step until its client has gone (events, not timing: a loaded machine cannot
+    finish a reply within the timeout, a quiet one cannot either)."""
+    from openai import APITimeoutError, OpenAI
+
+    url, server = served
+    scheduler, stats = server.scheduler, server.scheduler.stats
+    step, held = scheduler._step, set()
+
+    def step_then_wait_for_the_client() -> None:
+        step()
+        waiting = [w for w in scheduler._session_work.values() if id(w) not in held]
+        held.update(id(w) for w in waiting)
+        if waiting:  # once per attempt: a server that never notices decodes the reply to its end
+            try:
+                wait_for(lambda: all(w.cancelled for w in waiting), "the client to go", timeout=20)
+            except AssertionError:
+                pass
+
+    monkeypatch.setattr(scheduler, "_step", step_then_wait_for_the_client)
+    before, decoded = stats.as_dict(), server.engine.stats.decode_tokens
+    impatient = OpenAI(base_url=url, api_key="x", timeout=1.0, max_retries=2)
+    with pytest.raises(APITimeoutError):
+        impatient.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Tell a long story"}],
+                                          max_tokens=MAX_TOKENS_LIMIT, temperature=0)
+    _wait_for(lambda: stats.requests_cancelled + stats.requests_finished - before["requests_cancelled"]
+              - before["requests_finished"] >= 3 and not scheduler.busy)
+    after = stats.as_dict()
+    assert after["requests_cancelled"] - before["requests_cancelled"] == 3
+    assert after["requests_finished"] == before["requests_finished"]  # no attempt decoded to its end
+    assert after["steps"] - before["steps"] <= 3 and server.engine.stats.decode_tokens == decoded  # a step each
+    monkeypatch.undo()
+    assert httpx.get(f"{url}/stats").json()["scheduler"]["requests_cancelled"] == after["requests_cancelled"]
+
+
 def test_stop_strings_cut_the_text(client):
     whole = client.completions.create(model="tiny", prompt="Stop here", max_tokens=8, temperature=0).choices[0]
     stop = next(whole.text[i:i + 2] for i in range(1, len(whole.text) - 1)

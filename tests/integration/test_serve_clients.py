@@ -231,6 +231,85 @@ def test_every_error_is_openais_error_object(served, client):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format"
 
 
+# -- OpenAI's published spec ------------------------------------------------------------------------------
+
+
+def _sse(response: httpx.Response) -> list[dict]:
+    """The JSON payloads of a server-sent event stream (without ``[DONE]``)."""
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_every_body_chunk_and_event_is_valid_under_openais_openapi_spec(served):
+    """What every route answers — whole bodies, stream chunks, Responses events, stored responses,
+    input items, models, errors — validated against the components of OpenAI's own OpenAPI spec
+    (tests/data/openai_openapi_components.json, openai/openai-openapi as of its ``_source``); a
+    stored response also with the openai SDK's own ``Response`` type."""
+    from openai.types.responses import Response
+    from openai_spec import errors
+
+    url, _ = served
+    checked: list[tuple[str, dict]] = []
+
+    def post(path: str, body: dict, schema: str, stream_schema: str | None = None) -> list[dict]:
+        response = httpx.post(f"{url}/{path}", json={"model": "tiny", **body}, timeout=300)
+        assert response.status_code == 200, response.text
+        found = _sse(response) if body.get("stream") else [response.json()]
+        checked.extend((stream_schema or schema, item) for item in found)
+        return found
+
+    tool = {"type": "function", "function": WEATHER["function"]}
+    post("completions", {"prompt": "Hi", "max_tokens": 3, "logprobs": 2}, "CreateCompletionResponse")
+    post("completions", {"prompt": "Hi", "max_tokens": 3, "stream": True, "logprobs": 1,
+                         "stream_options": {"include_usage": True}}, "CreateCompletionResponse")
+    chat = {"messages": ASK, "max_tokens": MAX, "temperature": 1.0, "seed": 1}
+    for extra in ({"max_tokens": 3, "logprobs": True, "top_logprobs": 2}, {"tools": [tool], "tool_choice": "required"},
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "forecast",
+                                                                              "schema": Forecast.model_json_schema()}}}):
+        post("chat/completions", {**chat, **extra}, "CreateChatCompletionResponse")
+        post("chat/completions", {**chat, **extra, "stream": True, "stream_options": {"include_usage": True}},
+             "CreateChatCompletionStreamResponse")
+    text = {"input": ASK, "max_output_tokens": 3, "instructions": "Be brief.", "top_logprobs": 2}
+    called = {"input": ASK, "max_output_tokens": MAX, "tools": [{"type": "function", **WEATHER["function"]}],
+              "tool_choice": "required", "temperature": 1.0}
+    def read_back(response: dict) -> None:  # as a client reads a stored response (the store keeps 4 here)
+        body = httpx.get(f"{url}/responses/{response['id']}").json()
+        assert body == response
+        usage = Response.model_validate(body).usage  # the SDK's own type: every required field there
+        assert usage.input_tokens_details.cache_write_tokens == 0 and usage.input_tokens > 0
+        checked.append(("ResponseItemList", httpx.get(f"{url}/responses/{response['id']}/input_items").json()))
+
+    for body in (text, called):
+        read_back(post("responses", body, "Response")[0])
+        events = post("responses", {**body, "stream": True}, "Response", "ResponseStreamEvent")
+        assert [e["response"]["usage"] for e in events[:2]] == [None, None]  # OpenAI's: null until done
+        read_back(events[-1]["response"])
+    call = events[-1]["response"]["output"][0]
+    answered = {"previous_response_id": events[-1]["response"]["id"], "max_output_tokens": 2, "input": [{
+        "type": "function_call_output", "call_id": call["call_id"], "output": "4 mm"}]}
+    read_back(post("responses", answered, "Response")[0])
+    checked.append(("ListModelsResponse", httpx.get(f"{url}/models").json()))
+    checked.append(("Model", httpx.get(f"{url}/models/tiny").json()))
+    for method, path, body in (("POST", "chat/completions", {"messages": ASK, "temperature": 3}),
+                               ("GET", "responses/resp_unknown", None), ("POST", "nothing", {})):
+        checked.append(("ErrorResponse", httpx.request(method, f"{url}/{path}", json=body, timeout=60).json()))
+
+    # Two quirks of the spec that OpenAI's own examples in it share: a streamed completion's chunks
+    # have a null finish_reason (the spec reuses the whole body's schema), and a Response's usage is
+    # null on response.created and response.in_progress (OpenAI's, asserted above; the schema
+    # says an object).
+    for name, body in checked:
+        if name == "CreateCompletionResponse" and body["choices"]:
+            body["choices"] = [{**c, "finish_reason": c["finish_reason"] or "length"} for c in body["choices"]]
+        if body.get("type") in ("response.created", "response.in_progress") and body["response"]["usage"] is None:
+            body["response"]["usage"] = events[-1]["response"]["usage"]
+    problems = [e for name, body in checked for e in errors(name, body)[:1]]
+    assert not problems, "\n".join(problems[:10])
+    kinds = {item["type"] for name, item in checked if name == "ResponseStreamEvent"}
+    assert {"response.function_call_arguments.delta", "response.function_call_arguments.done",
+            "response.output_text.delta", "response.incomplete", "response.completed"} <= kinds
+
+
 # -- langchain-openai, litellm -------------------------------------------------------------------------------
 
 
@@ -343,6 +422,31 @@ def test_pydantic_ai_agent_runs_a_tool_then_its_structured_output(served):
 
     native = Agent(model, output_type=NativeOutput(Forecast), model_settings=settings)
     assert isinstance(native.run_sync("Forecast for Oslo?").output, Forecast)
+
+
+def test_pydantic_ai_counts_the_same_usage_streamed_and_not(served):
+    """Pydantic AI's Responses model adds up the usage of the events it reads: a usage on
+    ``response.created`` / ``response.in_progress`` (OpenAI sends null there) counted the input
+    twice more when streamed."""
+    import asyncio
+
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIResponsesModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key="x"))
+    agent = Agent(model, model_settings={"max_tokens": 6, "temperature": 0})
+    whole = agent.run_sync("Hello")
+
+    async def streamed():
+        async with agent.run_stream("Hello") as run:
+            return await run.get_output(), run.usage
+
+    output, usage = asyncio.run(streamed())
+    assert output == whole.output and whole.usage.input_tokens > 0
+    assert (usage.input_tokens, usage.output_tokens) == (whole.usage.input_tokens, whole.usage.output_tokens) == (
+        len(served[1].engine.render_chat([{"role": "user", "content": "Hello"}])), 6)
 
 
 # -- a tool and a typed output in one run (tools and a response format together) ---------------------------

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
+from chat_stream import streamed_tool_calls
 from inference_workloads import served_engine
 from polling import wait_for
 
@@ -49,6 +51,8 @@ CLOCK = {"type": "function", "function": {
     "name": "clock", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
                                     "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+BROKEN = {"type": "function", "function": {"name": "broken", "parameters": {"type": "object", "properties": {
+    "x": {"type": "strin"}}}}}  # parameters that cannot be compiled
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +210,15 @@ def test_concurrent_first_grammars_all_get_the_vocabulary(engine, served, client
         "type": "strin"}}}}, "response_format"),  # the union's answer cannot be compiled
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
-      "response_format": {"type": "json_object"}}, "tools"),  # the union's call cannot be compiled
+    ({"tools": [BROKEN], "response_format": {"type": "json_object"}}, "tools[0].function.parameters"),
+    ({"tools": [WEATHER, BROKEN]}, "tools[1].function.parameters"),  # whatever the tool_choice
+    ({"tools": [BROKEN], "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"tools": [WEATHER, BROKEN], "tool_choice": {"type": "function", "function": {"name": "weather"}}},
+     "tools[1].function.parameters"),
+    ({"tools": [BROKEN], "tool_choice": "none"}, "tools[0].function.parameters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+     "response_format.json_schema.name"),
+    ({"messages": [{"role": "user", "content": "word " * 400}], "max_tokens": 160}, "messages"),  # > the context
     ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}},
      "max_tokens"),  # neither branch of the union finishes within 2 tokens
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),  # changes the output: refused
@@ -284,12 +295,19 @@ def test_tool_call_parser_on_the_demo_templates_output(engine):
     assert [c.name for c in calls] == ["weather"] and '<tool_call>{"name": "clock"' in content
 
     for text in (one, two, malformed, "no call at all <tool"):
-        stream = ToolCallStream()
-        released = "".join(stream.feed(text[i:i + 3]) for i in range(0, len(text), 3))
-        rest, calls = stream.finish()
-        whole_content, whole_calls = parse_tool_calls(text)
-        assert (released + rest).strip() == (whole_content or "")
-        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+        for incremental in (False, True) if text != malformed else (False,):  # a grammar's calls: streamed
+            stream, released, deltas = ToolCallStream(incremental), "", []
+            for i in range(0, len(text), 3):
+                content, more = stream.feed(text[i:i + 3])
+                released, deltas = released + content, deltas + more
+            rest, more = stream.finish()
+            whole_content, whole_calls = parse_tool_calls(text)
+            assert (released + rest).strip() == (whole_content or "")
+            assert [(c.name, c.arguments) for c in stream.calls] == [(c.name, c.arguments) for c in whole_calls]
+            arguments = ["".join(d.arguments for d in deltas + more if d.index == k) for k in range(len(whole_calls))]
+            assert arguments == [c.arguments for c in whole_calls]
+            if incremental and whole_calls:  # the arguments came as they were written, not at the end
+                assert not more and sum(bool(d.arguments) for d in deltas) > len(whole_calls)
 
 
 def test_tool_choice_required_and_named_give_well_formed_calls(engine, client):
@@ -306,10 +324,9 @@ def test_tool_choice_required_and_named_give_well_formed_calls(engine, client):
 
         chunks = list(client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, CLOCK],
                                                      max_tokens=100, temperature=0, stream=True, **kw))
-        deltas = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
-        assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
-            (0, call.function.name, call.function.arguments)]
-        assert deltas[0].id and chunks[-1].choices[0].finish_reason == "tool_calls"
+        (streamed,), (pieces,) = streamed_tool_calls(chunks)
+        assert streamed[1:] == (call.function.name, call.function.arguments) and streamed[0]
+        assert pieces > 1 and chunks[-1].choices[0].finish_reason == "tool_calls"  # as generated, not whole
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == (reply.message.content or "")
 
 
@@ -348,10 +365,8 @@ def test_tools_and_a_response_format_together_give_a_call_or_the_typed_answer(en
 
     chunks = list(client.chat.completions.create(**kw, parallel_tool_calls=False, stream=True,
                                                  logit_bias={str(start_call): 100}))
-    deltas = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
     first = one[0].message.tool_calls[0]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [(first.function.name,
-                                                                          first.function.arguments)]
+    assert [c[1:] for c in streamed_tool_calls(chunks)[0]] == [(first.function.name, first.function.arguments)]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     # required (was a 400) or named, with a format: a call now; the format is for a later turn
@@ -385,6 +400,13 @@ def test_responses_text_format_with_tools_gives_a_call_or_the_typed_answer(engin
         assert events[-1].type == "response.completed" and {item.type for item in done.output} == {kind}
         assert [item.model_dump(exclude={"id", "call_id"}) for item in done.output] == [
             item.model_dump(exclude={"id", "call_id"}) for item in whole.output]
+        if kind == "function_call":  # each call's arguments streamed as they were generated
+            finished = [e for e in events if e.type == "response.function_call_arguments.done"]
+            for done_event, item in zip(finished, whole.output, strict=True):
+                deltas = [e.delta for e in events
+                          if e.type == "response.function_call_arguments.delta" and e.item_id == done_event.item_id]
+                assert "".join(deltas) == done_event.arguments == item.arguments and len(deltas) > 1
+                assert done_event.model_extra["name"] == item.name  # in OpenAI's spec, not yet in the SDK's type
 
 
 def test_stop_strings_never_cut_a_grammars_reply(client):
@@ -398,8 +420,8 @@ def test_stop_strings_never_cut_a_grammars_reply(client):
         if kw:
             chunks = list(called)
             finish = chunks[-1].choices[0].finish_reason
-            calls = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls
-                     for t in c.choices[0].delta.tool_calls]
+            calls = [SimpleNamespace(function=SimpleNamespace(name=name, arguments=arguments))
+                     for _, name, arguments in streamed_tool_calls(chunks)[0]]
         else:
             finish, calls = called.choices[0].finish_reason, called.choices[0].message.tool_calls
         assert finish == "tool_calls" and len(calls) == 1
@@ -444,6 +466,140 @@ def test_score_passes_bidirectional_tokens_per_item_to_the_engine(engine, served
     single = httpx.post(f"{url}/score", json={**pair, "bidirectional_tokens": 0}, timeout=120)
     assert single.status_code == 200
     assert seen == [[None, 2, None], None, [0]]
+
+
+def test_parallel_tool_calls_false_is_one_call_in_the_grammar_itself(engine, served):
+    """With ``parallel_tool_calls: false`` the request's grammar refuses a second call's first
+    token after one whole call (the model cannot write one, whatever it samples); by default a
+    second call is allowed. For a forced call and for tools with a response format (the union)."""
+    from mimir_megatron.inference.server.protocol import ChatBody
+
+    _, server = served
+    one_call = engine.encode('<tool_call>{"name": "clock", "arguments": {"zone": "UTC"}}</tool_call>')
+    second_call = engine.encode("<tool_call>")[0]
+    stop = engine.default_stop_ids[0]
+    answer = {"type": "json_schema", "json_schema": {"name": "review", "schema": SCHEMA}}
+    for kw in ({"tool_choice": "required"}, {"response_format": answer}):
+        for parallel in (None, False):
+            body = ChatBody.model_validate({"model": "tiny", "messages": ASK, "tools": [WEATHER, CLOCK], "max_tokens": 160,
+                                            "parallel_tool_calls": parallel, **kw})
+            (request,) = server.translate.chat(body).requests
+            row = request.constraint.start(160)
+            assert all(row.accept(token) for token in one_call)
+            allowed = torch.zeros(engine.limits.vocab_size, dtype=torch.bool)
+            row.allowed(allowed)
+            assert bool(allowed[stop]) and bool(allowed[second_call]) == (parallel is None), (kw, parallel)
+
+
+WEATHER_STRING = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+FINAL_RESULT = {"type": "function", "function": {"name": "final_result", "parameters": {  # Pydantic AI's output tool
+    "type": "object", "required": ["city", "rain_mm", "summary"], "properties": {
+        "city": {"type": "string"}, "rain_mm": {"type": "number"}, "summary": {"type": "string"}}}}}
+
+
+def _smallest(url: str, tools: list[dict], messages=ASK, **kw) -> dict:
+    """The 400 for a budget of one token (its ``allows: N`` is the grammar's shortest reply)."""
+    response = httpx.post(f"{url}/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": messages, "tools": tools, "tool_choice": "required", **kw})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    return {**error, "needs": int(error["message"].rsplit("allows: ", 1)[1].split(" ")[0])}
+
+
+def test_the_budget_of_several_tools_is_the_cheapest_call_and_exact_for_an_enum(engine, served, client):
+    """``[get_weather, final_result]`` with ``tool_choice: required`` needs what the cheaper call needs
+    (the longer was taken), and at that budget the call is the cheaper tool's; where the replies
+    are few texts (an enum) the shortest is exact: the fewest tokens of any of them, computed here
+    by hand from the tokenizer's own token texts (the greedy search found a longer one)."""
+    import jsonschema
+    from llguidance import LLMatcher
+
+    from mimir_megatron.inference.grammar import _JsonLexState, completion
+
+    url, server = served
+    weather = _smallest(url, [WEATHER_STRING], max_tokens=1)
+    final = _smallest(url, [FINAL_RESULT], max_tokens=1)
+    both = _smallest(url, [WEATHER_STRING, FINAL_RESULT], max_tokens=1)
+    assert weather["needs"] == both["needs"] < final["needs"]
+    assert both["param"] == "max_tokens" and both["code"] == "integer_below_min_value" and "\n" not in both["message"]
+    for seed in (1, 2):
+        reply = client.chat.completions.create(model="tiny", messages=ASK, tools=[FINAL_RESULT, WEATHER_STRING],
+                                               tool_choice="required", max_completion_tokens=both["needs"],
+                                               temperature=1.0, seed=seed).choices[0]
+        (call,) = reply.message.tool_calls
+        assert reply.finish_reason == "tool_calls" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_STRING["function"]["parameters"])
+    assert _smallest(url, [FINAL_RESULT, WEATHER_STRING], max_completion_tokens=both["needs"] - 1)[
+        "param"] == "max_completion_tokens"
+
+    # exact for an enum: every text of the call, each in its fewest tokens, then the end of the turn
+    texts = [f'<tool_call>{{"name": "weather", "arguments": {{"city": "{city}"}}}}</tool_call>'
+             for city in ("Oslo", "Aarhus", "Lund")]
+    pieces = {}
+    for token in range(engine.limits.vocab_size):
+        if token not in engine.tokenizer.all_special_ids:
+            pieces.setdefault(engine.tokenizer.decode([token]), token)
+
+    def fewest(text: str) -> int:
+        cost = [0] + [None] * len(text)
+        for i in range(len(text)):
+            for j in range(i + 1, len(text) + 1):
+                if cost[i] is not None and text[i:j] in pieces and (cost[j] is None or cost[i] + 1 < cost[j]):
+                    cost[j] = cost[i] + 1
+        return cost[-1]
+
+    exact = _smallest(url, [WEATHER], max_tokens=1)["needs"]
+    assert exact == min(fewest(t) for t in texts) + 1
+    forced = server.translate.grammars.tool_call(WEATHER)
+    greedy = completion(LLMatcher(forced._tokenizer, forced.text), _JsonLexState(), forced._vocab, 512)
+    assert exact < len(greedy)
+
+
+def test_openais_refusals_name_the_field_with_its_code(engine, served):
+    """What OpenAI refuses, refused the same way, each a one-line 400 naming the field: a prompt and
+    a budget beyond the context (``context_length_exceeded``, on each route), a grammar's shortest
+    reply beyond what the prompt leaves of the context when no budget was sent, a ``json_schema``
+    without a name, a tool whose parameters cannot be compiled (whatever the tool_choice, naming
+    it), a ``function_call_output`` for a call the conversation does not hold."""
+    url, _ = served
+    long = "word " * 180  # 360-480 tokens: less than the context (512), more with a budget of 160
+
+    def refused(path: str, body: dict) -> dict:
+        response = httpx.post(f"{url}/{path}", json={"model": "tiny", **body}, timeout=120)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert "\n" not in error["message"] and error["type"] == "invalid_request_error", error
+        return error
+
+    for path, body, param in (
+            ("chat/completions", {"messages": [{"role": "user", "content": long}], "max_tokens": 160}, "messages"),
+            ("responses", {"input": long, "max_output_tokens": 160}, "input"),
+            ("completions", {"prompt": long, "max_tokens": 160}, "prompt")):
+        error = refused(path, body)
+        assert (error["param"], error["code"]) == (param, "context_length_exceeded"), error
+    # no budget sent: the context is what is short (the prompt leaves fewer tokens than a call needs)
+    needs = _smallest(url, [WEATHER_STRING], max_tokens=1)["needs"]
+    words = next(n for n in range(1, 256) if 0 < engine.max_context - len(engine.render_chat(
+        [{"role": "user", "content": "word " * n}], [WEATHER_STRING])) < needs)
+    error = _smallest(url, [WEATHER_STRING], messages=[{"role": "user", "content": "word " * words}])
+    assert (error["param"], error["code"], error["needs"]) == ("messages", "context_length_exceeded", needs)
+    error = refused("responses", {"input": "x", "tools": [{"type": "function", **WEATHER_STRING["function"]}],
+                                  "tool_choice": "required", "max_output_tokens": needs - 1})
+    assert (error["param"], error["code"]) == ("max_output_tokens", "integer_below_min_value")
+
+    error = refused("chat/completions", {"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": SCHEMA}}})
+    assert (error["param"], error["code"]) == ("response_format.json_schema.name", "missing_required_parameter")
+    error = refused("responses", {"input": "x", "text": {"format": {"type": "json_schema", "schema": SCHEMA}}})
+    assert error["param"] == "text.format.name"
+    broken = {"type": "function", **BROKEN["function"]}
+    for choice in ("auto", "none", "required"):
+        error = refused("responses", {"input": "x", "tools": [{"type": "function", **WEATHER["function"]}, broken],
+                                      "tool_choice": choice})
+        assert error["param"] == "tools[1].parameters" and "'broken'" in error["message"], error
+    error = refused("responses", {"input": [{"type": "function_call_output", "call_id": "call_none", "output": "4"}]})
+    assert error["param"] == "input[0].call_id"
 
 
 # -- a forced call or a schema always finishes within max_tokens ------------------------------------------

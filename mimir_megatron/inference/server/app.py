@@ -167,7 +167,7 @@ def build_app(engine: InferenceEngine, *, api_keys: ApiKeys | None = None, **lim
         if body.stream:
             return stream(server.events(queue, works),
                           server.respond.completion_chunks(head, body, generation))
-        results = await server.results(queue, works)
+        results = await server.results(queue, works, request.receive)
         return server.respond.completion(head, body, results, generation)
 
     @app.post("/v1/chat/completions")
@@ -179,7 +179,7 @@ def build_app(engine: InferenceEngine, *, api_keys: ApiKeys | None = None, **lim
         if body.stream:
             return stream(server.events(queue, works),
                           server.respond.chat_chunks(head, body, generation))
-        results = await server.results(queue, works)
+        results = await server.results(queue, works, request.receive)
         return server.respond.chat(head, body, results, generation)
 
     @app.post("/v1/responses")
@@ -193,12 +193,12 @@ def build_app(engine: InferenceEngine, *, api_keys: ApiKeys | None = None, **lim
                 return server.respond.chat_logprobs(ids, values, tops)["content"]
         builder = ResponseBuilder(body, engine.model_name, generation.prompt_tokens,
                                   generation.parse_tool_calls,
-                                  server.stored_responses, remembered, logprobs)
+                                  server.stored_responses, remembered, logprobs, generation.stream_calls)
         queue, works = server.generation_works(generation.requests)
         if body.stream:
             return StreamingResponse(sse_events(builder.events(server.events(queue, works))),
                                      media_type="text/event-stream")
-        (result,) = await server.results(queue, works)
+        (result,) = await server.results(queue, works, request.receive)
         return builder.whole(result)
 
     @app.get("/v1/responses/{response_id}")
@@ -221,7 +221,7 @@ def build_app(engine: InferenceEngine, *, api_keys: ApiKeys | None = None, **lim
     async def score(request: Request):
         body = await body_of(request, ScoreBody)
         scoring = await run_in_threadpool(server.translate.score, body)
-        return server.respond.score(await server.scored(scoring), scoring.pairs)
+        return server.respond.score(await server.scored(scoring, request.receive), scoring.pairs)
 
     return app
 

@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from mimir_megatron.inference.engine import InferenceEngine
 from mimir_megatron.inference.server.protocol import ApiError, ChatBody, CompletionBody
 from mimir_megatron.inference.server.translation import Generation
-from mimir_megatron.inference.tool_calls import ToolCallStream, parse_tool_calls
+from mimir_megatron.inference.tool_calls import CallDelta, ToolCallStream, parse_tool_calls
 from mimir_megatron.inference.types import GenerationResult, ScoreResult, TokenEvent, TopLogprobs
 
 Events = AsyncIterator[tuple[int, TokenEvent]]
@@ -66,7 +66,7 @@ class CompletionBodies:
         for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
             alternatives = [self._entry(a, alp) for a, alp in tops[i]] if tops is not None else []
             content.append({**self._entry(t, lp), "top_logprobs": alternatives})
-        return {"content": content}
+        return {"content": content, "refusal": None}
 
     # -- whole responses -------------------------------------------------------------------------
 
@@ -84,12 +84,13 @@ class CompletionBodies:
              generation: Generation) -> dict:
         choices = []
         for i, r in enumerate(results):
-            message: dict = {"role": "assistant", "content": r.text if r.text is not None else ""}
+            message: dict = {"role": "assistant", "content": r.text if r.text is not None else "",
+                             "refusal": None}
             finish = r.finish_reason
             if generation.parse_tool_calls:
                 content, calls = parse_tool_calls(message["content"])
                 if calls:
-                    message = {"role": "assistant", "content": content,
+                    message = {"role": "assistant", "content": content, "refusal": None,
                                "tool_calls": [c.as_dict() for c in calls]}
                     finish = _tool_finish(finish)
             choices.append({"index": i, "message": message, "finish_reason": finish,
@@ -140,7 +141,7 @@ class CompletionBodies:
                                              "finish_reason": finish}]})
 
         async def chunks(events: Events):
-            tool_streams = ({i: ToolCallStream() for i in range(body.choices)}
+            tool_streams = ({i: ToolCallStream(generation.stream_calls) for i in range(body.choices)}
                             if generation.parse_tool_calls else {})
             for i in range(body.choices):
                 yield chunk(i, {"role": "assistant", "content": ""})
@@ -148,32 +149,42 @@ class CompletionBodies:
             async for index, event in events:
                 completion_tokens += 1
                 text, finish = event.text or "", event.finish_reason
-                calls = []
+                calls: list[CallDelta] = []
                 if index in tool_streams:
-                    text = tool_streams[index].feed(text)
+                    text, calls = tool_streams[index].feed(text)
                     if event.finished:
-                        rest, calls = tool_streams[index].finish()
-                        text += rest
-                        finish = _tool_finish(finish) if calls else finish
-                if not (text or event.finished or body.logprobs):
+                        rest, more = tool_streams[index].finish()
+                        text, calls = text + rest, calls + more
+                        finish = _tool_finish(finish) if tool_streams[index].calls else finish
+                calls = [d for d in calls if d.first or d.arguments]  # chat has no end-of-call delta
+                if not (text or calls or event.finished or body.logprobs):
                     continue
                 logprobs = None
                 if body.logprobs:
                     tops = None if event.top_logprobs is None else [event.top_logprobs]
                     logprobs = self.chat_logprobs([event.token_id], [event.logprob], tops)
-                if calls:  # OpenAI's delta format: one tool_calls entry per call, by index
+                if calls:  # OpenAI's delta format: by the call's index, id and name on its first
                     if text:
                         yield chunk(index, {"content": text}, logprobs)
                         text, logprobs = "", None
-                    for k, call in enumerate(calls):
-                        yield chunk(index, {"tool_calls": [{"index": k, **call.as_dict()}]}, logprobs)
+                    for delta in calls:
+                        yield chunk(index, {"tool_calls": [_tool_call_delta(delta)]}, logprobs)
                         logprobs = None
+                    if not event.finished:
+                        continue
                 yield chunk(index, {"content": text} if text else {}, logprobs, finish)
             if body.include_usage:
                 total = usage(generation.prompt_tokens, completion_tokens)
                 yield sse({**head, "choices": [], "usage": total})
 
         return chunks
+
+
+def _tool_call_delta(delta: CallDelta) -> dict:
+    if delta.first:
+        return {"index": delta.index, "id": delta.call.id, "type": "function",
+                "function": {"name": delta.call.name, "arguments": delta.arguments}}
+    return {"index": delta.index, "function": {"arguments": delta.arguments}}
 
 
 def _finite(logprob: float) -> float:

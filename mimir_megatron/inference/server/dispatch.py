@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from mimir_megatron.inference.engine import InferenceEngine
 from mimir_megatron.inference.requests import RequestError
@@ -43,6 +43,26 @@ class _QueueSink:
 
     def fail(self, error: BaseException) -> None:
         self._put(("error", self.index, error))
+
+
+Receive = Callable[[], Awaitable[dict]]
+"""An HTTP request's ASGI ``receive``: once the body is read, it answers ``http.disconnect`` when
+the client goes (or the response is complete)."""
+
+
+def _watch_disconnect(receive: Receive, queue: asyncio.Queue) -> asyncio.Task:
+    """A task that puts ``("gone", ...)`` into the request's queue when its client disconnects."""
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            await asyncio.sleep(0.05)  # a body message after the body: never from uvicorn; do not spin
+        queue.put_nowait(("gone", -1, None))
+
+    return asyncio.create_task(watch())
+
+
+def _client_gone() -> ApiError:
+    # 499: nginx's "client closed request"; nobody reads it, the access log shows it
+    return ApiError(499, "the client closed the connection", None, code="client_closed_request")
 
 
 def _as_api_error(error: BaseException) -> ApiError:
@@ -92,16 +112,25 @@ class Server:
         self.submit(works)
         return queue, works
 
-    async def results(self, queue: asyncio.Queue, works: list[GenerationWork]) -> list[GenerationResult]:
+    async def results(self, queue: asyncio.Queue, works: list[GenerationWork], receive: Receive | None = None
+                      ) -> list[GenerationResult]:
+        """Every choice's result. ``receive`` (the request's): a client that disconnects while it
+        waits (its timeout, a retry) cancels the request, whose rows leave their batch at the
+        next step, as a stream's do."""
         results: list[GenerationResult | None] = [None] * len(works)
+        watcher = _watch_disconnect(receive, queue) if receive is not None else None
         try:
             while any(r is None for r in results):
                 kind, index, value = await queue.get()
+                if kind == "gone":
+                    raise _client_gone()
                 if kind == "error":
                     raise _as_api_error(value)
                 if value.finished:
                     results[index] = value.result
         finally:
+            if watcher is not None:
+                watcher.cancel()
             for work in works:  # the client left, or one choice failed: stop delivering the others
                 work.cancelled = True
         return results  # type: ignore[return-value]
@@ -121,15 +150,20 @@ class Server:
             for work in works:
                 work.cancelled = True
 
-    async def scored(self, scoring: Scoring) -> list[ScoreResult]:
+    async def scored(self, scoring: Scoring, receive: Receive | None = None) -> list[ScoreResult]:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         work = ScoreWork(scoring.pairs, _QueueSink(loop, queue, 0), scoring.schedule,
                          bidirectional_tokens=scoring.bidirectional_tokens)
         self.submit([work])
+        watcher = _watch_disconnect(receive, queue) if receive is not None else None
         try:
             kind, _, value = await queue.get()
         finally:
+            if watcher is not None:
+                watcher.cancel()
             work.cancelled = True
+        if kind == "gone":
+            raise _client_gone()
         if kind == "error":
             raise _as_api_error(value)
         return value

@@ -19,10 +19,16 @@ import json
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Literal
+from typing import Any, AsyncIterator, Callable, Collection, Literal
 
 from mimir_megatron.inference.server.protocol import ApiError, ResponsesBody, bad_request
-from mimir_megatron.inference.tool_calls import TOOL_CALL_OPEN, ToolCall, ToolCallStream, parse_tool_calls
+from mimir_megatron.inference.tool_calls import (
+    TOOL_CALL_OPEN,
+    CallDelta,
+    ToolCall,
+    ToolCallStream,
+    parse_tool_calls,
+)
 from mimir_megatron.inference.types import GenerationResult, TokenEvent, TopLogprobs
 
 LogprobEntries = Callable[[list[int], list[float], list[TopLogprobs] | None], list[dict]]
@@ -121,11 +127,14 @@ def _text(content: Any, where: str) -> str:
     raise bad_request("content must be a string or a list of text parts", where)
 
 
-def input_messages(body: ResponsesBody) -> list[dict]:
-    """``input`` as chat messages (without ``instructions``)."""
+def input_messages(body: ResponsesBody, earlier_calls: Collection[str] = ()) -> list[dict]:
+    """``input`` as chat messages (without ``instructions``). A ``function_call_output`` must answer
+    a call of the conversation: an earlier ``function_call`` item of the input, or a call among
+    ``earlier_calls`` (those of the ``previous_response_id`` conversation), as OpenAI requires."""
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     messages: list[dict] = []
+    calls = set(earlier_calls)
     for i, item in enumerate(body.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -140,12 +149,17 @@ def input_messages(body: ResponsesBody) -> list[dict]:
                 raise bad_request("a function_call item needs name and arguments (a JSON string)", where)
             call = {"id": item.get("call_id") or item.get("id") or "", "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
+            calls.add(call["id"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
+            if item.get("call_id") not in calls:
+                raise bad_request(f"no function_call with call_id {item.get('call_id')!r} in this "
+                                  "conversation (the input before it, or previous_response_id's)",
+                                  f"{where}.call_id")
             output = item.get("output")
             if not isinstance(output, str):
                 output = json.dumps(output) if output is not None else ""
@@ -189,7 +203,8 @@ def input_items(body: ResponsesBody) -> list[dict]:
 def conversation(body: ResponsesBody, store: ResponseStore) -> tuple[list[dict], list[dict]]:
     """(the messages to render, instructions first; the conversation to remember, without them)."""
     history = store.get(body.previous_response_id) if body.previous_response_id else []
-    kept = history + input_messages(body)
+    earlier_calls = {call.get("id") for m in history for call in m.get("tool_calls") or ()}
+    kept = history + input_messages(body, earlier_calls)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     return system + kept, kept
 
@@ -226,6 +241,12 @@ def _call_item(call: ToolCall, status: str = "completed") -> dict:
             "arguments": call.arguments, "status": status}
 
 
+def _echoed_tool(tool: dict) -> dict:
+    """A function tool as the Response object echoes it: ``strict`` as it was compiled (strict
+    unless the tool said ``strict: false``) and ``parameters`` always present, as OpenAI's are."""
+    return {**tool, "parameters": tool.get("parameters"), "strict": tool.get("strict") is not False}
+
+
 def _assistant_message(text: str | None, calls: list[ToolCall]) -> dict:
     message: dict = {"role": "assistant", "content": text or ""}
     if calls:
@@ -238,9 +259,11 @@ class ResponseBuilder:
 
     def __init__(self, body: ResponsesBody, model: str, prompt_tokens: int, parse_tool_calls: bool,
                  store: ResponseStore, remembered: list[dict],
-                 logprobs: LogprobEntries | None = None) -> None:
+                 logprobs: LogprobEntries | None = None, stream_calls: bool = False) -> None:
         self.body, self.model, self.prompt_tokens = body, model, prompt_tokens
         self.parse_tool_calls, self.store, self.remembered = parse_tool_calls, store, remembered
+        self.stream_calls = stream_calls
+        """Every call is well-formed (a grammar): its arguments stream as they are generated."""
         self.logprobs = logprobs
         """Serves the output text's log-probs (None: not asked for)."""
         self.id = _new_id("resp")
@@ -249,7 +272,7 @@ class ResponseBuilder:
     def _object(self, status: str, output: list[dict], completion_tokens: int, finish: str | None) -> dict:
         b = self.body
         text_format = (b.text or {}).get("format") if isinstance(b.text, dict) else None
-        return {
+        return {**({"user": b.user} if b.user is not None else {}),  # a string in OpenAI's spec, or absent
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "model": self.model, "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
@@ -258,13 +281,17 @@ class ResponseBuilder:
             "parallel_tool_calls": b.parallel_tool_calls is not False,
             "temperature": 1.0 if b.temperature is None else b.temperature,
             "top_p": 1.0 if b.top_p is None else b.top_p,
-            "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
+            "tool_choice": b.tool_choice or "auto", "tools": [_echoed_tool(t) for t in b.tools or ()],
             "text": {"format": text_format or {"type": "text"}}, "reasoning": b.reasoning,
             "store": b.store is not False, "truncation": b.truncation or "disabled",
-            "metadata": b.metadata or {}, "user": b.user,
-            "usage": {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": self.prompt_tokens + completion_tokens},
+            "metadata": b.metadata or {},
+            # OpenAI's: null until the response is done (a client that adds the usage of every
+            # event it sees would count the input again)
+            "usage": None if status == "in_progress" else {
+                "input_tokens": self.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.prompt_tokens + completion_tokens},
         }
 
     def _finish(self, text: str | None, calls: list[ToolCall], response: dict) -> dict:
@@ -294,7 +321,8 @@ class ResponseBuilder:
         return self._finish(text, calls, response)
 
     async def events(self, events: AsyncIterator[tuple[int, TokenEvent]]) -> AsyncIterator[dict]:
-        """OpenAI's stream events: created, in_progress, the output items with their deltas,
+        """OpenAI's stream events: created, in_progress, the output items with their deltas (a
+        call's arguments as they are generated where a grammar makes the call well-formed),
         completed (or incomplete)."""
         sequence = iter(range(1 << 30))
 
@@ -303,78 +331,103 @@ class ResponseBuilder:
 
         yield event("response.created", response=self._object("in_progress", [], 0, None))
         yield event("response.in_progress", response=self._object("in_progress", [], 0, None))
-        stream = ToolCallStream() if self.parse_tool_calls else None
-        message_id, text, tokens, finish, output, calls = _new_id("msg"), "", 0, None, [], []
+        stream = ToolCallStream(self.stream_calls) if self.parse_tool_calls else None
+        message_id, text, tokens, finish, output = _new_id("msg"), "", 0, None, []
+        message_at: int | None = None  # the open message's output index
+        calls: dict[int, tuple[int, dict]] = {}  # call index -> (output index, item)
         pending: list[dict] = []  # log-probs of tokens whose text is not released yet
         released: list[dict] = []
 
         def open_message():
+            nonlocal message_at
+            message_at = len(output)
+            output.append(None)  # its place, filled when it is done
             item = _message_item("", message_id, "in_progress")
             item["content"] = []
-            yield event("response.output_item.added", output_index=0, item=item)
-            yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                        part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            yield event("response.output_item.added", output_index=message_at, item=item)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            yield event("response.content_part.added", item_id=message_id, output_index=message_at,
+                        content_index=0, part=part)
+
+        def close_message():
+            nonlocal message_at
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": released}
+            yield event("response.output_text.done", item_id=message_id, output_index=message_at,
+                        content_index=0, text=text, logprobs=released)
+            yield event("response.content_part.done", item_id=message_id, output_index=message_at,
+                        content_index=0, part=part)
+            output[message_at] = _message_item(text, message_id, logprobs=released)
+            yield event("response.output_item.done", output_index=message_at, item=output[message_at])
+            message_at = None
+
+        def call_events(delta: CallDelta):
+            if delta.first:
+                if message_at is not None:  # the text before the calls is complete
+                    yield from close_message()
+                item = _call_item(delta.call, "in_progress")
+                calls[delta.index] = (len(output), item)
+                output.append(None)
+                yield event("response.output_item.added", output_index=calls[delta.index][0],
+                            item={**item, "arguments": ""})
+            index, item = calls[delta.index]
+            if delta.arguments:
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=delta.arguments)
+            if delta.done:
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=delta.call.name, arguments=delta.call.arguments)
+                output[index] = {**item, "arguments": delta.call.arguments, "status": "completed"}
+                yield event("response.output_item.done", output_index=index, item=output[index])
 
         async for _, token_event in events:
             tokens += 1
             if self.logprobs is not None:
                 tops = None if token_event.top_logprobs is None else [token_event.top_logprobs]
                 pending += self.logprobs([token_event.token_id], [token_event.logprob], tops)
-            delta = token_event.text or ""
+            delta, call_deltas = token_event.text or "", []
             if stream is not None:
-                delta = stream.feed(delta)
+                delta, call_deltas = stream.feed(delta)
                 if token_event.finished:
-                    rest, calls = stream.finish()
-                    delta += rest
-            if token_event.finished and calls:
+                    rest, more = stream.finish()
+                    delta, call_deltas = delta + rest, call_deltas + more
+            if token_event.finished and stream is not None and stream.calls:
                 pending = _before_the_calls(released + pending)[len(released):]
             if delta:
-                if not text:
+                if message_at is None:
                     for e in open_message():
                         yield e
                 text += delta
-                yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                            delta=delta, logprobs=pending)
+                yield event("response.output_text.delta", item_id=message_id, output_index=message_at,
+                            content_index=0, delta=delta, logprobs=pending)
                 released, pending = released + pending, []
+            for call_delta in call_deltas:
+                for e in call_events(call_delta):
+                    yield e
             if token_event.finished:
                 finish = token_event.finish_reason
                 released, pending = released + pending, []
-                if not text and not calls:  # a reply without calls is a message, even an empty one
+                if message_at is None and not text and not calls:  # a reply without calls is a message
                     for e in open_message():
                         yield e
-                if text or not calls:
-                    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": released}
-                    yield event("response.output_text.done", item_id=message_id, output_index=0,
-                                content_index=0,
-                                text=text, logprobs=released)
-                    yield event("response.content_part.done", item_id=message_id, output_index=0,
-                                content_index=0, part=part)
-                    output.append(_message_item(text, message_id, logprobs=released))
-                    yield event("response.output_item.done", output_index=0, item=output[-1])
-                for call in calls:
-                    index = len(output)
-                    item = _call_item(call, "in_progress")
-                    yield event("response.output_item.added", output_index=index,
-                                item={**item, "arguments": ""})
-                    yield event("response.function_call_arguments.delta", item_id=item["id"],
-                                output_index=index,
-                                delta=call.arguments)
-                    yield event("response.function_call_arguments.done", item_id=item["id"],
-                                output_index=index,
-                                arguments=call.arguments)
-                    output.append({**item, "status": "completed"})
-                    yield event("response.output_item.done", output_index=index, item=output[-1])
+                if message_at is not None:
+                    for e in close_message():
+                        yield e
         status = "incomplete" if finish == "length" else "completed"
-        response = self._finish(text or None, calls, self._object(status, output, tokens, finish))
+        final = [item for item in output if item is not None]
+        calls_made = stream.calls if stream is not None else []
+        response = self._finish(text or None, calls_made, self._object(status, final, tokens, finish))
         yield event(f"response.{status}", response=response)
 
 
 async def sse_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's form (``event:`` names the type); an error after the 200
     header travels as an ``error`` event."""
+    sequence = -1
     try:
         async for e in events:
+            sequence = e["sequence_number"]
             yield f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
     except ApiError as exc:
-        error = {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param}
+        error = {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param,
+                 "sequence_number": sequence + 1}
         yield f"event: error\ndata: {json.dumps(error)}\n\n"

@@ -64,6 +64,8 @@ class Generation:
     prompt_tokens: int
     parse_tool_calls: bool = False
     """Chat with tools offered: the reply's tool-call syntax becomes ``tool_calls``."""
+    stream_calls: bool = False
+    """A grammar makes every call of the reply well-formed: streamed as it is generated."""
 
 
 @dataclass
@@ -98,7 +100,8 @@ class Translator:
         prompts = self._prompts(body.prompt)
         max_tokens = self._max_tokens(body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens")
         grammar = self._response_format(body.response_format)
-        requests = self._requests(body, prompts, max_tokens, "prompt", body.logprobs or 0, grammar)
+        requests = self._requests(body, prompts, max_tokens, "prompt", body.logprobs or 0, grammar,
+                                  budget_sent=body.max_tokens is not None)
         return Generation(requests, sum(len(p) for p in prompts))
 
     def chat(self, body: ChatBody) -> Generation:
@@ -154,20 +157,22 @@ class Translator:
         top = body.top_logprobs or 0
         return self.conversation(body, messages, tools, choice, body.parallel_tool_calls, response_format,
                                  kwargs, body.max_output_tokens, "max_output_tokens", top,
-                                 tools_param="tools", format_param="text.format")
+                                 format_param="text.format", prompt_param="input",
+                                 parameters_param="tools[{i}].parameters")
 
     def conversation(self, body: SamplingBody, messages: list[dict], tools: list[dict] | None, choice,
                      parallel: bool | None, response_format: dict | None, template_kwargs: dict,
                      asked: int | None, param: str, top_logprobs: int, *, tools_param: str = "tools",
-                     format_param: str = "response_format") -> Generation:
+                     format_param: str = "response_format", prompt_param: str = "messages",
+                     parameters_param: str = "tools[{i}].function.parameters") -> Generation:
         """What chat completions and responses share: tools, grammar, prompt, requests."""
-        offered, tool_grammar = self._tools(tools, choice, parallel, tools_param)
+        offered, tool_grammar, calls = self._tools(tools, choice, parallel, tools_param, parameters_param)
         answer = self._format_schema(response_format, format_param)
         grammar = tool_grammar
         if answer is not None and offered is not None and tool_grammar is None:
             # Tools offered (auto) and a format, OpenAI's rule: a call, or the final answer.
             grammar = self._grammar(self.grammars.union, offered, parallel is not False, *answer, tools_param,
-                                    format_param)
+                                    format_param, calls)
         elif answer is not None:
             # The answer alone; with a forced call (a call now, the format for a later turn) it is
             # still compiled, so that a format that cannot be is refused now.
@@ -175,10 +180,10 @@ class Translator:
             grammar = answer_grammar if tool_grammar is None else tool_grammar
         prompt = self._chat_prompt(messages, offered, template_kwargs)
         max_tokens = self._max_tokens(asked, max(1, self.engine.max_context - len(prompt)), param)
-        requests = self._requests(body, [prompt], max_tokens, "messages", top_logprobs,
-                                  grammar or tool_grammar,
-                                  budget_param=param)
-        return Generation(requests, len(prompt) * body.choices, parse_tool_calls=offered is not None)
+        requests = self._requests(body, [prompt], max_tokens, prompt_param, top_logprobs, grammar,
+                                  budget_param=param, budget_sent=asked is not None)
+        return Generation(requests, len(prompt) * body.choices, parse_tool_calls=offered is not None,
+                          stream_calls=offered is not None and grammar is not None)
 
     def score(self, body: ScoreBody) -> Scoring:
         self._check_model(body)
@@ -316,6 +321,11 @@ class Translator:
             return None, True
         if spec.get("type") == "json_schema":
             inner = spec.get("json_schema")
+            name = inner.get("name") if isinstance(inner, dict) else None
+            if not isinstance(name, str) or not name:
+                where = f"{param}.json_schema.name" if param == "response_format" else f"{param}.name"
+                raise bad_request(f"{where} is required (the schema's name)", where,
+                                  code="missing_required_parameter")
             schema = inner.get("schema") if isinstance(inner, dict) else None
             if not isinstance(schema, dict):
                 raise bad_request(f"{param}.json_schema.schema must be a JSON schema object"
@@ -326,14 +336,17 @@ class Translator:
         raise bad_request(f"{param} type {spec.get('type')!r} is not one of text, json_object, "
                           "json_schema", param)
 
-    def _tools(self, tools: list[dict] | None, choice, parallel: bool | None, param: str = "tools"
-               ) -> tuple[list[dict[str, Any]] | None, Grammar | None]:
-        """(the tools the prompt offers, the grammar that enforces a call) for ``tool_choice``."""
+    def _tools(self, tools: list[dict] | None, choice, parallel: bool | None, param: str = "tools",
+               parameters_param: str = "tools[{i}].function.parameters"
+               ) -> tuple[list[dict[str, Any]] | None, Grammar | None, list[Grammar]]:
+        """(the tools the prompt offers, the grammar that enforces a call for ``tool_choice``, each
+        tool's call grammar). Every tool's parameters must compile, whatever the ``tool_choice``
+        (a 400 naming that tool's ``parameters``), as OpenAI checks them."""
         parallel = True if parallel is None else parallel
         if not tools:
             if choice not in (None, "none"):
                 raise bad_request("tool_choice needs tools", "tool_choice")
-            return None, None
+            return None, None, []
         if not template_supports_tools(self.engine.tokenizer):
             raise bad_request("this model's chat template does not render tools", param)
         names = []
@@ -345,20 +358,26 @@ class Translator:
             if fn["name"] in names:
                 raise bad_request(f"tool name {fn['name']!r} appears twice (tools[{names.index(fn['name'])}] "
                                   "too): a call could not say which one it means", f"{param}[{i}]")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise bad_request(f"tool {fn['name']!r}: parameters must be a JSON schema object",
+                                  parameters_param.format(i=i))
             names.append(fn["name"])
+        calls = [self._grammar(self.grammars.tool_call, tool, parameters_param.format(i=i))
+                 for i, tool in enumerate(tools)]
         if choice == "none":
-            return None, None
+            return None, None, calls
         if choice in (None, "auto"):
-            return tools, None
+            return tools, None, calls
         if choice == "required":
-            return tools, self._grammar(self.grammars.tool_calls, tools, parallel)
+            forced = self._grammar(self.grammars.tool_calls, tools, parallel, "tool_choice", calls)
+            return tools, forced, calls
         is_named = isinstance(choice, dict) and choice.get("type") == "function"
         named = choice.get("function") if is_named else None
         if isinstance(named, dict):
             name = named.get("name")
             if name not in names:
                 raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-            return tools, self._grammar(self.grammars.tool_calls, [tools[names.index(name)]], False)
+            return tools, calls[names.index(name)], calls
         raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", '
                           '"function": {"name": ...}}', "tool_choice")
 
@@ -366,11 +385,33 @@ class Translator:
         if value is None:
             return min(default, self.limits.max_tokens_limit)
         if value < 1:
-            raise bad_request(f"{param} must be >= 1, got {value}", param)
+            raise bad_request(f"{param} must be >= 1, got {value}", param, code="integer_below_min_value")
         if value > self.limits.max_tokens_limit:
             limit = self.limits.max_tokens_limit
-            raise bad_request(f"{param} is {value}; this server allows at most {limit}", param)
+            raise bad_request(f"{param} is {value}; this server allows at most {limit} (mimir serve "
+                              "--max-tokens-limit)", param, code="integer_above_max_value")
         return value
+
+    def _budget_error(self, exc: RequestError, prompt_tokens: int, max_tokens: int, param: str, sent: bool,
+                      prompt_param: str) -> ApiError:
+        """A grammar's shortest reply does not fit the budget: a 400 naming what set the budget —
+        the field the client sent, else the model's context (what the prompt leaves of it), the
+        server's --max-tokens-limit or the field's default."""
+        if sent:
+            return bad_request(str(exc).replace("max_new_tokens", param, 1), param,
+                               code="integer_below_min_value")
+        need = f"{exc.minimum} tokens" if exc.minimum is not None else "more tokens than the context holds"
+        shortest = f"fewer than the shortest reply the grammar (response format or tool call) allows: {need}"
+        left, limit = self.engine.max_context - prompt_tokens, self.limits.max_tokens_limit
+        if left <= max_tokens:
+            return bad_request(f"the prompt ({prompt_tokens} tokens) leaves {left} of the model's context of "
+                               f"{self.engine.max_context} tokens, {shortest}", prompt_param,
+                               code="context_length_exceeded")
+        if max_tokens == limit:
+            return bad_request(f"this server generates at most {limit} tokens a reply (mimir serve "
+                               f"--max-tokens-limit), {shortest}", None, code="max_tokens_limit")
+        return bad_request(f"{param} (not sent) defaults to {max_tokens} here, {shortest}", param,
+                           code="integer_below_min_value")
 
     @staticmethod
     def _logit_bias(body: SamplingBody) -> tuple[tuple[int, float], ...]:
@@ -384,10 +425,11 @@ class Translator:
         return tuple(out)
 
     def _requests(self, body: SamplingBody, prompts: list[list[int]], max_tokens: int, prompt_param: str,
-                  top_logprobs: int, grammar: Grammar | None, budget_param: str = "max_tokens"
-                  ) -> list[GenerationRequest]:
+                  top_logprobs: int, grammar: Grammar | None, budget_param: str = "max_tokens",
+                  budget_sent: bool = True) -> list[GenerationRequest]:
         """``n`` requests per prompt (seeds seed, seed + 1, ... in choice order), each checked by
-        the engine. A field left out or sent as null takes its default."""
+        the engine. A field left out or sent as null takes its default. A budget the client sent
+        must fit the context with the prompt (OpenAI's ``context_length_exceeded``)."""
         h, low = self._schedule(body)
         n = body.choices
         if len(prompts) * n > self.limits.max_queue:
@@ -410,12 +452,17 @@ class Translator:
                 seed = None if body.seed is None else body.seed + p * n + j
                 request = GenerationRequest(prompt, SamplingParams(seed=seed, **shared), h, low, grammar)
                 try:
+                    if budget_sent:
+                        self.engine.limits.check_fits(len(prompt), max_tokens)
                     self.engine.limits.check_request(request)
                 except RequestError as exc:
-                    if exc.field == "max_new_tokens":
+                    if exc.field == "max_new_tokens":  # the grammar's shortest reply does not fit
+                        raise self._budget_error(exc, len(prompt), max_tokens, budget_param, budget_sent,
+                                                 where) from exc
+                    if exc.field == "prompt":
                         message = str(exc).replace("max_new_tokens", budget_param, 1)
-                        raise bad_request(message, budget_param) from exc
-                    raise _api_error(exc, field=where if exc.field == "prompt" else None) from exc
+                        raise bad_request(message, where, code=exc.code) from exc
+                    raise _api_error(exc) from exc
                 out.append(request)
         return out
 
