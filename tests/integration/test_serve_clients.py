@@ -252,7 +252,7 @@ def test_every_body_chunk_and_event_is_valid_under_openais_openapi_spec(served):
     checked: list[tuple[str, dict]] = []
 
     def post(path: str, body: dict, schema: str, stream_schema: str | None = None) -> list[dict]:
-        response = httpx.post(f"{url}/{path}", json={"model": "tiny", **body}, timeout=300)
+        response = httpx.post(f"{url}/{path}", json={"model": "tiny", **body}, headers=AUTH, timeout=300)
         assert response.status_code == 200, response.text
         found = _sse(response) if body.get("stream") else [response.json()]
         checked.extend((stream_schema or schema, item) for item in found)
@@ -273,11 +273,12 @@ def test_every_body_chunk_and_event_is_valid_under_openais_openapi_spec(served):
     called = {"input": ASK, "max_output_tokens": MAX, "tools": [{"type": "function", **WEATHER["function"]}],
               "tool_choice": "required", "temperature": 1.0}
     def read_back(response: dict) -> None:  # as a client reads a stored response (the store keeps 4 here)
-        body = httpx.get(f"{url}/responses/{response['id']}").json()
+        body = httpx.get(f"{url}/responses/{response['id']}", headers=AUTH).json()
         assert body == response
         usage = Response.model_validate(body).usage  # the SDK's own type: every required field there
         assert usage.input_tokens_details.cache_write_tokens == 0 and usage.input_tokens > 0
-        checked.append(("ResponseItemList", httpx.get(f"{url}/responses/{response['id']}/input_items").json()))
+        checked.append(("ResponseItemList", httpx.get(f"{url}/responses/{response['id']}/input_items",
+                                                      headers=AUTH).json()))
 
     for body in (text, called):
         read_back(post("responses", body, "Response")[0])
@@ -288,11 +289,12 @@ def test_every_body_chunk_and_event_is_valid_under_openais_openapi_spec(served):
     answered = {"previous_response_id": events[-1]["response"]["id"], "max_output_tokens": 2, "input": [{
         "type": "function_call_output", "call_id": call["call_id"], "output": "4 mm"}]}
     read_back(post("responses", answered, "Response")[0])
-    checked.append(("ListModelsResponse", httpx.get(f"{url}/models").json()))
-    checked.append(("Model", httpx.get(f"{url}/models/tiny").json()))
+    checked.append(("ListModelsResponse", httpx.get(f"{url}/models", headers=AUTH).json()))
+    checked.append(("Model", httpx.get(f"{url}/models/tiny", headers=AUTH).json()))
     for method, path, body in (("POST", "chat/completions", {"messages": ASK, "temperature": 3}),
                                ("GET", "responses/resp_unknown", None), ("POST", "nothing", {})):
-        checked.append(("ErrorResponse", httpx.request(method, f"{url}/{path}", json=body, timeout=60).json()))
+        checked.append(("ErrorResponse", httpx.request(method, f"{url}/{path}", json=body, headers=AUTH,
+                                                       timeout=60).json()))
 
     # Two quirks of the spec that OpenAI's own examples in it share: a streamed completion's chunks
     # have a null finish_reason (the spec reuses the whole body's schema), and a Response's usage is
@@ -435,7 +437,7 @@ def test_pydantic_ai_counts_the_same_usage_streamed_and_not(served):
     from pydantic_ai.models.openai import OpenAIResponsesModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    model = OpenAIResponsesModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key="x"))
+    model = OpenAIResponsesModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key=KEY))
     agent = Agent(model, model_settings={"max_tokens": 6, "temperature": 0})
     whole = agent.run_sync("Hello")
 
