@@ -15,7 +15,8 @@ the run lock) uses these, so one file decides how a digest is computed and how a
   partial record under the real name.
 - :func:`read_json_object` / :func:`refuse_if_edited`: the reading side of a self-digesting JSON
   record: the stored object (a one-line error naming the file when it is missing, not JSON or not
-  an object) and the refusal of one whose content no longer matches its digest.
+  an object) and the refusal of one whose content no longer matches its digest, or that lacks the
+  digest its format always carries.
 """
 
 from __future__ import annotations
@@ -126,10 +127,17 @@ def read_json_object(path: Path, what: str, *, missing: str | None = None) -> di
     return body
 
 
-def refuse_if_edited(record: Mapping[str, Any], path: str | Path, writer: str | None = None) -> None:
+def refuse_if_edited(record: Mapping[str, Any], path: str | Path, writer: str | None = None, *,
+                     required: bool = False) -> None:
     """A one-line :class:`UserError` when ``record`` holds a digest its content no longer matches
-    (``writer``: the command that wrote it, named in the message); a record without a digest
-    (written before digests were) passes."""
-    if DIGEST_KEY in record and not digest_matches(record):
-        by = f"`{writer}` wrote it" if writer else "it was written"
+    (``writer``: the command that wrote it, named in the message), or holds none though
+    ``required`` (its format is one whose writer always records the digest: only files of older
+    formats, written before digests were, may lack one)."""
+    by = f"`{writer}` wrote it" if writer else "it was written"
+    if DIGEST_KEY not in record:
+        if required:
+            raise UserError(f"{path}: has no digest, though the version that wrote it records one (deleted "
+                            f"after {by}?); {'run `' + writer + '` again' if writer else 'write it again'}")
+        return
+    if not digest_matches(record):
         raise UserError(f"{path}: edited after {by} (its digest does not match its content)")

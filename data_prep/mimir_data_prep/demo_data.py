@@ -138,6 +138,8 @@ def generate(
 
 
 _GENERATOR = "mimir_data_prep.demo_data (seeded, rule-based)"
+_GENERATOR_LICENSE = "Apache-2.0"
+"""The generator is this project's code; what it writes is under the project's licence."""
 _GROUP_NAMES = {"arith": "arithmetic", "algo": "algorithmic tasks", "text": "text tasks"}
 
 
@@ -161,6 +163,7 @@ def demo_provenance(name: str) -> Provenance:
             id="demo-eval", source="mimir data demo: held-out split", license="Apache-2.0",
             basis="synthetic", form="derived-task", audit_group="D", languages=LANGS,
             derived_from=tuple(text_provenance(lang).as_parent() for lang in LANGS), generator=_GENERATOR,
+            generator_license=_GENERATOR_LICENSE,
         )
     group, lang = name.split("-")
     derived = (text_provenance(lang).as_parent(),) if group == "text" else ()
@@ -168,6 +171,7 @@ def demo_provenance(name: str) -> Provenance:
         id=f"demo-{name}", source=f"mimir data demo: {_GROUP_NAMES[group]} ({lang})", license="Apache-2.0",
         basis="open-licence" if derived else "synthetic", form="derived-task",
         audit_group="C" if derived else "D", languages=(lang,), derived_from=derived, generator=_GENERATOR,
+        generator_license=None if derived else _GENERATOR_LICENSE,
     )
 
 

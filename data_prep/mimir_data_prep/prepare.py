@@ -34,6 +34,7 @@ from mimir_megatron.data.provenance import SIDECAR_SUFFIX, Provenance, checked_r
 from mimir_megatron.errors import UserError
 from mimir_megatron.integrity import sha256_file
 
+from .derivation import check_declaration, sidecar_conflicts
 from .layouts import decide_layouts
 from .manifest import source_record, write_dataset_manifest
 from .settings import PrepareOptions, PrepareSettings, prepare_settings
@@ -138,6 +139,10 @@ def plan_dataset(
     renderer = renderer or ChatRenderer(settings.tokenizer_dir)
     if provenance is None and sidecar:
         provenance = _sidecar_provenance(paths, out)
+    elif provenance is not None:  # a declaration beside inputs with their own: refused before writing
+        conflicts = sidecar_conflicts(paths, provenance)
+        if conflicts:
+            raise UserError("; ".join(conflicts))
     (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
     tasks = plan_shards(paths, shard_bytes)
     formats = decide_layouts(tasks, settings.input_format, dict(settings.columns))
@@ -224,7 +229,9 @@ def prepare_planned(
 
 def finish_dataset(plan: DatasetPlan, stats: dict[int, ShardStats], sources: list[dict],
                    provenance: Provenance | None, started: float) -> Manifest:
-    """The write-manifest stage of one dataset whose shards are all finished; its manifest."""
+    """The write-manifest stage of one dataset whose shards are all finished; its manifest. Its
+    declaration is checked against its inputs first (:mod:`.derivation`)."""
+    check_declaration(plan.tasks, plan.paths, plan.settings, provenance, sum(s.lines for s in stats.values()))
     manifest = write_dataset_manifest(plan.tasks, stats, plan.settings, plan.renderer, sources, plan.out,
                                       plan.formats, provenance)
     log.info("%s: %d documents, %d tokens, %d rejected of %d lines (%.1f s)", plan.out,

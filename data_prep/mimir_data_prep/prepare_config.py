@@ -174,7 +174,8 @@ def dataset_provenance(d: DatasetJob, where: str, base: Path, job: PrepareJob, i
     decl = declaration_from_mapping(d.provenance, f"{where}.provenance", errors)
     return resolve_declaration(decl, f"{where}.provenance", default_id=d.name or Path(d.output).name,
                                base=base, siblings=earlier if prepared else None,
-                               pending=() if prepared else earlier, errors=errors)
+                               pending=() if prepared else earlier, output=_resolve(base, d.output),
+                               errors=errors)
 
 
 def run_prepare_config(

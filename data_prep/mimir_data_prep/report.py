@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mimir_megatron.data.manifest import MANIFEST_NAME, Manifest, PersonalDataScreen
 from mimir_megatron.data.mixture import Mixture, MixtureEntry, load_mixture
-from mimir_megatron.data.provenance import FORMS, UNKNOWN, provenance_from_record
+from mimir_megatron.data.provenance import FORMS, UNKNOWN, effective_terms, provenance_from_record
 from mimir_megatron.errors import UserError
 
 
@@ -55,7 +55,8 @@ def dataset_rows(mixture: Mixture) -> list[DatasetRow]:
             manifest.provenance, f"dataset {e.name}: {e.path / 'manifest.json'}: provenance")
         known = {}
         if provenance is not None:
-            known = {"form": FORMS[provenance.form], "license": provenance.license, "basis": provenance.basis}
+            known = {"form": FORMS[provenance.form], "license": effective_terms(provenance),
+                     "basis": provenance.basis}
         rows.append(
             DatasetRow(
                 e.name,

@@ -46,6 +46,9 @@ class DatasetLineage:
     manifest_digest: str | None = None
     """The digest the dataset's manifest carried when the run trained on it: export and reports
     name a dataset whose manifest changed since (None in checkpoints written before it was)."""
+    personal_data: dict[str, Any] | None = None
+    """The manifest's personal-data screen (policy, identifiers found by kind, documents
+    rejected); None where the dataset was not screened or the checkpoint predates the record."""
 
 
 @dataclass(frozen=True)
@@ -191,11 +194,28 @@ def read_trainer_state(path: str | Path) -> TrainerState:
         raise UserError(f"{state_file}: cannot read ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{state_file}: damaged trainer state ({exc})") from None
-    # Written before states carried a digest: nothing to compare. Digests written before the
-    # canonical encoding (ASCII-escaped) still match (integrity.digest_matches).
+    # Digests written before the canonical encoding (ASCII-escaped) still match
+    # (integrity.digest_matches).
     if isinstance(data, dict) and "digest" in data and not digest_matches(data):
         raise UserError(f"{state_file}: damaged trainer state (its content does not match its digest)")
+    if isinstance(data, dict) and "digest" not in data and _written_with_digests(data):
+        raise UserError(f"{state_file}: damaged trainer state (its digest was deleted: the version of mimir "
+                        "that wrote it records one); its lineage cannot be trusted")
     return trainer_state_from_dict(data, state_file)
+
+
+def _written_with_digests(data: dict[str, Any]) -> bool:
+    """Whether a state was written by a version that records its digest: those also record its
+    files' digests (``files``) and the manifests' digests in its lineage. Only a state with none
+    of them was written before digests, and reads as it is (there is nothing to verify)."""
+    lineages = [data.get("lineage")]
+    base = data.get("base_model")
+    while isinstance(base, dict):
+        lineages.append(base.get("lineage"))
+        base = base.get("base_model")
+    pinned = any(isinstance(e, dict) and "manifest_digest" in e
+                 for lineage in lineages if isinstance(lineage, list) for e in lineage)
+    return "files" in data or pinned
 
 
 def write_trainer_state(path: str | Path, state: TrainerState) -> None:

@@ -12,6 +12,14 @@ ScanCode files the CC NC and ND licences), Proprietary Free, Free Restricted, Co
 Patent License and Unstated License are not. ``LicenseRef-*`` ids (ScanCode's own keys, whose
 category is ScanCode's reading of a licence nobody standardised) are never open by default:
 a data policy lists them explicitly.
+
+A licence with an exception (``GPL-2.0-only WITH Classpath-exception-2.0``) is one term: its id is
+the whole ``X WITH Y`` (a policy may list that, or ``X`` alone), and its category is its licence's
+(an exception only adds permissions).
+
+Terms combine as a conjunction: data made from other data keeps every one of their terms (AND). An
+``OR`` offers a choice; a derived dataset's declared licence may narrow its ancestors' terms but
+never reopen one: each of its choices must keep them (:func:`dropped_terms`).
 """
 
 from __future__ import annotations
@@ -50,9 +58,18 @@ def _categories() -> dict[str, str]:
     return categories
 
 
+WITH = " WITH "
+
+
+def base_licence(key: str) -> str:
+    """The licence of a term: ``X`` of ``X WITH exception``, the id itself otherwise."""
+    return key.split(WITH, 1)[0]
+
+
 def licence_category(key: str) -> str:
-    """The ScanCode category of one licence id (``Agreement`` for proprietary-agreement,
-    ``Unknown`` for an id the database does not categorise)."""
+    """The ScanCode category of one term (``Agreement`` for proprietary-agreement, ``Unknown``
+    for an id the database does not categorise; a licence with an exception has its licence's)."""
+    key = base_licence(key)
     if key == PUBLIC_DOMAIN:
         return "Public Domain"
     if key == AGREEMENT:
@@ -61,13 +78,13 @@ def licence_category(key: str) -> str:
 
 
 def is_open(key: str) -> bool:
-    """Whether a licence id is open (see the module docstring); LicenseRef-* ids never are."""
-    return not key.startswith("LicenseRef-") and licence_category(key) in OPEN_CATEGORIES
+    """Whether a term is open (see the module docstring); LicenseRef-* ids never are."""
+    return not base_licence(key).startswith("LicenseRef-") and licence_category(key) in OPEN_CATEGORIES
 
 
 def imposes_no_terms(key: str) -> bool:
     """Public-domain dedications (CC0, PDDL, public-domain...): nothing a derivative must keep."""
-    return not key.startswith("LicenseRef-") and licence_category(key) == "Public Domain"
+    return not base_licence(key).startswith("LicenseRef-") and licence_category(key) == "Public Domain"
 
 
 def normalise_license(expression: str) -> tuple[str | None, str | None]:
@@ -89,29 +106,71 @@ def normalise_license(expression: str) -> tuple[str | None, str | None]:
     return str(info.normalized_expression), None
 
 
+def _term(node) -> str:
+    """The id of one term of a parsed expression (``X WITH Y`` kept whole)."""
+    from license_expression import LicenseWithExceptionSymbol
+
+    if isinstance(node, LicenseWithExceptionSymbol):
+        return f"{node.license_symbol.key}{WITH}{node.exception_symbol.key}"
+    return node.key
+
+
+def _walk(expression: str, leaf: Callable, both: Callable, either: Callable):
+    """Fold a parsed expression: ``leaf(term)`` at each term, ``both`` over an AND's operands,
+    ``either`` over an OR's."""
+    from license_expression import AND, OR
+
+    def walk(node):
+        if isinstance(node, AND):
+            return both([walk(arg) for arg in node.args])
+        if isinstance(node, OR):
+            return either([walk(arg) for arg in node.args])
+        return leaf(_term(node))
+
+    return walk(_licensing().parse(expression))
+
+
+_MAX_CHOICES = 4096
+
+
+def choices(expression: str) -> list[tuple[str, ...]]:
+    """The ways to comply with an expression, each the terms that are then all kept (its
+    disjunctive normal form: ``MIT AND (GPL-2.0-only OR CC-BY-4.0)`` gives ``(MIT, GPL-2.0-only)``
+    and ``(MIT, CC-BY-4.0)``)."""
+    if expression == UNKNOWN:
+        return [(UNKNOWN,)]
+
+    def both(parts: list[list[tuple[str, ...]]]) -> list[tuple[str, ...]]:
+        combined: list[tuple[str, ...]] = [()]
+        for part in parts:
+            combined = list(dict.fromkeys(tuple(dict.fromkeys(a + b)) for a in combined for b in part))
+            combined = combined[:_MAX_CHOICES]  # a bound on pathological expressions
+        return combined
+
+    def either(parts: list[list[tuple[str, ...]]]) -> list[tuple[str, ...]]:
+        return list(dict.fromkeys(c for part in parts for c in part))
+
+    return _walk(expression, lambda term: [(term,)], both, either)
+
+
 def license_keys(expression: str) -> list[str]:
-    """The licence ids an expression names (``unknown`` for an unknown one)."""
+    """The terms an expression names, in order (``unknown`` for an unknown one; a licence with an
+    exception is one term, ``X WITH Y``)."""
     if expression == UNKNOWN:
         return [UNKNOWN]
-    licensing = _licensing()
-    return licensing.license_keys(licensing.parse(expression))
+    return list(dict.fromkeys(_walk(expression, lambda term: [term], _flat, _flat)))
+
+
+def _flat(parts: list[list[str]]) -> list[str]:
+    return [term for part in parts for term in part]
 
 
 def satisfiable(expression: str, ok: Callable[[str], bool]) -> bool:
-    """Whether the expression can be complied with using licences ``ok`` accepts: every operand
-    of an AND must be, one operand of an OR suffices."""
+    """Whether the expression can be complied with using terms ``ok`` accepts: every operand of
+    an AND must be, one operand of an OR suffices."""
     if expression == UNKNOWN:
         return False
-    from license_expression import AND, OR
-
-    def walk(node) -> bool:
-        if isinstance(node, AND):
-            return all(walk(arg) for arg in node.args)
-        if isinstance(node, OR):
-            return any(walk(arg) for arg in node.args)
-        return ok(node.key)
-
-    return walk(_licensing().parse(expression))
+    return _walk(expression, ok, all, any)
 
 
 def license_allowed(expression: str, allowed: set[str] | None, denied: set[str]) -> bool:
@@ -132,17 +191,23 @@ def combine_licenses(expressions: Iterable[str]) -> str:
         return expressions[0]
     licensing = _licensing()
     joined = " AND ".join(f"({e})" for e in expressions)
-    return str(licensing.dedup(licensing.parse(joined)))
+    return str(licensing.dedup(licensing.parse(joined).flatten()))  # nested ANDs as one
 
 
 def dropped_terms(declared: str, inherited: str) -> list[str]:
-    """The licence ids of ``inherited`` (an ancestor's terms) that ``declared`` does not carry:
-    declaring ``declared`` for data derived under ``inherited`` relaxes those terms. Public-domain
-    dedications impose nothing and are never reported."""
+    """The terms of ``inherited`` (an ancestor's) that ``declared`` lets a user drop: declaring
+    ``declared`` for data derived under ``inherited`` relaxes those terms. Every way to comply
+    with ``declared`` (each branch of an OR) must keep ``inherited``: an OR may narrow an
+    ancestor's terms, never reopen them (``CC-BY-4.0 OR CC-BY-NC-4.0`` under a CC-BY-NC-4.0 parent
+    offers a way out of NC, so it drops NC). Public-domain dedications impose nothing and are
+    never reported."""
     if inherited == UNKNOWN or declared == UNKNOWN:
         return []
-    kept = {k.lower() for k in license_keys(declared)}
-    if satisfiable(inherited, lambda key: key.lower() in kept or imposes_no_terms(key)):
-        return []  # every AND operand kept, or one OR branch
-    return [k for k in dict.fromkeys(license_keys(inherited))
-            if k.lower() not in kept and not imposes_no_terms(k)]
+    dropped: dict[str, None] = {}
+    for branch in choices(declared):
+        kept = {k.lower() for k in branch}
+        if satisfiable(inherited, lambda key: key.lower() in kept or imposes_no_terms(key)):
+            continue  # this choice keeps every AND operand of the ancestor's terms, or one OR branch
+        dropped.update(dict.fromkeys(k for k in license_keys(inherited)
+                                     if k.lower() not in kept and not imposes_no_terms(k)))
+    return list(dropped)

@@ -68,14 +68,27 @@ class TokenizerRecord:
     """What generation stops on (None/empty for datasets prepared before they were recorded)."""
 
 
+INDIRECT_IDENTIFIERS = frozenset({"ip_address"})
+"""Kinds the screen counts that identify nobody on their own (``mimir_data_prep.personal_data``'s
+DIRECT is every other kind; tests keep the two in step)."""
+
+
 @dataclass(frozen=True)
 class PersonalDataScreen:
     """What the personal-data screen of ``mimir prepare`` did: its policy (``reject``, ``redact``,
-    ``report``), the direct identifiers found by kind, and the documents rejected for them."""
+    ``report``), the identifiers found by kind, and the documents rejected for them."""
 
     policy: str
     found: Mapping[str, int]
     documents_rejected: int
+
+    @property
+    def kept(self) -> dict[str, int]:
+        """Direct identifiers found and left in the data, by kind: ``report`` keeps whatever it
+        found (``reject`` drops their documents, ``redact`` replaces them)."""
+        if self.policy != "report":
+            return {}
+        return {kind: n for kind, n in self.found.items() if n and kind not in INDIRECT_IDENTIFIERS}
 
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "found": dict(self.found),

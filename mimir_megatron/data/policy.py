@@ -15,17 +15,24 @@ permissible data applies (§7, Appendix A)::
                                       # (derived from agreement data, the paper's route)
       allow_groups: null          # null: any audit group; else e.g. [A, C, D]
       allow_unknown: false        # datasets (or parents) with no declared provenance
+      allow_personal_data: false  # datasets whose screen found direct identifiers and kept them
+                                  # (prepared with --personal-data report)
+      allow_unknown_base: false   # continue from weights whose training data is not recorded
       public_key: null            # an Ed25519 public key: only manifests it signed (signing.py)
 
-The licence judged is the dataset's effective terms: its record's licence, which keeps every
-ancestor's terms (:mod:`mimir_megatron.data.provenance` refuses a record that drops one). Data
-under the TDM research exception (basis ``tdm-research``) is judged by its basis, not its licence.
+The licence judged is the dataset's effective terms (:func:`~.provenance.effective_terms`): its
+own licence AND every parent's terms AND its generator's; a record that drops an ancestor's term
+is refused when it is read. Data under the TDM research exception (basis ``tdm-research``) is
+judged by its basis, not its licence.
 
 :func:`training_data_problems` lists every dataset that breaks the policy, whose manifest or
-provenance record was edited or does not validate, whose input files changed since it was
-prepared (when they are still on disk), or whose prepared files are damaged (structure every
-time; sha256 against the manifest unless ``data.verify`` is off): one line each, the dataset and
-the field or file named. ``mimir train`` trains nothing while the list is not empty.
+provenance record was edited or does not validate, whose parents changed since it was derived
+from them (or whose lineage loops), whose input files changed since it was prepared (when they are
+still on disk), or whose prepared files are damaged (structure every time; sha256 against the
+manifest unless ``data.verify`` is off and the policy names no public key): one line each, the
+dataset and the field or file named. ``mimir train`` trains nothing while the list is not empty.
+:func:`lineage_policy_problems` judges what a checkpoint records a run trained on (a resumed run's
+data, the base model of a continued one) by the same rules.
 """
 
 from __future__ import annotations
@@ -40,12 +47,21 @@ from typing import Any
 
 from mimir_megatron.errors import UserError
 
-from .licences import AGREEMENT, is_open, licence_category, license_keys, satisfiable
+from .licences import AGREEMENT, base_licence, is_open, licence_category, license_keys, satisfiable
 from mimir_megatron.integrity import sha256_file
 
-from .manifest import Manifest
+from .manifest import Manifest, PersonalDataScreen
 from .prepared import ByteShares, DigestCache, hash_outputs, output_problems, shard_problems
-from .provenance import BASES, UNKNOWN, Provenance, normalise_license, provenance_from_record, record_problem
+from .provenance import (
+    BASES,
+    UNKNOWN,
+    Provenance,
+    ancestry_problems,
+    effective_terms,
+    normalise_license,
+    provenance_from_record,
+    record_problem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +86,12 @@ class DataPolicy:
     """Audit groups that may be trained on; None: any."""
     allow_unknown: bool = False
     """Train on datasets (or datasets derived from data) whose provenance nobody declared."""
+    allow_personal_data: bool = False
+    """Train on datasets whose personal-data screen found direct identifiers and kept them
+    (``mimir prepare --personal-data report``); the paper's rule excludes personal data."""
+    allow_unknown_base: bool = False
+    """Continue training (``checkpoint.init_from``) from weights whose training data is not
+    recorded (``mimir import`` weights, a checkpoint without lineage)."""
     public_key: str | None = None
     """An Ed25519 public key (PEM): train only on datasets whose manifest it signed
     (:mod:`mimir_megatron.data.signing`)."""
@@ -116,9 +138,28 @@ def parse_policy(values: Any, where: str, errors: list[str]) -> DataPolicy:
 
 
 def policy_problems(name: str, record: dict[str, Any] | None, policy: DataPolicy,
-                    audit_group: str | None) -> list[str]:
-    """Why the policy forbids training on dataset ``name`` with provenance ``record``."""
+                    audit_group: str | None, personal_data: PersonalDataScreen | None = None) -> list[str]:
+    """Why the policy forbids training on dataset ``name`` with provenance ``record`` (and the
+    personal-data screen ``personal_data`` of its manifest)."""
     where = f"dataset {name}"
+    return _provenance_problems(where, record, policy, audit_group) + \
+        personal_data_problems(where, personal_data, policy)
+
+
+def personal_data_problems(where: str, screen: PersonalDataScreen | None, policy: DataPolicy) -> list[str]:
+    """Direct identifiers the screen found and kept (``--personal-data report``), unless the
+    policy allows them: one line naming the counts."""
+    kept = screen.kept if screen is not None else {}
+    if not kept or policy.allow_personal_data:
+        return []
+    counts = ", ".join(f"{n:,} {kind}" for kind, n in kept.items())
+    return [f"{where}: personal data: its screen found {sum(kept.values()):,} direct identifier(s) "
+            f"({counts}) and kept them (--personal-data {screen.policy}); prepare it again with "
+            "--personal-data reject or redact, or set data_policy.allow_personal_data: true"]
+
+
+def _provenance_problems(where: str, record: dict[str, Any] | None, policy: DataPolicy,
+                         audit_group: str | None) -> list[str]:
     try:
         provenance = provenance_from_record(record, f"{where}: provenance")
     except UserError as exc:
@@ -134,43 +175,44 @@ def policy_problems(name: str, record: dict[str, Any] | None, policy: DataPolicy
             if provenance.basis == "agreement" else ""
         problems.append(f"{where}: basis {provenance.basis} is not in data_policy.allow_bases "
                         f"{policy.allow_bases}{hint}")
-    if provenance.license == UNKNOWN:
+    terms = effective_terms(provenance)
+    if terms == UNKNOWN:
         if not policy.allow_unknown:
-            parents = ", ".join(provenance.unknown_ancestors())
-            problems.append(f"{where}: license unknown (inherited from {parents}, which declared none)")
+            problems.append(f"{where}: license unknown ({'; '.join(provenance.unknown_terms())}): "
+                            "declare it, or set data_policy.allow_unknown")
     else:
-        problems += _licence_problems(where, provenance, policy)
-    unknown_parents = provenance.unknown_ancestors()
-    if unknown_parents and not policy.allow_unknown and provenance.license != UNKNOWN:
-        problems.append(f"{where}: derived_from {', '.join(unknown_parents)}, whose provenance is unknown")
+        problems += _licence_problems(where, provenance, terms, policy)
     if policy.allow_groups is not None and audit_group not in policy.allow_groups:
         problems.append(f"{where}: audit group {audit_group} is not in data_policy.allow_groups "
                         f"{policy.allow_groups}")
     return problems
 
 
-def _licence_problems(where: str, provenance: Provenance, policy: DataPolicy) -> list[str]:
+def _licence_problems(where: str, provenance: Provenance, terms: str, policy: DataPolicy) -> list[str]:
     """The dataset's effective terms against the policy's licence rules (one line, or none)."""
     denied = {_key(k).lower() for k in policy.deny_licenses}
     listed = {_key(k).lower() for k in policy.allow_licenses or [] if k != OPEN}
     # The TDM exception does not depend on the licence; agreement data is judged by its basis.
     judge_terms = provenance.basis not in ("tdm-research", "agreement")
 
+    def named(key: str, names: set[str]) -> bool:  # "X WITH e" is named by itself or by X
+        return key.lower() in names or base_licence(key).lower() in names
+
     def ok(key: str) -> bool:
-        if key.lower() in denied:
+        if named(key, denied):
             return False
-        if not judge_terms or key.lower() in listed:
+        if not judge_terms or named(key, listed):
             return True
         if key == AGREEMENT:
             return provenance.basis == "synthetic" and policy.allow_agreement_derived
         return OPEN in (policy.allow_licenses or []) and is_open(key)
 
-    if satisfiable(provenance.license, ok):
+    if satisfiable(terms, ok):
         return []
-    refused = [k for k in dict.fromkeys(license_keys(provenance.license)) if not ok(k)]
+    refused = [k for k in license_keys(terms) if not ok(k)]
     reasons = []
     for key in refused:
-        if key.lower() in denied:
+        if named(key, denied):
             reasons.append(f"{key} is in data_policy.deny_licenses")
         elif key == AGREEMENT:
             reasons.append(f"{key} is trained on only as synthetic data derived from agreement data "
@@ -181,7 +223,49 @@ def _licence_problems(where: str, provenance: Provenance, policy: DataPolicy) ->
         else:
             reasons.append(f"{key} is not an open licence (ScanCode category {licence_category(key)}): "
                            "list it in data_policy.allow_licenses to train on it")
-    return [f"{where}: license {provenance.license}: {'; '.join(reasons)}"]
+    return [f"{where}: license {terms}: {'; '.join(reasons)}"]
+
+
+def lineage_policy_problems(entries, policy: DataPolicy, where: str) -> list[str]:
+    """The datasets a checkpoint records a model trained on (``DatasetLineage`` entries: a resumed
+    run's own, a base model's), judged by ``policy`` as the gate judges a mixture: provenance,
+    licences, audit groups, personal data kept. Datasets of which nothing was trained on are not
+    judged. One line each, prefixed ``where``."""
+    problems: list[str] = []
+    for entry in entries:
+        if not (entry.tokens or entry.documents):
+            continue
+        screen = _screen(entry.personal_data)
+        problems += [f"{where}: {line}" for line in policy_problems(
+            entry.name, entry.provenance, policy, entry.audit_group, screen)]
+    return problems
+
+
+def model_lineage_problems(lineage, base, policy: DataPolicy, where: str) -> list[str]:
+    """Why ``policy`` forbids a model trained on ``lineage`` (``DatasetLineage`` entries; None: not
+    recorded) and continued from ``base`` (a checkpoint's ``BaseModel``, and what it started from
+    in turn): every dataset anything in that chain trained on is judged; weights whose training
+    data is not recorded are refused unless the policy allows them (``allow_unknown_base``)."""
+    problems = [] if lineage is None else lineage_policy_problems(lineage, policy, where)
+    while base is not None:
+        origin = f"base model {base.source}" + (f" (step {base.step})" if base.step is not None else "")
+        if base.lineage is None:
+            if not policy.allow_unknown_base:
+                problems.append(f"{origin}: its training data is not recorded (imported weights, or a "
+                                "checkpoint without lineage), so the data policy cannot judge it; set "
+                                "data_policy.allow_unknown_base: true to continue from it")
+        else:
+            problems += lineage_policy_problems(base.lineage, policy, origin)
+        base = base.base_model
+    return problems
+
+
+def _screen(recorded: Any) -> PersonalDataScreen | None:
+    """The personal-data screen a lineage entry recorded (None: none recorded)."""
+    if not isinstance(recorded, dict):
+        return None
+    return PersonalDataScreen(policy=str(recorded.get("policy")), found=dict(recorded.get("found") or {}),
+                              documents_rejected=int(recorded.get("documents_rejected") or 0))
 
 
 def _key(license_id: str) -> str:
@@ -222,6 +306,11 @@ def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world
     read again. None: every file is hashed."""
     problems: list[str] = []
     files: list[tuple[str, list[str], list]] = []  # (dataset, structural lines, files being hashed)
+    signed = bool(mixture.policy.public_key)
+    if signed and not verify:  # a signature vouches for the manifest; the hashes carry it to the shards
+        log.warning("data.verify=false, but data_policy.public_key is set: signed datasets' files are "
+                    "verified against their manifests all the same")
+        verify = True
     threads = max(1, min(8, os.cpu_count() or 1))
     started, hashed, shares = time.perf_counter(), [0, 0], ByteShares(world)
     cache = DigestCache(digest_cache, rank) if verify and digest_cache is not None else None
@@ -245,30 +334,7 @@ def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world
             except UserError as exc:
                 problems.append(f"dataset {entry.name}: {exc}")
                 continue
-            edited = False
-            for problem in (manifest.digest_problem, record_problem(manifest.provenance)):
-                if problem:
-                    edited = True
-                    problems.append(f"dataset {entry.name}: {entry.path / 'manifest.json'}: {problem}")
-            for path in changed_inputs(manifest):
-                problems.append(f"dataset {entry.name}: input {path} changed since it was prepared "
-                                "(its sha256 differs from the manifest's); prepare it again")
-            record = manifest.provenance
-            try:
-                provenance = provenance_from_record(record, f"dataset {entry.name}: "
-                                                            f"{entry.path / 'manifest.json'}: provenance")
-            except UserError as exc:
-                problems.append(str(exc))
-            else:
-                if not edited:  # an edited record's verdict means nothing
-                    problems += policy_problems(entry.name, record, mixture.policy,
-                                                entry.audit_group_of(provenance))
-            if mixture.policy.public_key:
-                from .signing import signature_problem
-
-                problem = signature_problem(entry.path, manifest, mixture.policy.public_key)
-                if problem:
-                    problems.append(f"dataset {entry.name}: {problem}")
+            problems += declaration_problems(entry, manifest, mixture.policy)
             structural = shard_problems(entry.path, manifest)
             # A dataset with a structural problem is hashed whole by every rank: its digests then
             # name the damaged or swapped file itself, the same line on every rank.
@@ -289,6 +355,40 @@ def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world
     else:
         log.warning("prepared data: structure checked, sha256 not verified (data.verify=false: for "
                     "trusted corpora only)")
+    return problems
+
+
+def declaration_problems(entry, manifest: Manifest, policy: DataPolicy) -> list[str]:
+    """The checks of one dataset of a mixture (``entry``) that read its records, not its data: its
+    manifest and provenance record intact, its inputs unchanged, its provenance valid and allowed
+    by ``policy`` (personal data included), its parents unchanged since it was derived from them,
+    its manifest signed when the policy asks. One line each, naming the dataset."""
+    where = f"dataset {entry.name}"
+    problems, edited = [], False
+    for problem in (manifest.digest_problem, record_problem(manifest.provenance)):
+        if problem:
+            edited = True
+            problems.append(f"{where}: {entry.path / 'manifest.json'}: {problem}")
+    for path in changed_inputs(manifest):
+        problems.append(f"{where}: input {path} changed since it was prepared (its sha256 differs from the "
+                        "manifest's); prepare it again")
+    record = manifest.provenance
+    try:
+        provenance = provenance_from_record(record, f"{where}: {entry.path / 'manifest.json'}: provenance")
+    except UserError as exc:
+        problems.append(str(exc))
+    else:
+        if not edited:  # an edited record's verdict means nothing
+            problems += policy_problems(entry.name, record, policy, entry.audit_group_of(provenance),
+                                        manifest.personal_data)
+            if provenance is not None:
+                problems += ancestry_problems(provenance, entry.path, where)
+    if policy.public_key:
+        from .signing import signature_problem
+
+        problem = signature_problem(entry.path, manifest, policy.public_key)
+        if problem:
+            problems.append(f"{where}: {problem}")
     return problems
 
 

@@ -123,10 +123,12 @@ VERIFIED_CACHE_GLOB = "verified-sha256.*.json"
 
 class DigestCache:
     """sha256 digests of files hashed on an earlier start, reused while a file's (path, size,
-    mtime, inode) are unchanged: a restart does not read a 100B-token corpus again. Each rank
-    keeps its own file (``verified-sha256.rank<r>.json``) in ``directory`` and reads all of them.
-    A file rewritten in place keeps its inode but not its mtime; ``touch``-ing an old mtime back
-    onto edited data defeats it (``data.verify_cache=false`` hashes everything)."""
+    mtime, inode, inode change time) are unchanged: a restart does not read a 100B-token corpus
+    again. Each rank keeps its own file (``verified-sha256.rank<r>.json``) in ``directory`` and
+    reads all of them. A file rewritten in place keeps its inode but not its mtime, and setting an
+    old mtime back (``touch -d``, ``os.utime``) changes the inode's ctime, which no user can set:
+    either edit is read again. (Moving or ``chmod``-ing a file changes its ctime too: it costs one
+    more hashing, nothing else.)"""
 
     def __init__(self, directory: Path, rank: int) -> None:
         self.path = directory / VERIFIED_CACHE_GLOB.replace("*", f"rank{rank}")
@@ -138,23 +140,23 @@ class DigestCache:
             except (OSError, ValueError):
                 continue  # a damaged cache only costs hashing
             if isinstance(entries, dict):
-                self.known.update({k: v for k, v in entries.items() if isinstance(v, list) and len(v) == 4})
+                self.known.update({k: v for k, v in entries.items() if isinstance(v, list) and len(v) == 5})
         self.seen: dict[str, list] = {}
         self._lock = threading.Lock()
 
     @staticmethod
     def _key(st: os.stat_result) -> list:
-        return [st.st_size, st.st_mtime_ns, st.st_ino]
+        return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
 
     def sha256(self, path: Path) -> str:
         """The file's sha256: remembered if it is unchanged since, else read (thread-safe)."""
         name = str(Path(path).resolve())
         key = self._key(os.stat(name))
         entry = self.known.get(name)
-        if entry is not None and entry[:3] == key:
+        if entry is not None and entry[:-1] == key:
             with self._lock:
                 self.reused += 1
-            digest = entry[3]
+            digest = entry[-1]
         else:
             digest = sha256_file(name)
             if self._key(os.stat(name)) != key:  # changed while it was read: remember nothing

@@ -8,10 +8,16 @@ dataset's manifest with the sha256 of every input file. A data file that a pipel
 made from others names them in ``derived_from``; it inherits their terms (all of them: AND; an
 agreement source's ``derived_terms`` where it states them) and the generator's, and languages,
 unless it declares its own, which must keep every one of those terms (licences only get stricter
-downstream). Basis, licence and form are checked against each other. Nothing declared is
-``unknown``, visibly, everywhere. A stored record is validated as strictly as a declaration
-whenever it is read (:func:`provenance_from_record`): a hand-edited record with recomputed
-digests is still refused when it is not one this module would have written.
+downstream; an OR may narrow them, never reopen one). Its *effective terms*
+(:func:`effective_terms`) are its own licence AND every parent's terms AND its generator's: what
+the data policy judges. Synthetic data names what it was made from or what generated it; a
+generator's terms must be declared (``unknown`` is an explicit answer the default policy refuses).
+Each parent is pinned by its record's digest and its path: a parent whose record changed since,
+or a lineage that loops, is refused (:func:`ancestry_problems`). Basis, licence and form are
+checked against each other. Nothing declared is ``unknown``, visibly, everywhere. A stored record
+is validated as strictly as a declaration whenever it is read (:func:`provenance_from_record`): a
+hand-edited record with recomputed digests is still refused when it is not one this module would
+have written.
 
 Fields (the paper's §2 and Appendix A; Table 6 for the forms)::
 
@@ -91,6 +97,7 @@ _URL = re.compile(r"^[a-z][a-z0-9+.-]*://\S+$")
 _OMITTED_WHEN_UNSET = ("research_organisation", "lawful_access", "derived_terms", "generator_license")
 """Fields added after records were first written: left out of a record while unset, so that the
 digest of a record written before them is still its digest."""
+_PARENT_OMITTED_WHEN_UNSET = ("derived_terms", "path")
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,10 @@ class Parent:
     source: str
     derived_terms: str | None = None
     """For an agreement source: the terms its agreement lets derived data be used under."""
+    path: str | None = None
+    """Where the parent was when this dataset was made from it (its prepared directory or data
+    file, absolute): the gate reads it again to check it is still the record pinned by ``digest``
+    (None in records written before parents were located)."""
 
     @property
     def terms(self) -> str:
@@ -112,7 +123,7 @@ class Parent:
         return self.derived_terms or self.license
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None or k not in _OMITTED_WHEN_UNSET}
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in _PARENT_OMITTED_WHEN_UNSET}
 
 
 @dataclass(frozen=True)
@@ -154,12 +165,39 @@ class Provenance:
         """sha256 of the record: what a checkpoint's lineage and a child's derived_from name."""
         return record_digest(self.to_dict())
 
-    def as_parent(self) -> Parent:
-        return Parent(self.id, self.digest, self.license, self.basis, self.source, self.derived_terms)
+    def as_parent(self, path: str | Path | None = None) -> Parent:
+        return Parent(self.id, self.digest, self.license, self.basis, self.source, self.derived_terms,
+                      str(Path(path).resolve()) if path is not None else None)
 
     def unknown_ancestors(self) -> list[str]:
         """The ids of parents that declared nothing."""
         return [p.id for p in self.derived_from if p.digest is None]
+
+    @property
+    def generator_terms(self) -> str | None:
+        """The generator's terms as they bind this data: its declared licence; ``unknown`` for
+        synthetic data made by a generator whose licence was not declared (or declared
+        ``unknown``); None where nothing generated it."""
+        if self.generator_license:
+            return self.generator_license
+        return UNKNOWN if self.basis == "synthetic" and self.generator else None
+
+    def unknown_terms(self) -> list[str]:
+        """Why the effective terms are unknown (empty: they are known)."""
+        why = [f"derived from {p.id}, which declared none" for p in self.derived_from if p.terms == UNKNOWN]
+        if self.generator_terms == UNKNOWN:
+            why.append(f"the generator {self.generator!r} has no declared licence (generator_license)")
+        if self.license == UNKNOWN and not why:
+            why.append("no licence declared")
+        return why
+
+
+def effective_terms(p: Provenance) -> str:
+    """The terms a dataset is used under: its own licence AND every parent's terms AND its
+    generator's (a conjunction down the lineage: each parent's licence already holds its own
+    ancestors'). ``unknown`` when any of them is."""
+    return combine_licenses([p.license, *(parent.terms for parent in p.derived_from),
+                             *([p.generator_terms] if p.generator_terms else [])])
 
 
 def record_digest(record: Mapping[str, Any]) -> str:
@@ -274,7 +312,7 @@ def consistency_errors(p: Provenance, where: str, errors: list[str], *, declared
                       f"got {p.location!r}")
     for name in ("derived_terms", "generator_license"):
         value = getattr(p, name)
-        if value:
+        if value and not (name == "generator_license" and value == UNKNOWN):
             normalised, problem = normalise_license(value)
             if problem:
                 errors.append(f"{where}.{name}: {problem}")
@@ -303,10 +341,13 @@ def consistency_errors(p: Provenance, where: str, errors: list[str], *, declared
     if p.derived_terms and p.basis != "agreement":
         errors.append(f"{where}.derived_terms: only an agreement source states terms for data derived from "
                       f"it, got basis {p.basis}")
+    if p.basis == "synthetic" and not p.derived_from and not p.generator:
+        errors.append(f"{where}.basis: synthetic data names what it was made from (derived_from) or what "
+                      "generated it (generator, with generator_license)")
     if not declared_license:
         return
     inherited = [(parent.id, parent.terms) for parent in p.derived_from]
-    if p.generator_license:
+    if p.generator_license and p.generator_license != UNKNOWN:
         inherited.append((f"generator {p.generator or ''}".strip(), p.generator_license))
     for name, terms in inherited:
         relaxed = dropped_terms(p.license, terms)
@@ -366,6 +407,7 @@ def resolve_declaration(
     base: Path,
     siblings: Mapping[str, Path] | None = None,
     pending: Iterable[str] = (),
+    output: Path | None = None,
     errors: list[str],
 ) -> Provenance | None:
     """The validated record of a declaration; each mistake appends one line to ``errors``
@@ -375,11 +417,14 @@ def resolve_declaration(
     (relative paths resolve against ``base``), or the names of ``siblings`` (datasets of the same
     prepare file, name -> output directory, prepared before this one). Names in ``pending`` are
     siblings not prepared yet (checking a whole file before preparing it): accepted unresolved.
+    ``output``: the dataset being prepared; a parent that is it, or descends from it, is refused
+    (a lineage may not loop), as is a parent whose own parents changed since it was made.
     """
     before = len(errors)
     pending = set(pending)
     parents: list[Parent] = []
     inherited_languages: dict[str, None] = {}
+    own = str(Path(output).resolve()) if output is not None else None
     for i, ref in enumerate(decl.derived_from):
         if ref in pending:
             parents.append(Parent(id=ref, digest=None, license=UNKNOWN, basis=UNKNOWN, source=UNKNOWN))
@@ -392,20 +437,32 @@ def resolve_declaration(
         if resolved is None:
             errors.append(f"{where}.derived_from[{i}]: {ref!r} is neither a prepared dataset, a file with a "
                           f"{SIDECAR_SUFFIX} sidecar, nor a dataset prepared earlier in this file")
-        else:
-            parents.append(resolved[0])
-            inherited_languages.update(dict.fromkeys(resolved[1]))
+            continue
+        parent, languages, found = resolved
+        if own is not None and parent.path == own:
+            errors.append(f"{where}.derived_from[{i}]: {ref!r} is the dataset being prepared: a dataset "
+                          "cannot be derived from itself")
+            continue
+        if found is not None:
+            errors += [f"{where}.derived_from[{i}]: {line}"
+                       for line in ancestry_problems(found, parent.path, parent.id, [own] if own else [])]
+        parents.append(parent)
+        inherited_languages.update(dict.fromkeys(languages))
     for name in ("source", "basis", "form"):
         if not (getattr(decl, name) or "").strip():
             errors.append(f"{where}.{name}: required")
+    if decl.basis == "synthetic" and decl.generator and not decl.generator_license:
+        errors.append(f"{where}.generator_license: required for data a generator made (the generating "
+                      "models' terms bind their output): an SPDX expression, or 'unknown' (which the "
+                      "default data policy refuses to train on)")
     license_, declared = None, bool(decl.license)
     if decl.license:
         license_, problem = normalise_license(decl.license)
         if problem:
             errors.append(f"{where}.license: {problem}")
-    elif not decl.derived_from:
+    elif not decl.derived_from and not decl.generator_license:
         errors.append(f"{where}.license: required (an SPDX expression, or {' / '.join(EXTRA_LICENCES)}); "
-                      "only a dataset with derived_from inherits one")
+                      "only a dataset with derived_from or a generator_license inherits one")
     else:  # inherited: every parent's terms, and the generator's
         generator_terms = [_normalised(decl.generator_license)] if decl.generator_license else []
         license_ = combine_licenses([*(p.terms for p in parents), *generator_terms])
@@ -434,9 +491,10 @@ def _normalised(expression: str | None) -> str | None:
     return normalise_license(expression)[0] or expression
 
 
-def _resolve_parent(ref: str, base: Path,
-                    siblings: Mapping[str, Path]) -> tuple[Parent, tuple[str, ...]] | None:
-    """The parent record ``ref`` names and its languages; None where it names nothing."""
+def _resolve_parent(ref: str, base: Path, siblings: Mapping[str, Path]
+                    ) -> tuple[Parent, tuple[str, ...], Provenance | None] | None:
+    """The parent record ``ref`` names, its languages and its own record (None: undeclared);
+    None where it names nothing."""
     path = siblings.get(ref)
     if path is None:
         path = Path(ref).expanduser()
@@ -446,8 +504,86 @@ def _resolve_parent(ref: str, base: Path,
         return None
     found = checked_record(record, path)
     if found is None:  # it exists but declared nothing: kept, visibly unknown
-        return Parent(id=str(ref), digest=None, license=UNKNOWN, basis=UNKNOWN, source=UNKNOWN), ()
-    return found.as_parent(), found.languages
+        return Parent(id=str(ref), digest=None, license=UNKNOWN, basis=UNKNOWN, source=UNKNOWN,
+                      path=str(Path(path).resolve())), (), None
+    return found.as_parent(path), found.languages, found
+
+
+def ancestry_problems(provenance: Provenance, path: str | Path | None, name: str,
+                      descendants: Iterable[str] = ()) -> list[str]:
+    """Why the lineage above ``provenance`` (the record of ``name``, stored at ``path``) cannot be
+    trusted, one line each: a parent, still where it was, whose record is no longer the one this
+    dataset pinned (re-prepared or re-declared since: its terms may have changed), or a lineage
+    that loops (a dataset among its own ancestors). Parents that are gone, or recorded before
+    parents were located, are taken as pinned. ``descendants``: paths below ``path`` (a dataset
+    being prepared from it), which may not appear above it either."""
+    problems: list[str] = []
+
+    def walk(child: Provenance, child_name: str, chain: list[str]) -> None:
+        for parent in child.derived_from:
+            if parent.path is None or parent.digest is None:
+                continue
+            if parent.path in chain:
+                loop = " -> ".join([*_names(chain, parent.path), names.get(parent.path, parent.id)])
+                problems.append(f"{name}: its lineage loops ({loop}): a dataset cannot be derived from "
+                                "itself")
+                continue
+            try:
+                record = read_provenance(parent.path)
+                found = None if record is False else checked_record(record, parent.path)
+            except UserError as exc:
+                problems.append(f"{name}: parent {parent.id} of {child_name}: {exc}")
+                continue
+            if record is False:
+                continue  # gone: the record pinned in the child is what there is
+            now = found.digest if found is not None else None
+            if now != parent.digest:
+                terms = found.license if found is not None else UNKNOWN
+                whose = "it" if child is provenance else f"its ancestor {child_name}"
+                problems.append(f"{name}: {whose} was derived from {parent.id} ({parent.path}), which "
+                                f"changed since (the record pinned {parent.digest[:12]}, now "
+                                f"{(now or UNKNOWN)[:12]}, licence {terms}); prepare {child_name} again "
+                                f"from {parent.id} as it is")
+                continue
+            walk(found, parent.id, [*chain, parent.path])
+
+    names: dict[str, str] = {}
+
+    def _names(chain: list[str], start: str) -> list[str]:
+        return [names.get(p, Path(p).name) for p in chain[chain.index(start):]]
+
+    start = [*descendants, *([str(Path(path).resolve())] if path is not None else [])]
+    if path is not None:
+        names[str(Path(path).resolve())] = provenance.id
+    walk(provenance, provenance.id, start)
+    return problems
+
+
+def agreement_ancestors(provenance: Provenance) -> list[Parent]:
+    """The agreement sources a dataset was derived from, directly or through parents that are
+    still where they were recorded (a parent's own parents are read from its record on disk; one
+    that is gone, or changed since, ends the walk there)."""
+    found: dict[tuple[str, str | None], Parent] = {}
+    seen: set[str] = set()
+
+    def walk(record: Provenance) -> None:
+        for parent in record.derived_from:
+            if parent.basis == "agreement":
+                found.setdefault((parent.id, parent.digest), parent)
+                continue
+            if not parent.path or parent.path in seen or parent.digest is None:
+                continue
+            seen.add(parent.path)
+            try:
+                stored = read_provenance(parent.path)
+                above = None if stored is False else checked_record(stored, parent.path)
+            except UserError:
+                continue  # a damaged parent: the gate names it
+            if above is not None and above.digest == parent.digest:
+                walk(above)
+
+    walk(provenance)
+    return list(found.values())
 
 
 # -- where records live ---------------------------------------------------------------------------
@@ -526,20 +662,21 @@ def write_sidecar(data_file: str | Path, provenance: Provenance | None) -> Path:
 
 def derived_provenance(
     inputs: Iterable[str | Path], *, id: str, source: str, form: str, basis: str | None = None,
-    generator: str | None = None, notes: str | None = None,
+    generator: str | None = None, generator_license: str | None = None, notes: str | None = None,
 ) -> Provenance:
     """The record of data a pipeline made from ``inputs`` (files or prepared datasets): their
     licences (AND) and languages; ``basis`` defaults to the inputs' own when they agree (a
-    conversion keeps it), else synthetic."""
+    conversion keeps it), else synthetic. ``generator_license``: the generating models' terms
+    (None with a ``generator``: ``unknown``, which the default data policy refuses)."""
     parents, languages = [], {}
     for path in inputs:
         record = read_provenance(path)
         found = checked_record(record or None, path)
         if found is None:
             parents.append(Parent(id=Path(path).name, digest=None, license=UNKNOWN, basis=UNKNOWN,
-                                  source=UNKNOWN))
+                                  source=UNKNOWN, path=str(Path(path).resolve())))
         else:
-            parents.append(found.as_parent())
+            parents.append(found.as_parent(path))
             languages.update(dict.fromkeys(found.languages))
     if basis is None:
         bases = {p.basis for p in parents}
@@ -547,6 +684,9 @@ def derived_provenance(
     # A conversion keeps its inputs' licences; data generated from them takes the terms they
     # pass on (an agreement's terms for derived data).
     terms = [p.terms if basis == "synthetic" else p.license for p in parents]
+    if generator and basis == "synthetic":
+        generator_license = generator_license or UNKNOWN
+        terms.append(generator_license)
     return Provenance(id=id, source=source, license=combine_licenses(terms),
                       basis=basis, form=form, languages=tuple(languages), derived_from=tuple(parents),
-                      generator=generator, notes=notes)
+                      generator=generator, notes=notes, generator_license=generator_license)

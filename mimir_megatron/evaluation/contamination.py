@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT = "mimir-contamination-v1"
+FORMAT = "mimir-contamination-v2"
+DIGESTLESS_FORMAT = "mimir-contamination-v1"
+"""The format before v2: its reports may lack a digest (written before reports carried one)."""
 MARK = "‡"
 """Suffix of a contaminated benchmark's name in eval and sweep tables."""
 
@@ -190,7 +192,7 @@ class ContaminationReport:
         body = read_json_object(path, "contamination report",
                                 missing=f"contamination report not found: {path}")
         migrated = _migrated_report(body, path)
-        refuse_if_edited(body, path, "mimir audit contamination")
+        refuse_if_edited(body, path, "mimir audit contamination", required=body.get("format") == FORMAT)
         return _report_from_dict(migrated, path)
 
     def write(self, directory: str | Path) -> Path:
@@ -231,11 +233,12 @@ class ContaminationReport:
 
 
 def _migrated_report(body: dict[str, Any], path: Path) -> dict[str, Any]:
-    """A report of an older format brought to today's, or a refusal naming its version. A report
-    written before reports carried a digest holds today's fields and reads as it is (there is
-    nothing to verify); a report of another version (or of none) is refused."""
+    """A report of an older format brought to today's, or a refusal naming its version. A v1 report
+    holds today's fields and reads as it is (one written before reports carried a digest has
+    nothing to verify); a report of another version (or of none) is refused. A v2 report always
+    carries its digest."""
     found = body.get("format")
-    if found != FORMAT:
+    if found not in (FORMAT, DIGESTLESS_FORMAT):
         raise UserError(f"{path}: format {found!r} is not one this version of mimir reads (it reads "
                         f"{FORMAT!r}); run `mimir audit contamination` again")
     return body

@@ -25,8 +25,10 @@ from typing import Any, ClassVar, Self
 from mimir_megatron.errors import UserError
 from mimir_megatron.integrity import read_json_object, refuse_if_edited, with_digest, write_json_atomic
 
-RESULTS_FORMAT = "mimir-eval-results-v1"
-SWEEP_FORMAT = "mimir-sweep-results-v1"
+RESULTS_FORMAT = "mimir-eval-results-v2"
+SWEEP_FORMAT = "mimir-sweep-results-v2"
+_DIGESTLESS_FORMATS = {RESULTS_FORMAT: "mimir-eval-results-v1", SWEEP_FORMAT: "mimir-sweep-results-v1"}
+"""Each record's format before v2, when its files may lack a digest (written before digests)."""
 RESULTS_NAME = "results.json"
 SWEEP_NAME = "table5.json"
 
@@ -169,16 +171,17 @@ def _read_record(path: Path, expected: str, writer: str) -> dict[str, Any]:
     (:func:`_migrated`), its content still the one its digest was computed over."""
     body = read_json_object(path, "results file")
     migrated = _migrated(body, path, expected, writer)
-    refuse_if_edited(body, path, writer)
+    refuse_if_edited(body, path, writer, required=body.get("format") == expected)
     return migrated
 
 
 def _migrated(body: dict[str, Any], path: Path, expected: str, writer: str) -> dict[str, Any]:
     """A file of an older format brought to today's: one without ``format`` (written before it was
-    recorded) or without a digest (written before digests were) holds today's fields, so it reads
-    as it is; another version is refused, naming it."""
-    found = body.get("format", expected)
-    if found != expected:
+    recorded) or of v1 (maybe written before digests were: its digest is checked where it has
+    one) holds today's fields, so it reads as it is; another version is refused, naming it. A file
+    of today's format always carries its digest (:func:`_read_record` refuses one without)."""
+    found = body.get("format")
+    if found not in (None, expected, _DIGESTLESS_FORMATS[expected]):
         raise UserError(f"{path}: format {found!r} is not one this version of mimir reads (it reads "
                         f"{expected!r}); run `{writer}` again")
     return body

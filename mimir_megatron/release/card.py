@@ -15,6 +15,7 @@ from typing import Any
 
 from mimir_megatron.data.licences import (
     EXTRA_LICENCES,
+    base_licence,
     combine_licenses,
     dropped_terms,
     licence_category,
@@ -23,6 +24,8 @@ from mimir_megatron.data.licences import (
 )
 from mimir_megatron.data.provenance import UNKNOWN
 from mimir_megatron.errors import UserError
+
+from .summary import personal_data_statement
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -92,16 +95,17 @@ def hf_license(expression: str | None) -> CardLicence:
         return CardLicence(normalised, key)
     name = re.sub(r"[^a-z0-9.]+", "-", normalised.lower()).strip("-")
     ids = license_keys(normalised)
-    link = f"https://spdx.org/licenses/{ids[0]}.html" if len(ids) == 1 and ids[0] not in EXTRA_LICENCES \
-        else "https://spdx.org/licenses/"
+    single = len(ids) == 1 and ids[0] not in EXTRA_LICENCES
+    link = f"https://spdx.org/licenses/{base_licence(ids[0])}.html" if single else "https://spdx.org/licenses/"
     return CardLicence(normalised, "other", name, link)
 
 
 def data_terms(summary: dict[str, Any] | None) -> str | None:
-    """The combined terms of everything the model was trained on (None: not recorded or unknown)."""
+    """The combined terms of everything the model was trained on, its base models' data included
+    (None: not recorded or unknown)."""
     if summary is None:
         return None
-    licences = [k for k in summary["tables"]["by_license"] if k != UNKNOWN]
+    licences = [k for k, tokens in summary["tables"]["by_license"].items() if k != UNKNOWN and tokens]
     return combine_licenses(licences) if licences else None
 
 
@@ -139,7 +143,8 @@ def model_card(*, model_name: str, model_info: dict[str, Any], summary: dict[str
     if summary is not None:
         languages = [k for k in summary["general"]["languages"] if k != UNKNOWN]
         sources = summary["sources"]
-        for row in sources["public_datasets"] + sources["synthetic_data"] + sources["tdm_research_datasets"]:
+        for row in (sources["public_datasets"] + sources["agreement_derived_data"] + sources["synthetic_data"]
+                    + sources["tdm_research_datasets"]):
             if row.get("location") and _HUB_ID.match(row["location"]):
                 datasets.append(row["location"])
     data = ModelCardData(
@@ -158,6 +163,10 @@ def model_card(*, model_name: str, model_info: dict[str, Any], summary: dict[str
     card = ModelCard.from_template(data, template_str=_TEMPLATE, model_name=model_name, data=section,
                                    **model_info)
     return str(card)
+
+
+def _share(tokens: int, total: int) -> str:
+    return f"{100 * tokens / total:.1f} %" if total else "-"
 
 
 def _data_section(summary: dict[str, Any] | None) -> str:
@@ -179,10 +188,18 @@ def _data_section(summary: dict[str, Any] | None) -> str:
                    else "a custom data policy (see the summary)")
     checked = (f"and checked against {policy_text} before training" if policy["data_policy"] is not None
                else "(no data policy was recorded with this checkpoint)")
+    unsampled = f" ({g['datasets_not_sampled']} not sampled yet)" if g["datasets_not_sampled"] else ""
     lines = [f"{total:,} tokens ({g['training_documents']:,} documents) as sampled, from "
-             f"{g['datasets']} datasets; {declared}, {checked}.", "",
-             "| licence | tokens | share |", "| --- | ---: | ---: |"]
-    lines += [f"| {k} | {v:,} | {100 * v / total:.1f} % |" for k, v in t["by_license"].items()]
+             f"{g['datasets']} datasets{unsampled}; {declared}, {checked}."]
+    for base in g["base_models"]:
+        data = ("whose training data is not recorded" if base["tokens"] is None else
+                f"trained on {base['tokens']:,} of these tokens, from "
+                f"{', '.join(base['datasets']) or 'none'}")
+        lines += ["", f"Continued from the base model {base['source']} (step {base['step']}), {data}; the "
+                  "tables below count the base model's data with this run's."]
+    lines += ["", "| licence | tokens | share |", "| --- | ---: | ---: |"]
+    lines += [f"| {k} | {v:,} | {_share(v, total)} |" for k, v in t["by_license"].items()]
     lines += ["", "| basis | tokens | share |", "| --- | ---: | ---: |"]
-    lines += [f"| {k} | {v:,} | {100 * v / total:.1f} % |" for k, v in t["by_basis"].items()]
+    lines += [f"| {k} | {v:,} | {_share(v, total)} |" for k, v in t["by_basis"].items()]
+    lines += ["", f"Personal data: {personal_data_statement(policy['personal_data'])}."]
     return "\n".join(lines)

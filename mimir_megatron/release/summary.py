@@ -3,15 +3,19 @@ template for general-purpose AI models (Art. 53(1)(d) AI Act; template of 24 Jul
 
 Every figure comes from the checkpoint's lineage (what each dataset contributed, counted by the
 loader, and each dataset's provenance as its manifest declared it) and, where they are still on
-disk, the datasets' manifests (tokenisation and rejects). Nothing is typed in by hand. The three
+disk, the datasets' manifests (tokenisation and rejects). Nothing is typed in by hand. A model
+continued from other weights (``checkpoint.init_from``) includes what those were trained on: the
+base models' datasets are listed with the run's (their ``model`` says which), and the tables count
+both. Every dataset of the mixture is listed, those not sampled yet with 0 tokens. The three
 sections of the template:
 
-1. general information: provider, model, modalities, training data size, languages;
+1. general information: provider, model, modalities, training data size, languages, base models;
 2. the list of data sources by kind: public datasets, private datasets licensed from third
    parties (agreement-supplied data, which this project trains on only through data derived from
-   it), crawled data, user data, synthetic data (and what made it), other (undeclared);
-3. relevant processing: the data policy applied, opt-out handling by audit group, tokenisation
-   and rejects, synthetic generation and its audits, decontamination.
+   it), crawled data, user data, synthetic data derived from agreement data, other synthetic data
+   (and what made it), other (undeclared);
+3. relevant processing: the data policy applied, opt-out handling by audit group, personal data,
+   tokenisation and rejects, synthetic generation and its audits, decontamination.
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 from mimir_megatron.checkpoint import BaseModel, DatasetLineage, TrainerState
 from mimir_megatron.data.manifest import MANIFEST_NAME, Manifest
-from mimir_megatron.data.provenance import BASES, FORMS, UNKNOWN, provenance_from_record
+from mimir_megatron.data.provenance import (
+    BASES,
+    FORMS,
+    UNKNOWN,
+    agreement_ancestors,
+    effective_terms,
+    provenance_from_record,
+)
 from mimir_megatron.errors import UserError
 
 if TYPE_CHECKING:
@@ -33,10 +44,18 @@ TEMPLATE = ("EU AI Office, Template for the Public Summary of Training Content f
             "AI models (24 July 2025)")
 
 
+THIS_RUN = "this run"
+"""The ``model`` of a row the checkpoint's own run trained on (a base model's rows name it)."""
+
+
 def lineage_problems(state: TrainerState, source: str | Path) -> list[str]:
     """Why the release documents of the checkpoint ``source`` cannot be trusted, one line per
     dataset: its provenance as the lineage records it does not validate, or its manifest, still
-    on disk, is no longer the one the run trained on (the lineage pins its digest)."""
+    on disk, is no longer the one the run trained on (the lineage pins its digest); or the data
+    policy recorded with the checkpoint forbids what the model was trained on, its base models'
+    data included (the gate's judgement, made again on the whole lineage)."""
+    from mimir_megatron.data.policy import DataPolicy, model_lineage_problems
+
     problems = []
     for entry in state.lineage:
         where = f"{source}: dataset {entry.name}"
@@ -56,25 +75,38 @@ def lineage_problems(state: TrainerState, source: str | Path) -> list[str]:
             problems.append(f"{where}: its manifest {manifest_path} changed since this checkpoint was "
                             f"trained on it (digest pinned {entry.manifest_digest[:12]}, now "
                             f"{(now or 'none')[:12]}{'' if intact else ', not matching its content'})")
+    if state.data_policy is not None and not problems:
+        try:
+            policy = DataPolicy(**state.data_policy)
+        except TypeError:
+            return [f"{source}: its recorded data_policy is not one this version reads: {state.data_policy}"]
+        problems += [f"{source}: {line}" for line in model_lineage_problems(
+            state.lineage, state.base_model, policy, "lineage")]
     return problems
 
 
-def _provenance_row(entry: DatasetLineage, total: int) -> dict[str, Any]:
+def _provenance_row(entry: DatasetLineage, total: int, model: str = THIS_RUN) -> dict[str, Any]:
     p = provenance_from_record(entry.provenance, f"dataset {entry.name}: lineage provenance")
     row = {
-        "dataset": entry.name, "category": entry.category, "audit_group": entry.audit_group,
+        "dataset": entry.name, "model": model, "path": entry.path, "category": entry.category,
+        "audit_group": entry.audit_group,
         "tokens": entry.tokens, "documents": entry.documents, "response_tokens": entry.response_tokens,
-        "share": entry.tokens / total if total else 0.0,
+        "share": entry.tokens / total if total else 0.0, "personal_data": entry.personal_data,
     }
     if p is None:
         return row | {"provenance": UNKNOWN, "license": UNKNOWN, "basis": UNKNOWN, "form": UNKNOWN,
-                      "languages": [entry.language], "source": UNKNOWN}
+                      "languages": [entry.language], "source": UNKNOWN, "agreement_derived": False}
     return row | {
         "provenance": entry.provenance_digest, "id": p.id, "source": p.source, "location": p.location,
-        "revision": p.revision, "retrieved": p.retrieved, "license": p.license, "basis": p.basis,
+        "revision": p.revision, "retrieved": p.retrieved, "license": effective_terms(p), "basis": p.basis,
         "form": p.form, "languages": list(p.languages) or [entry.language], "generator": p.generator,
-        "derived_from": [{"id": d.id, "source": d.source, "license": d.license, "basis": d.basis}
-                         for d in p.derived_from],
+        "generator_license": p.generator_license,
+        "research_organisation": p.research_organisation, "lawful_access": p.lawful_access,
+        "derived_from": [{"id": d.id, "source": d.source, "license": d.license, "basis": d.basis,
+                          "digest": d.digest} for d in p.derived_from],
+        "agreement_sources": [{"id": d.id, "source": d.source, "license": d.license, "basis": d.basis,
+                               "digest": d.digest} for d in agreement_ancestors(p)],
+        "agreement_derived": p.basis != "agreement" and bool(agreement_ancestors(p)),
     }
 
 
@@ -92,21 +124,33 @@ def _base_models(base: BaseModel | None) -> list[dict[str, Any]]:
     while base is not None:
         tokens = sum(e.tokens for e in base.lineage) if base.lineage is not None else None
         chain.append({"source": base.source, "step": base.step, "mlflow_run_id": base.mlflow_run_id,
-                      "tokens": tokens, "lineage": "recorded" if base.lineage is not None else UNKNOWN})
+                      "tokens": tokens, "lineage": "recorded" if base.lineage is not None else UNKNOWN,
+                      "datasets": [e.name for e in base.lineage or () if e.tokens or e.documents]})
         base = base.base_model
     return chain
 
 
-def _manifest_on_disk(entry: DatasetLineage) -> Manifest | None:
+def _model_entries(state: TrainerState) -> list[tuple[str, DatasetLineage]]:
+    """(model, entry) for every dataset of the run's lineage and each base model's that was
+    trained on: what the weights were trained on, the run's listed first (its unsampled ones too)."""
+    entries = [(THIS_RUN, e) for e in state.lineage]
+    base = state.base_model
+    while base is not None:
+        entries += [(base.source, e) for e in base.lineage or () if e.tokens or e.documents]
+        base = base.base_model
+    return entries
+
+
+def _manifest_on_disk(path: str) -> Manifest | None:
     """The dataset's manifest if it is still on disk (checked: an edited one is refused, the
     export stops with its line), None where it is gone."""
-    if not (Path(entry.path) / MANIFEST_NAME).is_file():
+    if not (Path(path) / MANIFEST_NAME).is_file():
         return None
-    return Manifest.read(entry.path)
+    return Manifest.read(path)
 
 
 def _manifest_processing(entry: DatasetLineage) -> dict[str, Any]:
-    manifest = _manifest_on_disk(entry)
+    manifest = _manifest_on_disk(entry.path)
     if manifest is None:
         return {"dataset": entry.name, "manifest": "not available at export"}
     return {"dataset": entry.name, "lines_read": manifest.lines_read,
@@ -180,16 +224,19 @@ def training_data_summary(state: TrainerState, *, model_name: str, provider: str
     from mimir_megatron.data.licences import licence_category, license_keys
     from mimir_megatron.data.policy import DataPolicy
 
-    lineage = [e for e in state.lineage if e.tokens or e.documents]
-    total = sum(e.tokens for e in lineage)
-    rows = [_provenance_row(e, total) for e in lineage]
+    entries = _model_entries(state)
+    total = sum(e.tokens for _, e in entries)
+    rows = [_provenance_row(e, total, model) for model, e in entries]
+    run_rows = [r for r in rows if r["model"] == THIS_RUN]
     by_basis: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
-        by_basis[row["basis"]].append(row)
-    trained_ids = {row.get("id") for row in rows}
-    # Agreement sources that are only parents: one trained on directly is listed there instead.
-    agreement_sources = {d["id"]: d for row in rows for d in row.get("derived_from", [])
-                         if d["basis"] == "agreement" and d["id"] not in trained_ids}
+        kind = "agreement-derived" if row["agreement_derived"] else row["basis"]
+        by_basis[kind].append(row)
+    # Agreement sources that are only parents (one trained on directly is listed there instead),
+    # each once: known by their record's digest (ids are not unique across sources).
+    trained = {row["provenance"] for row in rows if row["basis"] == "agreement" and row["tokens"]}
+    agreement_sources = {(d["id"], d["digest"]): d for row in rows if row["tokens"]
+                         for d in row.get("agreement_sources", []) if d["digest"] not in trained}
     commercial = [r for r in rows if r["license"] != UNKNOWN
                   and any(licence_category(k) == "Commercial" for k in license_keys(r["license"]))]
     undeclared = _undeclared_share(rows, total)
@@ -201,6 +248,8 @@ def training_data_summary(state: TrainerState, *, model_name: str, provider: str
     except TypeError:
         policy_kind = "custom"
     tdm = by_basis["tdm-research"]
+    bases = _base_models(state.base_model)
+    sampled = [r for r in rows if r["tokens"] or r["documents"]]
     return {
         "template": TEMPLATE,
         "general": {
@@ -210,16 +259,18 @@ def training_data_summary(state: TrainerState, *, model_name: str, provider: str
             "model_version": model_version or f"step {state.step}",
             "placed_on_market": placed_on_market or "not stated",
             "modalities": ["text"],
-            "content_types": sorted({str(r["category"]) for r in rows}),
+            "content_types": sorted({str(r["category"]) for r in sampled}),
             "checkpoint": checkpoint, "step": state.step,
-            "datasets": len(rows),
+            "datasets": len(run_rows),
+            "datasets_not_sampled": sum(1 for r in run_rows if not (r["tokens"] or r["documents"])),
             "training_tokens": total,
-            "training_documents": sum(e.documents for e in lineage),
-            "supervised_tokens": sum(e.response_tokens for e in lineage),
+            "training_documents": sum(r["documents"] for r in rows),
+            "supervised_tokens": sum(r["response_tokens"] for r in rows),
+            "this_run_tokens": sum(r["tokens"] for r in run_rows),
             "undeclared_token_share": undeclared,
-            "latest_data_collection": _latest_collection(rows) or "not recorded",
-            "languages": _tally(rows, "languages"),
-            "base_models": _base_models(state.base_model),
+            "latest_data_collection": _latest_collection(sampled) or "not recorded",
+            "languages": _tally(sampled, "languages"),
+            "base_models": bases,
         },
         "sources": {
             "public_datasets": by_basis["open-licence"] + by_basis["public-domain"],
@@ -227,13 +278,14 @@ def training_data_summary(state: TrainerState, *, model_name: str, provider: str
                 "trained_on_directly": by_basis["agreement"],
                 "commercially_licensed": commercial,
                 "used_only_to_derive_synthetic_data": sorted(agreement_sources.values(),
-                                                             key=lambda d: d["id"]),
+                                                             key=lambda d: (d["id"], d["digest"] or "")),
             },
             "tdm_research_datasets": tdm,
             "crawled_data": "none declared: every dataset's provenance names its source, and none declares "
                             "data crawled or scraped by the provider" + unknown_note,
             "user_data": "none declared: no dataset's provenance declares data from the model's users"
                          + unknown_note,
+            "agreement_derived_data": by_basis["agreement-derived"],
             "synthetic_data": by_basis["synthetic"],
             "other_undeclared": by_basis[UNKNOWN],
         },
@@ -249,15 +301,38 @@ def training_data_summary(state: TrainerState, *, model_name: str, provider: str
             "data_policy": policy,
             "data_policy_kind": policy_kind,
             "opt_outs": _opt_out_statement(rows, tdm, total),
-            "illegal_content": _illegal_content_statement(lineage),
-            "tokenisation": [_manifest_processing(e) for e in lineage],
+            "illegal_content": _illegal_content_statement(run_rows),
+            "personal_data": _personal_data_handling(rows, policy),
+            "tokenisation": [_manifest_processing(e) for model, e in entries if model == THIS_RUN],
             "synthetic_generation": [
                 {"dataset": r["dataset"], "form": r["form"], "generator": r.get("generator"),
                  "audited": r["form"] in ("synthetic-audited", "translated-audited")}
-                for r in by_basis["synthetic"]],
+                for r in by_basis["synthetic"] + by_basis["agreement-derived"] if r["basis"] == "synthetic"],
             "decontamination": contamination or "no contamination report (mimir audit contamination)",
         },
     }
+
+
+def _personal_data_handling(rows: list[dict[str, Any]], policy: dict[str, Any] | None) -> dict[str, Any]:
+    """What the lineage records of the personal-data screen of every dataset trained on: how
+    many were screened and under which policy, and the direct identifiers kept (which the
+    default data policy refuses; a custom one may allow them)."""
+    from mimir_megatron.data.manifest import PersonalDataScreen
+
+    screened: dict[str, int] = defaultdict(int)
+    kept: dict[str, dict[str, int]] = {}
+    trained = [r for r in rows if r["tokens"] or r["documents"]]
+    for row in trained:
+        screen = row.get("personal_data")
+        if not isinstance(screen, dict):
+            continue
+        screened[str(screen.get("policy"))] += 1
+        found = PersonalDataScreen(str(screen.get("policy")), dict(screen.get("found") or {}), 0).kept
+        if found:
+            kept[row["dataset"]] = found
+    return {"datasets": len(trained), "screened": dict(screened),
+            "not_recorded": len(trained) - sum(screened.values()), "kept": kept,
+            "allowed_by_policy": bool((policy or {}).get("allow_personal_data"))}
 
 
 def _opt_out_statement(rows: list[dict[str, Any]], tdm: list[dict[str, Any]], total: int) -> str:
@@ -283,11 +358,12 @@ def _opt_out_statement(rows: list[dict[str, Any]], tdm: list[dict[str, Any]], to
     return "; ".join(parts)
 
 
-def _illegal_content_statement(lineage: list[DatasetLineage]) -> str:
+def _illegal_content_statement(rows: list[dict[str, Any]]) -> str:
     """What `mimir prepare` did against unwanted content, from the manifests still on disk."""
     screened, denylisted, seen = 0, 0, 0
-    for entry in lineage:
-        manifest = _manifest_on_disk(entry)
+    trained = [r for r in rows if r["tokens"] or r["documents"]]
+    for row in trained:
+        manifest = _manifest_on_disk(row["path"])
         if manifest is None:
             continue
         seen += 1
@@ -295,7 +371,7 @@ def _illegal_content_statement(lineage: list[DatasetLineage]) -> str:
         denylisted += bool(manifest.denylist)
     if not seen:
         return "not recorded: the datasets' manifests were not available at export"
-    return (f"{seen} of {len(lineage)} datasets' manifests read at export: {screened} screened for personal "
+    return (f"{seen} of {len(trained)} datasets' manifests read at export: {screened} screened for personal "
             f"data by `mimir prepare`, {denylisted} prepared with a benchmark denylist; every dataset was "
             "checked against the data policy before training; no classifier for other illegal content "
             "was run")
@@ -317,6 +393,28 @@ def _personal_data_text(screen: dict[str, Any] | None) -> str:
             f"{screen.get('documents_rejected', 0):,} documents rejected for it")
 
 
+def personal_data_statement(handling: dict[str, Any]) -> str:
+    """One paragraph on the personal-data screen of the data trained on (the summary's and the
+    model card's)."""
+    screened = handling["screened"]
+    done = sum(screened.values())
+    policies = ", ".join(f"{n} with policy {policy}" for policy, n in sorted(screened.items()))
+    text = (f"{done} of {handling['datasets']} dataset(s) trained on were screened for direct identifiers "
+            f"(e-mail addresses, phone numbers, IBANs, payment cards, national ids) by `mimir prepare`"
+            + (f" ({policies})" if policies else ""))
+    if handling["not_recorded"]:
+        text += f"; for {handling['not_recorded']} the lineage records no screen"
+    if handling["kept"]:
+        kept = "; ".join(f"{dataset}: " + ", ".join(f"{n:,} {kind}" for kind, n in found.items())
+                         for dataset, found in handling["kept"].items())
+        allowed = ("allowed explicitly by the custom data policy (allow_personal_data)"
+                   if handling["allowed_by_policy"] else "not allowed by the data policy recorded")
+        text += f"; direct identifiers found and kept in the training data ({kept}), {allowed}"
+    else:
+        text += "; none found was kept (rejected or redacted)"
+    return text + ". Names and postal addresses are not looked for; no screen is complete"
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     """The summary as a Markdown document (the JSON beside it holds the same figures)."""
     g, s, t = summary["general"], summary["sources"], summary["tables"]
@@ -330,20 +428,30 @@ def summary_markdown(summary: dict[str, Any]) -> str:
            f"step {g['step']:,}); placed on the market: {g['placed_on_market']}",
            "- Modalities: text; content types: " + (", ".join(g["content_types"]) or "none"),
            f"- Training data: {total:,} tokens in {g['training_documents']:,} documents as sampled "
-           f"(repeats counted), {g['supervised_tokens']:,} of them supervised (responses); "
+           f"(repeats counted), {g['supervised_tokens']:,} of them supervised (responses)"
+           + (f", {total - g['this_run_tokens']:,} of them by the base model(s)" if g["base_models"] else "")
+           + f"; this run's mixture lists {g['datasets']} dataset(s)"
+           + (f" ({g['datasets_not_sampled']} not sampled yet: 0 tokens)"
+              if g["datasets_not_sampled"] else "")
+           + "; "
            + (f"{100 * g['undeclared_token_share']:.1f} % of tokens had no declared provenance"
               if g["undeclared_token_share"] else "every token's provenance was declared"),
            f"- Latest data collection (the latest retrieval date declared): {g['latest_data_collection']}",
            "- Languages: " + ", ".join(f"{k} ({100 * v / total:.1f} %)" for k, v in g["languages"].items())
            if total else "- Languages: none"]
     for base in g["base_models"]:
-        tokens = "unknown data" if base["tokens"] is None else f"{base['tokens']:,} tokens"
-        out.append(f"- Started from {base['source']} (step {base['step']}; {tokens})")
+        data = ("training data not recorded" if base["tokens"] is None else
+                f"{base['tokens']:,} tokens from {', '.join(base['datasets']) or 'no dataset'}, listed below")
+        out.append(f"- Continued from the base model {base['source']} (step {base['step']}; {data})")
     out += ["", "## 2. Data sources", ""]
     columns = ["dataset", "source", "license", "basis", "form", "languages", "audit_group", "tokens",
                "share"]
+    if g["base_models"]:
+        columns.insert(1, "model")
     for title, rows in (("Publicly available datasets", s["public_datasets"]),
-                        ("Synthetic data", s["synthetic_data"]),
+                        ("Synthetic data derived from data supplied under agreement",
+                         s["agreement_derived_data"]),
+                        ("Other synthetic data", s["synthetic_data"]),
                         ("Private datasets licensed from third parties, trained on directly",
                          s["licensed_private_datasets"]["trained_on_directly"]),
                         ("Private datasets commercially licensed (licence category Commercial)",
@@ -360,6 +468,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             cells = [r["dataset"], r["source"], r["license"], r["basis"], r["form"],
                      ", ".join(r["languages"]), str(r["audit_group"]), f"{r['tokens']:,}",
                      f"{100 * r['share']:.1f} %"]
+            if g["base_models"]:
+                cells.insert(1, r["model"])
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     derived = s["licensed_private_datasets"]["used_only_to_derive_synthetic_data"]
@@ -378,7 +488,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             f"- Data policy checked before training ({p['data_policy_kind']}): "
             f"`{json.dumps(p['data_policy'])}`",
             f"- Reservations of rights (text-and-data-mining opt-outs): {p['opt_outs']}",
-            f"- Illegal and unwanted content: {p['illegal_content']}"]
+            f"- Illegal and unwanted content: {p['illegal_content']}",
+            f"- Personal data: {personal_data_statement(p['personal_data'])}"]
     for step in p["tokenisation"]:
         if "manifest" in step:
             out.append(f"- {step['dataset']}: manifest {step['manifest']}")

@@ -9,20 +9,28 @@ dataset of the mixture (``Batch.sources``). Each rank adds up the micro-batches 
 checkpoint sums them over the data-parallel group (tensor-parallel peers see the same batches and
 are not added twice) onto the counts the run resumed with. A resume after a kill therefore
 continues from the checkpoint's counts, and the steps replayed after it are counted once.
+
+A model's lineage includes what it started from: a run continued from other weights
+(``checkpoint.init_from``) records the base checkpoint's lineage, and a resumed run carries the
+lineage of the steps before (perhaps trained under another configuration). Before step 1 the gate
+judges all of it by this run's data policy (:func:`earlier_training_problems`), as export does.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from mimir_megatron.checkpoint import DatasetLineage
-from mimir_megatron.data.mixture import Mixture
+from mimir_megatron.checkpoint import BaseModel, DatasetLineage
 from mimir_megatron.data.manifest import Manifest
+from mimir_megatron.data.mixture import Mixture
+from mimir_megatron.data.policy import DataPolicy, model_lineage_problems
 from mimir_megatron.data.provenance import UNKNOWN_RECORD, provenance_from_record
+from mimir_megatron.errors import UserError
 
 
 def mixture_lineage(mixture: Mixture) -> list[DatasetLineage]:
@@ -37,8 +45,36 @@ def mixture_lineage(mixture: Mixture) -> list[DatasetLineage]:
             audit_group=entry.audit_group_of(provenance), provenance=record,
             provenance_digest=provenance.digest if provenance else None,
             manifest_digest=manifest.digest,
+            personal_data=manifest.personal_data.to_dict() if manifest.personal_data is not None else None,
         ))
     return entries
+
+
+def earlier_training_problems(resume_from: Path | None, init_from: str | None,
+                              policy: DataPolicy) -> list[str]:
+    """What the weights a run starts from were trained on, judged by this run's ``policy``: the
+    checkpoint it resumes (its own steps, and its base), else the ``checkpoint.init_from`` weights
+    (their lineage and theirs). Read from the trainer states alone (no tensors)."""
+    from mimir_megatron import checkpoint as ckpt
+    from mimir_megatron.interop import CONFIG_FILE
+
+    if resume_from is not None:
+        try:
+            state = ckpt.read_trainer_state(resume_from)
+        except UserError:
+            return []  # damaged: the resume's verification names it (or falls back to an older one)
+        return model_lineage_problems(state.lineage, state.base_model, policy,
+                                      f"checkpoint {resume_from} (resumed)")
+    if not init_from:
+        return []
+    source = Path(init_from)
+    if (source / CONFIG_FILE).is_file():  # `mimir import` weights: no lineage
+        return model_lineage_problems(None, BaseModel(source=str(source.resolve())), policy, "")
+    path = ckpt.resolve(source)
+    state = ckpt.read_trainer_state(path)
+    base = BaseModel(source=str(path.resolve()), step=state.step, lineage=state.lineage,
+                     base_model=state.base_model)
+    return model_lineage_problems(None, base, policy, "")
 
 
 class LineageCounter:

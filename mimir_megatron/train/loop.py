@@ -24,7 +24,7 @@ from mimir_megatron.train.plan.startup import StartupPlan, plan_at_start
 from mimir_megatron.stop_signals import STOP_SIGNALS, take_early
 from mimir_megatron.train.config import TrainConfig, flatten
 from mimir_megatron.train.flops import flops_per_token
-from mimir_megatron.train.lineage import LineageCounter
+from mimir_megatron.train.lineage import LineageCounter, earlier_training_problems
 from mimir_megatron.train.resume import check_resumable, resume_path, verified_resume
 from mimir_megatron.train.run_lock import RunLock
 from mimir_megatron.train.schedules import StepPlan, plan_step
@@ -257,8 +257,11 @@ def _admit_training_data(cfg: TrainConfig, env: parallel.LaunchEnv):
 
     mixture = load_mixture(cfg.data.mixture)
     digest_cache = cfg.data.index_directory(mixture.entries[0].path) if cfg.data.verify_cache else None
-    problems = parallel.gather_lines(training_data_problems(mixture, verify=cfg.data.verify, rank=env.rank,
-                                                            world=env.world_size, digest_cache=digest_cache))
+    problems = training_data_problems(mixture, verify=cfg.data.verify, rank=env.rank, world=env.world_size,
+                                      digest_cache=digest_cache)
+    # The weights this run starts from carry their own training data: judged by the same policy.
+    problems += earlier_training_problems(resume_path(cfg), cfg.checkpoint.init_from, mixture.policy)
+    problems = parallel.gather_lines(problems)
     if problems:
         raise UserError(f"refusing to train on {mixture.source}:\n  - " + "\n  - ".join(problems))
     if env.rank == 0:

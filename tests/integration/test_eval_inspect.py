@@ -69,6 +69,7 @@ def _contamination_report(suite, data_dir: Path, path: Path) -> Path:
     order, which the stub answers right), GEC none, HellaSwag checked on other data (stale); the
     other tasks not checked."""
     from mimir_megatron.evaluation.contamination import FORMAT, data_sha256
+    from mimir_megatron.integrity import with_digest
 
     tasks = {t.name: t for t in suite.tasks}
     first_mmlu = build_items(tasks["mmlu"], data_dir, suite.seed, LIMIT)[0].id
@@ -79,10 +80,10 @@ def _contamination_report(suite, data_dir: Path, path: Path) -> Path:
                 "data_sha256": sha or data_sha256(data_dir / tasks[name].data), "error": None}
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": FORMAT, "suite": suite.name, "seed": suite.seed, "limit": LIMIT,
-                                "ngram": 13, "benchmarks": {
+    path.write_text(json.dumps(with_digest({"format": FORMAT, "suite": suite.name, "seed": suite.seed,
+                                            "limit": LIMIT, "ngram": 13, "benchmarks": {
         "mmlu": bench("mmlu", [first_mmlu]), "gec": bench("gec", []),
-        "hellaswag": bench("hellaswag", ["0", "1"], "0" * 64)}}))
+        "hellaswag": bench("hellaswag", ["0", "1"], "0" * 64)}})))
     return path
 
 

@@ -201,7 +201,9 @@ def test_export_from_a_training_checkpoint_with_and_without_ema(demo_data, tmp_p
 
 
 def test_continued_training_from_a_checkpoint_and_from_imported_weights(demo_data, tmp_path):
-    """v1 -> v1.5: new window schedule, fresh optimizer, weights from the v1 run, parent tag."""
+    """v1 -> v1.5: new window schedule, fresh optimizer, weights from the v1 run, parent tag. Weights
+    without a recorded lineage (imported) are refused by the default data policy before anything
+    is built, and train under a policy that allows them."""
     from mlflow.tracking import MlflowClient
 
     from mimir_megatron.interop import export_hf, import_hf, save_weights
@@ -217,8 +219,12 @@ def test_continued_training_from_a_checkpoint_and_from_imported_weights(demo_dat
     # From a transformers model, through `mimir import` weights.
     export_hf(load_model(start), tmp_path / "hf")
     save_weights(import_hf(tmp_path / "hf"), tmp_path / "imported")
+    with pytest.raises(UserError, match=r"base model .*imported: its training data is not recorded"):
+        run(demo_data, tmp_path / "refused", f"checkpoint.init_from={tmp_path / 'imported'}")
+    allowing = tmp_path / "mixture.yaml"
+    allowing.write_text((demo_data / "mixture.yaml").read_text() + "data_policy: {allow_unknown_base: true}\n")
     from_hf = run(demo_data, tmp_path / "from_hf", f"checkpoint.init_from={tmp_path / 'imported'}",
-                  "window.k0=5", "window.k1=8", "train.steps=2")
+                  f"data.mixture={allowing}", "window.k0=5", "window.k1=8", "train.steps=2")
     assert from_hf.losses == pytest.approx(v15.losses, rel=1e-6)
 
 

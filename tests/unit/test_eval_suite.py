@@ -215,6 +215,7 @@ def test_scores_split_into_clean_and_contaminated_items_only_where_the_report_ch
     from mimir_megatron.evaluation.metrics import ItemOutcome
     from mimir_megatron.evaluation.report import ScoreSplit, score_split
     from mimir_megatron.evaluation.runner import TaskResult
+    from mimir_megatron.integrity import with_digest
 
     data = tmp_path / "bench.jsonl"
     data.write_text('{"q": 1}\n')
@@ -227,8 +228,8 @@ def test_scores_split_into_clean_and_contaminated_items_only_where_the_report_ch
                  "data_sha256": data_sha256(data), "error": None}
         if listed is not None:
             bench["contaminated_items"] = list(listed)
-        path.write_text(json.dumps({"format": FORMAT, "suite": "s", "seed": seed, "limit": limit, "ngram": 13,
-                                    "benchmarks": {"bench": bench}}))
+        path.write_text(json.dumps(with_digest({"format": FORMAT, "suite": "s", "seed": seed, "limit": limit,
+                                                "ngram": 13, "benchmarks": {"bench": bench}})))
         return ContaminationReport.read(path).mark("bench", data, seed=4242)
 
     assert score_split(task, mark(None, 1)) == ScoreSplit(pytest.approx(1 / 3), 3, 1.0, 1)

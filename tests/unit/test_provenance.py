@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mimir_megatron.cli import main
-from mimir_megatron.data.policy import DataPolicy, policy_problems, training_data_problems
+from mimir_megatron.data.policy import DataPolicy, policy_problems
 from mimir_megatron.data.provenance import (
     ProvenanceDeclaration,
     combine_licenses,
@@ -20,38 +20,12 @@ from mimir_megatron.data.provenance import (
     stored_record,
 )
 from mimir_megatron.errors import UserError
-
-TOK = str(Path(__file__).resolve().parents[2] / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer")
-OPEN = ["--source", "Open set", "--license", "CC-BY-4.0", "--basis", "open-licence", "--form", "reformatted",
-        "--language", "en", "--audit-group", "C"]
-
-
-def _raw(path: Path, n: int = 4) -> Path:
-    path.write_text("".join(json.dumps({"prompt": f"Say {i}.", "completion": f"Number {i} said."}) + "\n"
-                            for i in range(n)))
-    return path
-
-
-def _prepare(tmp_path: Path, name: str, *flags: str, raw: Path | None = None) -> Path:
-    raw = raw or _raw(tmp_path / f"{name}.jsonl")
-    out = tmp_path / name
-    assert main(["prepare", "-i", str(raw), "-t", TOK, "-o", str(out), "--seq-len", "64", "--workers", "1",
-                 "--no-progress", *flags]) == 0
-    return out
-
-
-def _mixture(tmp_path: Path, *names: str, policy: str = "") -> Path:
-    lines = ["name: gov", "datasets:"] + [f"  - {{name: {n}, path: {tmp_path / n}, category: c}}" for n in names]
-    path = tmp_path / "mix.yaml"
-    path.write_text("\n".join(lines) + "\n" + policy)
-    return path
-
-
-def _problems(mixture: Path) -> list[str]:
-    from mimir_megatron.data.mixture import load_mixture
-
-    return training_data_problems(load_mixture(mixture))
-
+from provenance_data import OPEN, TOK
+from provenance_data import cli_error as _cli_error
+from provenance_data import mixture as _mixture
+from provenance_data import prepare as _prepare
+from provenance_data import problems as _problems
+from provenance_data import write_raw as _raw
 
 def test_every_mistake_of_a_declaration_is_one_line_naming_its_field(tmp_path):
     decl = ProvenanceDeclaration(source="", license="CC-BY-9.9", basis="licensed", form="scraped",
@@ -142,7 +116,7 @@ def test_an_edited_manifest_and_a_changed_input_are_reported(tmp_path):
     manifest["provenance"]["license"] = "CC0-1.0"  # a hand edit of the record
     manifest_path.write_text(json.dumps(manifest))
     source = Path(manifest["sources"][0]["path"])
-    source.write_text(source.read_text().replace("Say 0", "Say 9"))  # same size, other bytes
+    source.write_text(source.read_text().replace(" 0.", " 9."))  # same size, other bytes
     os.utime(source, ns=(0, 0))
     problems = _problems(_mixture(tmp_path, "open"))
     assert len(problems) == 3, problems
@@ -217,15 +191,6 @@ def test_a_custom_policy_says_so():
     assert DataPolicy().is_default and DataPolicy().describe().startswith("the paper's default")
     custom = DataPolicy(allow_licenses=["open", "CC-BY-NC-4.0"])
     assert not custom.is_default and "CC-BY-NC-4.0" in custom.describe()
-
-
-def _cli_error(caplog, *argv: str) -> str:
-    """What `mimir` logs for a refused command (exit 2): its error, no traceback."""
-    caplog.clear()
-    assert main(list(argv)) == 2
-    text = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "ERROR")
-    assert text and "Traceback" not in caplog.text, caplog.text
-    return text
 
 
 def test_a_derived_dataset_cannot_relax_its_ancestors_licence(tmp_path, caplog):

@@ -187,7 +187,24 @@ CASES = {
     "state-missing-field": ("state", drop("step"), True, "trainer state lacks step"),
     "state-wrong-type": ("state", put("7", "step"), True, "step must be a non-negative integer"),
     "state-edited": ("state", put(8, "step"), False, "damaged trainer state (its content does not match its digest)"),
+    # Today's formats always carry their digest: one deleted (with the record edited) is refused;
+    # only files of the formats before (below) migrate.
+    "report-digest-removed": ("report", drop("digest"), False, "has no digest, though the version that wrote it"),
+    "results-digest-removed": ("results", drop("digest"), False, "has no digest, though the version that wrote"),
+    "sweep-digest-removed": ("sweep", drop("digest"), False, "has no digest, though the version that wrote it"),
+    "plan-digest-removed": ("plan", drop("digest"), False, "has no digest, though the version that wrote it"),
+    "state-digest-removed": ("state", drop("digest"), False, "its digest was deleted"),
 }
+# A record that lost its format too still has its digest checked (the migration never skips it).
+for _name, (_keys, _value, _says) in {
+        "results": (("tasks", "arith", "score"), 0.75, "edited after `mimir eval` wrote it"),
+        "sweep": (("rows", 0, "arith"), 75.0, "edited after `mimir sweep` wrote it"),
+        "plan": (("gpus",), 16, "edited after it was written"),
+        "state": (("step",), 8, "damaged trainer state (its content does not match its digest)")}.items():
+    def _change(record, keys=_keys, value=_value):
+        record.pop("format", None)
+        put(value, *keys)(record)
+    CASES[f"{_name}-formatless-edited"] = (_name, _change, False, _says)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -199,6 +216,10 @@ def test_a_hand_damaged_record_is_refused_in_one_line_naming_the_file(tmp_path, 
     damage(path, change, *([resealed] if redigest else []))
     assert_refused(lambda: read(tmp_path / "record"), path, says)
 
+
+# The format of each record before its writer always recorded a digest.
+DIGESTLESS_FORMATS = {"report": "mimir-contamination-v1", "results": "mimir-eval-results-v1",
+                      "sweep": "mimir-sweep-results-v1", "plan": "mimir-plan-v1"}
 
 # (record, without a format too, a field edited by hand: its keys, its new value, how the record gives it)
 BEFORE_DIGESTS = {
@@ -216,15 +237,30 @@ BEFORE_DIGESTS = {
 
 @pytest.mark.parametrize("case", BEFORE_DIGESTS)
 def test_a_record_written_before_digests_reads_as_it_is(tmp_path, case):
-    """The contamination report, the eval and sweep results and the plan carry a digest since this
-    version: a file written before (no digest; results and plans maybe no format either) holds
-    today's fields and reads as it is, through the record's migration. There is nothing to verify,
-    so a hand edit of such a file is read too."""
+    """The contamination report, the eval and sweep results and the plan carry a digest since their
+    v2 formats: a file of v1 written before (no digest; results and plans maybe no format either)
+    holds today's fields and reads as it is, through the record's migration. There is nothing to
+    verify, so a hand edit of such a file is read too (a v1 file that carries a digest is checked)."""
     name, formatless, keys, edited, value = BEFORE_DIGESTS[case]
     write, read, _ = RECORDS[name]
     path = write(tmp_path / "record")
-    damage(path, drop("digest"), *([drop("format")] if formatless else []), put(edited, *keys))
+    older = drop("format") if formatless else put(DIGESTLESS_FORMATS[name], "format")
+    damage(path, drop("digest"), older, put(edited, *keys))
     assert value(read(tmp_path / "record")) == edited
+
+
+def test_only_a_trainer_state_written_before_digests_reads_without_one(tmp_path):
+    """The trainer state's version is the checkpoint layout's, unchanged since digests: a state
+    written before them holds no ``files`` and no pinned manifest digests, and reads as it is; a
+    state whose digest was deleted but which still shows a newer writer's records is refused (a
+    lineage edited under a deleted digest would otherwise export a false card)."""
+    path = _state(tmp_path / "old")
+    damage(path, drop("digest"), drop("files"), put(9, "step"))
+    assert _read_state(tmp_path / "old").step == 9
+    entry = {"name": "a", "path": "/a", "category": "c", "language": "en", "audit_group": "C",
+             "provenance": {"status": "unknown"}, "provenance_digest": None, "manifest_digest": "m"}
+    damage(path, put([entry], "lineage"))
+    assert_refused(lambda: _read_state(tmp_path / "old"), path, "its digest was deleted")
 
 
 def test_a_report_without_a_format_is_refused_naming_it(tmp_path):
@@ -233,7 +269,7 @@ def test_a_report_without_a_format_is_refused_naming_it(tmp_path):
     path = _report(tmp_path / "record")
     damage(path, drop("digest"), drop("format"))
     assert_refused(lambda: _read_report(tmp_path / "record"), path,
-                   "format None is not one this version of mimir reads (it reads 'mimir-contamination-v1')")
+                   "format None is not one this version of mimir reads (it reads 'mimir-contamination-v2')")
 
 
 def test_records_read_back_what_was_written(tmp_path):

@@ -8,27 +8,17 @@ counts differ in ratio), so every figure is checked against hand-computed values
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from mimir_megatron.checkpoint import DatasetLineage, TrainerState
 from mimir_megatron.data.policy import DataPolicy
-from mimir_megatron.data.provenance import ProvenanceDeclaration, resolve_declaration, stored_record
 from mimir_megatron.errors import UserError
 from mimir_megatron.release.card import hf_license, licence_risk, model_card
 from mimir_megatron.release.summary import report_mismatch, summary_markdown, training_data_summary
+from provenance_data import declared as _record
 
 INFO = {"layers_l": 1, "layers_h": 1, "schedule": "LH", "hidden": 8, "parameters": "1", "training": "t"}
-
-
-def _record(**fields) -> dict:
-    values = {"source": "s", "basis": "open-licence", "form": "reformatted", **fields}
-    errors: list[str] = []
-    found = resolve_declaration(ProvenanceDeclaration(**values), "ds", default_id=fields.get("id", "ds"),
-                                base=Path("."), errors=errors)
-    assert found is not None, errors
-    return stored_record(found)
 
 
 def _entry(name: str, record: dict, documents: int, tokens: int) -> DatasetLineage:
@@ -97,8 +87,8 @@ def test_spdx_licences_map_to_hub_ids_or_other_with_a_name_and_link(spdx, hub):
 def test_a_model_licence_dropping_the_datas_terms_needs_the_risk_accepted():
     summary = training_data_summary(_state(
         _entry("sa", _record(id="sa", license="CC-BY-SA-4.0"), 1, 10),
-        _entry("gen", _record(id="gen", license="proprietary-agreement", basis="synthetic", form="synthetic-audited"),
-               1, 10)), model_name="m")
+        _entry("gen", _record(id="gen", license="proprietary-agreement", basis="synthetic", form="synthetic-audited",
+                              generator="m", generator_license="CC0-1.0"), 1, 10)), model_name="m")
     assert licence_risk("Apache-2.0", summary) == ["CC-BY-SA-4.0", "proprietary-agreement"]
     assert licence_risk("CC-BY-SA-4.0 AND proprietary-agreement", summary) == []
     assert licence_risk(None, summary) == []  # `license: other`, unspecified: nothing claimed
@@ -116,7 +106,7 @@ def test_a_model_licence_dropping_the_datas_terms_needs_the_risk_accepted():
 def test_an_agreement_source_trained_on_directly_is_not_also_listed_as_only_derived_from():
     agreed = _record(id="partner", license="proprietary-agreement", basis="agreement", form="agreement-supplied")
     derived = {**_record(id="synth", license="proprietary-agreement", basis="synthetic",
-                         form="synthetic-audited")}
+                         form="synthetic-audited", generator="m", generator_license="CC0-1.0")}
     derived["derived_from"] = [{"id": "partner", "digest": agreed["digest"], "license": "proprietary-agreement",
                                 "basis": "agreement", "source": "s"}]
     from mimir_megatron.data.provenance import record_digest

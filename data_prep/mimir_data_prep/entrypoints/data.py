@@ -106,7 +106,7 @@ def cmd_declare(args: argparse.Namespace) -> int:
         raise UserError(f"input file not found: {missing[0]}")
     for path in args.files:
         # The flags again for each file: the provenance id defaults to the file's name.
-        provenance = provenance_from_flags(args, default_id=Path(path).name.split(".")[0])
+        provenance = provenance_from_flags(args, default_id=Path(path).name.split(".")[0], output=path)
         if provenance is None:
             raise UserError("mimir data declare needs the provenance flags "
                             "(--source, --license, --basis, --form)")

@@ -139,7 +139,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         workers=args.workers,
         shard_bytes=max(1, int(args.shard_mb * 1024 * 1024)),
         progress=not args.no_progress,
-        provenance=provenance_from_flags(args, default_id=Path(args.output).name),
+        provenance=provenance_from_flags(args, default_id=Path(args.output).name, output=args.output),
         denylist=args.denylist,
         personal_data=args.personal_data or DEFAULTS.personal_data,
         part=args.part,

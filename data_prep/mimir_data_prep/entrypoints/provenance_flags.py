@@ -32,7 +32,8 @@ def add_provenance_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--source-revision", help="the revision or version retrieved")
     g.add_argument("--retrieved", help="the retrieval date, YYYY-MM-DD")
     g.add_argument("--license", help="an SPDX expression (CC-BY-4.0, Apache-2.0 AND MIT), public-domain "
-                   "or proprietary-agreement; inherited from --derived-from when omitted")
+                   "or proprietary-agreement; inherited from --derived-from and --generator-license when "
+                   "omitted (an OR may narrow their terms, never drop one)")
     g.add_argument("--basis", choices=tuple(BASES), help="the permission basis")
     g.add_argument("--form", choices=tuple(FORMS), help="the form the data entered the corpus in (Table 6)")
     g.add_argument("--audit-group",
@@ -43,7 +44,9 @@ def add_provenance_flags(p: argparse.ArgumentParser) -> None:
                    "repeat")
     g.add_argument("--generator", help="the models or programs that generated synthetic data")
     g.add_argument("--generator-license",
-                   help="the generator models' terms (an SPDX expression); they bind synthetic data too")
+                   help="the generator models' terms (an SPDX expression, or 'unknown', which the default "
+                   "data policy refuses); they bind synthetic data too; required with --generator for "
+                   "--basis synthetic")
     g.add_argument("--research-organisation",
                    help="basis tdm-research: the research organisation mining the data (DSM Art. 3)")
     g.add_argument("--lawful-access",
@@ -58,8 +61,9 @@ def given_provenance_flags(args: argparse.Namespace) -> list[str]:
     return [f"--{flag.replace('_', '-')}" for flag in PROVENANCE_FLAGS if getattr(args, flag)]
 
 
-def provenance_from_flags(args: argparse.Namespace, default_id: str):
-    """The resolved provenance of the provenance flags; None when none was given."""
+def provenance_from_flags(args: argparse.Namespace, default_id: str, output: str | Path | None = None):
+    """The resolved provenance of the provenance flags for ``output`` (the dataset or file it
+    describes, which its --derived-from may not name); None when none was given."""
     from mimir_megatron.yaml_config import raise_errors
     from mimir_megatron.data.provenance import ProvenanceDeclaration, resolve_declaration
 
@@ -68,7 +72,8 @@ def provenance_from_flags(args: argparse.Namespace, default_id: str):
         return None
     errors: list[str] = []
     provenance = resolve_declaration(ProvenanceDeclaration(**given), "provenance", default_id=default_id,
-                                     base=Path.cwd(), errors=errors)
+                                     base=Path.cwd(), output=Path(output) if output else None,
+                                     errors=errors)
     # Name the flag a mistake is in: "provenance.license: ..." -> "--license: ...".
     flag_of = {field: f"--{flag.replace('_', '-')}" for flag, field in PROVENANCE_FLAGS.items()}
     raise_errors([re.sub(r"^provenance\.([a-z_]+)", lambda m: flag_of.get(m.group(1), m.group(0)), e)

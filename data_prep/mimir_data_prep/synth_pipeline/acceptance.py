@@ -183,10 +183,15 @@ def log_to_mlflow(report: dict[str, Any], pipeline: Any, out: Path) -> str | Non
 def _write_provenance(pipeline: Any, accepted: Path) -> None:
     """The accepted rows' provenance sidecar: derived from the source file's record (its licence
     and languages inherited), synthetic, made by the generator and auditor models."""
-    from mimir_megatron.data.provenance import derived_provenance, write_sidecar
+    from mimir_megatron.data.provenance import derived_provenance, normalise_license, write_sidecar
 
     cfg = pipeline.config
-    models = {stage: cfg.endpoints[getattr(cfg, stage).endpoint].model for stage in ("generate", "audit")}
+    endpoints = {stage: cfg.endpoints[getattr(cfg, stage).endpoint] for stage in ("generate", "audit")}
+    generator = endpoints["generate"]
+    if not generator.license:
+        log.warning("endpoints: the generator's license is not set: the accepted rows' terms are "
+                    "'unknown', which the default data policy refuses to train on")
     write_sidecar(accepted, derived_provenance(
         [pipeline.source_path], id=cfg.name, source=f"mimir synth run {cfg.name}", form=cfg.output.form,
-        basis="synthetic", generator=f"generator {models['generate']}, auditor {models['audit']}"))
+        basis="synthetic", generator=f"generator {generator.model}, auditor {endpoints['audit'].model}",
+        generator_license=normalise_license(generator.license)[0] if generator.license else None))

@@ -52,6 +52,10 @@ class EndpointConfig:
     """Per-request timeout; a timeout is retried like a connection loss."""
     extra_body: dict[str, Any] = field(default_factory=dict)
     """Extra request fields, e.g. `h_cycles` for `mimir serve`."""
+    license: str | None = None
+    """The model's terms (an SPDX expression). The generator's bind the accepted rows (their
+    provenance sidecar's generator_license); unset, they are `unknown`, which the default data
+    policy refuses to train on."""
 
 
 @dataclass
@@ -371,6 +375,12 @@ def _value_errors(cfg: PipelineConfig) -> list[str]:
             errs.append(f"endpoints.{name}.top_p must be in (0, 1], got {ep.top_p}")
         if ep.timeout_s <= 0:
             errs.append(f"endpoints.{name}.timeout_s must be > 0, got {ep.timeout_s}")
+        if ep.license:
+            from mimir_megatron.data.licences import normalise_license
+
+            problem = normalise_license(ep.license)[1]
+            if problem:
+                errs.append(f"endpoints.{name}.license: {problem}")
     if cfg.generate.parse not in PARSE_MODES:
         errs.append(f"generate.parse must be one of {', '.join(PARSE_MODES)}, got {cfg.generate.parse!r}")
     if cfg.generate.parse == "text" and set(cfg.generate.required_fields) - {"text"}:

@@ -30,7 +30,9 @@ from mimir_megatron.integrity import (
 if TYPE_CHECKING:
     from .layouts import RunPlan
 
-FORMAT = "mimir-plan-v1"
+FORMAT = "mimir-plan-v2"
+DIGESTLESS_FORMAT = "mimir-plan-v1"
+"""The format before v2: its plans may lack a digest (written before plans carried one)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class PlanRecord:
         """The record of a plan's dict; a one-line :class:`UserError` naming ``path`` and the field,
         or saying that its content was edited after its digest was computed."""
         body = _migrated(dict(values), path)
-        refuse_if_edited(body, path)
+        refuse_if_edited(body, path, required=values.get("format") == FORMAT)
         body.pop(DIGEST_KEY, None)
         f = _Fields(body, path)
         return cls(config=f.get("config", str, "a string"), gpus=f.int("gpus"), nodes=f.int("nodes"),
@@ -105,11 +107,11 @@ class PlanRecord:
 
 
 def _migrated(body: dict[str, Any], path: str | Path) -> dict[str, Any]:
-    """A plan of an older format brought to today's: one without ``format`` or without a digest
-    (written before they were recorded) holds today's fields and reads as it is; another version is
-    refused, naming it."""
+    """A plan of an older format brought to today's: one without ``format`` or of v1 (maybe written
+    before digests were: a digest it has is checked) holds today's fields and reads as it is;
+    another version is refused, naming it. A plan of today's format always carries its digest."""
     found = body.get("format", FORMAT)
-    if found != FORMAT:
+    if found not in (FORMAT, DIGESTLESS_FORMAT):
         raise UserError(f"{path}: format {found!r} is not one this version of mimir reads (it reads "
                         f"{FORMAT!r}); run `mimir plan` again")
     return body
