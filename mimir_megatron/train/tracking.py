@@ -338,7 +338,7 @@ class Tracker:
     def _create_or_resume_run(self) -> None:
         from mlflow.entities import Param, RunTag
 
-        from mimir_megatron.mlflow_store import experiment_id, mark_experiment_kind
+        from mimir_megatron.mlflow_store import create_run, experiment_id, mark_experiment_kind
 
         start = self._pending_start
         resumed = self._existing_run(self.run_id) if self.run_id is not None else None
@@ -367,7 +367,7 @@ class Tracker:
                 self._logged_through = logged
         if self.run_id is None:
             exp_id = experiment_id(self._client, self.experiment, self.artifact_root)  # model-training kind
-            run = self._client.create_run(exp_id, run_name=start["run_name"], tags=start["tags"])
+            run = create_run(self._client, exp_id, start["run_name"], start["tags"])
             self.run_id = run.info.run_id
             params = [Param(k, str(v)[:6000]) for k, v in start["params"].items()]
             for i in range(0, len(params), 90):

@@ -149,6 +149,8 @@ def log_to_mlflow(report: dict[str, Any], pipeline: Any, out: Path) -> str | Non
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
+        from mimir_megatron.mlflow_store import create_run
+
         uri = cfg.tracking.uri or f"sqlite:///{(out / 'mlflow.db').resolve()}"
         client = MlflowClient(tracking_uri=uri)
         run_file = out / MLFLOW_RUN_NAME
@@ -157,7 +159,7 @@ def log_to_mlflow(report: dict[str, Any], pipeline: Any, out: Path) -> str | Non
             exp = client.get_experiment_by_name(cfg.tracking.experiment)
             exp_id = exp.experiment_id if exp else client.create_experiment(
                 cfg.tracking.experiment, artifact_location=(out / "mlartifacts").resolve().as_uri())
-            run = client.create_run(exp_id, run_name=cfg.name, tags={"mimir.kind": "synth"})
+            run = create_run(client, exp_id, cfg.name, {"mimir.kind": "synth"})
             run_id = run.info.run_id
             params = {"pipeline": cfg.name, "fingerprint": report["fingerprint"],
                       "source": str(pipeline.source_path), "max_generations": cfg.max_generations}
