@@ -119,9 +119,9 @@ def test_interrupted_build_resumes_at_the_unfinished_shard(tmp_path, monkeypatch
     calls = []
 
     def flaky(data_file, *args):
-        calls.append(data_file.name)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # killed while sorting shard 1
+        calls.append(f"{data_file.parent.name}/{data_file.name}")
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # killed while sorting shard 1's tokens (shard 0 and its words done)
         return real(data_file, *args)
 
     monkeypatch.setattr(index_module, "_build_suffix_array", flaky)
@@ -130,11 +130,14 @@ def test_interrupted_build_resumes_at_the_unfinished_shard(tmp_path, monkeypatch
     with pytest.raises(UserError, match="unfinished"):
         AuditIndex(tmp_path / "idx")
     build_index(sources, tmp_path / "idx", shard_tokens=20, progress=False)
-    assert calls == ["tokenized.0.tmp", "tokenized.1.tmp", "tokenized.1.tmp", "tokenized.2.tmp"]
-    for name in ("tokenized", "offset", "table"):
-        for shard in range(3):
-            assert (tmp_path / "idx" / f"{name}.{shard}").read_bytes() == (tmp_path / "ref" / f"{name}.{shard}").read_bytes()
-    assert not list((tmp_path / "idx").glob("*.tmp"))
+    assert calls == ["idx/tokenized.0.tmp", "words/tokenized.0.tmp", "idx/tokenized.1.tmp",
+                     "idx/tokenized.1.tmp", "words/tokenized.1.tmp", "idx/tokenized.2.tmp", "words/tokenized.2.tmp"]
+    for stream in ("", "words/"):
+        for name in ("tokenized", "offset", "table"):
+            for shard in range(3):
+                built, ref = (tmp_path / d / f"{stream}{name}.{shard}" for d in ("idx", "ref"))
+                assert built.read_bytes() == ref.read_bytes(), built
+    assert not list((tmp_path / "idx").glob("**/*.tmp"))
 
 
 def test_index_of_other_data_is_refused(tmp_path):
