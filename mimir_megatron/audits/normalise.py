@@ -105,28 +105,30 @@ class WordNumbers:
         self._limit = limit
 
     def __call__(self, text: str) -> list[int]:
-        known = self._known
-        out = []
-        for word in _WORD.findall(text):
-            number = known.get(word)
-            if number is None:
-                folded = fold(word)
-                number = word_id(folded) if folded else -1
-                if len(known) >= self._limit:
-                    known.clear()
-                known[word] = number
-            if number >= 0:
-                out.append(number)
-        return out
+        words = text.split()  # the words of _WORD (str.isspace either way; a unit test checks)
+        numbers = list(map(self._known.get, words))  # the lookups in C: most words are known
+        if None in numbers:
+            if len(self._known) >= self._limit:
+                self._known.clear()
+            for k, word in enumerate(words):
+                if numbers[k] is None:
+                    folded = fold(word)
+                    numbers[k] = self._known[word] = word_id(folded) if folded else -1
+        return [n for n in numbers if n >= 0] if -1 in numbers else numbers
 
 
 def document_text(tokenizer: Any, ids) -> str:
     """A training document's text from its token ids, the one way the index builder and `mimir
     prepare --denylist` both read it: ``tokenizer`` a ``tokenizers.Tokenizer`` (a Hugging Face
     fast tokenizer's ``backend_tokenizer``), special tokens (the chat template's markers) left out."""
-    return tokenizer.decode([int(t) for t in ids], skip_special_tokens=True)
+    return tokenizer.decode(_int_list(ids), skip_special_tokens=True)
 
 
 def documents_text(tokenizer: Any, documents) -> list[str]:
     """:func:`document_text` of each of ``documents`` (token id arrays), in one tokenizer call."""
-    return tokenizer.decode_batch([[int(t) for t in ids] for ids in documents], skip_special_tokens=True)
+    return tokenizer.decode_batch([_int_list(ids) for ids in documents], skip_special_tokens=True)
+
+
+def _int_list(ids) -> list[int]:
+    """Token ids as the tokenizer takes them: a list of Python ints (a numpy array's, converted)."""
+    return ids.tolist() if hasattr(ids, "tolist") else ids if isinstance(ids, list) else list(ids)

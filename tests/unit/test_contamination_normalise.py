@@ -70,3 +70,13 @@ def test_the_confusables_table_maps_cyrillic_and_greek_letters_to_latin_ones():
         assert latin.isascii() and latin.isalpha(), name
     assert {CONFUSABLES[c] for c in "асеорху"} == set("aceopxy")
     assert {CONFUSABLES[c] for c in "АВЕНКМОРТХ"} == set("ABEHKMOPTX")
+
+
+def test_the_index_builder_and_the_item_cut_words_at_the_same_characters():
+    """WordNumbers cuts with str.split, word_spans with the regex: the same for every code point."""
+    import re
+
+    word = re.compile(r"\S+")
+    for code in range(0x110000):
+        text = f"a{chr(code)}b"
+        assert text.split() == word.findall(text), hex(code)
