@@ -231,7 +231,7 @@ def _valid_iban(candidate: str) -> bool:
     from schwifty import IBAN
 
     try:
-        IBAN(candidate.upper())  # written in lower case too, as copied from an app
+        IBAN(candidate)  # upper or lower case (schwifty upper-cases it)
     except ValueError:
         return False
     return True
