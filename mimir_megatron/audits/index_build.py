@@ -79,7 +79,12 @@ def _reader(tokenizer: dict | None) -> Any:
         log.warning("%s is not the tokenizer the datasets were prepared with (sha256 differs): the index "
                     "gets no word stream, and the contamination check will ask for it to be rebuilt", path)
         return None
-    return load_tokenizer(path).backend_tokenizer
+    try:
+        return load_tokenizer(path).backend_tokenizer
+    except UserError as exc:  # transformers missing, a tokenizer without a chat template
+        log.warning("%s: the index gets no word stream, and the contamination check will ask for it to be "
+                    "rebuilt", exc)
+        return None
 
 
 def _open_prepared(source: AuditSource):
