@@ -89,6 +89,21 @@ def test_hits_name_dataset_category_document_and_offset(tmp_path):
     assert index.documents_per_category() == {"cat-x": 2}
 
 
+def test_without_its_tokenizer_an_index_has_no_word_stream_and_says_so(tmp_path, caplog):
+    """The tokenizer a dataset's manifest names is not here: the token stream is built (the
+    memorisation audits need nothing else), a warning says the word stream is missing, and the
+    contamination check's entry point refuses the index in one line."""
+    import logging
+
+    write_prepared(tmp_path / "a", [([1, 2], [3, 4])], tokenizer={"sha256": "f" * 64, "path": str(tmp_path / "gone")})
+    with caplog.at_level(logging.WARNING, logger="mimir.audit"):
+        index = AuditIndex(build_index([AuditSource("a", tmp_path / "a", "A")], tmp_path / "idx", progress=False))
+    assert "gets no word stream" in caplog.text and index.metadata.words is None
+    assert index.locate([2, 3]) == [Hit("a", "A", 0, 1)] and not (tmp_path / "idx" / "words").exists()
+    with pytest.raises(UserError, match=r"has no word stream \(the datasets' tokenizer was not there"):
+        index.words()
+
+
 def test_datasets_of_two_tokenizers_are_not_indexed_together(tmp_path):
     write_prepared(tmp_path / "a", [([1], [2])])
     write_prepared(tmp_path / "b", [([1], [2])], tokenizer={"sha256": "f" * 64, "path": "other"})
