@@ -92,7 +92,7 @@ def main() -> None:
     width = 2 if distributed else 4
     planned = plan_memory(cfg, StepShape(micro, seq, 1, 1, window.k_L, window.k_H, recompute,
                                          compute_bytes=width, on_gpu=False, loss_chunk_tokens=0,
-                                         dense_attention=True, params_bytes=width,
+                                         attention="dense", params_bytes=width,
                                          distributed_optimizer=distributed))
     print(json.dumps({"measured_gb": {k: round(v, 2) for k, v in measured.items()},
                       "plan_gb": planned.terms_gb()}, indent=1))

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One-call GPU check for one H100/H200 (nine minutes by default): the GPU tests, then `mimir bench`
 # on the Mimir shape at k=5 and k=8 next to the transformers hrm_text peer, then the attention
-# kernels against each other on packed contexts.
+# kernels against each other on packed contexts. Every bench row of ours sets its measured peak
+# memory beside `mimir plan`'s for the same step (peak GB, plan GB; GB = 1e9 bytes), and the GPU
+# tests count what compiled FlexAttention keeps against the plan (tests/unit/test_saved_activations.py).
 #
 #   WHEELS=.whl bash bench/gpu_check.sh [RESULTS_DIR]
 #
@@ -137,7 +139,8 @@ write_summary() {
         echo "## Bench ($shape, micro-batch $micro_batch x $seq_len tokens)"
         echo
         echo "The peer runs with gradient checkpointing, our variants with execution.recompute=full (like with"
-        echo "like: neither fits 4 x 4096 tokens at the Mimir shape without); peak GB is per row."
+        echo "like: neither fits 4 x 4096 tokens at the Mimir shape without); peak GB is per row, plan GB is"
+        echo "mimir plan's peak for the same step: a peak more than 10 % above it is a finding (docs/planning.md)."
         echo '```'
         grep -v -E "^[WI][0-9]{4} |[Ww]arn|Loading weights| INFO | ERROR |^[[:space:]]" "$out/bench.log"
         echo '```'
@@ -151,7 +154,8 @@ write_summary() {
 #    packages (mlflow, Slurm) that a bare GPU image lacks.
 seconds=$(part_limit 30 150)
 limited "$seconds" "$python" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfEs --durations=0 \
-    "${per_test[@]}" "$repo/tests/unit/test_attention_backends.py" "$repo/tests/unit/test_gpu.py" >"$out/tests.log" 2>&1
+    "${per_test[@]}" "$repo/tests/unit/test_attention_backends.py" "$repo/tests/unit/test_gpu.py" \
+    "$repo/tests/unit/test_saved_activations.py" >"$out/tests.log" 2>&1
 code=$?
 parts+=("GPU tests: $(status_word "$code") (limit ${seconds} s, ${test_timeout} s per test), at $((SECONDS - started)) s")
 echo "${parts[-1]}"

@@ -21,7 +21,8 @@
 #   MIMIR_REPO     repository root, the working directory inside [the directory of this script's parent]
 #   DRY_RUN=1      print the docker command instead of running it
 # Slurm's task variables (SLURM_*), MASTER_ADDR/MASTER_PORT, OMP_NUM_THREADS, NCCL_*, TORCH_*,
-# CUDA_DEVICE_MAX_CONNECTIONS, MLFLOW_* and HF_* pass through. The container shares the node's
+# CUDA_DEVICE_MAX_CONNECTIONS, MLFLOW_*, HF_* and MIMIR_API_KEY (`mimir serve`'s key) pass through,
+# by name: `docker run --env=NAME` takes the value from this environment, not from the command line. The container shares the node's
 # network (rendezvous, NCCL) and IPC namespace (shared memory).
 set -euo pipefail
 
@@ -50,7 +51,7 @@ environment=()
 for name in $(compgen -e); do
     case "$name" in
         SLURM_* | MASTER_ADDR | MASTER_PORT | OMP_NUM_THREADS | NCCL_* | TORCH_* | CUDA_DEVICE_MAX_CONNECTIONS \
-            | MLFLOW_* | HF_*) environment+=("--env=$name") ;;
+            | MLFLOW_* | HF_* | MIMIR_API_KEY) environment+=("--env=$name") ;;
     esac
 done
 

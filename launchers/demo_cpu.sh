@@ -33,4 +33,4 @@ fi
 echo
 echo "Model card:       $run_dir/export/README.md (training data: $run_dir/export/training_data_summary.md)"
 echo "MLflow run store: $run_dir/mlflow.db (experiment mimir-demo)"
-echo "Browse it:        $mimir ui --run-dir $run_dir    # then open http://127.0.0.1:5000"
+echo "Browse it:        $mimir ui --run-dir $run_dir    # then open http://127.0.0.1:5000 (it prints its login)"

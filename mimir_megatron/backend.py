@@ -30,6 +30,7 @@ import logging
 
 import torch
 
+from mimir_megatron.gpus import GpuSpec, spec_for_device
 from mimir_megatron.logging_setup import quiet_known_noise
 
 log = logging.getLogger(__name__)
@@ -49,26 +50,36 @@ def device() -> torch.device:
 
 
 def peak_memory_gb() -> float:
-    """Peak memory of this process: allocated GPU memory, or the CPU resident set size."""
+    """Peak memory of this process in GB (1e9 bytes, the unit of `mimir plan` and of GPU
+    datasheets): allocated GPU memory, or the CPU resident set size."""
     if has_gpu():
-        return torch.cuda.max_memory_allocated() / 2**30
+        return torch.cuda.max_memory_allocated() / 1e9
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB
+
+
+def gpu_name() -> str | None:
+    """This process's GPU as the driver names it (``NVIDIA B200``), or None without one."""
+    return torch.cuda.get_device_name() if has_gpu() else None
+
+
+def gpu_row() -> GpuSpec | None:
+    """The GPU table's row of this process's GPU (mimir_megatron/gpus.yaml, found by name), or
+    None: no GPU, or one the table lacks."""
+    name = gpu_name()
+    return None if name is None else spec_for_device(name)
 
 
 def peak_tflops() -> tuple[float, str]:
     """One device's peak dense TFLOP/s for MFU, and where it comes from: a GPU's bf16 peak from
-    the project's GPU table (train/plan/gpus.yaml), or this process's CPU threads measured on an
+    the project's GPU table (mimir_megatron/gpus.yaml), or this process's CPU threads measured on an
     fp32 matmul (best of five, inputs without RNG); (0, why) for a GPU the table lacks."""
     if has_gpu():
-        from mimir_megatron.train.plan.gpus import spec_for_device
-
-        name = torch.cuda.get_device_name()
-        spec = spec_for_device(name)
+        spec = gpu_row()
         if spec is None:
-            return 0.0, f"{name} is not in train/plan/gpus.yaml: set train.peak_tflops"
-        return float(spec.bf16_tflops), f"{spec.name} bf16 peak, train/plan/gpus.yaml"
+            return 0.0, f"{gpu_name()} is not in mimir_megatron/gpus.yaml: set train.peak_tflops"
+        return float(spec.bf16_tflops), f"{spec.name} bf16 peak, mimir_megatron/gpus.yaml"
     import time
 
     n = 1024

@@ -7,7 +7,8 @@
 # As root with apt-get available, installs the system packages the tests use (Slurm and munge
 # for the real Slurm tests, iproute2 and util-linux for their two simulated nodes, shellcheck
 # for the launcher lint, chromium for the MLflow UI in a browser, docker.io and debootstrap for the
-# image's build and runs, a C compiler for the packer's best fit that the .venv's install builds);
+# image's build and runs, a C compiler for the packer's best fit that the .venv's install builds,
+# passwd and curl for the second Unix user who tries the services of the first);
 # without them those
 # tests skip with a reason (and fail under CI=true, see tests/expected_skips.txt). Then creates
 # .venv with the test extras and runs pytest.
@@ -19,7 +20,8 @@ case "${1:-}" in
     unit | integration | system) targets=("tests/$1"); shift ;;
 esac
 
-packages=(slurmctld slurmd slurm-client munge iproute2 util-linux shellcheck procps chromium debootstrap gcc libc6-dev)
+packages=(slurmctld slurmd slurm-client munge iproute2 util-linux shellcheck procps chromium debootstrap gcc libc6-dev
+    passwd curl)
 # Docker for tests/system/test_docker.py (it starts dockerd itself when none runs); a machine
 # with another Docker (docker-ce) keeps it.
 command -v dockerd >/dev/null 2>&1 || packages+=(docker.io)

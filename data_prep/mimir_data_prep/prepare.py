@@ -73,8 +73,8 @@ def prepare(
 
     ``provenance`` is the dataset's declared record (:mod:`mimir_megatron.data.provenance`);
     without one, the record the inputs' sidecars agree on, else ``unknown``. ``denylist``: a file
-    from ``mimir audit contamination --denylist``; documents holding one of its token sequences
-    are rejected as ``benchmark_overlap``."""
+    from ``mimir audit contamination --denylist``; documents holding one of its sequences (token
+    ids, or folded words of the text) are rejected as ``benchmark_overlap``."""
     if not inputs:
         raise UserError("no input files given")
     settings = prepare_settings(tokenizer_dir, options, **keywords)

@@ -3,7 +3,7 @@
 - :func:`screen_text`, before rendering: control characters (``--control-chars``) and personal
   data (``--personal-data``, :mod:`mimir_data_prep.personal_data`);
 - :func:`screen_tokens`, after tokenizing: benchmark text of a ``--denylist`` (token sequences,
-  so it needs the tokens).
+  and folded words of the document as the tokens decode, so it needs the tokens).
 
 Each raises :class:`~mimir_data_prep.records.RecordError` with the reject reason, or returns the
 document to keep (stripped or redacted when the policy says so).
@@ -48,9 +48,10 @@ def screen_text(conv: Conversation, settings: PrepareSettings, found: dict[str, 
     return conv, stripped > 0
 
 
-def screen_tokens(ids: list[int], denylist, settings: PrepareSettings) -> None:
-    """Reject (``benchmark_overlap``) a document whose tokens hold a denylisted sequence."""
-    if denylist is not None and (hit := denylist.first_hit(ids)) is not None:
+def screen_tokens(ids: list[int], denylist, settings: PrepareSettings, text=None) -> None:
+    """Reject (``benchmark_overlap``) a document whose tokens, or the folded words of its text
+    (``text()``, asked for only when the denylist has word entries), hold a denylisted sequence."""
+    if denylist is not None and (hit := denylist.first_hit(ids, text)) is not None:
         raise RecordError("benchmark_overlap", hit.describe(settings.denylist))
 
 

@@ -125,5 +125,6 @@ def check_denylist(denylist: str | Path | None, tokenizer_dir: str | Path):
     if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
         return None  # ChatRenderer names the bad tokenizer directory
     checked = Denylist(denylist, tokenizer_sha256(tokenizer_dir))
-    log.info("denylist %s: %d token sequences (%s-gram overlaps)", denylist, len(checked), checked.ngram)
+    log.info("denylist %s: %d sequences of tokens or folded words (%s-gram overlaps)", denylist, len(checked),
+             checked.ngram)
     return checked

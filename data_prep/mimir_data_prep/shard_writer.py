@@ -17,6 +17,7 @@ import json
 import os
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -233,7 +234,9 @@ class _ShardFill:
                 try:
                     prefix, truncated = fit_document(prefix, response, self.settings)
                     document = prefix + response
-                    screen_tokens(document, self.denylist, self.settings)
+                    if self.denylist is not None:
+                        screen_tokens(document, self.denylist, self.settings,
+                                      partial(self._text, document) if self.denylist.reads_text else None)
                 except RecordError as exc:
                     self._reject(line, exc, raw)
                     continue
@@ -241,6 +244,13 @@ class _ShardFill:
             if _progress and self.pending[0] + self.pending[2] >= PROGRESS_EVERY:
                 _progress(self.job, *self.pending)
                 self.pending = [0, 0, 0]
+
+    def _text(self, document: list[int]) -> str:
+        """The document's text as the audit index's word stream reads it (for a denylist's word
+        entries)."""
+        from mimir_megatron.audits.normalise import document_text
+
+        return document_text(self.renderer.tokenizer.backend_tokenizer, document)
 
     def _accept(self, document: list[int], prefix: int, response: int, truncated: bool) -> None:
         """Write a document of ``prefix`` + ``response`` tokens."""

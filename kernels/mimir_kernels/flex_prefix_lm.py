@@ -15,9 +15,15 @@ On CUDA the kernel is a ``torch.compile``d ``flex_attention`` (compiled once per
 first use). On CPU it runs eagerly: forward only (this torch raises on CPU backward), which is
 what the tests need.
 
-``value`` is made contiguous before the kernel: megatron's fused-QKV split hands it over as a
-strided view (each head's slice of the ``[q, gate, k, v]`` row), and compiled FlexAttention was
-seen to give wrong outputs for such a ``v`` (query and key arrive as RoPE's fresh tensors).
+``value`` reaches the kernel in the layout of ``query`` and ``key`` (RoPE's fresh ``[seq, batch,
+heads, head_dim]`` tensors, permuted): compiled FlexAttention was seen to give wrong outputs for
+a strided view of megatron's fused-QKV row. The model hands ``v`` over in that layout already
+(``mimir_megatron/model/gate.py``); any other ``value`` is copied into it first.
+
+Memory: FlexAttention keeps its inputs, its output and the log-sum-exp for backward. Its output
+follows the query's stride order (``[seq, batch, ...]`` in memory), so the permute and reshape
+back to megatron's layout are views, and the output gate keeps that same storage: no copy is
+kept (``tests/unit/test_saved_activations.py`` counts them against `mimir plan`).
 """
 
 from __future__ import annotations
@@ -71,19 +77,24 @@ def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention)
 
 
+def _refuse_cpu_backward(*tensors: torch.Tensor) -> None:
+    """FlexAttention has no CPU backward: say so with the settings that train on CPU (torch's own
+    message names neither)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise NotImplementedError("FlexAttention has no backward on CPU: train on CPU with "
+                                  "attention_backend dense or varlen (flex runs forward only)")
+
+
 def flex_prefix_lm_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              block_mask: BlockMask, softmax_scale: float | None = None) -> torch.Tensor:
     """``[seq, batch, heads, head_dim]`` x3 -> ``[seq, batch, heads * head_dim]``."""
     seq, batch, heads, head_dim = query.shape
-    q, k = (t.permute(1, 2, 0, 3) for t in (query, key))  # [b, h, s, d] views
-    v = value.permute(1, 2, 0, 3).contiguous()  # a copy: see the module docstring
+    # [b, h, s, d] views of [s, b, h, d] tensors; value as query and key are (module docstring)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value.contiguous()))
     if query.is_cuda:
         out = _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=softmax_scale)
     else:
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            # torch's own message surfaces only in backward, far from the setting that caused it.
-            raise NotImplementedError("FlexAttention has no backward on CPU: train on CPU with "
-                                      "attention_backend dense or varlen (flex runs forward only)")
+        _refuse_cpu_backward(q, k, v)
         with warnings.catch_warnings():  # eager is intended here: CPU runs only serve tests
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             out = flex_attention(q, k, v, block_mask=block_mask, scale=softmax_scale)

@@ -6,35 +6,36 @@ template's fields, the options) joined by newlines, and each reference answer of
 task as the row writes it. The suite's own wording (prompt template, instruction, option letters,
 shots) is left out: a training document that shares only that wording is not contaminated. Each
 text is tokenised with the training data's tokenizer as `mimir prepare` tokenises text
-(:func:`mimir_megatron.chat.encoding`: no special tokens added), so its ids are the ids the index
-holds. An item is **contaminated** when a run of at least ``ngram`` consecutive tokens of one of
-its texts occurs inside one training document:
+(:func:`mimir_megatron.chat.encoding`: no special tokens added). An item is **contaminated** when
+a run of its text at least ``ngram`` of its own tokens long occurs inside one training document:
 
-- **exactly**: the text's own token ids (the index's matching statistics, <= 2 lookups a token);
-- **re-spaced**: the same words with other whitespace between them. Whitespace is part of the
-  tokens (byte-level BPE: " brown" is one token; after a newline it is "\\n", "b", "row", "n";
-  after two spaces " ", " brown"), so a re-spaced copy shares no token n-gram across any changed
-  gap: a paragraph re-wrapped every ten words keeps no 13-token n-gram. This pass walks the text
-  word by word (whitespace-separated segments): the next word is tried after each whitespace of
-  :data:`WHITESPACE_VARIANTS` (and the text's own), tokenised as prepare would tokenise it, and
-  kept while the index holds the run so far (up to :data:`MAX_BRANCHES` spacings at once).
-  Its length is counted in the item's own tokens, so re-spacing never changes it.
+- **exactly**: the text's own token ids, in the index's token stream (matching statistics, <= 2
+  lookups a token);
+- **folded**: the same words, in the index's word stream (:mod:`.normalise`): any whitespace
+  between them (re-spaced, re-wrapped, no-break spaces), and each word compared after NFKC,
+  deleting format characters (zero-width spaces, joiners, soft hyphens) and punctuation, mapping
+  Cyrillic and Greek look-alikes to Latin letters and case folding (Title Case, ALL CAPS, any mix).
+  Matching statistics over words, <= 2 lookups a word.
 
-Every run of n tokens found is an *offending sequence*, as the training data holds it; the
-documents that contain one are the documents hit, and the denylist holds exactly these sequences,
-so `mimir prepare --denylist` drops exactly the documents the report lists (up to ``max_hits``
-listed per sequence).
+Either way the run's length is counted in the item's own tokens (the tokens of the words it
+covers as the suite writes them, in NFKC form for a folded run), never in the form the training
+copy took: the verdict on an item depends only on its own text and on the training documents that
+hold a run of it, not on how those documents spell other items.
+
+Every run of ``ngram`` tokens found is an *offending sequence*: token ids for an exact run (as the
+training data holds them), word numbers for a folded one; the documents that contain one are the
+documents hit, and the denylist holds exactly these sequences, so `mimir prepare --denylist` drops
+exactly the documents the report lists (up to ``max_hits`` listed per sequence).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import time
+import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from mimir_megatron.evaluation.contamination import (
 )
 
 from .index_query import AuditIndex, Hit
+from .normalise import WORD_FORM, document_text, word_spans
 
 log = logging.getLogger("mimir.audit")
 
@@ -59,15 +61,10 @@ DEFAULT_NGRAM = 13
 """GPT-3's 13 (words there); later work used 8-13. Shorter flags shared boilerplate, longer misses
 paraphrase and short items. Counted in tokens of the training data's tokenizer
 (docs/contamination.md)."""
-WHITESPACE_VARIANTS = (" ", "\n", "  ", "\n\n", " \n", "\t", "\r\n")
-"""Whitespace a re-spaced copy may have between two words (besides the item's own)."""
-MAX_BRANCHES = 4
-"""Spacings of one run followed at once (more than one survives only for short common runs)."""
 WHOLE_ITEM_MIN_TOKENS = 6
 """The whole-item rule: a text shorter than ``ngram`` tokens (it can never hold an n-gram) is
 contaminated when all of it occurs in one training document, if it has at least this many tokens
 (shorter texts, "Yes", "42", a name, occur everywhere by chance)."""
-_WORD = re.compile(r"\S+")
 
 
 @dataclass
@@ -81,9 +78,9 @@ class Overlap:
     text: str
     """The item's text of the run."""
     exact: bool
-    """The item's own token ids (else the same words with other whitespace between them)."""
+    """The item's own token ids (else the same words, folded: :mod:`.normalise`)."""
     sequence: tuple[int, ...]
-    """The run as the training data holds it."""
+    """The run as the index holds it: token ids (exact) or word numbers (folded)."""
 
 
 @dataclass
@@ -92,7 +89,7 @@ class ItemResult:
     id: str
     longest: Overlap | None
     sequences: list[dict] = field(default_factory=list)
-    """Offending sequences: ``{"ids", "window", "part"}`` (every ``window`` ids of ``ids``)."""
+    """Offending sequences: ``{"ids" | "words", "window", "part"}`` (every ``window`` ids or words)."""
     hits: list[Hit] = field(default_factory=list)
     hits_truncated: bool = False
     training_text: str = ""
@@ -124,93 +121,76 @@ class _CountingIndex:
         self.index = index
         self.lookups = 0
 
-    def occurs(self, ids) -> bool:
-        self.lookups += 1
-        return self.index.occurs(list(ids))
-
     def match_lengths(self, ids) -> np.ndarray:
         lengths = self.index.match_lengths(ids)
         self.lookups += 2 * len(ids)  # the bound; the index does not count its own
         return lengths
 
+    def word_match_lengths(self, words: list[int]) -> np.ndarray:
+        lengths = self.index.words().match_lengths(words)
+        self.lookups += 2 * len(words)
+        return lengths
+
 
 class _Text:
-    """One text of an item: its tokens, its words (whitespace-separated segments) and the tokens
-    each word takes after each whitespace."""
+    """One text of an item: its tokens, its words (those that fold to something, :mod:`.normalise`)
+    and the item tokens each word covers."""
 
     def __init__(self, part: str, text: str, encoder: _Encoder) -> None:
-        self.part, self.text, self.encoder = part, text, encoder
+        self.part, self.text = part, text
         enc = encoder.encoding(text)
         self.ids: list[int] = list(enc.ids)
+        self._offsets = enc.offsets
+        spans = word_spans(text)
+        self.words = [(a, b) for a, b, _ in spans]
+        self.numbers = [n for _, _, n in spans]
         starts = np.array([o[0] for o in enc.offsets], dtype=np.int64)
         ends = np.array([o[1] for o in enc.offsets], dtype=np.int64)
-        self.words = [(m.start(), m.end()) for m in _WORD.finditer(text)]
         # the first and last token of each word (tokens overlapping its characters)
         self.first = [int(np.searchsorted(ends, a, side="right")) for a, _ in self.words]
         self.last = [int(np.searchsorted(starts, b, side="left")) - 1 for _, b in self.words]
-        self._offsets = enc.offsets
 
     def span_tokens(self, i: int, j: int) -> int:
         """Item tokens from the start of word i to the end of word j (inclusive)."""
         return self.last[j] - self.first[i] + 1
-
-    def word(self, k: int) -> str:
-        return self.text[self.words[k][0]:self.words[k][1]]
-
-    def starts(self, k: int) -> list[tuple[int, ...]]:
-        """Tokens of word k where a run begins: unspaced, or with a space folded into its first token."""
-        return _unique([self.encoder.encode(self.word(k)), self.encoder.encode(" " + self.word(k))])
-
-    def joined(self, k: int) -> list[tuple[int, ...]]:
-        """Tokens of word k after each possible whitespace, the text's own first."""
-        own = self.text[self.words[k - 1][1]:self.words[k][0]]
-        return _unique([self.encoder.encode(sep + self.word(k)) for sep in (own, *WHITESPACE_VARIANTS)])
 
     def char_span(self, token_start: int, tokens: int) -> str:
         return self.text[self._offsets[token_start][0]:self._offsets[token_start + tokens - 1][1]]
 
 
 class _Encoder:
-    """The tokenizer as `mimir prepare` applies it, with a cache of word tokenisations."""
+    """The tokenizer as `mimir prepare` applies it."""
 
     def __init__(self, tokenizer: Any) -> None:
         from mimir_megatron.chat import encoding
 
         self.tokenizer = tokenizer
         self._encoding = encoding
-        self.encode = lru_cache(maxsize=1 << 18)(lambda text: tuple(encoding(tokenizer, text).ids))
-        self._space: dict[int, bool] = {}
 
     def encoding(self, text: str):
         return self._encoding(self.tokenizer, text)
 
-    def is_space(self, token: int) -> bool:
-        if token not in self._space:
-            self._space[token] = self.tokenizer.decode([token]).isspace()
-        return self._space[token]
-
-    def strip_space(self, ids: tuple[int, ...]) -> tuple[int, ...]:
-        """``ids`` without its leading whitespace-only tokens."""
-        k = 0
-        while k < len(ids) - 1 and self.is_space(ids[k]):
-            k += 1
-        return ids[k:]
-
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(t) for t in ids])
 
-
-def _unique(items) -> list:
-    return list(dict.fromkeys(items))
-
-
-def _flat(parts: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
-    return tuple(t for part in parts for t in part)
+    def document_text(self, ids) -> str:
+        """A training document's text as the index's word stream read it."""
+        return document_text(self.tokenizer.backend_tokenizer, ids)
 
 
-def _is_slice(ids: list[int], sequence: tuple[int, ...]) -> bool:
-    n = len(sequence)
-    return any(tuple(ids[p:p + n]) == sequence for p in range(len(ids) - n + 1) if ids[p] == sequence[0])
+def _runs(lengths: np.ndarray, window) -> list[tuple[int, int, int]]:
+    """Maximal runs ``(p, q, w)`` of consecutive positions p..q whose offending window ``window(i)``
+    is the same ``w`` (None: no n-gram starts at i): one denylist entry each."""
+    runs: list[tuple[int, int, int]] = []
+    for i in range(len(lengths)):
+        w = window(i)
+        if w is None:
+            continue
+        if runs and runs[-1][1] == i - 1 and runs[-1][2] == w:
+            runs[-1] = (runs[-1][0], i, w)
+        else:
+            runs.append((i, i, w))
+    return runs
 
 
 def _exact(index: _CountingIndex, text: _Text, ngram: int) -> tuple[Overlap | None, list[dict]]:
@@ -222,74 +202,35 @@ def _exact(index: _CountingIndex, text: _Text, ngram: int) -> tuple[Overlap | No
     best = int(lengths[start])
     longest = Overlap(text.part, best, text.char_span(start, best), True,
                       tuple(text.ids[start:start + best])) if best else None
-    sequences = []
-    found = np.nonzero(lengths >= ngram)[0]
-    if found.size:
-        # consecutive positions p..q whose n-grams all occur: one entry, ids[p:q+n], window n
-        breaks = np.nonzero(np.diff(found) > 1)[0]
-        for lo, hi in zip(np.concatenate([[0], breaks + 1]), np.concatenate([breaks, [found.size - 1]])):
-            p, q = int(found[lo]), int(found[hi])
-            sequences.append({"ids": text.ids[p:q + ngram], "window": ngram, "part": text.part})
-    return longest, sequences
+    # consecutive positions p..q whose n-grams all occur: one entry, ids[p:q+n], window n
+    runs = _runs(lengths, lambda i: ngram if lengths[i] >= ngram else None)
+    return longest, [{"ids": text.ids[p:q + w], "window": w, "part": text.part} for p, q, w in runs]
 
 
-def _respaced(index: _CountingIndex, text: _Text, ngram: int) -> tuple[Overlap | None, list[dict]]:
-    """Runs of whole words with any whitespace of WHITESPACE_VARIANTS between them (module
-    docstring). Matching statistics over words: the end never moves back, and the spacings that
-    reached it are kept, each run trimmed of its first word as the start moves on."""
-    encoder = text.encoder
-    longest: Overlap | None = None
-    sequences: dict[tuple[int, ...], None] = {}
-    live: list[tuple[tuple[int, ...], ...]] = []  # spacings of words i..j-1 that occur
-    j = 0
-    for i in range(len(text.words)):
-        live = _unique((encoder.strip_space(b[1]), *b[2:]) for b in live if len(b) > 1)
-        if not live:
-            live = [(alt,) for alt in text.starts(i) if index.occurs(alt)]
-            if not live:
-                continue
-            j = i + 1
-        while j < len(text.words):
-            grown = _unique(b + (alt,) for b in live for alt in text.joined(j)
-                            if index.occurs(_flat(b) + alt))
-            if not grown:
-                break
-            live, j = grown[:MAX_BRANCHES], j + 1
-        tokens = text.span_tokens(i, j - 1)
-        if longest is None or tokens > longest.tokens:
-            a, b = text.words[i][0], text.words[j - 1][1]
-            longest = Overlap(text.part, tokens, text.text[a:b], False, _flat(live[0]))
-        if tokens >= ngram:
-            # the shortest prefix of each spacing that covers n of the item's tokens
-            r = next(r for r in range(1, j - i + 1) if text.span_tokens(i, i + r - 1) >= ngram)
-            for branch in live:
-                sequence = encoder.strip_space(_flat(branch[:r]))
-                if not _is_slice(text.ids, sequence):  # else the exact pass has it
-                    sequences[sequence] = None
-    if longest is not None and _is_slice(text.ids, longest.sequence):
-        longest.exact = True
-    return longest, [{"ids": list(s), "window": len(s), "part": text.part} for s in sequences]
+def _folded(index: _CountingIndex, text: _Text, ngram: int) -> tuple[Overlap | None, list[dict], bool]:
+    """Runs of the text's folded words in the word stream: the longest (in the item's own tokens),
+    every offending sequence (at each start, the fewest words that cover ``ngram`` item tokens),
+    and whether all of the text's words occur as one run (the whole-item rule)."""
+    n = len(text.numbers)
+    if not n:
+        return None, [], False
+    lengths = index.word_match_lengths(text.numbers)
+    tokens = [text.span_tokens(i, i + int(lengths[i]) - 1) if lengths[i] else 0 for i in range(n)]
+    start = int(np.argmax(tokens))
+    longest = None
+    if tokens[start]:
+        end = start + int(lengths[start]) - 1
+        longest = Overlap(text.part, tokens[start], text.text[text.words[start][0]:text.words[end][1]], False,
+                          tuple(text.numbers[start:end + 1]))
 
+    def window(i: int) -> int | None:
+        if tokens[i] < ngram:
+            return None
+        return next(r for r in range(1, int(lengths[i]) + 1) if text.span_tokens(i, i + r - 1) >= ngram)
 
-_PUNCTUATION = re.compile(r"[^\w\s]+")
-
-
-def normalised_variants(text: str) -> list[tuple[str, bool]]:
-    """The forms of a text looked up: itself (``False``: not normalised), then NFKC-normalised,
-    lower-cased, upper-cased, and without punctuation (as is and lower-cased), whitespace collapsed
-    where punctuation went; each distinct form once. A training copy that changed case or dropped
-    punctuation throughout, or wrote compatibility characters (full-width letters, ligatures) in
-    their plain form, is found; one that mixes changes (title case, punctuation changed not
-    dropped) is not (docs/contamination.md)."""
-    import unicodedata
-
-    nfkc = unicodedata.normalize("NFKC", text)
-    bare = " ".join(_PUNCTUATION.sub(" ", nfkc).split())
-    forms = {text: False}
-    for form in (nfkc, nfkc.lower(), nfkc.upper(), bare, bare.lower()):
-        if form.strip():
-            forms.setdefault(form, True)
-    return list(forms.items())
+    sequences = [{"words": text.numbers[p:q + w], "window": w, "part": text.part}
+                 for p, q, w in _runs(lengths, window)]
+    return longest, sequences, int(lengths[0]) == n
 
 
 def check_item(index: AuditIndex, encoder: _Encoder, benchmark: str, item_id: str,
@@ -300,42 +241,58 @@ def check_item(index: AuditIndex, encoder: _Encoder, benchmark: str, item_id: st
     for part, raw in texts:
         if not raw.strip():
             continue
-        for variant, normalised in normalised_variants(raw):
-            text = _Text(part, variant, encoder)
-            exact = _exact(counting, text, ngram)
-            if not normalised:
-                result.exact_tokens = max(result.exact_tokens, exact[0].tokens if exact[0] else 0)
-            for longest, sequences in (exact, _respaced(counting, text, ngram)):
-                result.sequences += sequences
-                if longest is None:
-                    continue
-                if normalised:
-                    longest.exact = False
-                if WHOLE_ITEM_MIN_TOKENS <= len(text.ids) < ngram and longest.tokens >= len(text.ids):
-                    result.whole_item = True
-                    result.sequences.append({"ids": list(longest.sequence), "window": len(longest.sequence),
-                                             "part": part})
-                if (result.longest is None or longest.tokens > result.longest.tokens
-                        or (longest.tokens == result.longest.tokens and longest.exact
-                            and not result.longest.exact)):
-                    result.longest = longest
+        text = _Text(part, raw, encoder)
+        # folded runs count the tokens of the item's NFKC form: as written for ordinary text, and
+        # not a dozen byte tokens per word for full-width letters
+        standard = unicodedata.normalize("NFKC", raw)
+        plain = text if standard == raw else _Text(part, standard, encoder)
+        exact, exact_sequences = _exact(counting, text, ngram)
+        folded, folded_sequences, whole = _folded(counting, plain, ngram)
+        result.exact_tokens = max(result.exact_tokens, exact.tokens if exact else 0)
+        result.sequences += exact_sequences + folded_sequences
+        short = WHOLE_ITEM_MIN_TOKENS <= len(text.ids) < ngram
+        if short and exact is not None and exact.tokens >= len(text.ids):
+            result.whole_item = True
+            result.sequences.append({"ids": list(exact.sequence), "window": len(exact.sequence),
+                                     "part": part})
+        elif whole and WHOLE_ITEM_MIN_TOKENS <= len(plain.ids) < ngram:
+            result.whole_item = True
+            result.sequences.append({"words": list(plain.numbers), "window": len(plain.numbers),
+                                     "part": part})
+        for longest in (exact, folded):  # the exact run first: it wins a tie
+            if longest is not None and (result.longest is None or longest.tokens > result.longest.tokens):
+                result.longest = longest
     seen: dict[tuple[str, int], Hit] = {}
     for entry in result.sequences:
-        ids, window = entry["ids"], entry["window"]
-        for p in range(len(ids) - window + 1):
-            hits = index.locate(ids[p:p + window], limit=max_hits)
+        words = "words" in entry
+        sequence, window = entry["words" if words else "ids"], entry["window"]
+        locate = index.words().locate if words else index.locate
+        for p in range(len(sequence) - window + 1):
+            hits = locate(sequence[p:p + window], limit=max_hits)
             result.hits_truncated |= len(hits) >= max_hits
             for hit in hits:
                 seen.setdefault((hit.source, hit.document), hit)
     result.hits = sorted(seen.values(), key=lambda h: (h.source, h.document))
     if result.contaminated(ngram):
-        first = index.locate(list(result.longest.sequence), limit=1)
-        if first:
-            doc = index.document_tokens(first[0].source, first[0].document)
-            start = first[0].offset
-            result.training_text = encoder.decode(doc[start:start + len(result.longest.sequence)])
+        result.training_text = _training_text(index, encoder, result.longest)
     result.lookups = counting.lookups
     return result
+
+
+def _training_text(index: AuditIndex, encoder: _Encoder, run: Overlap) -> str:
+    """The run as the first training document holding it writes it."""
+    if run.exact:
+        first = index.locate(list(run.sequence), limit=1)
+        if not first:
+            return ""
+        doc = index.document_tokens(first[0].source, first[0].document)
+        return encoder.decode(doc[first[0].offset:first[0].offset + len(run.sequence)])
+    first = index.words().locate(list(run.sequence), limit=1)
+    if not first:
+        return ""
+    text = encoder.document_text(index.document_tokens(first[0].source, first[0].document))
+    spans = word_spans(text)[first[0].offset:first[0].offset + len(run.sequence)]
+    return text[spans[0][0]:spans[-1][1]] if spans else ""
 
 
 @dataclass
@@ -447,7 +404,7 @@ def _item_line(r: ItemResult) -> dict[str, Any]:
             "exact_tokens": r.exact_tokens,
             "text": o.text, "training_text": r.training_text,
             "documents": [{"dataset": h.source, "category": h.category, "document": h.document,
-                           "offset": h.offset} for h in r.hits],
+                           "offset": h.offset, "offset_unit": h.unit} for h in r.hits],
             "documents_truncated": r.hits_truncated, "sequences": r.sequences}
 
 
@@ -475,7 +432,7 @@ def contamination_report(results: list[BenchmarkResult], suite, index: AuditInde
     return ContaminationReport(
         benchmarks={b.name: _summary(b, settings.ngram) for b in results}, suite=suite.name,
         suite_file=suite.source, seed=suite.seed, ngram=settings.ngram,
-        whitespace_variants=tuple(WHITESPACE_VARIANTS), limit=settings.limit,
+        normalisation=WORD_FORM, limit=settings.limit,
         index={"path": str(index.path.resolve()), "fingerprint": index.metadata.fingerprint,
                "documents": index.num_documents, "tokens": index.num_tokens},
         datasets=indexed_datasets(index), tokenizer=tokenizer, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
@@ -502,7 +459,8 @@ def write_report(report: ContaminationReport, results: list[BenchmarkResult], ou
                      "documents hit": f"{s.documents_hit}" + ("+" if s.documents_truncated else ""),
                      "note": b.error or ""})
     notes = [f"An item is contaminated ({MARK}) when {n} consecutive tokens of its benchmark text occur in "
-             "one training document, exactly or re-spaced; `exact` counts those found with the item's own "
+             "one training document, exactly or as the same words folded (spacing, case, Unicode forms, "
+             "look-alike letters, punctuation); `exact` counts those found with the item's own "
              f"token ids. Index: {index.num_documents:,} documents, {index.num_tokens:,} tokens."]
     paths += write_table(rows, out, suite, f"Contamination of {suite} ({n}-token overlap)",
                          json_rows=False, notes=notes)

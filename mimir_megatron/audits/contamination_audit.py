@@ -60,6 +60,7 @@ def contamination_audit(suite: SuiteSpec | str | Path, index: str | Path | Audit
     if settings.limit is not None and settings.limit < 1:
         raise UserError(f"--limit must be >= 1, got {settings.limit}")
     tokenizer_dir, recorded = check_tokenizer(index, str(tokenizer) if tokenizer else None)
+    index.words()  # the word stream the folded pass reads (an index of an older mimir has none)
     # every check above: nothing is written before them
     results = run_contamination(index, suite, Path(data_dir or suite.data_dir), tokenizer_dir, settings,
                                 progress=progress)

@@ -1,5 +1,6 @@
 """Building an audit index: the shard plan over prepared datasets, each shard's symbols and
-document offsets, and its suffix array (infini-gram's ``rust_indexing``). The format is
+document offsets, and its suffix array (infini-gram's ``rust_indexing``); the same for the
+shard's word stream (its documents decoded and folded, :mod:`.normalise`). The format is
 :mod:`.index_format`'s; :mod:`.index_query` reads what this writes."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +23,7 @@ from mimir_megatron.integrity import atomic_files, remove_temporaries
 from .index_format import (
     META_NAME,
     SYMBOLS_PER_TOKEN,
+    WORDS_DIR,
     IndexedSource,
     IndexMetadata,
     IndexShard,
@@ -31,6 +34,7 @@ from .index_format import (
     tokenizer_of,
     write_shard_record,
 )
+from .normalise import WORD_FORM, WordNumbers, documents_text
 from .sources import AuditSource
 
 log = logging.getLogger("mimir.audit")
@@ -38,6 +42,7 @@ log = logging.getLogger("mimir.audit")
 _HACK_BYTES = 100_000  # infini-gram's overlap between suffix-array parts (its default)
 _DEFAULT_SHARD_TOKENS = 1 << 30  # keeps a shard's byte offsets within 4 bytes per suffix
 _ENCODE_CHUNK_TOKENS = 1 << 24  # bounded memory while writing a shard
+_WORD_CHUNK_DOCUMENTS = 4096  # documents decoded per tokenizer call for the word stream
 
 
 # --- the plan -------------------------------------------------------------------------------
@@ -49,12 +54,38 @@ class _Plan:
     sources: list[IndexedSource]
     tokenizer: dict | None = None
     shards: list[list[ShardUnit]] = field(default_factory=list)
+    reader: Any = None
+    """The datasets' tokenizer (``tokenizers.Tokenizer``) that reads documents as text for the
+    word stream; None: the tokenizer is not here, and the index has no word stream."""
 
     def metadata(self) -> IndexMetadata:
         shards = [IndexShard(id=i, documents=sum(u.documents for u in units),
                              tokens=sum(u.tokens for u in units), units=tuple(units))
                   for i, units in enumerate(self.shards)]
-        return IndexMetadata.new(self.encoding, self.sources, shards, self.tokenizer)
+        words = {"form": WORD_FORM} if self.reader is not None else None
+        return IndexMetadata.new(self.encoding, self.sources, shards, self.tokenizer, words)
+
+
+def _reader(tokenizer: dict | None) -> Any:
+    """The tokenizer that reads the indexed documents as text (the one `mimir prepare` encoded
+    them with, its sha256 checked), or None with a warning when it is not here."""
+    from mimir_megatron.chat import load_tokenizer, tokenizer_sha256
+
+    path = (tokenizer or {}).get("path")
+    if not path or not (Path(path) / "tokenizer.json").is_file():
+        log.warning("the datasets' tokenizer %s is not here: the index gets no word stream, and the "
+                    "contamination check will ask for it to be rebuilt", path)
+        return None
+    if tokenizer_sha256(path) != tokenizer["sha256"]:
+        log.warning("%s is not the tokenizer the datasets were prepared with (sha256 differs): the index "
+                    "gets no word stream, and the contamination check will ask for it to be rebuilt", path)
+        return None
+    try:
+        return load_tokenizer(path).backend_tokenizer
+    except UserError as exc:  # transformers missing, a tokenizer without a chat template
+        log.warning("%s: the index gets no word stream, and the contamination check will ask for it to be "
+                    "rebuilt", exc)
+        return None
 
 
 def _open_prepared(source: AuditSource):
@@ -88,7 +119,8 @@ def _make_plan(sources: list[AuditSource], shard_tokens: int, encoding: str) -> 
         encoding = "u16" if dtypes <= {np.dtype(np.uint16), np.dtype(np.uint8)} else "u16x2"
     if encoding not in SYMBOLS_PER_TOKEN:
         raise UserError(f"unknown index encoding {encoding!r}; use auto, u16 or u16x2")
-    plan = _Plan(encoding, described, common_tokenizer([(d.name, d.tokenizer) for d in described]))
+    tokenizer = common_tokenizer([(d.name, d.tokenizer) for d in described])
+    plan = _Plan(encoding, described, tokenizer, reader=_reader(tokenizer))
     current: list[ShardUnit] = []
     for unit in units:
         if unit.documents == 0:
@@ -191,6 +223,34 @@ def _write_shard_data(plan: _Plan, units: tuple[ShardUnit, ...], sources: list[A
     return longest
 
 
+def _write_word_data(plan: _Plan, units: tuple[ShardUnit, ...], sources: list[AuditSource],
+                     tokenized: Path, offsets: Path) -> None:
+    """Writes the shard's word stream: each document decoded with the datasets' tokenizer, its
+    words folded and numbered (:mod:`.normalise`), as ``u16x2`` symbols with their offsets."""
+    numbers = WordNumbers()
+    position = 0
+    with tokenized.open("wb") as data_out, offsets.open("wb") as offset_out:
+        for unit in units:
+            idx = _open_prepared(sources[unit.source]).shard(unit.file).index
+            lengths = np.asarray(idx.sequence_lengths, dtype=np.int64).reshape(-1, 2).sum(axis=1)
+            bounds = np.concatenate([[0], np.cumsum(lengths)])
+            tokens = np.memmap(_bin_path(sources[unit.source], unit.file), dtype=idx.dtype, mode="r")
+            for first in range(0, len(lengths), _WORD_CHUNK_DOCUMENTS):
+                last = min(first + _WORD_CHUNK_DOCUMENTS, len(lengths))
+                texts = documents_text(plan.reader, [tokens[bounds[d]:bounds[d + 1]]
+                                                     for d in range(first, last)])
+                words = [numbers(text) for text in texts]
+                counts = np.array([len(w) for w in words], dtype=np.int64)
+                flat = np.fromiter((n for w in words for n in w), dtype=np.int64, count=int(counts.sum()))
+                symbols = encode_documents(flat, counts, "u16x2")
+                starts = np.zeros(len(counts), dtype=np.int64)
+                starts[1:] = np.cumsum(counts[:-1] * 2 + 1)
+                offset_out.write((position + 2 * starts).astype(np.uint64).tobytes())
+                data_out.write(symbols.tobytes())
+                position += 2 * symbols.size
+            del tokens
+
+
 def _bin_path(source: AuditSource, file: int) -> str:
     return _open_prepared(source).shard_prefixes[file] + ".bin"
 
@@ -217,7 +277,11 @@ def build_index(
     plan = _make_plan(sources, shard_tokens, encoding)
     meta = plan.metadata()
     if (out / META_NAME).is_file():
-        if not IndexMetadata.read(out).same_plan(meta):
+        existing = IndexMetadata.read(out)
+        if not existing.words_recorded:
+            raise UserError(f"{out}: holds an index built before indexes had a word stream; choose a new "
+                            "--output or delete the directory")
+        if not existing.same_plan(meta):
             raise UserError(
                 f"{out}: holds an index of other data or another shard plan; choose a new --output "
                 "or delete the directory"
@@ -237,13 +301,25 @@ def build_index(
             continue
         start = time.perf_counter()
         tokenized, offsets, table = (shard_file(out, kind, sid) for kind in ("tokenized", "offset", "table"))
-        for path in (tokenized, offsets, table):
+        streams = [(tokenized, offsets, table)]
+        if plan.reader is not None:
+            (out / WORDS_DIR).mkdir(exist_ok=True)
+            streams.append(tuple(shard_file(out / WORDS_DIR, kind, sid)
+                                 for kind in ("tokenized", "offset", "table")))
+        finals = [path for stream in streams for path in stream]
+        for path in finals:
             path.unlink(missing_ok=True)
-        remove_temporaries(tokenized, offsets, table)  # a killed build's, gigabytes each
-        with atomic_files(tokenized, offsets, table) as (tokenized_tmp, offsets_tmp, table_tmp):
-            longest = _write_shard_data(plan, shard.units, sources, tokenized_tmp, offsets_tmp, bar)
+        remove_temporaries(*finals)  # a killed build's, gigabytes each
+        with atomic_files(*finals) as staged:
+            tmp = dict(zip(finals, staged))
+            longest = _write_shard_data(plan, shard.units, sources, tmp[tokenized], tmp[offsets], bar)
             bar.set_postfix_str(f"shard {sid}: suffix array")
-            _build_suffix_array(tokenized_tmp, table_tmp, mem_bytes, cpus, out / f"work.{sid}")
+            _build_suffix_array(tmp[tokenized], tmp[table], mem_bytes, cpus, out / f"work.{sid}")
+            if plan.reader is not None:
+                words, word_offsets, word_table = streams[1]
+                bar.set_postfix_str(f"shard {sid}: word stream")
+                _write_word_data(plan, shard.units, sources, tmp[words], tmp[word_offsets])
+                _build_suffix_array(tmp[words], tmp[word_table], mem_bytes, cpus, out / f"work.{sid}")
         write_shard_record(out, shard, longest, time.perf_counter() - start)
     bar.close()
     return out

@@ -8,9 +8,14 @@ Layout of an index directory (infini-gram's v4 layout plus our metadata)::
     tokenized.S          the shard's documents as uint16 symbols, each preceded by 0xFFFF
     offset.S             uint64 byte offset of each document's separator in tokenized.S
     table.S              the suffix array of tokenized.S (infini-gram's ``rust_indexing``)
+    words/tokenized.S    the word stream: the same documents as folded words
+    words/offset.S       (:mod:`.normalise`), each word a number in the u16x2 encoding, the
+    words/table.S        same document order; what the contamination check matches
     shard.S.json         written last: the shard is complete (a rerun skips it); its longest document
 
-Token ids are read straight from the ``.bin``/``.idx`` files (no re-tokenisation). A document is
+Token ids are read straight from the ``.bin``/``.idx`` files (no re-tokenisation); the word
+stream decodes them with the datasets' tokenizer (the record's ``words`` names its folding rules,
+:data:`~.normalise.WORD_FORM`; null when the tokenizer was not there to read the documents). A document is
 the prefix followed by the response. The separator never occurs inside a document and never in a
 query, so a match cannot span two documents; every hit maps back to (dataset, document, offset).
 
@@ -43,9 +48,13 @@ MAX_TOKEN_ID = {"u16": SEPARATOR - 1, "u16x2": (SEPARATOR - _HIGH) * _HIGH - 1}
 SYMBOLS_PER_TOKEN = {"u16": 1, "u16x2": 2}
 
 
+WORDS_DIR = "words"
+"""The word stream's subdirectory (its own tokenized, offset and table files per shard)."""
+
+
 def shard_file(directory: Path, kind: str, shard: int) -> Path:
     """A shard's file: ``kind`` is tokenized, offset or table (its data), or shard (``shard.S.json``,
-    its completion record)."""
+    its completion record). The word stream's files: ``shard_file(directory / WORDS_DIR, ...)``."""
     return directory / (f"shard.{shard}.json" if kind == "shard" else f"{kind}.{shard}")
 
 
@@ -201,14 +210,20 @@ class IndexMetadata:
     tokenizer_recorded: bool = True
     """False for an index built before the tokenizer was recorded (its record has no such keys;
     the query side then asks the datasets' manifests)."""
+    words: dict | None = None
+    """``{"form": WORD_FORM}``: the index holds the word stream, folded by those rules; None: it
+    does not (the tokenizer was not there to read the documents)."""
+    words_recorded: bool = True
+    """False for an index built before the word stream existed (no ``words`` key): the
+    memorisation audits read it, the contamination check asks for a rebuild."""
     fingerprint: str = field(default="", compare=False)
 
     @classmethod
     def new(cls, encoding: str, sources: list[IndexedSource], shards: list[IndexShard],
-            tokenizer: dict | None) -> IndexMetadata:
+            tokenizer: dict | None, words: dict | None = None) -> IndexMetadata:
         """A record of a new shard plan, fingerprinted."""
-        unsealed = cls(encoding, tuple(sources), tuple(shards), tokenizer)
-        return cls(encoding, tuple(sources), tuple(shards), tokenizer,
+        unsealed = cls(encoding, tuple(sources), tuple(shards), tokenizer, words=words)
+        return cls(encoding, tuple(sources), tuple(shards), tokenizer, words=words,
                    fingerprint=json_digest(unsealed.body()))
 
     def body(self) -> dict[str, Any]:
@@ -216,6 +231,8 @@ class IndexMetadata:
         head: dict[str, Any] = {"format": FORMAT, "encoding": self.encoding}
         if self.tokenizer_recorded:
             head["tokenizer"] = self.tokenizer
+        if self.words_recorded:
+            head["words"] = self.words
         return head | {"sources": [s.to_json(self.tokenizer_recorded) for s in self.sources],
                        "shards": [s.to_json() for s in self.shards]}
 
@@ -275,11 +292,15 @@ def _parse(raw: Any) -> IndexMetadata:
     if [s.id for s in shards] != list(range(len(shards))):
         raise _Invalid(f"shard ids {[s.id for s in shards]} are not 0..{len(shards) - 1} in order")
     tokenizer = _tokenizer(raw.get("tokenizer"), "tokenizer") if recorded else None
+    words = raw.get("words")
+    if words is not None and not (isinstance(words, dict) and isinstance(words.get("form"), str)):
+        raise _Invalid(f"words must be null or {{form: string}}, got {words!r}")
     fingerprint = _get(raw, FINGERPRINT_KEY, str, "")
     if not digest_matches(raw, exclude=FINGERPRINT_KEY):
         raise _Invalid(f"{FINGERPRINT_KEY} {fingerprint[:12]}... does not match the content "
                        "(edited or damaged)")
-    return IndexMetadata(encoding, sources, shards, tokenizer, recorded, fingerprint)
+    return IndexMetadata(encoding, sources, shards, tokenizer, recorded, words, "words" in raw,
+                         fingerprint)
 
 
 def _get(record: dict, key: str, kind: type, where: str) -> Any:

@@ -14,6 +14,7 @@ from mimir_megatron.errors import UserError
 from .index_format import (
     SEPARATOR,
     SYMBOLS_PER_TOKEN,
+    WORDS_DIR,
     IndexMetadata,
     common_tokenizer,
     decode_symbols,
@@ -22,18 +23,22 @@ from .index_format import (
     shard_file,
     tokenizer_of,
 )
+from .normalise import WORD_FORM
 from .sources import AuditSource
 
 
 @dataclass(frozen=True)
 class Hit:
-    """One occurrence of a span: source dataset, document within it, token offset in the document
-    (the document being its prefix followed by its response)."""
+    """One occurrence of a span: source dataset, document within it, offset in the document
+    (the document being its prefix followed by its response), in tokens or, for a span of the
+    word stream, in words."""
 
     source: str
     category: str
     document: int
     offset: int
+    unit: str = "token"
+    """``token`` or ``word`` (a hit of the word stream)."""
 
 
 class AuditIndex:
@@ -58,13 +63,9 @@ class AuditIndex:
         self._unit_start = np.concatenate([[0], np.cumsum([u.documents for u in units])]).astype(np.int64)
         self._shard_first_doc = np.concatenate([[0], np.cumsum([s.documents for s in shards])])
         self._arrays: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
-        from infini_gram.engine import InfiniGramEngine
-
-        depth = {} if prefetch else {"ds_prefetch_depth": 0, "sa_prefetch_depth": 0, "od_prefetch_depth": 0}
-        self._engine = InfiniGramEngine(
-            index_dir=str(self.path), eos_token_id=0, vocab_size=SEPARATOR, version=4, token_dtype="u16",
-            **depth,
-        )
+        self._prefetch = prefetch
+        self._engine = _engine(self.path, prefetch)
+        self._words: _WordStream | None = None
 
     @property
     def audit_sources(self) -> list[AuditSource]:
@@ -209,24 +210,108 @@ class AuditIndex:
 
     def _shard_arrays(self, shard: int) -> tuple[np.ndarray, np.ndarray, int]:
         if shard not in self._arrays:
-            table = np.memmap(shard_file(self.path, "table", shard), dtype=np.uint8, mode="r")
-            size = shard_file(self.path, "tokenized", shard).stat().st_size
-            offsets = np.fromfile(shard_file(self.path, "offset", shard), dtype=np.uint64).astype(np.int64)
-            self._arrays[shard] = (table, offsets, table.size // (size // 2))
+            self._arrays[shard] = _shard_arrays(self.path, shard)
         return self._arrays[shard]
 
     def _hits_at(self, shard: int, lo: int, hi: int) -> list[Hit]:
         """The hits of suffix-array ranks [lo, hi) of one shard, read from its table."""
-        table, offsets, ratio = self._shard_arrays(shard)
-        raw = np.asarray(table[lo * ratio:hi * ratio]).reshape(-1, ratio).astype(np.int64)
-        pointers = (raw << (8 * np.arange(ratio, dtype=np.int64))).sum(axis=1)  # little-endian bytes
-        docs = np.searchsorted(offsets, pointers, side="right") - 1
-        symbol_offsets = (pointers - offsets[docs]) // 2 - 1  # after the separator
+        docs, symbol_offsets = _pointed(self._shard_arrays(shard), lo, hi)
         first = self._shard_first_doc[shard]
         return [self._hit(int(first + d), int(o) // self._width) for d, o in zip(docs, symbol_offsets)]
 
-    def _hit(self, doc_ix: int, offset: int) -> Hit:
-        unit = int(np.searchsorted(self._unit_start, doc_ix, side="right") - 1)
-        source = self.metadata.sources[int(self._unit_source[unit])]
-        document = int(self._unit_first[unit] + doc_ix - self._unit_start[unit])
-        return Hit(source.name, source.category, document, offset)
+    def _hit(self, doc_ix: int, offset: int, unit: str = "token") -> Hit:
+        at = int(np.searchsorted(self._unit_start, doc_ix, side="right") - 1)
+        source = self.metadata.sources[int(self._unit_source[at])]
+        document = int(self._unit_first[at] + doc_ix - self._unit_start[at])
+        return Hit(source.name, source.category, document, offset, unit)
+
+    # --- the word stream (:mod:`.normalise`) ---------------------------------------------------
+
+    def words(self) -> _WordStream:
+        """The index's word stream; a one-line UserError naming the index when it has none (built
+        by an older mimir, or without its tokenizer) or folds words by other rules than these."""
+        if self._words is None:
+            recorded = (self.metadata.words or {}).get("form")
+            if recorded is None:
+                why = ("was built before indexes had a word stream" if not self.metadata.words_recorded
+                       else "has no word stream (the datasets' tokenizer was not there when it was built)")
+                raise UserError(f"{self.path}: the index {why}; rebuild it with `mimir audit index` to check "
+                                "contamination")
+            if recorded != WORD_FORM:
+                raise UserError(f"{self.path}: the index's word stream folds words by {recorded!r}, this "
+                                f"mimir by {WORD_FORM!r}; rebuild it with `mimir audit index`")
+            self._words = _WordStream(self)
+        return self._words
+
+
+class _WordStream:
+    """Matching and hit locations over an index's word stream: the same documents, as numbers of
+    folded words (:mod:`.normalise`, ``u16x2`` symbols, two per word)."""
+
+    def __init__(self, index: AuditIndex) -> None:
+        self.index = index
+        self.path = index.path / WORDS_DIR
+        self._engine = _engine(self.path, index._prefetch)
+        self._arrays: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
+
+    def _occurs(self, symbols: list[int]) -> bool:
+        return self._engine.find(symbols)["cnt"] > 0
+
+    def match_lengths(self, words: list[int]) -> np.ndarray:
+        """For each position i: the longest L such that words[i:i+L] occurs inside one document
+        (matching statistics, at most 2 len(words) lookups, as :meth:`AuditIndex.match_lengths`)."""
+        symbols = encode_tokens(np.asarray(words, dtype=np.int64), "u16x2").tolist()
+        n = len(words)
+        out = np.zeros(n, dtype=np.int64)
+        end = 0
+        for i in range(n):
+            end = max(end, i)
+            while end < n and self._occurs(symbols[2 * i:2 * (end + 1)]):
+                end += 1
+            out[i] = end - i
+        return out
+
+    def locate(self, words, limit: int = 100) -> list[Hit]:
+        """Up to ``limit`` occurrences of the word run ``words`` (offsets in words)."""
+        words = list(words)
+        if not words or limit <= 0:
+            return []
+        found = self._engine.find(encode_tokens(np.asarray(words, dtype=np.int64), "u16x2").tolist())
+        hits: list[Hit] = []
+        for shard, (lo, hi) in enumerate(found["segment_by_shard"]):
+            take = min(hi - lo, limit - len(hits))
+            if take > 0:
+                if shard not in self._arrays:
+                    self._arrays[shard] = _shard_arrays(self.path, shard)
+                docs, symbol_offsets = _pointed(self._arrays[shard], lo, lo + take)
+                first = self.index._shard_first_doc[shard]
+                hits += [self.index._hit(int(first + d), int(o) // 2, "word")
+                         for d, o in zip(docs, symbol_offsets)]
+            if len(hits) >= limit:
+                break
+        return hits
+
+
+def _engine(directory: Path, prefetch: bool):
+    from infini_gram.engine import InfiniGramEngine
+
+    depth = {} if prefetch else {"ds_prefetch_depth": 0, "sa_prefetch_depth": 0, "od_prefetch_depth": 0}
+    return InfiniGramEngine(index_dir=str(directory), eos_token_id=0, vocab_size=SEPARATOR, version=4,
+                            token_dtype="u16", **depth)
+
+
+def _shard_arrays(directory: Path, shard: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """A shard's suffix array (memory-mapped), its documents' byte offsets, bytes per pointer."""
+    table = np.memmap(shard_file(directory, "table", shard), dtype=np.uint8, mode="r")
+    size = shard_file(directory, "tokenized", shard).stat().st_size
+    offsets = np.fromfile(shard_file(directory, "offset", shard), dtype=np.uint64).astype(np.int64)
+    return table, offsets, table.size // (size // 2)
+
+
+def _pointed(arrays: tuple[np.ndarray, np.ndarray, int], lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """(document within the shard, symbol offset within it) of suffix-array ranks [lo, hi)."""
+    table, offsets, ratio = arrays
+    raw = np.asarray(table[lo * ratio:hi * ratio]).reshape(-1, ratio).astype(np.int64)
+    pointers = (raw << (8 * np.arange(ratio, dtype=np.int64))).sum(axis=1)  # little-endian bytes
+    docs = np.searchsorted(offsets, pointers, side="right") - 1
+    return docs, (pointers - offsets[docs]) // 2 - 1  # after the separator

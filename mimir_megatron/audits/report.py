@@ -135,12 +135,12 @@ def log_to_mlflow(uri: str, artifact_location: str, experiment: str, parent_run_
     A new experiment keeps its artifacts in ``artifact_location`` (MLflow's default would be
     ``./mlruns`` of whatever directory the command runs in)."""
     try:
-        from mimir_megatron.mlflow_store import experiment_id, mlflow_client
+        from mimir_megatron.mlflow_store import create_run, experiment_id, mlflow_client
 
         client = mlflow_client(uri, artifact_root=artifact_location)
         exp_id = experiment_id(client, experiment, artifact_location)
         tags = {"mimir.kind": "audit"} | ({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})
-        run = client.create_run(exp_id, run_name=run_name, tags=tags)
+        run = create_run(client, exp_id, run_name, tags)
         for key, value in params.items():
             client.log_param(run.info.run_id, key, str(value)[:500])
         for key, value in metrics.items():

@@ -28,6 +28,9 @@ class BenchResult:
     step_median_s: float = 0.0
     step_spread_s: float = 0.0
     peak_memory_gb: float = 0.0
+    """GB (1e9 bytes): torch's allocator peak on a GPU, the process's resident set on a CPU."""
+    planned_peak_memory_gb: float | None = None
+    """`mimir plan`'s peak of the same step (ours only; GB), beside the measured one."""
     window: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
     error: str | None = None

@@ -61,6 +61,22 @@ def our_steps(cfg: ModelConfig, setup: BenchSetup, weights: SharedWeights) -> tu
     return step_for, settings
 
 
+def planned_peak_gb(cfg: ModelConfig, setup: BenchSetup, k_L: int, k_H: int) -> float:
+    """`mimir plan`'s peak memory of the step measured (GB, 1e9 bytes): one process, the bench's
+    micro-batch, the step's optimizer settings and precision."""
+    from mimir_megatron import backend
+    from mimir_megatron.data.config import DataConfig
+    from mimir_megatron.train.config import OptimSection, TrainConfig, TrainSection
+    from mimir_megatron.train.plan.layouts import one_process_step
+    from mimir_megatron.train.plan.memory import GB
+
+    rows = setup.tokens // setup.seq_len
+    section = TrainSection(global_batch_size=rows, micro_batch_size=rows, precision=setup.precision)
+    train = TrainConfig(model=cfg, data=DataConfig(seq_len=setup.seq_len), train=section,
+                        optim=OptimSection(ema_decay=setup.step.ema_decay, shard_state=False))
+    return one_process_step(train, rows, k_L, k_H, on_gpu=backend.has_gpu()).peak / GB
+
+
 def bench_ours(name: str, cfg: ModelConfig, setup: BenchSetup, weights: SharedWeights) -> list[BenchResult]:
     from mimir_megatron.train.flops import flops_per_token
 
@@ -73,6 +89,8 @@ def bench_ours(name: str, cfg: ModelConfig, setup: BenchSetup, weights: SharedWe
         step, w = step_for(k)
         times = time_steps(step, setup.warmup, setup.steps, setup.device)
         fpt = flops_per_token(cfg, w.k_L, w.k_H, setup.seq_len, attended_keys=setup.attended_keys)
-        return result(name, times, setup, fpt, w.describe(), settings, k)
+        measured = result(name, times, setup, fpt, w.describe(), settings, k)
+        measured.planned_peak_memory_gb = planned_peak_gb(cfg, setup, w.k_L, w.k_H)
+        return measured
 
     return list(measure_windows(name, setup, measure))

@@ -49,8 +49,6 @@ def run_order(variants: list[Variant], peer: bool, shared: Sequence[str] = ()) -
 def run_bench(request: BenchRequest) -> Report:
     """Measure every variant (and the peer) as ``request`` says; the report, printed and (with
     ``json_path``) written as each result arrives."""
-    import torch
-
     from mimir_megatron import backend
     from mimir_megatron.bench.measure import BenchSetup, SharedWeights, StepSettings, bench_batch
     from mimir_megatron.bench.ours import bench_ours
@@ -63,12 +61,9 @@ def run_bench(request: BenchRequest) -> Report:
                for v in request.our_variants}
     device = backend.device()
     peak = request.peak_tflops
-    if peak is None and device.type == "cuda":
-        # The project's one GPU table (mimir_megatron/train/plan/gpus.yaml); unknown: no MFU.
-        from mimir_megatron.train.plan.gpus import spec_for_device
-
-        spec = spec_for_device(torch.cuda.get_device_name(device))
-        peak = spec.bf16_tflops if spec is not None else None
+    if peak is None:  # the GPU table's row of this device (mimir_megatron/gpus.yaml); none: no MFU
+        row = backend.gpu_row()
+        peak = row.bf16_tflops if row is not None else None
     first = next(iter(configs.values()))
     batch = bench_batch(first.vocab_size, request.micro_batch, request.seq_len, request.samples_per_context)
     step = StepSettings(optimizer=request.optimizer, lr=request.lr, clip_grad=request.clip_grad,

@@ -1,7 +1,7 @@
 """`mimir bench`: its arguments; the run is :func:`mimir_megatron.bench.run.run_bench`.
 
 Reports tokens/s, TFLOP/s (formula: :mod:`mimir_megatron.train.flops`), MFU when the device's
-peak is known (``--peak-tflops``, else the GPU table of :mod:`mimir_megatron.train.plan.gpus`),
+peak is known (``--peak-tflops``, else the GPU table of :mod:`mimir_megatron.gpus`),
 step-time median and spread, and peak memory, as a table and as JSON.
 """
 

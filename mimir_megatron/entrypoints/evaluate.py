@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from mimir_megatron.checkpoint import add_model_arguments, model_dir_from_args
+from mimir_megatron.inference.api_keys import ENV_VAR, add_api_key_arguments
 
 log = logging.getLogger("mimir")
 
@@ -16,6 +17,8 @@ def _add_model_source(p: argparse.ArgumentParser) -> None:
     """Where the model comes from: a directory `mimir serve` is started for, or a running server."""
     src = add_model_arguments(p)
     src.add_argument("--base-url", help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    add_api_key_arguments(p, f"with --base-url: file whose first line is the server's API key (default: "
+                             f"{ENV_VAR}); a server started here gets a fresh key of its own")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's own)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for mimir serve")
 
@@ -96,6 +99,11 @@ def _resolve_model(args: argparse.Namespace) -> None:
     ``args.hf`` or ``args.weights``), as if that flag had been given."""
     if args.base_url:
         return
+    if args.api_key_file:
+        from mimir_megatron.errors import UserError
+
+        raise UserError("--api-key-file is the key of a running server (--base-url); the server started here "
+                        "gets a fresh key of its own")
     source = model_dir_from_args(args)
     source.check_ema(args.ema)
     args.model = args.checkpoint = args.hf = args.weights = None
@@ -155,8 +163,12 @@ def _trained_schedule(args: argparse.Namespace) -> tuple[int, int] | None:
 
 @contextlib.contextmanager
 def _server(args: argparse.Namespace, output: Path):
+    """The endpoint of ``--base-url`` (with the key of ``--api-key-file`` or the environment), or of
+    a `mimir serve` started here for the model."""
     if args.base_url:
-        yield args.base_url.rstrip("/")
+        from mimir_megatron.inference.api_keys import Endpoint, client_key
+
+        yield Endpoint(args.base_url, client_key(args.api_key_file))
         return
     from mimir_megatron.evaluation.serve import launched_server
 
@@ -166,11 +178,11 @@ def _server(args: argparse.Namespace, output: Path):
         yield url
 
 
-def _score_client(args: argparse.Namespace, base_url: str, model_name: str):
+def _score_client(args: argparse.Namespace, endpoint, model_name: str):  # noqa: ANN001
     from mimir_megatron.evaluation.scoring_client import ScoreClient, load_renderer
 
     render, encode = load_renderer(_tokenizer_dir(args))
-    return ScoreClient(base_url, model_name, render, encode)
+    return ScoreClient(endpoint, model_name, render, encode)
 
 
 def _marks(args: argparse.Namespace, suite):
@@ -204,7 +216,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     target = tracking_target(output, args.tracking_uri, args.checkpoint, args.experiment)
     done = run_eval(suite, output, _server(args, output), target,
                     model_name=args.model_name if args.base_url and args.model_name else None,
-                    score_client=lambda url, name: _score_client(args, url, name),
+                    score_client=lambda endpoint, name: _score_client(args, endpoint, name),
                     h_cycles=args.h_cycles, l_cycles=args.l_cycles, marks=marks,
                     params={**_params(args, suite, ""), "contamination_report": report},
                     data_dir=args.data_dir, limit=args.limit, allow_code_execution=args.allow_code_execution,
@@ -232,7 +244,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
               "contamination_report": report}
     done = run_sweep(suite, schedules, output, _server(args, output), target,
                      model_name=args.model_name if args.base_url and args.model_name else None,
-                     score_client=lambda url, name: _score_client(args, url, name), trained=trained,
+                     score_client=lambda endpoint, name: _score_client(args, endpoint, name), trained=trained,
                      marks=marks, params=params, data_dir=args.data_dir, limit=args.limit,
                      allow_code_execution=args.allow_code_execution, mc_scoring=args.mc_scoring,
                      metrics=contamination_metrics(marks))
@@ -253,8 +265,8 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
         raise UserError("mimir lm-eval needs the model's tokenizer: pass --tokenizer DIR")
     output = Path(args.output or Path("evals") / "lm-eval" / _source_name(args))
     passthrough = args.lm_eval_args[1:] if args.lm_eval_args[:1] == ["--"] else args.lm_eval_args
-    with _server(args, output) as base_url:
-        return run_lm_eval(base_url, tokenizer, args.tasks, passthrough, output_path=output,
+    with _server(args, output) as endpoint:
+        return run_lm_eval(endpoint, tokenizer, args.tasks, passthrough, output_path=output,
                            batch_size=args.batch_size, h_cycles=args.h_cycles, l_cycles=args.l_cycles)
 
 

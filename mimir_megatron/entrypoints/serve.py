@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from mimir_megatron.checkpoint import add_model_arguments
+from mimir_megatron.inference.api_keys import ENV_VAR, add_api_key_arguments
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +18,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_arguments(p)
     p.add_argument("--tokenizer", help="tokenizer directory (default: the one found with the model)")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; anything else exposes the model on the network)")
+                   help="address to bind (default 127.0.0.1; anything else exposes the model on the network "
+                        "and needs an API key, or --allow-unauthenticated)")
+    add_api_key_arguments(p, "file of API keys, one a line: every /v1 request then needs "
+                             f"'Authorization: Bearer <key>' (also {ENV_VAR}, one key; never on the "
+                             "command line)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without an API key (anyone who reaches the port may "
+                        "use it)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together in one step")
     p.add_argument("--max-queue", type=int, default=256,
@@ -46,6 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from mimir_megatron.errors import UserError
+    from mimir_megatron.inference.api_keys import server_keys
     from mimir_megatron.inference.loading import load_engine
     from mimir_megatron.inference.server import serve
 
@@ -54,15 +63,39 @@ def _serve(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        logging.getLogger(__name__).warning(
-            "binding %s: the model is reachable from the network, and the server has no authentication",
-            args.host)
+    keys = server_keys(args.api_key_file)
+    log = logging.getLogger(__name__)
+    if keys is not None and args.allow_unauthenticated:
+        raise UserError(f"--allow-unauthenticated with an API key (--api-key-file or {ENV_VAR}): give one "
+                        "or the other")
+    if keys is None and not _loopback(args.host) and not args.allow_unauthenticated:
+        raise UserError(f"--host {args.host} without an API key would serve the model to anyone who reaches "
+                        f"the port: give --api-key-file PATH or {ENV_VAR}, or --allow-unauthenticated")
+    if keys is not None:
+        log.info("requests need an API key (%d accepted)", len(keys))
+    elif _loopback(args.host):
+        log.warning("no API key: every user of this machine may use the server on %s (set %s or "
+                    "--api-key-file)", args.host, ENV_VAR)
+    else:
+        log.warning("binding %s without an API key (--allow-unauthenticated): anyone who reaches the port "
+                    "may use the model", args.host)
     engine = load_engine(model=args.model, checkpoint=args.checkpoint, ema=args.ema, weights=args.weights,
                          hf=args.hf, tokenizer=args.tokenizer, max_batch_size=args.max_batch_size,
                          max_context=args.max_context)
     engine.logprobs_mode = args.logprobs_mode
-    serve(engine, host=args.host, port=args.port, max_tokens_limit=args.max_tokens_limit,
+    serve(engine, host=args.host, port=args.port, api_keys=keys, max_tokens_limit=args.max_tokens_limit,
           max_queue=args.max_queue, max_stored_responses=args.max_stored_responses,
           max_body_bytes=args.max_body_bytes, max_cycles_factor=args.max_cycles_factor)
     return 0
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (reachable from this machine only)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface

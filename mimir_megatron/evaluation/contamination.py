@@ -173,7 +173,9 @@ class ContaminationReport:
     datasets: tuple[CheckedDataset, ...] | None = None
     """The datasets checked (None: a report written before they were recorded)."""
     suite_file: str | None = None
-    whitespace_variants: tuple[str, ...] = ()
+    normalisation: str | None = None
+    """How items and training text were folded before matching (the audit's word form,
+    :data:`mimir_megatron.audits.normalise.WORD_FORM`); None: a report written before folding."""
     index: Mapping[str, Any] | None = None
     """The index audited: path, fingerprint, documents, tokens."""
     tokenizer: Mapping[str, Any] | None = None
@@ -194,7 +196,7 @@ class ContaminationReport:
         """Write ``<directory>/<suite>.json`` with the digest of its content, atomically; the path
         written."""
         body = {"format": FORMAT, "suite": self.suite, "suite_file": self.suite_file, "seed": self.seed,
-                "ngram": self.ngram, "whitespace_variants": list(self.whitespace_variants),
+                "ngram": self.ngram, "normalisation": self.normalisation,
                 "limit": self.limit, "index": dict(self.index or {}),
                 "datasets": None if self.datasets is None else [asdict(d) for d in self.datasets],
                 "tokenizer": dict(self.tokenizer or {}), "created": self.created,
@@ -300,7 +302,7 @@ def _report_from_dict(body: dict[str, Any], path: Path) -> ContaminationReport:
         ngram=typed(body, "ngram", int, "an integer", default=0),
         seed=typed(body, "seed", int, "an integer"), limit=typed(body, "limit", int, "an integer"),
         datasets=checked, suite_file=typed(body, "suite_file", str, "a string"),
-        whitespace_variants=tuple(typed(body, "whitespace_variants", list, "a list", default=[])),
+        normalisation=typed(body, "normalisation", str, "a string"),
         index=typed(body, "index", dict, "a JSON object"),
         tokenizer=typed(body, "tokenizer", dict, "a JSON object"),
         created=typed(body, "created", str, "a string"), path=path)

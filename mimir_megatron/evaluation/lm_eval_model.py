@@ -54,6 +54,8 @@ class MimirLM(TemplateLM):
     the served one), ``max_length`` (default: the server's ``max_model_len``), ``max_gen_toks``
     (default 256), ``h_cycles`` / ``l_cycles`` (the schedule; default the trained one),
     ``timeout`` (seconds per request, default 600), ``retries`` (tries per request, default 4).
+    The server's API key, if it asks for one, comes from ``MIMIR_API_KEY`` (never from
+    ``model_args``, which lm-eval writes into its results).
     """
 
     def __init__(self, base_url: str | None = None, tokenizer: str | None = None, model: str | None = None,
@@ -81,7 +83,10 @@ class MimirLM(TemplateLM):
                     "l_cycles": _int_or_none(l_cycles, "l_cycles")}
         self.schedule = {k: v for k, v in schedule.items() if v is not None}
         self.retry = RetryPolicy(attempts=max(1, int(retries)))
-        self.client = httpx.Client(timeout=float(timeout))
+        from mimir_megatron.inference.api_keys import Endpoint, client_key
+
+        self.client = httpx.Client(timeout=float(timeout),
+                                   headers=Endpoint(self.base_url, client_key(None)).headers)
         served = self._served_model()
         self.model = model or served["id"]
         self._max_length = _int_or_none(max_length, "max_length") or int(served.get("max_model_len") or 2048)
@@ -229,6 +234,10 @@ class MimirLM(TemplateLM):
     def _served_model(self) -> dict[str, Any]:
         try:
             response = self.client.get(self.base_url + "/models")
+            if response.status_code == 401:
+                from mimir_megatron.inference.api_keys import ENV_VAR
+
+                raise UserError(f"{self.base_url}/models: the server refused the API key (set {ENV_VAR})")
             response.raise_for_status()
             return response.json()["data"][0]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.inference.api_keys import ENV_VAR, Endpoint
 
 log = logging.getLogger("mimir")
 
@@ -49,20 +51,31 @@ def require_lm_eval() -> None:
             from None
 
 
-def run_lm_eval(base_url: str, tokenizer: str, tasks: str, passthrough: list[str], **kwargs) -> int:
-    """Registers the ``mimir`` model and runs lm-eval's CLI; lm-eval prints its results table."""
+def run_lm_eval(endpoint: Endpoint | str, tokenizer: str, tasks: str, passthrough: list[str],
+                **kwargs) -> int:
+    """Registers the ``mimir`` model and runs lm-eval's CLI; lm-eval prints its results table.
+
+    The endpoint's key reaches the model through ``MIMIR_API_KEY`` for the run, not through its
+    ``model_args``, which lm-eval writes into its results and logs."""
     require_lm_eval()
     from lm_eval._cli import HarnessCLI
 
     from . import lm_eval_model  # noqa: F401  (registers --model mimir)
 
-    argv = lm_eval_argv(base_url, tokenizer, tasks, passthrough, **kwargs)
+    endpoint = Endpoint.of(endpoint)
+    argv = lm_eval_argv(endpoint.base_url, tokenizer, tasks, passthrough, **kwargs)
     log.info("lm-eval %s", " ".join(argv))
-    saved = sys.argv
+    saved, saved_key = sys.argv, os.environ.get(ENV_VAR)
     sys.argv = ["lm-eval", *argv]  # HarnessCLI reads sys.argv
+    if endpoint.api_key:
+        os.environ[ENV_VAR] = endpoint.api_key
     try:
         cli = HarnessCLI()
         cli.execute(cli.parse_args())
     finally:
         sys.argv = saved
+        if saved_key is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = saved_key
     return 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.inference.api_keys import ENV_VAR, Endpoint
 
 from .metrics import ItemOutcome, aggregate
 from .prompts import Item, build_items
@@ -24,8 +25,6 @@ from .scoring_client import ScoreClient
 from .suite import SuiteSpec, TaskSpec
 
 log = logging.getLogger(__name__)
-
-API_KEY = "mimir-local"  # the local server checks none; the OpenAI client insists on one
 
 
 @dataclass
@@ -94,14 +93,20 @@ def _host_logging_kept():
         root.handlers[:] = handlers
 
 
-def server_model_name(base_url: str) -> str:
-    """The first model id the server lists under ``GET /models``."""
+def server_model_name(endpoint: Endpoint | str) -> str:
+    """The first model id the server lists under ``GET /models`` (a refused key: one line that says
+    where the key comes from)."""
+    endpoint = Endpoint.of(endpoint)
     try:
-        response = httpx.get(base_url.rstrip("/") + "/models", timeout=30)
+        response = httpx.get(endpoint.base_url + "/models", headers=endpoint.headers, timeout=30)
+        if response.status_code == 401:
+            raise UserError(f"the server at {endpoint.base_url} refused the API key"
+                            + (" sent" if endpoint.api_key else ": it needs one")
+                            + f" (give --api-key-file PATH or {ENV_VAR})")
         response.raise_for_status()
         return response.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise UserError(f"no model listed by the server at {base_url} ({exc})") from exc
+        raise UserError(f"no model listed by the server at {endpoint.base_url} ({exc})") from exc
 
 
 def prepare_items(suite: SuiteSpec, data_dir: Path, limit: int | None, allow_code_execution: bool,
@@ -132,12 +137,12 @@ def prepare_items(suite: SuiteSpec, data_dir: Path, limit: int | None, allow_cod
     return items, errors, skipped
 
 
-def run_suite(suite: SuiteSpec, base_url: str, *, data_dir: str | Path | None = None,
+def run_suite(suite: SuiteSpec, endpoint: Endpoint | str, *, data_dir: str | Path | None = None,
               limit: int | None = None, h_cycles: int | None = None, l_cycles: int | None = None,
               log_dir: str | Path = "logs/eval", model_name: str | None = None,
               score_client: ScoreClient | None = None, allow_code_execution: bool = False,
               mc_scoring: str | None = None, max_connections: int = 32) -> SuiteResult:
-    """Evaluate every task of ``suite`` on the server at ``base_url`` (".../v1").
+    """Evaluate every task of ``suite`` on the server at ``endpoint`` (".../v1", with its key).
 
     ``h_cycles``/``l_cycles`` are sent as extra body fields of every request (the server's
     default is the trained schedule). Logs go to ``log_dir`` (InspectAI's .eval files).
@@ -148,11 +153,12 @@ def run_suite(suite: SuiteSpec, base_url: str, *, data_dir: str | Path | None = 
 
     from .inspect_tasks import SCORER_NAME, build_task
 
+    endpoint = Endpoint.of(endpoint)
     data_dir = Path(data_dir or suite.data_dir)
-    model_name = model_name or server_model_name(base_url)
+    model_name = model_name or server_model_name(endpoint)
     schedule = {k: v for k, v in (("h_cycles", h_cycles), ("l_cycles", l_cycles)) if v is not None}
     if score_client is None:
-        score_client = ScoreClient(base_url, model_name)
+        score_client = ScoreClient(endpoint, model_name)
     items, errors, skipped = prepare_items(suite, data_dir, limit, allow_code_execution)
     results = {s.name: TaskResult(s, error=errors.get(s.name), chance=_chance(s, items.get(s.name)),
                                   skipped=s.name in skipped)
@@ -162,7 +168,8 @@ def run_suite(suite: SuiteSpec, base_url: str, *, data_dir: str | Path | None = 
                         allow_code_execution=allow_code_execution)
              for s in suite.tasks if s.name in items]
     if tasks:
-        model = get_model(f"openai-api/mimir/{model_name}", base_url=base_url, api_key=API_KEY,
+        model = get_model(f"openai-api/mimir/{model_name}", base_url=endpoint.base_url,
+                          api_key=endpoint.sdk_key,
                           config=GenerateConfig(max_connections=max_connections, temperature=0.0,
                                                 max_retries=2, timeout=600))
         with _host_logging_kept():
@@ -201,7 +208,9 @@ def run_suite_on_engine(engine, suite: SuiteSpec | str | Path, *, limit: int | N
                         prefix: str = "eval/") -> dict[str, float]:
     """In-process evaluation for training: serve ``engine`` on a 127.0.0.1 thread and run the
     suite through InspectAI exactly as ``mimir eval`` does. Returns MLflow-ready metrics
-    (``eval/<task>``, ``eval/avg/<category>``); tasks that cannot run are logged and left out."""
+    (``eval/<task>``, ``eval/avg/<category>``); tasks that cannot run are logged and left out.
+    The thread's server asks for a fresh API key: other users of the machine cannot use it."""
+    from mimir_megatron.inference.api_keys import ApiKeys, new_key
     from mimir_megatron.inference.server import serve_in_thread
 
     from .scoring_client import chat_renderer
@@ -210,12 +219,14 @@ def run_suite_on_engine(engine, suite: SuiteSpec | str | Path, *, limit: int | N
     if not isinstance(suite, SuiteSpec):
         suite = load_suite(suite)
     tokenizer = getattr(engine, "tokenizer", None)
-    with serve_in_thread(engine, port=0) as base_url:
-        model_name = getattr(engine, "model_name", None) or server_model_name(base_url)
-        client = ScoreClient(base_url, model_name,
+    key = new_key()
+    with serve_in_thread(engine, port=0, api_keys=ApiKeys([key])) as base_url:
+        endpoint = Endpoint(base_url, key)
+        model_name = getattr(engine, "model_name", None) or server_model_name(endpoint)
+        client = ScoreClient(endpoint, model_name,
                              chat_renderer(tokenizer) if tokenizer is not None else None,
                              (lambda t: tokenizer.encode(t, add_special_tokens=False)) if tokenizer else None)
-        result = run_suite(suite, base_url, data_dir=data_dir, limit=limit, h_cycles=h_cycles,
+        result = run_suite(suite, endpoint, data_dir=data_dir, limit=limit, h_cycles=h_cycles,
                            l_cycles=l_cycles, log_dir=log_dir, model_name=model_name,
                            score_client=client)
     return {k: v for k, v in result.metrics(prefix).items() if not math.isnan(v)}

@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from mimir_megatron.inference.api_keys import Endpoint
+
 from .http_retry import RetryPolicy, post_json_async
 
 log = logging.getLogger(__name__)
@@ -47,10 +49,12 @@ def load_renderer(tokenizer_dir: str | Path | None) -> tuple[Renderer | None, En
 class ScoreClient:
     """Sums of continuation log-probs for (conversation, continuation) pairs."""
 
-    def __init__(self, base_url: str, model: str, render: Renderer | None = None,
+    def __init__(self, endpoint: Endpoint | str, model: str, render: Renderer | None = None,
                  encode: Callable[[str], list[int]] | None = None, timeout_s: float = 600.0,
                  retry: RetryPolicy = RetryPolicy()):
-        self.url = base_url.rstrip("/") + "/score"
+        endpoint = Endpoint.of(endpoint)
+        self.url = endpoint.base_url + "/score"
+        self.headers = endpoint.headers
         self.model = model
         self.render = render
         self.encode = encode
@@ -77,7 +81,7 @@ class ScoreClient:
 
     async def logprobs(self, messages: list[dict[str, str]], continuations: Sequence[str],
                        schedule: dict[str, int] | None = None) -> list[float]:
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers) as client:
             # a dropped connection or a full queue is retried, not the task's failure
             response = await post_json_async(client, self.url, self.body(messages, continuations, schedule),
                                              self.retry)

@@ -1,9 +1,13 @@
-"""Start `mimir serve` for a checkpoint or HF directory on a free 127.0.0.1 port, and stop it."""
+"""Start `mimir serve` for a checkpoint or HF directory on a free 127.0.0.1 port, and stop it.
+
+The server gets a fresh API key through its environment (not its command line, which `ps` shows
+to every user): another user of the machine cannot use it while the evaluation runs."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -14,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.inference.api_keys import ENV_VAR, Endpoint, new_key
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +32,9 @@ def free_port() -> int:
 @contextlib.contextmanager
 def launched_server(*, checkpoint: str | None = None, ema: bool = False, hf: str | None = None,
                     weights: str | None = None, tokenizer: str | None = None,
-                    log_file: Path, startup_timeout_s: float = 900.0) -> Iterator[str]:
-    """Yields the base URL (".../v1") of a `mimir serve` subprocess; its output goes to
-    ``log_file``. A server that exits or does not answer /health in time is a UserError that
+                    log_file: Path, startup_timeout_s: float = 900.0) -> Iterator[Endpoint]:
+    """Yields the endpoint (".../v1" and its key) of a `mimir serve` subprocess; its output goes
+    to ``log_file``. A server that exits or does not answer /health in time is a UserError that
     quotes the end of its log."""
     port = free_port()
     command = [sys.executable, "-m", "mimir_megatron.cli", "serve", "--host", "127.0.0.1",
@@ -42,13 +47,15 @@ def launched_server(*, checkpoint: str | None = None, ema: bool = False, hf: str
         command.append("--ema")
     log_file.parent.mkdir(parents=True, exist_ok=True)
     root = f"http://127.0.0.1:{port}"
+    key = new_key()
     with log_file.open("w") as out:
         log.info("starting %s", " ".join(command))
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env={**os.environ, ENV_VAR: key})
         try:
             _wait_healthy(process, root, log_file, startup_timeout_s)
             log.info("mimir serve is up at %s (log: %s)", root, log_file)
-            yield root + "/v1"
+            yield Endpoint(root + "/v1", key)
         finally:
             process.terminate()
             try:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.inference.api_keys import Endpoint
 
 from .contamination import BenchmarkMark
 from .results import SweepResults
@@ -196,16 +197,18 @@ class SweepRun:
     run_id: str | None
 
 
-def run_sweep(suite: SuiteSpec, schedules: list[Schedule], output: Path, server: AbstractContextManager[str],
+def run_sweep(suite: SuiteSpec, schedules: list[Schedule], output: Path,
+              server: AbstractContextManager[Endpoint | str],
               tracking: TrackingTarget, *, model_name: str | None = None,
-              score_client: Callable[[str, str], ScoreClient] | None = None, trained: Schedule | None = None,
+              score_client: Callable[[Endpoint, str], ScoreClient] | None = None,
+              trained: Schedule | None = None,
               marks: dict[str, BenchmarkMark | None] | None = None, params: Mapping[str, Any] | None = None,
               data_dir: str | Path | None = None, limit: int | None = None,
               allow_code_execution: bool = False, mc_scoring: str | None = None,
               metrics: Mapping[str, float] | None = None) -> SweepRun:
     """`mimir sweep`: ``suite`` under each of ``schedules`` on the server ``server`` yields the URL
     of (started on entry, stopped once every schedule ran), asking for ``model_name`` (default:
-    the first the server lists; ``score_client(url, name)`` makes the log-likelihood client).
+    the first the server lists; ``score_client(endpoint, name)`` makes the log-likelihood client).
     Writes Table 5 (:func:`write_sweep`) and every item's outcome (``items.jsonl``) to ``output``
     and logs to ``tracking`` one run with ``params`` (the model's name added as ``model``), a child
     run per schedule, the McNemar tests, ``metrics`` and the files."""
@@ -214,14 +217,15 @@ def run_sweep(suite: SuiteSpec, schedules: list[Schedule], output: Path, server:
 
     results: dict[Schedule, SuiteResult] = {}
     started = time.perf_counter()
-    with server as base_url:
-        model_name = model_name or server_model_name(base_url)
-        client = score_client(base_url, model_name) if score_client else None
+    with server as served:
+        endpoint = Endpoint.of(served)
+        model_name = model_name or server_model_name(endpoint)
+        client = score_client(endpoint, model_name) if score_client else None
         parent = EvalRun(tracking, f"sweep {suite.name}", {**(params or {}), "model": model_name})
         for schedule in schedules:
             name = schedule_name(schedule)
             log.info("schedule %s (H=%d, L=%d)", name, *schedule)
-            result = run_suite(suite, base_url, data_dir=data_dir, limit=limit,
+            result = run_suite(suite, endpoint, data_dir=data_dir, limit=limit,
                                h_cycles=schedule[0], l_cycles=schedule[1], log_dir=output / "logs" / name,
                                model_name=model_name, score_client=client,
                                allow_code_execution=allow_code_execution, mc_scoring=mc_scoring)

@@ -59,7 +59,7 @@ class EvalRun:
         self.run_id: str | None = None
         self.target = target
         try:
-            from mimir_megatron.mlflow_store import experiment_id, mlflow_client
+            from mimir_megatron.mlflow_store import create_run, experiment_id, mlflow_client
 
             self.client = mlflow_client(target.uri, request_timeout_s=10, artifact_root=target.artifact_root)
             exp_id = experiment_id(self.client, target.experiment, target.artifact_root)
@@ -67,7 +67,7 @@ class EvalRun:
             parent = parent_run_id or target.parent_run_id
             if parent:
                 all_tags["mlflow.parentRunId"] = parent
-            self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id
+            self.run_id = create_run(self.client, exp_id, run_name, all_tags).info.run_id
             for key, value in params.items():
                 self.client.log_param(self.run_id, key, str(value)[:6000])
         except Exception as exc:  # noqa: BLE001 (tracking never costs the results)

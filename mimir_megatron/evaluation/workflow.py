@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mimir_megatron.inference.api_keys import Endpoint
+
 from .contamination import BenchmarkMark
 from .runner import SuiteResult
 from .scoring_client import ScoreClient
@@ -51,15 +53,16 @@ def contamination_metrics(marks: Marks | None, result: SuiteResult | None = None
     return metrics
 
 
-def run_eval(suite: SuiteSpec, output: Path, server: AbstractContextManager[str], tracking: TrackingTarget, *,
-             model_name: str | None = None, score_client: Callable[[str, str], ScoreClient] | None = None,
+def run_eval(suite: SuiteSpec, output: Path, server: AbstractContextManager[Endpoint | str],
+             tracking: TrackingTarget, *, model_name: str | None = None,
+             score_client: Callable[[Endpoint, str], ScoreClient] | None = None,
              h_cycles: int | None = None, l_cycles: int | None = None, marks: Marks | None = None,
              params: Mapping[str, Any] | None = None, data_dir: str | Path | None = None,
              limit: int | None = None, allow_code_execution: bool = False,
              mc_scoring: str | None = None) -> EvalRunResult:
-    """`mimir eval`: ``suite`` on the server ``server`` yields the URL of (started on entry,
+    """`mimir eval`: ``suite`` on the server ``server`` yields the endpoint (or URL) of (started on entry,
     stopped after the run), asking for ``model_name`` (default: the first the server lists;
-    ``score_client(url, name)`` makes the log-likelihood client), under ``h_cycles``/``l_cycles``
+    ``score_client(endpoint, name)`` makes the log-likelihood client), under ``h_cycles``/``l_cycles``
     (default: the model's own). Writes ``results.md/.csv/.json``, ``items.jsonl`` and InspectAI's
     logs to ``output`` (``marks``: a contamination report's, :func:`.contamination.benchmark_marks`),
     then logs one MLflow run to ``tracking`` with ``params`` (the model's name added as ``model``,
@@ -69,11 +72,12 @@ def run_eval(suite: SuiteSpec, output: Path, server: AbstractContextManager[str]
     from .tracking import EvalRun
 
     started = time.perf_counter()
-    with server as base_url:
-        model_name = model_name or server_model_name(base_url)
-        result = run_suite(suite, base_url, data_dir=data_dir, limit=limit, h_cycles=h_cycles,
+    with server as served:
+        endpoint = Endpoint.of(served)
+        model_name = model_name or server_model_name(endpoint)
+        result = run_suite(suite, endpoint, data_dir=data_dir, limit=limit, h_cycles=h_cycles,
                            l_cycles=l_cycles, log_dir=output / "logs", model_name=model_name,
-                           score_client=score_client(base_url, model_name) if score_client else None,
+                           score_client=score_client(endpoint, model_name) if score_client else None,
                            allow_code_execution=allow_code_execution, mc_scoring=mc_scoring)
     seconds = time.perf_counter() - started
     tables = write_tables(result, output, model_name, marks)

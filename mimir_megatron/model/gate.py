@@ -43,7 +43,28 @@ def output_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 class GatedSelfAttention(SelfAttention):
-    """megatron's SelfAttention with :func:`output_gate`."""
+    """megatron's SelfAttention with :func:`output_gate`, whose fused projection is not kept for
+    backward.
+
+    megatron splits the fused ``[q, gate, k, v]`` projection into views of one storage. RoPE gives
+    fresh q and k (``model/attention.py``), but the attention kernel keeps ``v`` and the output gate
+    keeps ``gate`` for backward, and as views they keep the whole storage alive, the pre-RoPE q and
+    k with it: 4 hidden widths a token where 2 are needed (q and k held twice). Here ``v`` and
+    ``gate`` are copied out of it (the layout RoPE gives q and k, ``[seq, batch, heads,
+    head_dim]`` contiguous, which the kernels take as they are), so the storage is freed once RoPE
+    has read q and k. The copies change no value. When the core attention is recomputed
+    (``selective``), its checkpoint keeps q, k and v before RoPE, all views of that one storage
+    anyway: nothing is copied then.
+    """
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False,
+                                    split_qkv=True):
+        parts = super().get_query_key_value_tensors(hidden_states, key_value_states,
+                                                    output_gate=output_gate, split_qkv=split_qkv)
+        if not output_gate or (self.checkpoint_core_attention and self.training):
+            return parts
+        query, key, value, gate = parts
+        return query, key, value.contiguous(), gate.contiguous()
 
     def _apply_output_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return output_gate(x, gate)

@@ -73,15 +73,17 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def get_json(url: str, timeout: float = 10.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def get_json(url: str, timeout: float = 10.0, headers: dict[str, str] | None = None) -> dict:
+    """``GET url`` as JSON (``headers``: e.g. a login's ``Authorization``)."""
+    request = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read().decode())
 
 
-def post_json(url: str, payload: dict, timeout: float = 10.0) -> dict:
+def post_json(url: str, payload: dict, timeout: float = 10.0, headers: dict[str, str] | None = None) -> dict:
     request = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"},
-        method="POST",
+        url, data=json.dumps(payload).encode(), method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read().decode())

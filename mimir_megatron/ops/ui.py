@@ -3,11 +3,11 @@
     mimir ui --run-dir runs/demo            # sqlite:///runs/demo/mlflow.db, artifacts beside it
     mimir ui --backend-store-uri sqlite:////abs/path/mlflow.db --port 5001
 
-Open the URL it prints (the latest run's experiment, in the model-training view); from a laptop,
-tunnel first: ``ssh -L 5000:127.0.0.1:5000 HOST``. The server is MLflow's with the ``mimir`` app
-plugin (ops/ui_app.py), which makes the training view the UI's default; where that plugin is not
-installed (its entry point missing), the printed URL still opens the training view
-(``?workflowType=machine_learning``) and a warning says the UI's default is MLflow's own.
+Open the URL it prints (the latest run's experiment, in the model-training view) and log in with the
+user and password of ``~/.config/mimir/ui/login`` (made and printed on first use: ops/ui_login.py);
+from a laptop, tunnel first: ``ssh -L 5000:127.0.0.1:5000 HOST``. The server is MLflow's with the
+``mimir`` app plugin (ops/ui_app.py): MLflow's login, and the training view as the UI's default.
+Without that plugin (its entry point missing) the UI would have no login: `mimir ui` refuses.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from mimir_megatron.errors import UserError
 from mimir_megatron.ops.mlflow_server import DEFAULT_HOST, run_store, server_command, server_env
 from mimir_megatron.ops.ui_app import APP_NAME, TRAINING_VIEW
+from mimir_megatron.ops.ui_login import ui_login
 
 log = logging.getLogger("mimir")
 
@@ -91,18 +92,28 @@ def serve(
             "the MLflow UI needs the full `mlflow` package (mlflow-skinny cannot serve): "
             "pip install mlflow"
         )
+    if importlib.util.find_spec("flask_wtf") is None:
+        raise UserError("the login of the MLflow UI needs MLflow's auth extra: pip install 'mlflow[auth]' "
+                        "(or 'mimir-megatron[ui]')")
     cmd = ui_command(run_dir, backend_store_uri, artifacts_dir, host, port)
-    if host not in _LOOPBACK:
-        log.warning("binding %s: the MLflow UI has no authentication", host)
     if "--app-name" not in cmd:
-        log.warning("the mimir MLflow app is not installed (reinstall mimir-megatron): the UI opens "
-                    "in MLflow's GenAI view by default; the link below opens the training view")
+        raise UserError("the mimir MLflow app is not installed, and without it the UI has no login: "
+                        "reinstall mimir-megatron (pip install 'mimir-megatron[ui]')")
+    login, created = ui_login()
+    if host not in _LOOPBACK:
+        log.warning("binding %s: the UI is reachable from the network (behind its login, over plain HTTP)",
+                    host)
     shown = f"[{host}]" if ":" in host else host
     url = start_url(f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown}:{port}", cmd[5])
     log.info("MLflow UI on http://%s:%d (store %s); Ctrl-C stops it", shown, port, cmd[5])
+    if created:
+        log.info("a login was made for you (printed this once; kept in %s, mode 0600): user %s, password %s",
+                 login.login_file, login.username, login.password)
+    else:
+        log.info("log in as %s (the password is in %s)", login.username, login.login_file)
     log.info("open %s", url)
     for handler in logging.getLogger().handlers:
         handler.flush()
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(cmd[0], cmd, server_env())
+    os.execve(cmd[0], cmd, server_env() | login.server_env())

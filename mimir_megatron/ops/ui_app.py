@@ -12,10 +12,11 @@ Its assistant panel (a quarter of the page) opens itself on a browser's first vi
 So the page this app serves sets these browser settings, the training view and the assistant's
 first opening done, where the browser has none yet, before MLflow's script starts; a user who
 switches to GenAI or opens the assistant keeps that choice (localStorage is per origin: it
-touches no other MLflow server). Everything else is MLflow's
-server unchanged. It is an MLflow server plugin (entry point ``mlflow.app`` named ``mimir``, the
-mechanism of ``mlflow server --app-name basic-auth``), so MLflow's own command line still builds
-the server, its stores and its options.
+touches no other MLflow server). It is an MLflow server plugin (entry point ``mlflow.app`` named
+``mimir``, the mechanism of ``mlflow server --app-name basic-auth``), so MLflow's own command line
+still builds the server, its stores and its options; and it is MLflow's basic-auth app as well:
+every request but ``/health`` and the static files needs the login that `mimir ui` sets up
+(:mod:`.ui_login`). Everything else is MLflow's server unchanged.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def with_training_view(index_html: str) -> str:
 
 
 def create_app() -> Any:
-    """MLflow's server app (FastAPI under uvicorn, else Flask) with the page above."""
+    """MLflow's server app with its login (``mlflow.server.auth``: FastAPI under uvicorn, else
+    Flask) and the page above."""
     from flask import Response
     from mlflow.server import app as flask_app
 
@@ -70,10 +72,6 @@ def create_app() -> Any:
         return Response(page, mimetype="text/html", headers={"Cache-Control": "no-cache"})
 
     flask_app.view_functions["serve"] = serve
-    from mlflow.environment_variables import _MLFLOW_SGI_NAME
+    from mlflow.server.auth import create_app as with_login
 
-    if _MLFLOW_SGI_NAME.get() == "uvicorn":
-        from mlflow.server.fastapi_app import create_fastapi_app
-
-        return create_fastapi_app(flask_app)
-    return flask_app
+    return with_login(flask_app)

@@ -81,7 +81,7 @@ class TrainSection:
     precision: Precision = Precision.auto
     """auto (bf16 compute with fp32 master weights on GPU, fp32 on CPU), fp32 or bf16."""
     peak_tflops: float = 0.0
-    """Peak dense TFLOP/s of one device, for MFU; 0: a GPU's bf16 peak from train/plan/gpus.yaml,
+    """Peak dense TFLOP/s of one device, for MFU; 0: a GPU's bf16 peak from mimir_megatron/gpus.yaml,
     on CPU this process's fp32 matmul peak measured at start-up (the run's description says which)."""
     on_nonfinite: OnNonfinite = OnNonfinite.skip
     """What a step whose loss or gradient norm is not finite does. skip: no optimizer step, no
@@ -95,11 +95,13 @@ class TrainSection:
     this rank fails with an error: a hung or unreachable peer ends the job instead of holding the
     allocation until its time limit. Must exceed the longest phase in which ranks wait for rank 0
     alone: building the packing index at start (minutes at 100B tokens), an `eval.suite`."""
-    plan_gpu: str = ""
-    """GPU of `mimir plan` (b200, h200, h100, gb200, a100, or a specs YAML): rank 0 then logs the
-    plan of this run's own config and layout at start-up, sends it to MLflow (plan.json, plan.*
-    params) and, on a GPU, logs the plan's peak memory and step time next to the measured ones
-    (plan/peak_memory_gb, plan/step_time_s). Empty: no plan."""
+    plan_gpu: str = "auto"
+    """GPU of `mimir plan` (auto, b200, h200, h100, gb200, a100, or a specs YAML): rank 0 then logs
+    the plan of this run's own config and layout at start-up, sends it to MLflow (plan.json,
+    plan.* params) and, on a GPU, logs the plan's peak memory and step time next to the measured
+    ones (plan/peak_memory_gb, plan/step_time_s; GB = 1e9 bytes), warning where a measured one is
+    more than 10 % above. auto: the GPU this process runs on (the GPU table's row of its name),
+    and no plan on a CPU. Empty: no plan."""
     plan_efficiency: float = 0.30
     """Fraction of the GPU's peak the plan assumes the step's FLOPs achieve; calibrate it from
     a run's measured step time (docs/planning.md)."""
@@ -276,8 +278,8 @@ class TrainConfig(RunSections):
                 errs.append(f"train.{name} must be >= 1, got {getattr(t, name)}")
         if t.max_nonfinite_skips < 0:
             errs.append(f"train.max_nonfinite_skips must be >= 0, got {t.max_nonfinite_skips}")
-        if t.plan_gpu:
-            from mimir_megatron.train.plan.gpus import gpu_spec
+        if t.plan_gpu and t.plan_gpu != "auto":
+            from mimir_megatron.gpus import gpu_spec
 
             try:
                 gpu_spec(t.plan_gpu)

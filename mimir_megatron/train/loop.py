@@ -379,7 +379,7 @@ def _open_tracker(cfg: TrainConfig, rank: int) -> Tracker:
 
 def _plan_this_run(cfg: TrainConfig, env: parallel.LaunchEnv) -> StartupPlan | None:
     """`mimir plan`'s plan of this very run, before its first step (``train.plan_gpu``, rank 0;
-    a warning if it cannot be made)."""
+    ``auto``: none on a CPU; a warning if it cannot be made)."""
     return plan_at_start(cfg, env.world_size) if cfg.train.plan_gpu and env.rank == 0 else None
 
 
@@ -406,7 +406,7 @@ def _start_tracking(tracker: Tracker, cfg: TrainConfig, place: _Place, mixture, 
     effective = {"model.parallel.sequence_parallel": cfg.model.uses_sequence_parallel}  # as in the layout tag
     params = run_params(flatten(cfg.to_dict()), effective)
     params |= plan.params() if plan is not None else {}
-    tags["mlflow.note.content"] = run_description(cfg, peak, peak_source)
+    tags["mlflow.note.content"] = run_description(cfg, peak, peak_source, plan)
     tracker.start(run_name(cfg), params, tags, resume_run_id=start.run_id, resume_step=start.step,
                   new_trajectory=bool(start.config_changes) or start.data_changed)
     tracker.log_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())), "config.yaml")
@@ -460,7 +460,7 @@ def _loop(run: _Run, stop: _StopFlag, stop_at_step: int | None, hooks: StepHooks
             result.losses.append(outcome.loss)
             result.final_step = run.step
             _log_step(run.tracker, cfg, run.step, plan, outcome, tokens_per_step, elapsed, devices,
-                      planned=run.plan if device.type == "cuda" else None,
+                      planned=run.plan, first=run.step == first_step + 1,
                       tokens_seen=run.consumed * cfg.data.seq_len, peak_tflops=run.peak_tflops)
 
             # -- what follows a step: checkpoint, evaluation, pre-emption -----------------------
@@ -564,10 +564,12 @@ def _init_weights(cfg: TrainConfig, model, optimizer, ema) -> ckpt.BaseModel:
 
 def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan: StepPlan, outcome: StepOutcome,
               tokens: int, seconds: float, devices: int, planned: StartupPlan | None = None,
-              tokens_seen: int = 0, peak_tflops: float = 0.0) -> None:
+              first: bool = False, tokens_seen: int = 0, peak_tflops: float = 0.0) -> None:
     """Metrics of every step to MLflow (host values the step already read: no synchronisation;
-    names: tracking.METRIC_NAMES); with ``planned`` (a GPU run), the plan's memory and step time
-    next to the measured ones; MFU against ``peak_tflops`` (0: none)."""
+    names: tracking.METRIC_NAMES); with ``planned`` (the run's own plan), the plan's memory and
+    step time next to the measured ones where it runs on a GPU, a warning where they exceed it
+    (``first``: this process's first step, whose time is warm-up); MFU against ``peak_tflops``
+    (0: none)."""
     flops = flops_per_token(cfg.model, plan.window.k_L, plan.window.k_H, cfg.data.seq_len,
                             attended_keys=outcome.attended_keys) * tokens
     tflops_per_device = flops / seconds / devices / 1e12
@@ -590,6 +592,7 @@ def _log_step(tracker: Tracker, cfg: TrainConfig, step: int, plan: StepPlan, out
         metrics["mfu"] = tflops_per_device / peak_tflops
     if planned is not None:
         metrics |= planned.metrics(plan.window.k)
+        planned.compare(step, plan.window.k, metrics["peak_memory_gb"], seconds, first)
     tracker.log_metrics(step, metrics)
     if step % cfg.train.log_interval == 0 or step == 1:
         log.info("step %d/%d loss %.4f k=%d (L%d H%d) lr %.2e gnorm %.3f %.0f tok/s %.3f TFLOP/s/dev",

@@ -118,9 +118,9 @@ def run_name(cfg: Any) -> str:
     return f"{cfg.run.name}-{window}-s{cfg.train.steps}-{config_digest(cfg.to_dict())}"
 
 
-def run_description(cfg: Any, peak_tflops: float, peak_source: str) -> str:
+def run_description(cfg: Any, peak_tflops: float, peak_source: str, plan: Any = None) -> str:
     """The run's description (MLflow's ``mlflow.note.content``, Markdown): what it trains and
-    what its curves mean."""
+    what its curves mean; ``plan``: the run's own plan (train/plan/startup.py), if it has one."""
     w, o, m = cfg.window, cfg.optim, cfg.model
     window = (f"constant k = {w.k}" if w.schedule == "constant" else
               f"linear k = {w.k0} -> {w.k1} over the first {w.ramp_fraction:.0%} of the steps")
@@ -147,10 +147,11 @@ def run_description(cfg: Any, peak_tflops: float, peak_source: str) -> str:
         "- `4-tokens`: tokens seen (choose it as the x axis in the chart settings) and supervised "
         "tokens per step.",
         "- `5-step`: step time, peak memory, non-finite steps skipped"
-        + (" and the plan's figures next to the measured ones." if cfg.train.plan_gpu else "."),
+        + (" and the plan's figures next to the measured ones (GB = 1e9 bytes)."
+           if plan is not None and plan.compared else "."),
         "",
         "**Artifacts**: the resolved config, the data policy decision, the lineage (updated at every "
-        "checkpoint), " + ("the plan, " if cfg.train.plan_gpu else "") + "evaluation results; "
+        "checkpoint), " + ("the plan, " if plan is not None else "") + "evaluation results; "
         "evaluations and audits of its checkpoints are child runs.",
     ])
 
@@ -337,7 +338,7 @@ class Tracker:
     def _create_or_resume_run(self) -> None:
         from mlflow.entities import Param, RunTag
 
-        from mimir_megatron.mlflow_store import experiment_id, mark_experiment_kind
+        from mimir_megatron.mlflow_store import create_run, experiment_id, mark_experiment_kind
 
         start = self._pending_start
         resumed = self._existing_run(self.run_id) if self.run_id is not None else None
@@ -366,7 +367,7 @@ class Tracker:
                 self._logged_through = logged
         if self.run_id is None:
             exp_id = experiment_id(self._client, self.experiment, self.artifact_root)  # model-training kind
-            run = self._client.create_run(exp_id, run_name=start["run_name"], tags=start["tags"])
+            run = create_run(self._client, exp_id, start["run_name"], start["tags"])
             self.run_id = run.info.run_id
             params = [Param(k, str(v)[:6000]) for k, v in start["params"].items()]
             for i in range(0, len(params), 90):

@@ -22,6 +22,7 @@ from conftest import REPO
 from mimir_megatron.audits import AuditSource, build_index
 from mimir_megatron.audits.contamination import check_item
 from mimir_megatron.cli import main
+from mimir_megatron.errors import UserError
 from mimir_megatron.evaluation.suite import load_suite
 
 TOKENIZER = REPO / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer"
@@ -268,6 +269,33 @@ def test_bad_input_is_one_line_and_writes_nothing(planted, caplog, tmp_path):
     _one_line_error(caplog, ["prepare", "--config", str(config)], "tokenizer.sha256", out)
 
 
+def test_an_index_without_a_word_stream_is_refused_for_contamination_and_read_for_the_rest(planted, caplog,
+                                                                                          tmp_path):
+    """An index an older mimir built (its record has no ``words``, its directory no word stream):
+    the contamination check asks for a rebuild in one line and writes nothing; the memorisation
+    audits' queries still answer; building into its directory is refused, naming why."""
+    from mimir_megatron.audits import AuditIndex
+    from mimir_megatron.audits.index_format import META_NAME
+    from mimir_megatron.integrity import json_digest
+
+    old = tmp_path / "old-idx"
+    shutil.copytree(planted["root"] / "idx", old, ignore=shutil.ignore_patterns("words"))
+    record = json.loads((old / META_NAME).read_text())
+    assert record.pop("words") is not None
+    record.pop("fingerprint")
+    (old / META_NAME).write_text(json.dumps({**record, "fingerprint": json_digest(record)}))
+    out = tmp_path / "out"
+    _one_line_error(caplog, ["audit", "contamination", "--suite", str(planted["suite"]), "--index", str(old),
+                             "--output", str(out), "--no-progress"],
+                    "was built before indexes had a word stream; rebuild it with `mimir audit index`", out)
+    index = AuditIndex(old)
+    first = next(iter(planted["planted"]))
+    ids = index.document_tokens("train", first)[:20].tolist()
+    assert index.locate(ids, limit=1)[0].document == first
+    with pytest.raises(UserError, match="built before indexes had a word stream; choose a new --output"):
+        build_index([AuditSource("train", planted["root"] / "train", "A")], old, progress=False)
+
+
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
     """Items planted in variants that change no word (re-cased, NFKC forms, punctuation dropped),
@@ -307,16 +335,38 @@ def variants(tmp_path_factory):
     def full_width(text: str) -> str:  # what NFKC folds back: full-width letters, ideographic spaces
         return "".join("\u3000" if c == " " else chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in text)
 
+    def phrase() -> str:  # five words under n tokens as written, over n in capitals
+        while True:
+            text = " ".join(r.choice(vocabulary) for _ in range(5))
+            if len(tokens(" " + text)) < NGRAM - 1 and len(tokens(" " + text.upper())) > NGRAM + 2:
+                return text
+
+    cyrillic = str.maketrans("aeopcxy", "аеорсху")  # Cyrillic look-alikes of Latin letters
+    greek = str.maketrans("ABEHIKMNOPTXYZ", "ΑΒΕΗΙΚΜΝΟΡΤΧΥΖ")
+    shared = phrase()
     # Each changed throughout, so that no 13-token run of the item as written survives in its copy.
     items = {"caps": sentence(16), "lower": sentence(16).title(), "nfkc": full_width(sentence(16)),
              "bare": punctuated(16), "short": of_length(NGRAM - 4),
-             "exact_n": of_length(NGRAM), "cut_n": of_length(NGRAM)}
+             "exact_n": of_length(NGRAM), "cut_n": of_length(NGRAM),
+             "title": sentence(16), "mixed": sentence(16), "nbsp": sentence(16), "zero_width": sentence(16),
+             "cyrillic": sentence(16), "greek": sentence(16), "punctuation": punctuated(16),
+             "host": sentence(4)[:-1] + " " + shared + " " + sentence(4).lower()}
     clean = {f"clean{i}": sentence(r.choice([5, 10, 16])) for i in range(16)}
+    # shares the host's five words, under n of its own tokens: clean, however the host was copied
+    clean["shares"] = sentence(4)[:-1] + " " + shared + " " + sentence(4).lower()
     cut = tokenizer.decode(tokens(items["cut_n"])[:NGRAM - 1])
     planted = {"caps": items["caps"].upper(), "lower": items["lower"].lower(),
                "nfkc": unicodedata.normalize("NFKC", items["nfkc"]),
                "bare": re.sub(r"[^\w\s]", "", items["bare"]), "short": items["short"],
-               "exact_n": items["exact_n"], "cut_n": cut}
+               "exact_n": items["exact_n"], "cut_n": cut,
+               "title": items["title"].title(),
+               "mixed": " ".join(w.upper() if i % 2 else w.lower() for i, w in enumerate(items["mixed"].split())),
+               "nbsp": items["nbsp"].replace(" ", "\u00a0"),
+               "zero_width": " ".join(w[:2] + "\u200b" + w[2:] + "\u200d" for w in items["zero_width"].split()),
+               "cyrillic": items["cyrillic"].translate(cyrillic),
+               "greek": items["greek"].upper().translate(greek),
+               "punctuation": items["punctuation"].replace(",", ";").replace(";", " -"),
+               "host": items["host"].upper()}
     docs = [chat("Context follows.", text) for text in planted.values()]
     docs += [chat("Tell me something.", sentence(25)) for _ in range(30)]
     (root / "train.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
@@ -327,7 +377,12 @@ def variants(tmp_path_factory):
     encoder = _Encoder(tokenizer)
     results = {name: check_item(index, encoder, "b", name, [("prompt", text)], NGRAM, 100)
                for name, text in {**items, **clean}.items()}
-    return {"results": results, "items": items, "tokens": tokens}
+    return {"results": results, "items": items, "tokens": tokens, "shared": shared, "planted": planted,
+            "clean": clean}
+
+
+FOLDED = ("caps", "lower", "nfkc", "bare", "title", "mixed", "nbsp", "zero_width", "cyrillic", "greek",
+          "punctuation", "host")
 
 
 def test_normalised_variants_short_items_and_the_ngram_boundary(variants):
@@ -335,11 +390,27 @@ def test_normalised_variants_short_items_and_the_ngram_boundary(variants):
     assert len(tokens(items["exact_n"])) == len(tokens(items["cut_n"])) == NGRAM
     assert 6 <= len(tokens(items["short"])) < NGRAM
     flagged = {name for name, result in results.items() if result.contaminated(NGRAM)}
-    assert flagged == {"caps", "lower", "nfkc", "bare", "short", "exact_n"}, {
+    assert flagged == {*FOLDED, "short", "exact_n"}, {
         name: (r.longest.tokens if r.longest else 0) for name, r in results.items()}
+    for name in FOLDED:  # the whole item, counted in its own tokens (NFKC form), and where the copy is
+        result, item = results[name], unicodedata.normalize("NFKC", items[name])
+        assert result.longest.tokens == len(tokens(item)) and result.longest.text == item, name
+        assert [h.document for h in result.hits] == [list(variants["planted"]).index(name)], name
+        assert result.training_text == variants["planted"][name].rstrip(" -"), name  # "-" folds to nothing
     # the boundary: exactly n shared tokens flag an item, n - 1 do not
     assert results["exact_n"].longest.tokens == NGRAM and results["exact_n"].exact_tokens == NGRAM
     assert results["cut_n"].longest.tokens == NGRAM - 1 and not results["cut_n"].whole_item
     assert results["short"].whole_item and results["caps"].longest.exact is False
-    # without the normalised forms, the changed copies keep no 13-token run of the item as written
-    assert all(results[name].exact_tokens < NGRAM for name in ("caps", "lower", "nfkc", "bare"))
+    # without folding, the changed copies keep no 13-token run of the item as written
+    assert all(results[name].exact_tokens < NGRAM for name in FOLDED)
+
+
+def test_a_clean_items_verdict_does_not_depend_on_how_other_items_were_copied(variants):
+    """The clean item shares five words with the host item, whose copy is in capitals: the run is
+    counted in the clean item's own tokens (under n), not in the capitals' (over n), so it is clean,
+    as it would be had the host been copied verbatim."""
+    results, tokens, shared = variants["results"], variants["tokens"], variants["shared"]
+    shares = results["shares"]
+    assert len(tokens(" " + shared.upper())) > NGRAM > len(tokens(" " + shared))
+    assert not shares.contaminated(NGRAM) and shares.longest.text == shared
+    assert shares.longest.tokens == len(tokens(" " + shared)) and shares.hits == []

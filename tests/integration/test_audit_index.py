@@ -89,6 +89,21 @@ def test_hits_name_dataset_category_document_and_offset(tmp_path):
     assert index.documents_per_category() == {"cat-x": 2}
 
 
+def test_without_its_tokenizer_an_index_has_no_word_stream_and_says_so(tmp_path, caplog):
+    """The tokenizer a dataset's manifest names is not here: the token stream is built (the
+    memorisation audits need nothing else), a warning says the word stream is missing, and the
+    contamination check's entry point refuses the index in one line."""
+    import logging
+
+    write_prepared(tmp_path / "a", [([1, 2], [3, 4])], tokenizer={"sha256": "f" * 64, "path": str(tmp_path / "gone")})
+    with caplog.at_level(logging.WARNING, logger="mimir.audit"):
+        index = AuditIndex(build_index([AuditSource("a", tmp_path / "a", "A")], tmp_path / "idx", progress=False))
+    assert "gets no word stream" in caplog.text and index.metadata.words is None
+    assert index.locate([2, 3]) == [Hit("a", "A", 0, 1)] and not (tmp_path / "idx" / "words").exists()
+    with pytest.raises(UserError, match=r"has no word stream \(the datasets' tokenizer was not there"):
+        index.words()
+
+
 def test_datasets_of_two_tokenizers_are_not_indexed_together(tmp_path):
     write_prepared(tmp_path / "a", [([1], [2])])
     write_prepared(tmp_path / "b", [([1], [2])], tokenizer={"sha256": "f" * 64, "path": "other"})
@@ -119,9 +134,9 @@ def test_interrupted_build_resumes_at_the_unfinished_shard(tmp_path, monkeypatch
     calls = []
 
     def flaky(data_file, *args):
-        calls.append(data_file.name)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # killed while sorting shard 1
+        calls.append(f"{data_file.parent.name}/{data_file.name}")
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # killed while sorting shard 1's tokens (shard 0 and its words done)
         return real(data_file, *args)
 
     monkeypatch.setattr(index_module, "_build_suffix_array", flaky)
@@ -132,12 +147,17 @@ def test_interrupted_build_resumes_at_the_unfinished_shard(tmp_path, monkeypatch
     build_index(sources, tmp_path / "idx", shard_tokens=20, progress=False)
     from mimir_megatron.integrity import temporary_path
 
-    staged = [temporary_path(tmp_path / "idx" / f"tokenized.{shard}").name for shard in (0, 1, 1, 2)]
-    assert calls == staged  # shard 1 again after the kill, under the writers' one temporary name
-    for name in ("tokenized", "offset", "table"):
-        for shard in range(3):
-            assert (tmp_path / "idx" / f"{name}.{shard}").read_bytes() == (tmp_path / "ref" / f"{name}.{shard}").read_bytes()
-    assert not list((tmp_path / "idx").glob(".*.tmp*"))
+    def staged(stream: str, shard: int) -> str:  # the writers' one temporary name
+        return f"{stream}/{temporary_path(tmp_path / stream / f'tokenized.{shard}').name}"
+
+    assert calls == [staged("idx", 0), staged("words", 0), staged("idx", 1), staged("idx", 1), staged("words", 1),
+                     staged("idx", 2), staged("words", 2)]  # shard 1 again after the kill
+    for stream in ("", "words/"):
+        for name in ("tokenized", "offset", "table"):
+            for shard in range(3):
+                built, ref = (tmp_path / d / f"{stream}{name}.{shard}" for d in ("idx", "ref"))
+                assert built.read_bytes() == ref.read_bytes(), built
+    assert not list((tmp_path / "idx").glob("**/.*.tmp*"))
 
 
 def test_index_of_other_data_is_refused(tmp_path):

@@ -139,7 +139,12 @@ def test_bench_tiny_on_cpu(tmp_path, capsys, monkeypatch):
     assert by_row["transformers hrm_text", 8]["window"].startswith("L_bp=[3, 3]")
     assert by_row["transformers hrm_text", 5]["settings"]["gradient_checkpointing"] is True
     assert set(report["ratio_vs_transformers"]) == {"k=5", "k=8"}
-    assert "ratio mimir-megatron / transformers at k=8" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ratio mimir-megatron / transformers at k=8" in out and "plan GB" in out
+    # The plan's peak of the same step beside the measured one (ours; the peer has none).
+    planned = {key: r["planned_peak_memory_gb"] for key, r in by_row.items()}
+    assert planned["mimir-megatron", 8] > planned["mimir-megatron", 5] > 0
+    assert planned["transformers hrm_text", 5] is None
     assert calls == ["AdamW", "AdamW"]  # one timed step per window, no warm-up
     for r in report["results"]:
         assert (r["settings"]["clip_grad"], r["settings"]["ema_decay"]) == (1.0, 0.9999)

@@ -102,12 +102,19 @@ def test_loglik_choice_is_the_argmax_under_the_prefix_mask(setup, in_process):
 
 
 @pytest.mark.slow
-def test_mimir_eval_through_a_real_mimir_serve(setup, tmp_path):
-    """One command: export a model, `mimir eval --hf` starts `mimir serve`, runs, stops it."""
+def test_mimir_eval_through_a_real_mimir_serve(setup, tmp_path, monkeypatch):
+    """One command: export a model, `mimir eval --hf` starts `mimir serve` (asking for a fresh API
+    key, which the evaluation sends), runs, stops it. The key is in none of the files the
+    evaluation leaves: the server's log, the tables, InspectAI's logs, the MLflow store."""
     import time
+    import zipfile
 
     from mimir_megatron.cli import main
+    from mimir_megatron.evaluation import serve
     from mimir_megatron.interop import export_hf
+
+    key = "sk-eval-launched-7d2c9a41e0b35f68"
+    monkeypatch.setattr(serve, "new_key", lambda: key)
 
     hf_dir = export_hf(setup["model"], tmp_path / "hf", tokenizer_dir=TOKENIZER)
     output = tmp_path / "out"
@@ -124,5 +131,13 @@ def test_mimir_eval_through_a_real_mimir_serve(setup, tmp_path):
     if port:
         with socket.socket() as s:  # the server was stopped
             assert s.connect_ex(("127.0.0.1", port)) != 0
+    assert "requests need an API key (1 accepted)" in log
+    for path in output.rglob("*"):
+        if path.is_file():
+            contents = [path.read_bytes()]
+            if zipfile.is_zipfile(path):  # InspectAI's .eval logs
+                with zipfile.ZipFile(path) as archive:
+                    contents += [archive.read(name) for name in archive.namelist()]
+            assert not any(key.encode() in c for c in contents), path
     print(f"mimir eval on the fixture suite: {seconds:.1f} s")
     shutil.rmtree(hf_dir)

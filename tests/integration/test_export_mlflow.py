@@ -4,6 +4,8 @@ card and summary in the run as well, and registered with the card as description
 
 from __future__ import annotations
 
+import getpass
+
 import json
 
 import pytest
@@ -41,6 +43,7 @@ def test_an_audit_of_a_training_checkpoint_is_a_child_run_of_its_training_run(tr
     client = MlflowClient(where.uri)
     audit = client.get_run(audit_id)
     assert audit.data.tags["mlflow.parentRunId"] == result.run_id
+    assert audit.info.user_id == client.get_run(result.run_id).info.user_id == getpass.getuser()
     assert audit.info.experiment_id == client.get_run(result.run_id).info.experiment_id
     assert [f.path for f in client.list_artifacts(audit_id)] == ["match_lengths.png"]
     (tmp_path / "weights").mkdir()  # not a training checkpoint: the audit's own store

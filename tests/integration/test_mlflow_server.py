@@ -1,17 +1,23 @@
 """MLflow browsing: a real MLflow server, a short `mimir train` logging to it through an outage
 (training goes on and delivers every metric when the server returns), read back over REST; and
-`mimir ui` serving a run's sqlite store on 127.0.0.1 only.
+`mimir ui` serving a run's sqlite store on 127.0.0.1 only, to its owner only: without the login
+(as this user, and as a second Unix user of the machine) nothing is listed, deleted or written.
 
 Skipped when the full `mlflow` package (the server) is not installed.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import signal
+import stat
 import subprocess
 import sys
+import urllib.error
 import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,9 +39,9 @@ from mimir_megatron.train.tracking import metric_name
 STEPS = 40  # long enough for the outage to fall inside the run
 
 
-def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+def history(uri: str, run_id: str, key: str, headers: dict[str, str] | None = None) -> list[tuple[int, float]]:
     query = urllib.parse.urlencode({"run_id": run_id, "metric_key": key})
-    metrics = get_json(f"{uri}/api/2.0/mlflow/metrics/get-history?{query}").get("metrics", [])
+    metrics = get_json(f"{uri}/api/2.0/mlflow/metrics/get-history?{query}", headers=headers).get("metrics", [])
     return sorted((int(m["step"]), m["value"]) for m in metrics)
 
 
@@ -148,13 +154,40 @@ def _store_with_one_run(run_dir: Path) -> tuple[str, str]:
     client.log_param(run.info.run_id, "train.steps", "3")
     for step, value in enumerate((3.0, 2.5, 2.25), start=1):
         client.log_metric(run.info.run_id, "loss", value, step=step)
+    client.log_text(run.info.run_id, "train:\n  steps: 3\n", "config.yaml")
     client.set_terminated(run.info.run_id)
     return experiment_id, run.info.run_id
 
 
-def test_mimir_ui_serves_the_run_store_on_loopback_only(tmp_path):
+def _status(method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> int:
+    request = urllib.request.Request(url, data=body, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def _intrusions(uri: str, experiment_id: str, run_id: str) -> list[tuple[str, str, bytes | None]]:
+    """What another user of the node did to an open `mimir ui` (issue 52): read the page, list the
+    runs, read a file, delete the run, overwrite its config through the artifact proxy."""
+    return [
+        ("GET", f"{uri}/", None),
+        ("POST", f"{uri}/api/2.0/mlflow/runs/search", json.dumps({"experiment_ids": [experiment_id]}).encode()),
+        ("POST", f"{uri}/ajax-api/2.0/mlflow/runs/search", json.dumps({"experiment_ids": [experiment_id]}).encode()),
+        ("GET", f"{uri}/api/2.0/mlflow/artifacts/list?run_id={run_id}", None),
+        ("GET", f"{uri}/get-artifact?path=config.yaml&run_uuid={run_id}", None),
+        ("POST", f"{uri}/api/2.0/mlflow/runs/delete", json.dumps({"run_id": run_id}).encode()),
+        ("PUT", f"{uri}/api/2.0/mlflow-artifacts/artifacts/{run_id}/artifacts/config.yaml", b"overwritten"),
+    ]
+
+
+def test_mimir_ui_serves_the_run_store_on_loopback_to_its_owner_only(tmp_path):
     run_dir = tmp_path / "runs" / "demo"
     experiment_id, run_id = _store_with_one_run(run_dir)
+    config = run_dir / "mlartifacts" / run_id / "artifacts" / "config.yaml"
+    original = config.read_bytes()
     port = free_port()
     log_path = tmp_path / "ui.log"
     with open(log_path, "w") as log:
@@ -162,6 +195,7 @@ def test_mimir_ui_serves_the_run_store_on_loopback_only(tmp_path):
             [str(Path(sys.executable).parent / "mimir"), "ui", "--run-dir", str(run_dir),
              "--port", str(port)],
             cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")},
         )
     uri = f"http://127.0.0.1:{port}"
     try:
@@ -170,15 +204,45 @@ def test_mimir_ui_serves_the_run_store_on_loopback_only(tmp_path):
         except RuntimeError as exc:
             raise AssertionError(f"{exc}\n{log_path.read_text()[-4000:]}") from None
         assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, nothing else
-        runs = post_json(f"{uri}/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment_id]})["runs"]
-        assert [r["info"]["run_id"] for r in runs] == [run_id]
-        assert history(uri, run_id, "loss") == [(1, 3.0), (2, 2.5), (3, 2.25)]
-        assert get_json(f"{uri}/api/2.0/mlflow/runs/get?run_id={run_id}")["run"]["data"][
+        # The login: made now, printed once, kept where only this user reads it.
+        login = tmp_path / "config" / "mimir" / "ui" / "login"
+        user, password = login.read_text().strip().split(":", 1)
+        assert f"user {user}, password {password}" in log_path.read_text()
+        for path, mode in ((login.parent, 0o700), (login, 0o600), (login.parent / "auth.db", 0o600),
+                           (login.parent / "auth.ini", 0o600)):
+            assert stat.S_IMODE(path.stat().st_mode) == mode, path
+        owner = {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+        # Without the login, or with a wrong one, nothing answers but /health.
+        wrong = {"Authorization": "Basic " + base64.b64encode(f"{user}:guess".encode()).decode()}
+        for method, url, body in _intrusions(uri, experiment_id, run_id):
+            for headers in (None, wrong):
+                assert _status(method, url, body, headers) == 401, (method, url)
+        _another_user_is_refused(uri, experiment_id, run_id)
+        assert config.read_bytes() == original
+
+        runs = post_json(f"{uri}/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment_id]},
+                         headers=owner)["runs"]
+        assert [(r["info"]["run_id"], r["info"]["lifecycle_stage"]) for r in runs] == [(run_id, "active")]
+        assert history(uri, run_id, "loss", owner) == [(1, 3.0), (2, 2.5), (3, 2.25)]
+        assert get_json(f"{uri}/api/2.0/mlflow/runs/get?run_id={run_id}", headers=owner)["run"]["data"][
             "params"] == [{"key": "train.steps", "value": "3"}]
+        assert _status("GET", f"{uri}/get-artifact?path=config.yaml&run_uuid={run_id}", headers=owner) == 200
         assert "MLflow UI on http://127.0.0.1:" in log_path.read_text()
     finally:
         stop_group(ui)
     assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlartifacts").exists()
+    assert not (tmp_path / "basic_auth.db").exists()  # MLflow's default place for its account store
+
+
+def _another_user_is_refused(uri: str, experiment_id: str, run_id: str) -> None:
+    """The same intrusions with curl as a second Unix user (tests/helpers/other_user.py)."""
+    from other_user import curl_as_other
+
+    for method, url, body in _intrusions(uri, experiment_id, run_id):
+        args = ["-H", "Content-Type: application/json", "--data-binary", body.decode()] if body else []
+        assert curl_as_other(method, url, *args)[0] == 401, (method, url)
+    assert curl_as_other("GET", f"{uri}/health")[0] == 200
 
 
 def test_mimir_ui_without_a_store_is_a_clear_error(tmp_path):

@@ -84,7 +84,7 @@ def test_planned_memory_matches_the_measured_step(measured):
         plan = plan_memory(cfg, StepShape(
             micro_batch=MICRO, seq_len=SEQ, tp=tp, dp=dp, k_L=window.k_L, k_H=window.k_H,
             recompute=recompute, compute_bytes=2 if dist else 4, on_gpu=False, shard_optimizer=True,
-            ema=True, loss_chunk_tokens=0, sequence_parallel=True, dense_attention=True,
+            ema=True, loss_chunk_tokens=0, sequence_parallel=True, attention="dense",
             params_bytes=2 if dist else 4, distributed_optimizer=dist))
         static, peak = case["static_bytes"], case["peak_bytes"]
         name = f"TP={tp} DP={dp} k={k} recompute={recompute}" + (" distributed bf16" if dist else "")

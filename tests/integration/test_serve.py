@@ -5,6 +5,7 @@ One tiny random model (the demo tokenizer's 1024-token vocabulary) and one serve
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -377,8 +378,11 @@ def test_serve_cli_parses(tmp_path):
 
 @pytest.mark.slow
 def test_mimir_serve_command_end_to_end(tmp_path, repo):
-    """The real entry point: `mimir serve --hf DIR` in its own process, on 127.0.0.1. Ctrl-C lets
-    a stream in flight go on; a second Ctrl-C ends the process at once (exit 130)."""
+    """The real entry point: `mimir serve --hf DIR` in its own process, on 127.0.0.1, with an API
+    key from its environment: the key's owner is served, another Unix user of the machine is
+    refused (and cannot read the key from the process), and the key is in neither the server's log
+    nor its `ps` line. Ctrl-C lets a stream in flight go on; a second Ctrl-C ends the process at
+    once (exit 130)."""
     import signal
     import subprocess
     import sys
@@ -390,10 +394,12 @@ def test_mimir_serve_command_end_to_end(tmp_path, repo):
     assert main(["export", "--config", str(repo / "configs/model/tiny.yaml"), "--seed", "0",
                  "--output", str(tmp_path / "hf")]) == 0
     log_path = tmp_path / "serve.log"
+    key = "sk-served-by-env-8c1d7e2f90ab4c3d"
     with open(log_path, "w") as log:  # port 0: the OS picks a free one, uvicorn logs which
         proc = subprocess.Popen([sys.executable, "-m", "mimir_megatron.cli", "serve", "--hf", str(tmp_path / "hf"),
                                  "--tokenizer", str(repo / "data_prep/mimir_data_prep/demo/tokenizer"),
-                                 "--port", "0"], stdout=log, stderr=subprocess.STDOUT, text=True)
+                                 "--port", "0"], stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "MIMIR_API_KEY": key})
     try:
         def listening() -> bool:
             assert proc.poll() is None, log_path.read_text()
@@ -402,7 +408,8 @@ def test_mimir_serve_command_end_to_end(tmp_path, repo):
         _wait_for(listening, timeout=300)
         port = int(re.search(r"running on http://127\.0\.0\.1:(\d+)", log_path.read_text()).group(1))
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        _another_user_is_refused(port, proc.pid)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
         assert client.models.list().data[0].id == "hf"
         out = client.completions.create(model="hf", prompt="Hello", max_tokens=3, temperature=0)
         assert out.usage.completion_tokens == 3
@@ -429,7 +436,25 @@ def test_mimir_serve_command_end_to_end(tmp_path, repo):
         assert proc.wait(60) == 130, log_path.read_text()[-2000:]
         assert "second Ctrl-C: exiting now" in log_path.read_text()
         assert len(received) < 500  # cut, not finished
+        assert "requests need an API key (1 accepted)" in log_path.read_text()
+        assert key not in log_path.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait(60)
+
+
+def _another_user_is_refused(port: int, pid: int) -> None:
+    """A second Unix user (tests/helpers/other_user.py) with curl: /health answers, the API does
+    not; the server's command line (what `ps` shows) has no key, its environment is unreadable."""
+    from other_user import curl_as_other, run_as_other
+
+    assert curl_as_other("GET", f"http://127.0.0.1:{port}/health")[0] == 200
+    status, body = curl_as_other("GET", f"http://127.0.0.1:{port}/v1/models")
+    assert status == 401 and '"invalid_api_key"' in body
+    status, _ = curl_as_other("POST", f"http://127.0.0.1:{port}/v1/completions", "-H",
+                              "Content-Type: application/json", "-d", '{"model": "hf", "prompt": "Hi"}')
+    assert status == 401
+    listed = run_as_other(["cat", f"/proc/{pid}/cmdline"])
+    assert listed.returncode == 0 and "MIMIR_API_KEY" not in listed.stdout and "sk-" not in listed.stdout
+    assert run_as_other(["cat", f"/proc/{pid}/environ"]).returncode != 0  # Permission denied

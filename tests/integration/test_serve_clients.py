@@ -7,6 +7,8 @@ with a Pydantic model, the Responses API), langchain-openai (``bind_tools``,
 loop to its end, and a Pydantic AI agent with a tool and a structured output; then each
 framework's agent with a tool and a typed output in one run (tools and a response format on the
 same request). Random weights: only the grammar makes a call well-formed, which is the point.
+The server asks for an API key, as on a shared node: every client sends it, and with a wrong or
+missing key each gets its framework's authentication error and the engine generates nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ WEATHER = {"type": "function", "function": {"name": "weather", "description": "C
 WEATHER_CHAT = {"type": "function", "function": {"name": "weather", "parameters": CITY}}  # as Responses sends it
 ASK = [{"role": "user", "content": "Do I need an umbrella in Aarhus?"}]
 MAX = 90  # above the shortest forced call (~60 tokens of the demo tokenizer), small enough to be quick
+KEY = "sk-mimir-test-4f1c2a9e7b3d5f60"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 class Forecast(BaseModel):
@@ -36,12 +40,19 @@ class Forecast(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def served():
-    from mimir_megatron.inference.server import app_server, build_app, serve_app_in_thread
+def app():
+    from mimir_megatron.inference.api_keys import ApiKeys
+    from mimir_megatron.inference.server import build_app
 
     # Agent frameworks send long tool schemas (Pydantic AI: ~600 tokens of the demo tokenizer)
-    app = build_app(served_engine("max_position_embeddings=2048"), max_queue=32, max_tokens_limit=128,
-                    max_stored_responses=4)
+    return build_app(served_engine("max_position_embeddings=2048"), api_keys=ApiKeys([KEY, "sk-other-key-0000000000"]),
+                     max_queue=32, max_tokens_limit=128, max_stored_responses=4)
+
+
+@pytest.fixture(scope="module")
+def served(app):
+    from mimir_megatron.inference.server import app_server, serve_app_in_thread
+
     with serve_app_in_thread(app) as url:
         yield url, app_server(app)
 
@@ -50,7 +61,7 @@ def served():
 def client(served):
     from openai import OpenAI
 
-    return OpenAI(base_url=served[0], api_key="x", max_retries=0, timeout=300)
+    return OpenAI(base_url=served[0], api_key=KEY, max_retries=0, timeout=300)
 
 
 # -- the openai SDK ----------------------------------------------------------------------------------------
@@ -180,7 +191,8 @@ def test_openai_responses_retrieve_list_input_items_and_delete(client, served):
     with pytest.raises(BadRequestError) as caught:
         client.responses.input_items.list(created.id, limit=101)
     assert caught.value.body["param"] == "limit"
-    word = httpx.get(f"{url}/responses/{created.id}/input_items", params={"limit": "many"}, timeout=60)
+    word = httpx.get(f"{url}/responses/{created.id}/input_items", params={"limit": "many"}, headers=AUTH,
+                     timeout=60)
     assert word.status_code == 400 and word.json()["error"]["param"] == "limit"
 
     streamed = list(client.responses.create(model="tiny", input="Hi", max_output_tokens=2, stream=True))[-1].response
@@ -209,13 +221,13 @@ def test_every_error_is_openais_error_object(served, client):
     root = url.removesuffix("/v1")
     for method, path, status in (("GET", "/v1/nothing", 404), ("POST", "/v2/chat", 404),
                                  ("GET", "/v1/chat/completions", 405), ("DELETE", "/v1/responses", 405)):
-        response = httpx.request(method, root + path, timeout=60)
+        response = httpx.request(method, root + path, headers=AUTH, timeout=60)
         assert response.status_code == status
         error = response.json()["error"]
         assert error["message"] and "detail" not in response.json() and set(error) == {"message", "type", "param",
                                                                                         "code"}
     bad = httpx.post(url + "/responses", json={"model": "tiny", "input": "x", "max_output_tokens": 2,
-                                               "text": {"format": {"type": "yaml"}}}, timeout=60)
+                                               "text": {"format": {"type": "yaml"}}}, headers=AUTH, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format"
 
 
@@ -240,7 +252,7 @@ def test_every_body_chunk_and_event_is_valid_under_openais_openapi_spec(served):
     checked: list[tuple[str, dict]] = []
 
     def post(path: str, body: dict, schema: str, stream_schema: str | None = None) -> list[dict]:
-        response = httpx.post(f"{url}/{path}", json={"model": "tiny", **body}, timeout=300)
+        response = httpx.post(f"{url}/{path}", json={"model": "tiny", **body}, headers=AUTH, timeout=300)
         assert response.status_code == 200, response.text
         found = _sse(response) if body.get("stream") else [response.json()]
         checked.extend((stream_schema or schema, item) for item in found)
@@ -261,11 +273,12 @@ def test_every_body_chunk_and_event_is_valid_under_openais_openapi_spec(served):
     called = {"input": ASK, "max_output_tokens": MAX, "tools": [{"type": "function", **WEATHER["function"]}],
               "tool_choice": "required", "temperature": 1.0}
     def read_back(response: dict) -> None:  # as a client reads a stored response (the store keeps 4 here)
-        body = httpx.get(f"{url}/responses/{response['id']}").json()
+        body = httpx.get(f"{url}/responses/{response['id']}", headers=AUTH).json()
         assert body == response
         usage = Response.model_validate(body).usage  # the SDK's own type: every required field there
         assert usage.input_tokens_details.cache_write_tokens == 0 and usage.input_tokens > 0
-        checked.append(("ResponseItemList", httpx.get(f"{url}/responses/{response['id']}/input_items").json()))
+        checked.append(("ResponseItemList", httpx.get(f"{url}/responses/{response['id']}/input_items",
+                                                      headers=AUTH).json()))
 
     for body in (text, called):
         read_back(post("responses", body, "Response")[0])
@@ -276,11 +289,12 @@ def test_every_body_chunk_and_event_is_valid_under_openais_openapi_spec(served):
     answered = {"previous_response_id": events[-1]["response"]["id"], "max_output_tokens": 2, "input": [{
         "type": "function_call_output", "call_id": call["call_id"], "output": "4 mm"}]}
     read_back(post("responses", answered, "Response")[0])
-    checked.append(("ListModelsResponse", httpx.get(f"{url}/models").json()))
-    checked.append(("Model", httpx.get(f"{url}/models/tiny").json()))
+    checked.append(("ListModelsResponse", httpx.get(f"{url}/models", headers=AUTH).json()))
+    checked.append(("Model", httpx.get(f"{url}/models/tiny", headers=AUTH).json()))
     for method, path, body in (("POST", "chat/completions", {"messages": ASK, "temperature": 3}),
                                ("GET", "responses/resp_unknown", None), ("POST", "nothing", {})):
-        checked.append(("ErrorResponse", httpx.request(method, f"{url}/{path}", json=body, timeout=60).json()))
+        checked.append(("ErrorResponse", httpx.request(method, f"{url}/{path}", json=body, headers=AUTH,
+                                                       timeout=60).json()))
 
     # Two quirks of the spec that OpenAI's own examples in it share: a streamed completion's chunks
     # have a null finish_reason (the spec reuses the whole body's schema), and a Response's usage is
@@ -305,7 +319,7 @@ def test_langchain_bind_tools_and_structured_output_with_each_method(served):
     pytest.importorskip("langchain_openai")
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model="tiny", base_url=served[0], api_key="x", max_tokens=MAX, temperature=1.0, seed=3,
+    llm = ChatOpenAI(model="tiny", base_url=served[0], api_key=KEY, max_tokens=MAX, temperature=1.0, seed=3,
                      max_retries=0)
     message = llm.bind_tools([WEATHER], tool_choice="required").invoke("Umbrella in Aarhus?")
     assert message.tool_calls and isinstance(message.tool_calls[0]["args"]["city"], str)
@@ -322,7 +336,7 @@ def test_litellm_chat_and_forced_tool_call(served):
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of the price list
     litellm = pytest.importorskip("litellm")
 
-    kw = dict(model="openai/tiny", api_base=served[0], api_key="x", max_tokens=MAX)
+    kw = dict(model="openai/tiny", api_base=served[0], api_key=KEY, max_tokens=MAX)
     text = litellm.completion(messages=ASK, **{**kw, "max_tokens": 4})
     assert text.choices[0].message.content and text.usage.completion_tokens == 4
     called = litellm.completion(messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=2,
@@ -347,7 +361,7 @@ def test_agents_sdk_runs_a_tool_loop_to_its_final_message(served):
         calls.append(city)
         return json.dumps({"city": city, "rain_mm": 4})
 
-    model = agents.OpenAIResponsesModel(model="tiny", openai_client=AsyncOpenAI(base_url=served[0], api_key="x",
+    model = agents.OpenAIResponsesModel(model="tiny", openai_client=AsyncOpenAI(base_url=served[0], api_key=KEY,
                                                                                 max_retries=0))
     # Random weights never end a free reply by themselves: the end-of-turn token gets a bias (the
     # forced call's grammar forbids it until the call is complete, so the call is unchanged).
@@ -396,7 +410,7 @@ def test_pydantic_ai_agent_runs_a_tool_then_its_structured_output(served):
     from pydantic_ai.providers.openai import OpenAIProvider
     from pydantic_ai.usage import UsageLimits
 
-    model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key="x"))
+    model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key=KEY))
     # seed 2 calls the weather tool first (seeds 0 and 1 go straight to the output)
     settings = {"max_tokens": MAX + 30, "temperature": 1.0, "seed": 2}
     agent = Agent(model, output_type=Forecast, model_settings=settings)
@@ -423,7 +437,7 @@ def test_pydantic_ai_counts_the_same_usage_streamed_and_not(served):
     from pydantic_ai.models.openai import OpenAIResponsesModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    model = OpenAIResponsesModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key="x"))
+    model = OpenAIResponsesModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key=KEY))
     agent = Agent(model, model_settings={"max_tokens": 6, "temperature": 0})
     whole = agent.run_sync("Hello")
 
@@ -462,7 +476,7 @@ def test_agents_sdk_runs_a_tool_then_its_typed_output(served, api):
         calls.append(city)
         return json.dumps({"city": city, "rain_mm": 4})
 
-    client = AsyncOpenAI(base_url=served[0], api_key="x", max_retries=0)
+    client = AsyncOpenAI(base_url=served[0], api_key=KEY, max_retries=0)
     model = (agents.OpenAIChatCompletionsModel(model="tiny", openai_client=client) if api == "chat"
              else agents.OpenAIResponsesModel(model="tiny", openai_client=client))
     settings = agents.ModelSettings(max_tokens=MAX, temperature=1.0,
@@ -486,7 +500,7 @@ def test_pydantic_ai_native_output_and_a_tool_in_one_run(served):
     from pydantic_ai.providers.openai import OpenAIProvider
     from pydantic_ai.usage import UsageLimits
 
-    model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key="x"))
+    model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=served[0], api_key=KEY))
     settings = {"max_tokens": MAX, "temperature": 1.0, "seed": 1, "logit_bias": {_first_token(served, "<"): 100}}
     agent = Agent(model, output_type=NativeOutput(Forecast), model_settings=settings)
     calls = _offer_weather_until_called(agent)
@@ -508,7 +522,7 @@ def test_langchain_bind_tools_and_with_structured_output_in_one_agent(served):
         """Current weather in a city."""
         return json.dumps({"city": city, "rain_mm": 4})
 
-    llm = ChatOpenAI(model="tiny", base_url=served[0], api_key="x", max_tokens=MAX, temperature=1.0, seed=3,
+    llm = ChatOpenAI(model="tiny", base_url=served[0], api_key=KEY, max_tokens=MAX, temperature=1.0, seed=3,
                      max_retries=0, logit_bias={int(_first_token(served, "{")): 100})
     messages = [HumanMessage("Do I need an umbrella in Aarhus?")]
     called = llm.bind_tools([weather], tool_choice="required", response_format=Forecast, strict=True).invoke(messages)
@@ -531,3 +545,108 @@ def test_the_serve_extra_brings_what_serving_a_chat_model_imports():
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     serve = {Requirement(r).name for r in extras["serve"]}
     assert {"fastapi", "uvicorn", "llguidance", "transformers"} <= serve
+
+
+# -- the API key --------------------------------------------------------------------------------------------
+
+WRONG = "sk-mimir-test-wrong-00000000000"
+BODIES = {  # a request each route would generate (or score) for, had it the key
+    "/v1/completions": {"model": "tiny", "prompt": "Hi", "max_tokens": 4, "stream": True},
+    "/v1/chat/completions": {"model": "tiny", "messages": ASK, "max_tokens": 4, "stream": True},
+    "/v1/responses": {"model": "tiny", "input": "Hi", "max_output_tokens": 4, "stream": True},
+    "/v1/score": {"model": "tiny", "context": "Hi", "continuation": " there"},
+}
+
+
+def _work_done(server) -> tuple:
+    """The engine's and the scheduler's counters of work: unchanged while requests are refused."""
+    stats = server.scheduler.stats
+    return (server.engine.stats.prefill_tokens, server.engine.stats.decode_tokens, stats.sessions,
+            stats.score_requests, stats.requests_finished, stats.requests_failed)
+
+
+def _refused(response: httpx.Response) -> None:
+    assert response.status_code == 401, (response.request.url, response.status_code, response.text[:300])
+    assert response.json()["error"]["code"] == "invalid_api_key" and response.headers["www-authenticate"] == "Bearer"
+    assert KEY not in response.text and WRONG not in response.text
+
+
+def test_every_route_but_health_refuses_a_missing_or_wrong_key(app, served):
+    url, server = served
+    root = url.removesuffix("/v1")
+    routes = sorted((method, route.path) for route in app.routes for method in (getattr(route, "methods", None) or ())
+                    if method != "HEAD")
+    assert {("POST", p) for p in BODIES} <= set(routes) and ("GET", "/v1/responses/{response_id}") in routes
+    before = _work_done(server)
+    for method, path in [*routes, ("GET", "/v1/nothing"), ("POST", "/v2/chat"), ("GET", "/health/")]:
+        concrete = path.replace("{response_id}", "resp_0").replace("{model}", "tiny")
+        for headers in ({}, {"Authorization": f"Bearer {WRONG}"}, {"Authorization": f"Basic {KEY}"},
+                        {"Authorization": KEY}, {"Authorization": "Bearer"}, {"X-Api-Key": KEY}):
+            response = httpx.request(method, root + concrete, headers=headers, json=BODIES.get(path), timeout=60)
+            if path == "/health":
+                assert response.status_code == 200
+            else:
+                _refused(response)
+    assert _work_done(server) == before
+    # the right key (any of the server's keys) opens every route; /health needs none
+    assert httpx.get(url + "/models", headers=AUTH, timeout=60).status_code == 200
+    assert httpx.get(url + "/models", headers={"Authorization": "bearer  sk-other-key-0000000000"},
+                     timeout=60).status_code == 200
+    assert httpx.post(url + "/score", json=BODIES["/v1/score"], headers=AUTH, timeout=60).status_code == 200
+    assert _work_done(server) != before
+
+
+def _without_authorization(asynchronous: bool = False):
+    """An httpx client for a framework that drops the Authorization header its SDK adds: the request
+    of a user who gave no key (the SDKs themselves refuse to start without one)."""
+    def drop(request: httpx.Request) -> None:
+        request.headers.pop("Authorization", None)
+
+    async def drop_async(request: httpx.Request) -> None:
+        drop(request)
+
+    if asynchronous:
+        return httpx.AsyncClient(event_hooks={"request": [drop_async]}, timeout=60)
+    return httpx.Client(event_hooks={"request": [drop]}, timeout=60)
+
+
+@pytest.mark.parametrize("missing", [False, True], ids=["wrong key", "no key"])
+def test_each_framework_gets_its_authentication_error_and_nothing_is_generated(served, missing):
+    import openai
+    from openai import AsyncOpenAI, OpenAI
+
+    agents = pytest.importorskip("agents")
+    langchain_openai = pytest.importorskip("langchain_openai")
+    url, server = served
+    key = "sk-not-sent-0000000000000" if missing else WRONG
+    before = _work_done(server)
+    sdk = OpenAI(base_url=url, api_key=key, max_retries=0, http_client=_without_authorization() if missing else None)
+    attempts = [
+        lambda: sdk.models.list(),
+        lambda: sdk.chat.completions.create(model="tiny", messages=ASK, max_tokens=4),
+        lambda: list(sdk.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, stream=True)),
+        lambda: list(sdk.completions.create(model="tiny", prompt="Hi", max_tokens=4, stream=True)),
+        lambda: sdk.responses.create(model="tiny", input="Hi", max_output_tokens=4),
+        lambda: list(sdk.responses.create(model="tiny", input="Hi", max_output_tokens=4, stream=True)),
+    ]
+    for attempt in attempts:
+        with pytest.raises(openai.AuthenticationError) as caught:
+            attempt()
+        assert caught.value.code == "invalid_api_key"
+
+    llm = langchain_openai.ChatOpenAI(model="tiny", base_url=url, api_key=key, max_tokens=4, max_retries=0,
+                                      http_client=_without_authorization() if missing else None)
+    with pytest.raises(openai.AuthenticationError):
+        llm.invoke("Umbrella in Aarhus?")
+    with pytest.raises(openai.AuthenticationError):
+        list(llm.stream("Umbrella in Aarhus?"))
+
+    agents.set_tracing_disabled(True)
+    client = AsyncOpenAI(base_url=url, api_key=key, max_retries=0,
+                         http_client=_without_authorization(asynchronous=True) if missing else None)
+    agent = agents.Agent(name="forecaster", instructions="Answer.",
+                         model=agents.OpenAIResponsesModel(model="tiny", openai_client=client),
+                         model_settings=agents.ModelSettings(max_tokens=4))
+    with pytest.raises(openai.AuthenticationError):
+        agents.Runner.run_sync(agent, "Do I need an umbrella in Aarhus?", max_turns=2)
+    assert _work_done(server) == before

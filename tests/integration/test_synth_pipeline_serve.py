@@ -41,12 +41,23 @@ def engine():
     return InferenceEngine(build_model(cfg).eval(), load_tokenizer(DEMO_TOKENIZER_DIR), model_name="tiny-random")
 
 
+KEY_ENV = "MIMIR_SYNTH_TEST_KEY"  # the pipeline's api_key_env; the served fixture asks for its key
+
+
 @pytest.fixture(scope="module")
 def served(engine):
+    """`mimir serve` in a thread, behind an API key that the pipelines read from ``KEY_ENV``
+    (exported for the module: the `mimir synth` subprocesses inherit it)."""
+    from mimir_megatron.inference.api_keys import ApiKeys, new_key
     from mimir_megatron.inference.server import serve_in_thread
 
-    with serve_in_thread(engine, port=0) as base_url:
-        yield base_url
+    key = new_key()
+    os.environ[KEY_ENV] = key
+    try:
+        with serve_in_thread(engine, port=0, api_keys=ApiKeys([key])) as base_url:
+            yield base_url
+    finally:
+        os.environ.pop(KEY_ENV, None)
 
 
 def write_pipeline(tmp: Path, base_url: str) -> Path:
@@ -61,8 +72,8 @@ def write_pipeline(tmp: Path, base_url: str) -> Path:
 name: serve_e2e
 source: {{path: src.jsonl, id_field: id}}
 endpoints:
-  generator: {{model: tiny-random, base_url: "{base_url}", max_tokens: 8, timeout_s: 60}}
-  auditor: {{model: tiny-random, base_url: "{base_url}", max_tokens: 8, timeout_s: 60}}
+  generator: {{model: tiny-random, base_url: "{base_url}", max_tokens: 8, timeout_s: 60, api_key_env: {KEY_ENV}}}
+  auditor: {{model: tiny-random, base_url: "{base_url}", max_tokens: 8, timeout_s: 60, api_key_env: {KEY_ENV}}}
 generate: {{prompt: gen.j2, parse: text}}
 audit: {{prompt: audit.j2}}
 checks:

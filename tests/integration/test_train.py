@@ -1,5 +1,6 @@
 """`mimir train` in one process: resume is bit-exact, refusals, groups, MLflow run contents."""
 
+import getpass
 import os
 import re
 import stat
@@ -62,6 +63,7 @@ def test_mlflow_run_holds_config_and_per_step_metrics(uninterrupted):
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
     mlrun = client.get_run(uninterrupted.run_id)
     assert mlrun.info.status == "FINISHED"
+    assert mlrun.data.tags["mlflow.user"] == mlrun.info.user_id == getpass.getuser()  # who made it
     assert mlrun.data.params["model.hidden_size"] == "64"
     assert mlrun.data.params["optim.lr"] == "0.003"
     assert mlrun.data.params["settings.checkpoint.interval"] == "3"  # a setting, not a hyperparameter

@@ -179,7 +179,7 @@ def test_planned_memory_matches_the_measured_fsdp_step(tmp_path):
         window = plan_window(cfg.h_cycles, cfg.l_cycles, k, cfg.window_policy)
         plan = plan_memory(cfg, StepShape(
             micro_batch=2, seq_len=64, tp=1, dp=case["dp"], k_L=window.k_L, k_H=window.k_H,
-            recompute=recompute, compute_bytes=2, on_gpu=False, dense_attention=True, params_bytes=2,
+            recompute=recompute, compute_bytes=2, on_gpu=False, attention="dense", params_bytes=2,
             fully_shard=True))
         name = f"DP={case['dp']} k={k} recompute={recompute}"
         rows.append(f"{name}: plan {plan.peak / 1e6:.2f} MB, measured {case['peak_bytes'] / 1e6:.2f} MB")

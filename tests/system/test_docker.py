@@ -223,8 +223,12 @@ class Built:
         self.docker = docker
         self.log = log
 
-    def run(self, *args: str, timeout: float = 600, check: bool = False) -> subprocess.CompletedProcess:
-        proc = subprocess.run([self.docker, *args], capture_output=True, text=True, timeout=timeout)
+    def run(self, *args: str, timeout: float = 600, check: bool = False,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """``docker ARGS``; ``env``: more of the client's environment (``--env=NAME`` passes a
+        variable from it by name, its value on no command line)."""
+        proc = subprocess.run([self.docker, *args], capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **env} if env else None)
         if check:
             assert proc.returncode == 0, f"docker {' '.join(args)}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
         return proc
@@ -401,20 +405,26 @@ def _one_mlflow_run(run_dir: Path) -> None:
 
 
 def test_served_from_the_container(image, reference_run):
-    """`mimir serve --host 0.0.0.0` on a published loopback port: healthy through the image's
-    HEALTHCHECK, answers the openai client, and `docker stop` lets a stream in flight finish
-    before the container exits 0. The run directory is mounted read-only."""
+    """`mimir serve --host 0.0.0.0` on a published loopback port, its API key passed by name from
+    the environment: healthy through the image's HEALTHCHECK (/health needs no key), answers the
+    openai client with the key and nobody without it, and `docker stop` lets a stream in flight
+    finish before the container exits 0. The run directory is mounted read-only. Without a key the
+    server refuses to bind 0.0.0.0."""
     import httpx
     from openai import OpenAI
 
     run_dir = reference_run[0]
     name = "mimir-test-serve"
+    key = "sk-container-test-3b9e51f0c2d84a67"
+    refused = image.run("run", "--rm", f"--volume={run_dir}:{run_dir}:ro", f"--user={os.getuid()}:{os.getgid()}",
+                        TAG, "serve", "--checkpoint", str(run_dir), "--host", "0.0.0.0")
+    assert refused.returncode == 2 and "--host 0.0.0.0 without an API key" in refused.stderr, refused.stderr[-2000:]
     image.run("rm", "-f", name)
     # As the owner of the run directory (the way docs/operations.md runs it on the host's files).
     image.run("run", "-d", "--init", "--name", name, "-p", "127.0.0.1::8000", f"--volume={run_dir}:{run_dir}:ro",
               f"--user={os.getuid()}:{os.getgid()}",
-              "--health-interval=1s", "--health-start-period=300s", TAG,
-              "serve", "--checkpoint", str(run_dir), "--host", "0.0.0.0", check=True)
+              "--health-interval=1s", "--health-start-period=300s", "--env=MIMIR_API_KEY", TAG,
+              "serve", "--checkpoint", str(run_dir), "--host", "0.0.0.0", check=True, env={"MIMIR_API_KEY": key})
     try:
         def health() -> str:
             state = json.loads(image.run("inspect", name, check=True).stdout)[0]["State"]
@@ -433,7 +443,8 @@ def test_served_from_the_container(image, reference_run):
         wait_for(answers, "the server to answer on the published port", timeout=300, interval=0.5)
         # The HEALTHCHECK (every second here) agrees within a few of its runs.
         wait_for(lambda: health() == "healthy", "the container to turn healthy", timeout=60, interval=0.5)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).status_code == 401
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         out = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0,
                                         extra_body={"ignore_eos": True})
@@ -463,6 +474,7 @@ def test_served_from_the_container(image, reference_run):
         assert stop.returncode == 0 and state["ExitCode"] == 0, logs[-4000:]
         assert "SIGTERM: the requests in flight are finished" in logs, logs[-4000:]
         assert "Application shutdown complete" in logs, logs[-4000:]
+        assert "requests need an API key" in logs and key not in logs
     finally:
         image.run("rm", "-f", name)
 

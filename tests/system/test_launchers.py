@@ -269,3 +269,64 @@ def test_prepare_array_submits_the_merge_only_after_every_part_succeeded(tmp_pat
         ["--parsable", "--dependency=afterok:4711", "--export=ALL,MIMIR_PREPARE_MERGE=1", "--partition=cpu",
          "--time=1:00:00", script, *args]]
     assert proc.stdout == "submitted parts: job 4711;cluster (array 0-2), merge: job 4712\n"
+
+
+# -- serve.sh: `mimir serve` behind an API key -------------------------------------------------------
+
+
+def test_serve_makes_a_private_key_and_passes_it_by_file_never_on_the_command_line(tmp_path):
+    config = tmp_path / "config"
+    proc = run("serve.sh", {"DRY_RUN": "1", "MIMIR_REPO": str(REPO), "XDG_CONFIG_HOME": str(config),
+                            "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr
+    key_file = config / "mimir" / "api-key"
+    key = key_file.read_text().strip()
+    assert len(key) >= 40 and oct(key_file.stat().st_mode & 0o777) == "0o600"
+    assert proc.stderr.splitlines()[-1] == (
+        f"serve.sh: {sys.executable} -m mimir_megatron.cli serve --host 127.0.0.1 --api-key-file {key_file}")
+    assert key not in proc.stderr
+
+    # The container: the key file is mounted read-only; container.sh passes MIMIR_API_KEY by name.
+    proc = run("serve.sh", {"DRY_RUN": "1", "MIMIR_REPO": str(REPO), "MIMIR_API_KEY_FILE": str(key_file),
+                            "DOCKER_IMAGE": "mimir-megatron:test", "HOST": "0.0.0.0"})
+    assert proc.returncode == 0 and proc.stderr.splitlines()[-1] == (
+        f"serve.sh: bash {REPO}/launchers/container.sh serve --host 0.0.0.0 --api-key-file {key_file}")
+    proc = run("container.sh", {"DRY_RUN": "1", "MIMIR_REPO": str(REPO), "DOCKER_IMAGE": "mimir-megatron:test",
+                                "DOCKER": "/bin/true", "DOCKER_GPUS": "none", "MIMIR_API_KEY": key,
+                                "DOCKER_MOUNTS": f"{REPO},{key_file}:{key_file}:ro"})
+    assert proc.returncode == 0, proc.stderr
+    assert "--env=MIMIR_API_KEY " in proc.stdout and f"--volume={key_file}:{key_file}:ro" in proc.stdout
+    assert key not in proc.stdout + proc.stderr
+
+
+def test_serve_running_shows_no_key_in_ps(tmp_path):
+    """The recipe for real (its python a stand-in that waits): `ps` lists the key file's path, not
+    the key, to everyone, the second Unix user included."""
+    key_file = tmp_path / "api-key"
+    key_file.write_text("sk-launcher-test-5e0b6c1d2a3f47e8\n")
+    key_file.chmod(0o600)
+    python = tmp_path / "python"
+    python.write_text("#!/bin/bash\nsleep 60\n")
+    python.chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    server = subprocess.Popen(["bash", str(LAUNCHERS / "serve.sh"), "--checkpoint", "runs/x"], cwd=REPO,
+                              env={**clean, "PYTHON": str(python), "MIMIR_API_KEY_FILE": str(key_file)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def serving() -> str:
+            line = Path(f"/proc/{server.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            return line if "mimir_megatron.cli serve" in line else ""
+
+        deadline = time.monotonic() + 30
+        while not serving() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f"--api-key-file {key_file}" in serving()
+        listed = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, check=True).stdout
+        assert str(key_file) in listed and "sk-launcher-test" not in listed
+        from other_user import run_as_other
+
+        as_other = run_as_other(["ps", "-eww", "-o", "args"])
+        assert str(key_file) in as_other.stdout and "sk-launcher-test" not in as_other.stdout
+    finally:
+        server.kill()
+        server.wait(30)

@@ -1,6 +1,7 @@
 """`mimir ui` as a researcher sees it: a small trained run (with evaluations during training),
 the UI started as the README says, and a real browser (Debian's headless `chromium`) opened on
-the experiment and the run.
+the experiment and the run, its login prompt answered with the login `mimir ui` made, as the
+run's owner types it (tests/helpers/browser.py); a browser without it gets no page.
 
 Checked in the rendered page (chromium's DOM after the UI's scripts ran), in a fresh browser
 profile as a new user has: the experiment opens in the model-training view (its runs), not
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from browser import Browser
 from conftest import REPO, train_overrides
 
 pytest.importorskip("flask", reason="the MLflow UI needs the full mlflow, not mlflow-skinny")
@@ -45,14 +47,17 @@ def trained(demo_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ui(trained, tmp_path_factory):
-    """`mimir ui --run-dir` on the trained run: (base URL, the URL it says to open)."""
+    """`mimir ui --run-dir` on the trained run: (base URL, the URL it says to open, the login's
+    ``user:password``)."""
     run_dir, _ = trained
     port = free_port()
     log_path = tmp_path_factory.mktemp("ui-log") / "ui.log"
+    config = tmp_path_factory.mktemp("config")  # the login is made here (XDG_CONFIG_HOME)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [str(Path(sys.executable).parent / "mimir"), "ui", "--run-dir", str(run_dir), "--port", str(port)],
-            cwd=run_dir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            cwd=run_dir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "XDG_CONFIG_HOME": str(config)})
     base = f"http://127.0.0.1:{port}"
     try:
         try:
@@ -61,30 +66,10 @@ def ui(trained, tmp_path_factory):
             raise AssertionError(f"{exc}\n{log_path.read_text()[-4000:]}") from None
         said = re.search(r"open (http://\S+)", log_path.read_text())
         assert said, log_path.read_text()[-2000:]
-        yield base, said.group(1)
+        yield base, said.group(1), (config / "mimir" / "ui" / "login").read_text().strip()
     finally:
         os.killpg(process.pid, 15)
         process.wait(timeout=60)
-
-
-class Browser:
-    """Headless chromium with one profile for the whole test (its localStorage persists between
-    pages, as a user's browser does); each visit renders a page, saves its screenshot and
-    returns its DOM."""
-
-    def __init__(self, profile: Path) -> None:
-        self.profile = profile
-
-    def visit(self, url: str, screenshot: str) -> str:
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               f"--user-data-dir={self.profile}", "--window-size=1600,1000", "--hide-scrollbars",
-               "--virtual-time-budget=30000", "--run-all-compositor-stages-before-draw",
-               f"--screenshot={SCREENSHOTS / screenshot}", "--dump-dom", url]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout
 
 
 def title(dom: str) -> str:
@@ -93,14 +78,16 @@ def title(dom: str) -> str:
 
 
 def test_a_new_user_lands_on_the_training_view_the_loss_curve_and_the_runs_files(ui, trained, tmp_path):
-    base, said = ui
+    base, said, login = ui
     run_dir, result = trained
     from mlflow.tracking import MlflowClient
 
     run = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}").get_run(result.run_id)
     experiment = run.info.experiment_id
     assert said == f"{base}/#/experiments/{experiment}/runs?workflowType=machine_learning"
-    browser = Browser(tmp_path / "profile")
+    stranger = Browser(CHROMIUM, tmp_path / "stranger", SCREENSHOTS).visit(said, "0-no-login.png")
+    assert run.info.run_name not in stranger and not title(stranger)  # the login prompt, no page
+    browser = Browser(CHROMIUM, tmp_path / "profile", SCREENSHOTS, login=tuple(login.split(":", 1)))
 
     # The experiment, without the printed link's query: a first visit opens the training view.
     page = browser.visit(f"{base}/#/experiments/{experiment}", "1-experiment.png")
@@ -123,7 +110,11 @@ def test_a_new_user_lands_on_the_training_view_the_loss_curve_and_the_runs_files
                          "3-run-artifacts.png")
     for listed in (">config.yaml<", ">data<", ">eval<"):
         assert listed in page, listed
-    files = get_json(f"{base}/api/2.0/mlflow/artifacts/list?run_id={result.run_id}&path=data")["files"]
+    import base64
+
+    owner = {"Authorization": "Basic " + base64.b64encode(login.encode()).decode()}
+    files = get_json(f"{base}/api/2.0/mlflow/artifacts/list?run_id={result.run_id}&path=data",
+                     headers=owner)["files"]
     assert {Path(f["path"]).name for f in files} == {"lineage.json", "policy_decision.json"}
     for screenshot in ("1-experiment.png", "2-run-charts.png", "3-run-artifacts.png"):
         assert (SCREENSHOTS / screenshot).stat().st_size > 10_000

@@ -13,7 +13,7 @@ from conftest import REPO, TINY
 from mimir_megatron.config import load_config
 from mimir_megatron.errors import ConfigError, UserError
 from mimir_megatron.train.config import load_train_config
-from mimir_megatron.train.plan.gpus import gpu_spec
+from mimir_megatron.gpus import gpu_spec
 from mimir_megatron.train.plan.layouts import RunSettings, plan_run
 from mimir_megatron.train.plan.memory import StepShape, plan_memory
 
@@ -67,13 +67,14 @@ def test_gathers_and_reduce_scatters_by_hand():
     """v1.5's final window (k=8: 6 L + 2 H applications with grad) on 8 B200, accumulation 2.
     A layer 30,670,848 weights, the embedding and the head 402,653,184 each. Per micro-batch the
     16 + 16 layers are gathered for the 96 + 32 applications of the forward and the 96 + 32 of
-    the backward, 256 x 30,670,848 = 7,851,737,088, plus the embedding and head twice,
-    1,610,612,736: 9,462,349,824 bf16 weights; reduce-scattered in fp32: 128 x 30,670,848 +
-    805,306,368 = 4,731,174,912. 2 x 9,462,349,824 + 4 x 4,731,174,912 = 37,849,399,296 bytes,
-    x 7/8 x 2 micro-batches = 66,236,448,768 bytes a GPU sends."""
+    the backward, 256 x 30,670,848 = 7,851,737,088, plus the embedding twice, 805,306,368:
+    8,657,043,456 bf16 weights; reduce-scattered in fp32: 128 x 30,670,848 + the embedding and
+    the head 805,306,368 = 4,731,174,912. The root (the head) stays gathered for the step: one
+    gather of 402,653,184 a step, not two a micro-batch. 2 x (2 x 8,657,043,456 + 402,653,184)
+    + 2 x 4 x 4,731,174,912 = 73,282,879,488 bytes, x 7/8 = 64,122,519,552 bytes a GPU sends."""
     plan = plan_run(load_train_config(V1_5, FSDP), RunSettings(gpu=gpu_spec("b200"), gpus=8))
     assert plan.configured.layout.fully_shard
-    assert plan.configured.last_step.dp_bytes == 66_236_448_768
+    assert plan.configured.last_step.dp_bytes == 64_122_519_552
 
 
 def test_plan_ranks_full_sharding_with_the_other_layouts():

@@ -15,8 +15,8 @@ from conftest import REPO, TINY
 from mimir_megatron.cli import main
 from mimir_megatron.config import load_config
 from mimir_megatron.errors import UserError
-from mimir_megatron.train.plan.gpus import gpu_spec, shipped_gpus, spec_for_device
-from mimir_megatron.train.plan.layouts import RunSettings, plan_run, window_phases
+from mimir_megatron.gpus import gpu_spec, shipped_gpus, spec_for_device
+from mimir_megatron.train.plan.layouts import RunSettings, plan_run, plan_stages, window_phases
 from mimir_megatron.train.plan.memory import StepShape, plan_memory
 from mimir_megatron.train.config import load_train_config
 
@@ -36,7 +36,7 @@ def tiny_shape(**changes) -> StepShape:
     # 2 contexts of 64 tokens, window k=5 (HLLLH: 3 L + 2 H applications), fp32 on CPU.
     values = dict(micro_batch=2, seq_len=64, tp=1, dp=1, k_L=3, k_H=2, recompute="none",
                   compute_bytes=4, on_gpu=False, shard_optimizer=True, ema=True,
-                  loss_chunk_tokens=0, sequence_parallel=True, dense_attention=False)
+                  loss_chunk_tokens=0, sequence_parallel=True, attention="flex")
     return StepShape(**{**values, **changes})
 
 
@@ -106,44 +106,69 @@ def test_distributed_optimizer_gathers_bf16_rows_by_hand():
 
 def test_activation_terms_by_hand(tiny):
     # Per token of one layer application, fp32 (4 bytes): layer input + mid residual (2 * 256)
-    # + two rsqrt = 514 -> 2,056 B; both norm outputs 512 -> 2,048 B; q k v gate (1,024), q and k
-    # after RoPE (512), attention output, sigmoid, gated product (768), fc1 (1,536), SwiGLU's
-    # output (768; its silu is recomputed in backward) = 4,608 -> 18,432 B; log-sum-exp 4 heads
-    # -> 16 B. 22,552 B x 128 tokens = 2,886,656 per layer application; 10 of them (3 L + 2 H
-    # applications x 2 layers) = 28,866,560; exit norms 5 x 128 x 257 x 4 = 657,920.
+    # + two rsqrt = 514 -> 2,056 B; both norm outputs 512 -> 2,048 B; q and k after RoPE (512),
+    # v (256; copied out of the fused projection, which is then freed), the attention output,
+    # the gate's sigmoid, the gated product (768), fc1 (1,536), SwiGLU's output (768; its silu is
+    # recomputed in backward) = 3,840 -> 15,360 B; log-sum-exp 4 heads -> 16 B. 19,480 B x 128
+    # tokens = 2,493,440 per layer application; 10 of them (3 L + 2 H applications x 2 layers) =
+    # 24,934,400; exit norms 5 x 128 x 257 x 4 = 657,920.
     m = plan_memory(tiny, tiny_shape())
-    assert m.activations == 28_866_560 + 657_920
+    assert m.activations == 24_934_400 + 657_920
     # Full recompute keeps each layer's input: 10 x 128 x 256 x 4 = 1,310,720, + exit norms.
     assert plan_memory(tiny, tiny_shape(recompute="full")).activations == 1_310_720 + 657_920
-    # Selective drops q, k after RoPE (512) and the log-sum-exp (4): 22,552 - 2,064 = 20,488 B.
+    # Selective: the checkpoint keeps q, k, v and the gate before RoPE (views of the fused
+    # projection, 1,024), then the attention output, the sigmoid and the gated product (768),
+    # fc1 and SwiGLU's output (2,304): 4,096 -> 16,384 B, no log-sum-exp; 20,488 B a token, and
+    # megatron's checkpoint keeps the mask type as a 4-byte tensor per layer application.
     assert plan_memory(tiny, tiny_shape(recompute="selective")).activations == \
-        10 * 128 * 20_488 + 657_920
-    # CPU's dense attention: SDPA keeps an additive copy of the 2 x 64 x 64 mask per layer
-    # application in the query's dtype (fp32 here, bf16 with bf16 weights).
-    assert plan_memory(tiny, tiny_shape(dense_attention=True)).activations == \
-        28_866_560 + 657_920 + 10 * 2 * 64 * 64 * 4
-    bf16_dense = tiny_shape(compute_bytes=2, params_bytes=2, dense_attention=True)
-    assert plan_memory(tiny, bf16_dense).activations == 10 * (1_379_328 + 2 * 64 * 64 * 2) + 330_240
+        10 * (128 * 20_488 + 4) + 657_920
+    # Dense attention: SDPA keeps an additive copy of the 2 x 64 x 64 mask per layer application
+    # in the query's dtype (fp32 here, bf16 with bf16 weights).
+    assert plan_memory(tiny, tiny_shape(attention="dense")).activations == \
+        24_934_400 + 657_920 + 10 * 2 * 64 * 64 * 4
+    bf16_dense = tiny_shape(compute_bytes=2, params_bytes=2, attention="dense")
+    assert plan_memory(tiny, bf16_dense).activations == 10 * (1_248_256 + 2 * 64 * 64 * 2) + 330_240
     # k=2 (L H): 2 applications x 2 layers.
-    assert plan_memory(tiny, tiny_shape(k_L=1, k_H=1)).activations == 4 * 2_886_656 + 2 * 128 * 257 * 4
+    assert plan_memory(tiny, tiny_shape(k_L=1, k_H=1)).activations == 4 * 2_493_440 + 2 * 128 * 257 * 4
     # bf16 weights: the residual stream is bf16 and the norms keep it as it is (not an fp32
-    # copy): 2 x 256 x 2 + two fp32 rsqrt 8 = 1,032 B; matmul inputs 1,024; TP region without the
-    # gate's sigmoid (recomputed in backward, model/gate.py) 4,352 x 2 = 8,704, log-sum-exp 16:
-    # 10,776 B x 128 = 1,379,328 a layer application; exit norms
+    # copy): 2 x 256 x 2 + two fp32 rsqrt 8 = 1,032 B; matmul inputs 1,024; TP region with the
+    # gate in place of its sigmoid (recomputed in backward, model/gate.py) 3,840 x 2 = 7,680,
+    # log-sum-exp 16: 9,752 B x 128 = 1,248,256 a layer application; exit norms
     # 5 x 128 x (256 x 2 + 4) = 330,240. Full recompute keeps the bf16 layer input.
     bf16 = tiny_shape(compute_bytes=2, params_bytes=2)
-    assert plan_memory(tiny, bf16).activations == 10 * 1_379_328 + 330_240
+    assert plan_memory(tiny, bf16).activations == 10 * 1_248_256 + 330_240
     assert plan_memory(tiny, tiny_shape(compute_bytes=2, params_bytes=2, recompute="full")).activations == \
         10 * 128 * 256 * 2 + 330_240
+    # varlen: q once, k and v twice a token (the most: the plan's default), the passes' outputs
+    # and their gather into token order, the gate and the gated product: 9 x 256 in place of
+    # 6 x 256 (bf16: + 1,536 B a token); 1.5 keys a token: 8 x 256 (+ 1,024 B).
+    assert plan_memory(tiny, tiny_shape(compute_bytes=2, params_bytes=2, attention="varlen")).activations \
+        == 10 * 128 * (9_752 + 1_536) + 330_240
+    assert plan_memory(tiny, tiny_shape(compute_bytes=2, params_bytes=2, attention="varlen",
+                                        varlen_keys=1.5)).activations == 10 * 128 * (9_752 + 1_024) + 330_240
+
+
+def test_the_mimir_layer_keeps_what_megatron_would():
+    """The paper's layer (D 1,536, F 4,096, 12 heads) in bf16 with flex attention keeps per token
+    what Megatron keeps of such a layer with flash attention: its input and mid-layer residual,
+    both norm outputs (2 x 2 x 1,536 each), q, k, v, the gate, the attention output, the gated
+    product (6 x 1,536 x 2), fc1's output and SwiGLU's (3 x 4,096 x 2), two fp32 rsqrt, the
+    log-sum-exp (12 x 4): 2 x (10 x 1,536 + 3 x 4,096) + 8 + 48 = 55,352 B (was 61,496: the q and
+    k before RoPE were held twice, as views of the fused projection)."""
+    from mimir_megatron.train.plan.memory import layer_activation_bytes
+
+    cfg = load_train_config(V1_5).model
+    shape = StepShape(micro_batch=1, seq_len=1, tp=1, dp=8, k_L=6, k_H=2, compute_bytes=2, params_bytes=2)
+    assert layer_activation_bytes(cfg, shape) == 2 * (10 * 1536 + 3 * 4096) + 8 + 48 == 55_352
 
 
 def test_temporaries_by_hand(tiny):
     t = plan_memory(tiny, tiny_shape()).temporaries
     assert t["loss"] == 128 * 1024 * 4  # fp32 logits (cross-entropy and its gradient in place)
-    assert t["backward"] == 2_886_656  # one layer application's working set
+    assert t["backward"] == 2_493_440  # one layer application's working set
     assert t["head_grad"] == 262_144 * 4  # the head's fp32 weight gradient before DDP takes it
     assert "attention_mask" not in t
-    assert plan_memory(tiny, tiny_shape(dense_attention=True)).temporaries["attention_mask"] == 2 * 64 * 64
+    assert plan_memory(tiny, tiny_shape(attention="dense")).temporaries["attention_mask"] == 2 * 64 * 64
     gpu = plan_memory(tiny, tiny_shape(compute_bytes=2, on_gpu=True)).temporaries
     assert gpu["loss"] == 128 * 1024 * (2 + 4)  # bf16 logits and their fp32 copy
     assert gpu["autocast_weights"] == 2 * (3_670_016 + 262_144)  # bf16 stacks and head
@@ -248,7 +273,7 @@ def test_a_layout_that_cannot_fit_is_reported_with_its_numbers(tmp_path, capsys)
     argv = ["plan", "--config", str(V1), "--gpus", "8", "--gpu", "b200", "--json", str(tmp_path / "p.json"),
             "train.micro_batch_size=16", "train.global_batch_size=128", "window.schedule=constant",
             "window.k=8"]
-    assert main(argv) == 0
+    assert main(argv) == 1  # a job script gates on it: `mimir plan ... && sbatch ...`
     plan = json.loads((tmp_path / "p.json").read_text())
     configured = plan["configured"]
     assert (configured["micro_batch"], configured["accumulation"], configured["fits"]) == (16, 1, False)
@@ -290,8 +315,64 @@ def test_tp_too_large_names_the_closest_layout_that_fits():
         plan_run(cfg, RunSettings(gpu=gpu_spec("b200"), gpus=8, tp=16))
 
 
+@pytest.mark.parametrize("args,status", [
+    ([], 0),
+    (["--margin", "0.5"], 1),  # 90 GB usable: v1.5's 4 x 4,096 at k=8 does not fit
+    (["--gpu", "h100"], 1),  # 72 GB usable
+    (["--config", str(V1), "--margin", "0.4"], 1),  # 108 GB: v1 fits, v1.5 (the first stage) not
+    (["--gpu", "b300"], 2),  # bad input
+])
+def test_exit_status_says_whether_the_configured_layout_fits(args, status, capsys, caplog):
+    assert main(["plan", "--config", str(V1_5), "--gpus", "8", *args]) == status
+    if status == 1:
+        assert "DOES NOT FIT" in capsys.readouterr().out
+        assert "the configured layout does not fit (exit status 1)" in caplog.text
+
+
+def test_stages_are_planned_one_after_the_other_and_summed(tmp_path, capsys):
+    """v1 then v1.5 on 8 B200, the efficiency from v1's 1.1 s average: v1 is 1.65M x 1.1 s x 8
+    GPUs / 3,600 = 4,033.3 GPU-hours; v1.5 runs at the efficiency v1 implies, so its k=5 steps
+    (its first 40,000) take v1's k=5 step; the sum is the two stages' (the paper's ~8,000)."""
+    argv = ["plan", "--config", str(V1), "--config", str(V1_5), "--gpus", "8", "--mean-step-time", "1.1",
+            "--json", str(tmp_path / "p.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    record = json.loads((tmp_path / "p.json").read_text())
+    v1, v1_5 = record["stages"]
+    assert v1["gpu_hours"] == round(1.65e6 * 1.1 * 8 / 3600) == 4033
+    assert v1_5["efficiency"] == v1["efficiency"] == record["efficiency"]
+    cfgs = [load_train_config(V1), load_train_config(V1_5)]
+    settings = RunSettings(gpu=gpu_spec("b200"), gpus=8, mean_step_time_s=1.1)
+    first, second = plan_stages(cfgs, settings)
+    k5_v1 = next(t for ph, t in first.configured.phases if ph.k == 5)
+    k5_v1_5 = next(t for ph, t in second.configured.phases if ph.k == 5)
+    assert k5_v1_5.seconds == pytest.approx(k5_v1.seconds, rel=1e-12)
+    hours = [p.configured.seconds * 8 / 3600 for p in (first, second)]
+    assert record["stages_total"]["gpu_hours"] == round(hours[0] + hours[1])
+    assert 7_800 < record["stages_total"]["gpu_hours"] < 8_000  # the paper's "approx. 8,000"
+    assert record["stages_total"]["days"] == round((first.configured.seconds + second.configured.seconds)
+                                                   / 86_400, 2)
+    assert f"total {'':<34} {2_850_000:>10,}" in out and f"{round(hours[0] + hours[1]):>8,}" in out
+    # The shape of a single plan's record stays: the first stage's plan, with the stages added.
+    assert record["config"] == str(V1) and record["configured"]["gpu_hours"] == 4033
+
+
+def test_the_efficiency_is_printed_as_given_and_tokens_per_gpu_beside_the_clusters(capsys, tmp_path):
+    argv = ["plan", "--config", str(V1), "--gpus", "8", "--efficiency", "0.3042", "--margin", "0.125",
+            "--json", str(tmp_path / "p.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "efficiency assumed 30.42% of peak" in out and "at a 12.5% margin" in out
+    configured = json.loads((tmp_path / "p.json").read_text())["configured"]
+    per_gpu = configured["tokens_per_s"] / 8
+    assert configured["tokens_per_s_per_gpu"] == pytest.approx(per_gpu, abs=0.1)
+    assert f"{configured['tokens_per_s']:,.0f} tokens/s ({per_gpu:,.0f} a GPU)" in out
+
+
 def test_train_start_up_plan_of_its_own_config(caplog):
-    from mimir_megatron.train.plan.startup import GIB, plan_at_start
+    """One unit everywhere: the table's GB (1e9 bytes) are the params' and the metrics'."""
+    from mimir_megatron.train.plan.memory import GB
+    from mimir_megatron.train.plan.startup import plan_at_start
 
     cfg = load_train_config(V1, ["train.plan_gpu=b200"])
     with caplog.at_level("INFO", logger="mimir.plan"):
@@ -300,10 +381,57 @@ def test_train_start_up_plan_of_its_own_config(caplog):
     params = startup.params()
     assert params["plan.gpu"] == "b200" and params["plan.fits"] is True
     assert json.loads(startup.json())["configured"]["fits"] is True
-    # Metrics in the trainer's units (peak_memory_gb is GiB), the step time of each window.
+    peak = startup.plan.configured.memory.peak
+    assert f"peak {params['plan.peak_memory_gb']} of 162.0 usable" in caplog.text
+    assert params["plan.peak_memory_gb"] == round(peak / 1e9, 1)
+    assert json.loads(startup.json())["configured"]["memory_gb"]["peak"] == round(peak / 1e9, 3)
+    # On a CPU the plan is logged, its figures not set beside the measured ones.
+    assert not startup.compared and startup.metrics(5) == {}
+    startup.compared = True
     metrics = startup.metrics(5)
-    assert metrics["plan/peak_memory_gb"] == pytest.approx(startup.plan.configured.memory.peak / GIB)
+    assert metrics["plan/peak_memory_gb"] == peak / GB == peak / 1e9
     assert metrics["plan/step_time_s"] > startup.metrics(2)["plan/step_time_s"]
+
+
+def test_plan_gpu_auto_plans_for_the_gpu_found(monkeypatch, caplog):
+    """``train.plan_gpu: auto`` (the paper's configs): the GPU table's row of the device's name,
+    its figures beside the measured ones, one warning line naming both where a measured one is
+    more than 10 % above the plan; nothing at all on a CPU."""
+    from mimir_megatron import backend
+    from mimir_megatron.train.plan.startup import plan_at_start
+
+    cfg = load_train_config(V1_5)
+    assert cfg.train.plan_gpu == "auto"
+    monkeypatch.setattr(backend, "gpu_name", lambda: None)  # a CPU
+    with caplog.at_level("INFO", logger="mimir.plan"):
+        assert plan_at_start(cfg, world_size=8) is None
+    assert caplog.text == ""
+
+    monkeypatch.setattr(backend, "gpu_name", lambda: "NVIDIA B200")
+    with caplog.at_level("INFO", logger="mimir.plan"):
+        startup = plan_at_start(cfg, world_size=8)
+    assert startup.plan.settings.gpu.key == "b200" and startup.compared
+    assert "train.plan_gpu=auto: b200" in caplog.text
+    peak, step = startup.planned(8)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mimir.plan"):
+        startup.compare(1, 5, peak * 1.05, 100.0, first=True)  # warm-up: its time is not judged
+        startup.compare(2, 8, peak * 1.05, step * 1.05, first=False)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert f"peak memory {peak * 1.05:.1f} GB measured, {peak:.1f} GB planned" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mimir.plan"):
+        startup.compare(3, 8, peak * 1.2, step * 1.3, first=False)
+        startup.compare(4, 8, peak * 1.3, step * 1.4, first=False)  # said once
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and all("\n" not in w for w in warnings)
+    assert f"{peak * 1.2:.1f} GB measured is 20% above the plan's {peak:.1f} GB" in warnings[0]
+    assert f"{step * 1.3:.3f} s measured is 30% above the plan's {step:.3f} s" in warnings[1]
+
+    monkeypatch.setattr(backend, "gpu_name", lambda: "Tesla T4")
+    caplog.clear()
+    assert plan_at_start(cfg, world_size=8) is None
+    assert "train.plan_gpu=auto: no plan: Tesla T4 is not in the GPU table" in caplog.text
 
 
 def test_train_start_up_plan_that_cannot_be_made_is_a_warning(caplog):

@@ -143,6 +143,8 @@ def log_to_mlflow(report: AcceptanceReport, pipeline: Any, out: Path) -> str | N
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
+        from mimir_megatron.mlflow_store import create_run
+
         store = RunDirectory(out)
         uri = cfg.tracking.uri or store.mlflow_uri
         client = MlflowClient(tracking_uri=uri)
@@ -152,7 +154,7 @@ def log_to_mlflow(report: AcceptanceReport, pipeline: Any, out: Path) -> str | N
             exp = client.get_experiment_by_name(cfg.tracking.experiment)
             exp_id = exp.experiment_id if exp else client.create_experiment(
                 cfg.tracking.experiment, artifact_location=store.artifact_root)
-            run = client.create_run(exp_id, run_name=cfg.name, tags={"mimir.kind": "synth"})
+            run = create_run(client, exp_id, cfg.name, {"mimir.kind": "synth"})
             run_id = run.info.run_id
             params = {"pipeline": cfg.name, "fingerprint": report.fingerprint,
                       "source": str(pipeline.source_path), "max_generations": cfg.max_generations}

@@ -13,7 +13,8 @@ through one module per job:
   results through an asyncio queue per HTTP request;
 - :mod:`.completions_api`: the Completions and Chat Completions APIs' (and score's) reply bodies,
   whole or streamed as server-sent events; :mod:`.responses_api`: the Responses API;
-- :mod:`.app`: the routes and the ways to run the app.
+- :mod:`.app`: the routes and the ways to run the app;
+- :mod:`.auth`: the API-key check, one middleware around the whole app (``/health`` stays open).
 
 Extra body fields (beyond OpenAI's): ``h_cycles`` / ``l_cycles`` (the recurrence schedule of this
 request; default: the trained one), vLLM's ``top_k``, ``min_p``, ``repetition_penalty``,

@@ -24,7 +24,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mimir_megatron.inference.api_keys import ApiKeys
 from mimir_megatron.inference.engine import InferenceEngine
+from mimir_megatron.inference.server.auth import RequireApiKey
 from mimir_megatron.inference.server.dispatch import Server
 from mimir_megatron.inference.server.protocol import (
     ApiError,
@@ -75,8 +77,9 @@ def _validated(raw: bytes, model: type[B]) -> B:
         raise RequestValidationError(exc.errors(include_url=False)) from None
 
 
-def build_app(engine: InferenceEngine, **limits) -> FastAPI:
-    """The FastAPI app; its lifespan starts and stops the scheduler thread. ``limits``:
+def build_app(engine: InferenceEngine, *, api_keys: ApiKeys | None = None, **limits) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the scheduler thread. ``api_keys``: every
+    request but ``/health`` needs one of them (:mod:`.auth`; None: no key is asked). ``limits``:
     ``max_tokens_limit``, ``max_queue``, ``max_batch_size``, ``max_stored_responses``,
     ``max_body_bytes``, ``max_cycles_factor``."""
     server = Server(engine, **limits)
@@ -99,6 +102,8 @@ def build_app(engine: InferenceEngine, **limits) -> FastAPI:
 
     app = FastAPI(title="mimir serve", lifespan=lifespan)
     app.state.server = server
+    if api_keys is not None:
+        app.add_middleware(RequireApiKey, keys=api_keys)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -243,7 +248,8 @@ def app_server(app: FastAPI) -> Server:
     return app.state.server
 
 
-def serve(engine: InferenceEngine, host: str = "127.0.0.1", port: int = 8000, **limits) -> None:
+def serve(engine: InferenceEngine, host: str = "127.0.0.1", port: int = 8000, *,
+          api_keys: ApiKeys | None = None, **limits) -> None:
     """Serve until interrupted (``mimir serve``): SIGTERM or Ctrl-C finishes the requests and
     streams in flight, then exits (SIGTERM: exit 0); a second Ctrl-C exits at once."""
     import uvicorn
@@ -264,7 +270,8 @@ def serve(engine: InferenceEngine, host: str = "127.0.0.1", port: int = 8000, **
     def drained(sig: int, frame) -> None:
         log.info("SIGTERM: the requests in flight are finished; exiting")
 
-    config = uvicorn.Config(build_app(engine, **limits), host=host, port=port, log_level="info")
+    config = uvicorn.Config(build_app(engine, api_keys=api_keys, **limits), host=host, port=port,
+                            log_level="info")
     # uvicorn sends the SIGTERM it handled again once its shutdown is complete, to the handler in
     # place before it started: Python's default would end the process by the signal (exit 143,
     # logs unflushed) after a clean drain. This one lets `mimir serve` return and exit 0.
@@ -276,12 +283,12 @@ def serve(engine: InferenceEngine, host: str = "127.0.0.1", port: int = 8000, **
 
 
 @contextmanager
-def serve_in_thread(engine: InferenceEngine, host: str = "127.0.0.1", port: int = 0,
-                    **limits) -> Iterator[str]:
+def serve_in_thread(engine: InferenceEngine, host: str = "127.0.0.1", port: int = 0, *,
+                    api_keys: ApiKeys | None = None, **limits) -> Iterator[str]:
     """Serve from a background thread; yields the base URL ``http://HOST:PORT/v1`` (``port=0``: a
     free port) once the server accepts connections, and shuts it down cleanly on exit.
-    ``limits``: ``max_tokens_limit``, ``max_queue``, ``max_batch_size``."""
-    with serve_app_in_thread(build_app(engine, **limits), host, port) as url:
+    ``api_keys`` and ``limits`` as for :func:`build_app`."""
+    with serve_app_in_thread(build_app(engine, api_keys=api_keys, **limits), host, port) as url:
         yield url
 
 

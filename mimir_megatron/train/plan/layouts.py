@@ -10,10 +10,10 @@ FLOPs per token.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.train.plan.gpus import GpuSpec
+from mimir_megatron.gpus import GpuSpec
 from mimir_megatron.train.plan.memory import GB, MemoryPlan, StepShape, params_per_rank, plan_memory
 from mimir_megatron.train.plan.timing import (
     Cluster,
@@ -96,6 +96,9 @@ class RunSettings:
     tp: int | None = None
     micro_batch: int | None = None
     recompute: str | None = None
+    efficiency_from: str | None = None
+    """Where ``efficiency`` comes from when it was not assumed (a stage after the first: the
+    first stage's measured step)."""
 
 
 @dataclass
@@ -154,7 +157,9 @@ def allowed_tp(cfg, gpus: int, gpus_per_node: int) -> list[int]:
 def step_shape(cfg, layout: Layout, phase: Phase, on_gpu: bool = True, precision: str = "bf16") -> StepShape:
     """The memory model's input for a TrainConfig, a layout and a window."""
     m = cfg.model
-    cpu_dense = not on_gpu and m.execution.attention_backend in ("auto", "dense")
+    attention = m.execution.attention_backend
+    if attention == "auto":  # backend.attention_backend's choice (the planner imports no torch)
+        attention = "flex" if on_gpu else "dense"
     params_bytes = 2 if m.params_dtype == "bfloat16" else 4
     autocast = on_gpu and cfg.train.precision != "fp32"
     return StepShape(
@@ -167,7 +172,16 @@ def step_shape(cfg, layout: Layout, phase: Phase, on_gpu: bool = True, precision
                                                                   and not layout.fully_shard),
         shard_optimizer=cfg.optim.shard_state, ema=cfg.optim.ema_decay > 0,
         loss_chunk_tokens=m.execution.loss_chunk_tokens, sequence_parallel=m.parallel.sequence_parallel,
-        dense_attention=cpu_dense, fp8_weight_copies=precision in ("fp8", "mxfp8"))
+        attention=attention, fp8_weight_copies=precision in ("fp8", "mxfp8"))
+
+
+def one_process_step(cfg, micro_batch: int, k_L: int, k_H: int, on_gpu: bool) -> MemoryPlan:
+    """The memory plan of one micro-batch's step of ``cfg`` on one process (no TP, no DP, the
+    config's recompute), as `mimir bench` runs it: the figure to set beside its measured peak."""
+    layout = Layout(tp=1, dp=1, micro_batch=micro_batch, accumulation=1,
+                    recompute=str(cfg.model.execution.recompute))
+    precision = "bf16" if cfg.model.execution.fp8 == "none" else "fp8"
+    return plan_memory(cfg.model, step_shape(cfg, layout, Phase(k_L + k_H, k_L, k_H, 1), on_gpu, precision))
 
 
 def plan_layout(cfg, layout: Layout, phases: list[Phase], cluster: Cluster, settings: RunSettings,
@@ -309,3 +323,14 @@ def plan_run(cfg, settings: RunSettings) -> RunPlan:
                    global_batch=cfg.train.global_batch_size, steps=cfg.train.steps, phases=phases,
                    configured=configured, ranked=fitting, efficiency=efficiency,
                    implied_mfu=implied)
+
+
+def plan_stages(cfgs: list, settings: RunSettings) -> list[RunPlan]:
+    """The plans of runs that follow one another on the same cluster (the paper's v1, then v1.5
+    from its weights). A measured step (``step_time_s`` or ``mean_step_time_s``) calibrates the
+    efficiency on the first stage; the later ones are planned at the efficiency it implies."""
+    plans = [plan_run(cfgs[0], settings)]
+    measured = settings.step_time_s is not None or settings.mean_step_time_s is not None
+    later = replace(settings, efficiency=plans[0].efficiency, step_time_s=None, mean_step_time_s=None,
+                    efficiency_from=f"{plans[0].source}'s measured step" if measured else None)
+    return plans + [plan_run(cfg, later) for cfg in cfgs[1:]]

@@ -39,17 +39,19 @@ residual-region terms too):
   stream's dtype: the weights', so fp32 under autocast with fp32 weights, bf16 with bf16
   weights), two fp32 rsqrt per token;
   matmul inputs: both norm outputs (2D, compute dtype);
-  TP region: q, k, v and the output gate from the fused projection (4D), q and k after RoPE
-  (2D), the attention output (D), sigmoid of the gate (D; fp32 only: in bf16 model/gate.py
-  recomputes it in backward), the gated product (D), the MLP's
+  TP region: the attention block (:func:`attention_kept`: 6D for flex and dense: q and k after
+  RoPE, v and the gate copied out of the fused projection so that it is freed, the attention
+  output, the gated product; fp32 keeps the gate's sigmoid in the gate's place), the MLP's
   first projection (2F) and SwiGLU's output (F; its silu is recomputed in backward), the
-  attention kernel's log-sum-exp (a).
+  attention kernel's log-sum-exp (a, fp32).
 Per application, the exit norm keeps its input (D, the residual stream's dtype) and its rsqrt.
-On a CPU (dense attention), SDPA also keeps an additive copy of the b x s x s mask per layer,
-in the compute dtype.
+Dense attention (SDPA, the CPU's kernel) also keeps an additive copy of the b x s x s mask per
+layer, in the compute dtype.
 Recompute ``full`` keeps only each layer's input (and the exit norm's) and recomputes one
-layer in backward; ``selective`` drops q and k after RoPE and the log-sum-exp (the core
-attention is recomputed). No-grad applications keep nothing.
+layer in backward; ``selective`` keeps the core attention's inputs before RoPE (views of the
+fused projection) and no log-sum-exp (the core attention is recomputed). No-grad applications
+keep nothing. tests/unit/test_saved_activations.py counts what autograd keeps of one stack
+application, kernel by kernel, against these terms.
 """
 
 from __future__ import annotations
@@ -59,7 +61,11 @@ from dataclasses import dataclass, field
 from mimir_megatron.config import ModelConfig
 
 GB = 1e9
+"""The unit of every memory figure of the plan (its table, its JSON, MLflow): 1e9 bytes, as GPU
+datasheets give memory (a "180 GB" B200)."""
 FP32 = 4
+VARLEN_KEYS_MAX = 2.0
+"""The varlen kernel's keys per token at most: a sample's prefix tokens are keys of both passes."""
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,11 @@ class StepShape:
     ema: bool = True
     loss_chunk_tokens: int = 0
     sequence_parallel: bool = True
-    dense_attention: bool = False
-    """The dense PrefixLM mask (CPU backend): b x s x s booleans."""
+    attention: str = "flex"
+    """The PrefixLM kernel as it runs (``execution.attention_backend``; ``auto`` is flex on a GPU,
+    dense on a CPU): dense keeps a b x s x s mask, varlen gathered copies (:func:`attention_kept`)."""
+    varlen_keys: float = VARLEN_KEYS_MAX
+    """varlen: keys (and values) the two passes gather per token; planned at the most, 2."""
     fp8_weight_copies: bool = False
     """FP8 (Transformer Engine): an fp8 copy of each stack weight and of its transpose."""
     params_bytes: int = 4
@@ -103,6 +112,11 @@ class StepShape:
         """The residual stream's dtype: that of the embedding's output, so of the weights (fp32
         weights keep it fp32 under autocast)."""
         return self.params_bytes
+
+    @property
+    def dense_attention(self) -> bool:
+        """The dense PrefixLM mask: b x s x s booleans, and SDPA's additive copy of it per layer."""
+        return self.attention == "dense"
 
     @property
     def sp(self) -> int:
@@ -229,19 +243,37 @@ def layer_activation_bytes(cfg: ModelConfig, s: StepShape) -> float:
     matmul_inputs = c * 2 * d / s.sp                # the two norm outputs, as the linears keep them
     if s.recompute == "full":                       # the checkpoint keeps the layer input only,
         return s.tokens * s.residual_bytes * d / s.sp  # the residual stream's own tensor
-    roped = 0 if s.recompute == "selective" else 2 * d
     lse = 0 if s.recompute == "selective" else a
-    # The output gate keeps the attention output and the gated product (the linear's input), and
-    # in fp32 megatron's sigmoid too (model/gate.py recomputes it in backward otherwise).
-    gate = 3 * d if c == FP32 else 2 * d
     # SwiGLU keeps fc1's output (2F; silu is recomputed in backward) and fc2 its input (F).
-    tp_region = c * (4 * d + roped + gate + 3 * f) / t + FP32 * lse / t
+    tp_region = c * (attention_kept(d, s) + 3 * f) / t + FP32 * lse / t
     per_layer = s.tokens * (residual + matmul_inputs + tp_region)
     if s.dense_attention and s.recompute == "none":
-        # CPU SDPA turns the boolean mask into an additive one in the query's dtype (the compute
+        # SDPA turns the boolean mask into an additive one in the query's dtype (the compute
         # dtype: bf16 with bf16 weights) and keeps it for backward.
         per_layer += s.micro_batch * s.seq_len * s.seq_len * c
+    if s.recompute == "selective":
+        per_layer += 4  # megatron's core-attention checkpoint keeps the mask type, an int32 tensor
     return per_layer
+
+
+def attention_kept(d: int, s: StepShape) -> float:
+    """Elements a token (compute dtype, before TP) that one layer's attention block keeps for
+    backward, from the fused q/gate/k/v projection to the output projection's input."""
+    if s.recompute == "selective":
+        # The checkpoint keeps q, k and v before RoPE, and the output gate its gate: views of the
+        # fused projection (4D); then the attention output and the gated product, and in fp32
+        # megatron's sigmoid (model/gate.py recomputes it in backward otherwise).
+        return 4 * d + (3 * d if s.compute_bytes == FP32 else 2 * d)
+    if s.attention == "varlen":
+        # q (each token once) and k and v (varlen_keys times) gathered into the passes' order,
+        # the passes' outputs and their gather back to token order (the gate's input), the gate
+        # and the gated product. RoPE's q and k are not kept: the gathers need only indices.
+        return (1 + 2 * s.varlen_keys + 1 + 1 + 1 + 1) * d
+    # q and k after RoPE (fresh tensors), v and the gate copied out of the fused projection
+    # (model/gate.py: the projection, with the q and k before RoPE, is freed), the kernel's
+    # output (also the gate's input: its reshape is a view) and the gated product. fp32 keeps
+    # the gate's sigmoid in place of the gate.
+    return 6 * d
 
 
 def activation_bytes(cfg: ModelConfig, s: StepShape) -> float:

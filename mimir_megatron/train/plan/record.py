@@ -69,10 +69,10 @@ class PlanRecord:
     digest (checked when read, computed again when written)."""
 
     @classmethod
-    def of(cls, plan: RunPlan, top: int = 10) -> PlanRecord:
+    def of(cls, plan: RunPlan, top: int = 10, stages: list[RunPlan] | None = None) -> PlanRecord:
         from .report import to_dict
 
-        return cls.from_dict(to_dict(plan, top))
+        return cls.from_dict(to_dict(plan, top, stages))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], path: str | Path = "plan") -> PlanRecord:

@@ -12,7 +12,8 @@ a gradient is complete only at the end) and megatron's TP collectives sit on the
     with FSDP2 (``optim.fully_shard``) per micro-batch an all-gather of each unit for every use
     (every application's forward, the window's backward: (DP-1)/DP x the compute dtype's bytes
     x the unit) and a reduce-scatter of its gradient in fp32 after each backward through it
-    ((DP-1)/DP x 4 bytes), the embedding and the root (the head) once each way;
+    ((DP-1)/DP x 4 bytes), the embedding once each way; the root (the head) gathered once a
+    step (it stays gathered), its gradient reduce-scattered each micro-batch;
     over the network when the run spans nodes, else NVLink (TP stays inside a node). Bandwidths
     are one direction: what a GPU sends while it receives as much (NVLink: half the datasheet's
     bidirectional total).
@@ -110,7 +111,7 @@ def step_time(cfg: ModelConfig, cluster: Cluster, *, tp: int, micro_batch: int, 
 
     dp_bytes = 0.0
     if dp > 1 and fully_shard:
-        dp_bytes = (dp - 1) / dp * accumulation * fsdp_bytes_per_micro_batch(cfg, k_L, k_H, gather_bytes or 4)
+        dp_bytes = (dp - 1) / dp * fsdp_bytes_per_step(cfg, k_L, k_H, gather_bytes or 4, accumulation)
     elif dp > 1:
         if gather_bytes is not None:  # the distributed optimizer: reduce-scatter, all-gather rows
             dp_bytes = (dp - 1) / dp * (4 + gather_bytes) * weights_per_rank
@@ -137,19 +138,20 @@ def step_time(cfg: ModelConfig, cluster: Cluster, *, tp: int, micro_batch: int, 
                     tp_bytes_per_application=per_app)
 
 
-def fsdp_bytes_per_micro_batch(cfg: ModelConfig, k_L: int, k_H: int, gather_bytes: int) -> float:
-    """Bytes FSDP2 gathers and reduce-scatters for one micro-batch, before the (DP-1)/DP of a
-    ring: every layer gathered for each application and again for each backward through it,
-    its gradient reduce-scattered in fp32 after each; the embedding and the root once each way."""
+def fsdp_bytes_per_step(cfg: ModelConfig, k_L: int, k_H: int, gather_bytes: int, accumulation: int) -> float:
+    """Bytes FSDP2 gathers and reduce-scatters in one step, before the (DP-1)/DP of a ring.
+    Each micro-batch: every layer gathered for each application and again for each backward
+    through it, its gradient reduce-scattered in fp32 after each; the embedding gathered for its
+    forward and its backward, its gradient and the root's (the head's) reduce-scattered. The root
+    is gathered once a step (train/fsdp.py keeps it gathered for the whole step)."""
     from mimir_megatron.train.plan.memory import fsdp_units
 
     units = fsdp_units(cfg)
     apps = cfg.h_cycles * cfg.l_cycles * cfg.num_layers_L + cfg.h_cycles * cfg.num_layers_H
     window = k_L * cfg.num_layers_L + k_H * cfg.num_layers_H
-    ends = units["embedding"] + units["root"]
-    gathered = (apps + window) * units["layer"] + 2 * ends
-    reduced = window * units["layer"] + ends
-    return gather_bytes * gathered + FP32_BYTES * reduced
+    gathered = (apps + window) * units["layer"] + 2 * units["embedding"]
+    reduced = window * units["layer"] + units["embedding"] + units["root"]
+    return accumulation * (gather_bytes * gathered + FP32_BYTES * reduced) + gather_bytes * units["root"]
 
 
 def efficiency_from_step(measured_s: float, at: StepTime, efficiency: float) -> float:

@@ -1,6 +1,8 @@
 """The GPU spec table (``gpus.yaml``, shipped with the package): memory, dense peaks per
-precision, NVLink and network bandwidth. The project's one source of GPU figures: `mimir plan`
-and `mimir bench`'s MFU both read it. A user's YAML (same fields) adds GPUs or overrides rows.
+precision, NVLink and network bandwidth, and the device names each row matches. The project's
+one source of GPU figures: `mimir plan`, the trainer's own plan and its MFU, and `mimir bench`
+read it (this process's device through :func:`mimir_megatron.backend.gpu_row`). A user's YAML
+(same fields) adds GPUs or overrides rows. Imports no torch: below the backend and the planner.
 """
 
 from __future__ import annotations
@@ -78,8 +80,8 @@ def _rows(path: Path, origin: str) -> dict[str, GpuSpec]:
 @lru_cache(maxsize=1)
 def shipped_gpus() -> dict[str, GpuSpec]:
     """The table shipped with the package, by lower-case key (b200, h100, ...)."""
-    with resources.as_file(resources.files("mimir_megatron.train.plan").joinpath("gpus.yaml")) as path:
-        return _rows(path, "mimir_megatron/train/plan/gpus.yaml")
+    with resources.as_file(resources.files("mimir_megatron").joinpath("gpus.yaml")) as path:
+        return _rows(path, "mimir_megatron/gpus.yaml")
 
 
 def gpu_spec(choice: str, table: dict[str, GpuSpec] | None = None) -> GpuSpec:
