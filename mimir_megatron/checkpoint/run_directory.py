@@ -56,6 +56,11 @@ class RunDirectory:
         return self.root / "config.yaml"
 
     @property
+    def lock_file(self) -> Path:
+        """One trainer at a time (:mod:`mimir_megatron.train.run_lock`)."""
+        return self.root / "train.lock"
+
+    @property
     def mlflow_uri(self) -> str:
         """The default MLflow store: a sqlite file in the run directory (absolute)."""
         return f"sqlite:///{(self.root / 'mlflow.db').resolve()}"

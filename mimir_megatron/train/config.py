@@ -255,12 +255,17 @@ class TrainConfig(RunSections):
     """The YAML this config was loaded from."""
 
     @property
+    def run_directory(self) -> RunDirectory:
+        """The run's directory (``run.dir``, else ``runs/<run.name>``) and every path in it."""
+        return RunDirectory.configured(self.run.dir, self.run.name)
+
+    @property
     def run_dir(self) -> Path:
-        return RunDirectory.configured(self.run.dir, self.run.name).root
+        return self.run_directory.root
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.checkpoint.dir) if self.checkpoint.dir else RunDirectory(self.run_dir).checkpoints
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_directory.checkpoints
 
     def to_dict(self) -> dict[str, Any]:
         return plain(asdict(self))

@@ -480,6 +480,40 @@ def test_the_run_directory_of_a_checkpoint_is_derived_in_one_place(tmp_path):
     assert RunDirectory.configured(cfg.run.dir, cfg.run.name).mlflow_uri == f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}"
 
 
+def test_an_in_training_suite_without_run_dir_keeps_its_logs_in_the_default_run_directory(tmp_path, monkeypatch):
+    """run.dir is optional (configs/train/demo.yaml sets none): the in-training suite's InspectAI
+    logs go to runs/<run.name>/eval_logs/step_N, the run directory's, where building the folder
+    from run.dir itself was a TypeError at the first suite evaluation. The suite is stubbed."""
+    from mimir_megatron.train import evaluate, loop
+    from mimir_megatron.train.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig()
+    cfg.run.name, cfg.run.dir, cfg.eval.suite = "demo", None, "demo"
+    asked = []
+
+    def suite_scores(model, config, log_dir):
+        asked.append(log_dir)
+        log_dir.mkdir(parents=True)
+        return {"suite/arith": 0.5}
+
+    class Tracker:
+        def __init__(self):
+            self.logged = []
+
+        def __getattr__(self, name):
+            return lambda *args: self.logged.append((name, *args))
+
+    monkeypatch.setattr(evaluate, "suite_scores", suite_scores)
+    tracker = Tracker()
+    assert loop._evaluate_suite(None, cfg, tracker, 3) == {"suite/arith": 0.5}
+    assert asked == [Path("runs/demo/eval_logs/step_0000003")] == [cfg.run_directory.eval_logs(3)]
+    assert ("log_path", asked[0], "eval/step_0000003/inspect_logs") in tracker.logged
+    cfg.run.dir = str(tmp_path / "elsewhere")
+    loop._evaluate_suite(None, cfg, tracker, 4)
+    assert asked[-1] == tmp_path / "elsewhere" / "eval_logs" / "step_0000004"
+
+
 def test_mimir_prepare_writes_its_manifest_through_the_one_writer(tmp_path, monkeypatch):
     """data_prep builds the manifest's content and hands it to ``write_manifest``, the one place
     its format and digest are set: the file is written by that writer (a second writer in
