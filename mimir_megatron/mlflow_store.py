@@ -95,12 +95,15 @@ def rebase_moved_store(uri: str, artifact_root: str) -> int:
     ``artifact_root`` is ``<dir>/mlartifacts`` (the run directory's layout) and every experiment
     made with such a folder names the same other one (the store as a whole came from elsewhere); a
     store shared by several run directories (``tracking.uri``) is left alone."""
+    from mimir_megatron.checkpoint.run_directory import RunDirectory
+
     path = sqlite_path(uri)
-    if path is None or path.name != "mlflow.db" or not path.is_file():
+    store = RunDirectory(path.parent) if path is not None else None
+    if store is None or path != store.mlflow_db or not path.is_file():
         return 0
-    if (path.parent / "mlartifacts").resolve().as_uri() != artifact_root:
+    if store.artifact_root != artifact_root:
         return 0
-    suffix = "/mlartifacts"
+    suffix = "/" + store.artifacts.name
     with contextlib.closing(sqlite3.connect(path, timeout=30)) as conn, conn:
         try:
             recorded = {row[0] for row in conn.execute("SELECT artifact_location FROM experiments")}
