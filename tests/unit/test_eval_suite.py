@@ -10,7 +10,7 @@ from mimir_megatron.checkpoint.trainer_state import TrainerState, write_trainer_
 from mimir_megatron.errors import ConfigError, UserError
 from mimir_megatron.evaluation.fixtures import write_fixtures
 from mimir_megatron.evaluation.prompts import build_items
-from mimir_megatron.evaluation.records import MissingData, load_rows
+from mimir_megatron.evaluation.benchmark_rows import MissingData, load_rows
 from mimir_megatron.evaluation.suite import TaskSpec, load_suite
 from mimir_megatron.evaluation.sweep import SweepResult, markdown, parse_schedules, schedule_string
 
