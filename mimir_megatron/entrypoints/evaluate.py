@@ -183,7 +183,7 @@ def _params(args: argparse.Namespace, suite, model: ModelDir | None) -> dict:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from mimir_megatron.evaluation.report import markdown
+    from mimir_megatron.evaluation.tables import markdown
     from mimir_megatron.evaluation.tracking import tracking_target
     from mimir_megatron.evaluation.workflow import run_eval
 

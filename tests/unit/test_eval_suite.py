@@ -214,7 +214,7 @@ def test_scores_split_into_clean_and_contaminated_items_only_where_the_report_ch
 
     from mimir_megatron.evaluation.contamination import FORMAT, ContaminationReport, data_sha256
     from mimir_megatron.evaluation.metrics import ItemOutcome
-    from mimir_megatron.evaluation.report import ScoreSplit, score_split
+    from mimir_megatron.evaluation.tables import ScoreSplit, score_split
     from mimir_megatron.evaluation.runner import TaskResult
     from mimir_megatron.integrity import with_digest
 
