@@ -31,7 +31,7 @@ def test_an_audit_of_a_training_checkpoint_is_a_child_run_of_its_training_run(tr
 
     from mlflow.tracking import MlflowClient
 
-    from mimir_megatron.audits.report import audit_tracking
+    from mimir_megatron.audits.outputs import audit_tracking
     from mimir_megatron.checkpoint import ModelDir, ModelKind
 
     run_dir, result = trained
