@@ -1,7 +1,7 @@
 """The plan as a file (``mimir plan --json``, MLflow's ``plan.json``): one record, one reader, one
 writer.
 
-The record is :func:`.report.to_dict`'s layout with ``format`` and the digest of its content
+The record is :func:`.table.to_dict`'s layout with ``format`` and the digest of its content
 (:mod:`mimir_megatron.integrity`); :class:`PlanRecord` names what a tool compares (the cluster,
 the run's size, each layout's fit, step time, throughput and cost) and keeps the rest in
 :attr:`PlanRecord.content`. A file whose content no longer matches its digest is refused as
@@ -71,7 +71,7 @@ class PlanRecord:
 
     @classmethod
     def of(cls, plan: RunPlan, top: int = 10, stages: list[RunPlan] | None = None) -> PlanRecord:
-        from .report import to_dict
+        from .table import to_dict
 
         return cls.from_dict(to_dict(plan, top, stages))
 
