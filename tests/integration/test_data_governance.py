@@ -182,7 +182,7 @@ def test_export_refuses_an_unrelated_report_and_a_manifest_changed_since_trainin
 
 def test_one_epoch_summary_and_card_hold_the_data_reports_numbers(one_epoch):
     from huggingface_hub import ModelCard
-    from mimir_data_prep.report import dataset_rows, group_rows
+    from mimir_data_prep.mixture_report import dataset_rows, group_rows
 
     from mimir_megatron.data import load_mixture
 

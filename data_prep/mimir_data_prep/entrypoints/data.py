@@ -74,7 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from mimir_data_prep.report import report
+    from mimir_data_prep.mixture_report import report
 
     print(report(args.mixture, args.top))
     return 0
