@@ -129,7 +129,7 @@ def _read_plan(directory: Path):
 
 
 def _evidence(directory: Path) -> Path:
-    from mimir_data_prep.synth_pipeline.state import STATE_NAME
+    from mimir_data_prep.synth_pipeline.evidence_file import STATE_NAME
     from synth_records import evidence_row
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -138,7 +138,7 @@ def _evidence(directory: Path) -> Path:
 
 
 def _read_evidence(directory: Path):
-    from mimir_data_prep.synth_pipeline.state import StateFile
+    from mimir_data_prep.synth_pipeline.evidence_file import StateFile
 
     with StateFile(directory) as state:
         return state.read(state.index["r1"])

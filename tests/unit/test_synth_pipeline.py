@@ -9,7 +9,7 @@ import pytest
 
 from mimir_data_prep.synth_pipeline.checks import run_checks, structure_differences
 from mimir_data_prep.synth_pipeline.pipeline import CheckConfig, VerdictConfig, load_pipeline
-from mimir_data_prep.synth_pipeline.state import StateFile
+from mimir_data_prep.synth_pipeline.evidence_file import StateFile
 from mimir_data_prep.synth_pipeline.verdict import UNPARSEABLE, first_json_object, parse_verdict
 from mimir_megatron.errors import ConfigError, UserError
 from synth_records import evidence_row

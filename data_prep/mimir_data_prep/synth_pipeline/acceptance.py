@@ -24,7 +24,7 @@ from mimir_megatron.integrity import atomic_files
 
 from .run_records import REPORT_NAME, STATUSES, AcceptanceReport, EvidenceRow, MlflowPointer
 from .source import iter_source
-from .state import StateFile
+from .evidence_file import StateFile
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The records of a `mimir synth run` output directory: one reader and one writer each.
 
-- :class:`EvidenceRow`: a line of ``evidence.jsonl`` (the append-only state, :mod:`.state`), a
-  decided row with its full evidence.
+- :class:`EvidenceRow`: a line of ``evidence.jsonl`` (the append-only state,
+  :mod:`.evidence_file`), a decided row with its full evidence.
 - :class:`PipelineStamp`: ``pipeline.json``, the pipeline the rows were produced by (its name and
   fingerprint), what a resume is checked against.
 - :class:`AcceptanceReport`: ``report.json``, the counts of a run (logged to MLflow).

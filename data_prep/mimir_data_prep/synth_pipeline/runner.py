@@ -30,7 +30,7 @@ from .client import ChatEndpoint, EndpointMisconfigured, EndpointUnavailable, Re
 from .pipeline import Pipeline, resolve
 from .run_records import STATUSES, AcceptanceReport, EvidenceRow
 from .source import SourceRow, iter_source
-from .state import StateFile
+from .evidence_file import StateFile
 from .verdict import Verdict, first_json_object, parse_verdict
 
 log = logging.getLogger(__name__)
