@@ -64,6 +64,14 @@ def _stored(fmt: str, content: Mapping[str, Any]) -> dict[str, Any]:
     return with_digest({"format": fmt, **plain})
 
 
+def _file_fields(path: Path, fmt: str, what: str, advice: str) -> RecordFields | None:
+    """The fields of the record file ``path`` (a ``what`` of format ``fmt``), checked; None where
+    there is no such file. ``advice``: what to do about a file of another version."""
+    if not path.exists():
+        return None
+    return RecordFields(_body(read_json_object(path, what), path, fmt, advice), path)
+
+
 def _objects(record: RecordFields, name: str, *, required: bool = True) -> list[RecordFields]:
     """The fields of each object of the list ``name`` (empty when absent and not required)."""
     found = []
@@ -189,13 +197,9 @@ class PipelineStamp:
     @classmethod
     def read(cls, directory: Path) -> PipelineStamp | None:
         """The stamp of ``directory``; None where it has none (no run wrote there yet)."""
-        path = directory / PIPELINE_NAME
-        if not path.exists():
-            return None
-        body = _body(read_json_object(path, "pipeline stamp"), path, PIPELINE_FORMAT,
-                     "use another output directory")
-        f = RecordFields(body, path)
-        return cls(name=f.str("name"), fingerprint=f.str("fingerprint"))
+        f = _file_fields(directory / PIPELINE_NAME, PIPELINE_FORMAT, "pipeline stamp",
+                         "use another output directory")
+        return None if f is None else cls(name=f.str("name"), fingerprint=f.str("fingerprint"))
 
     def write(self, directory: Path) -> Path:
         stored = _stored(PIPELINE_FORMAT, {"name": self.name, "fingerprint": self.fingerprint})
@@ -242,9 +246,9 @@ class AcceptanceReport:
     def read(cls, path: Path) -> AcceptanceReport:
         """The report at ``path`` (the file, or the output directory holding it)."""
         path = path / REPORT_NAME if path.is_dir() else path
-        body = _body(read_json_object(path, "acceptance report"), path, REPORT_FORMAT,
-                     "run `mimir synth run` again")
-        f = RecordFields(body, path)
+        f = _file_fields(path, REPORT_FORMAT, "acceptance report", "run `mimir synth run` again")
+        if f is None:
+            raise UserError(f"{path}: not found")
 
         def counts(name: str, keys: tuple[str, ...] = ()) -> Mapping[str, int]:
             values = f.mapping(name)
@@ -281,13 +285,9 @@ class MlflowPointer:
     @classmethod
     def read(cls, directory: Path) -> MlflowPointer | None:
         """The pointer of ``directory``; None before its first run was logged."""
-        path = directory / MLFLOW_RUN_NAME
-        if not path.exists():
-            return None
-        body = _body(read_json_object(path, "MLflow run pointer"), path, MLFLOW_RUN_FORMAT,
-                     "delete it to log to a new run")
-        f = RecordFields(body, path)
-        return cls(run_id=f.str("run_id"), tracking_uri=f.str("tracking_uri"))
+        f = _file_fields(directory / MLFLOW_RUN_NAME, MLFLOW_RUN_FORMAT, "MLflow run pointer",
+                         "delete it to log to a new run")
+        return None if f is None else cls(run_id=f.str("run_id"), tracking_uri=f.str("tracking_uri"))
 
     def write(self, directory: Path) -> Path:
         return write_json_atomic(directory / MLFLOW_RUN_NAME, _stored(
