@@ -116,6 +116,13 @@ def distributed_backend() -> str:
     return "nccl" if has_gpu() else "gloo"
 
 
+def decode_compile_options(device: torch.device) -> dict:
+    """``torch.compile`` options of the engine's static decoding step (``--compile-decode``): on a
+    GPU, CUDA graphs (``reduce-overhead``; the KV cache's buffers are then marked static, so
+    that the graph may write into them); on CPU, Inductor's C++ kernels (``default``)."""
+    return {"mode": "reduce-overhead" if device.type == "cuda" else "default", "dynamic": False}
+
+
 def setup() -> None:
     """Redirect megatron-core's CUDA-only calls to the CPU when no GPU is present (idempotent).
 

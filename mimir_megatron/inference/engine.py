@@ -63,11 +63,11 @@ class InferenceEngine:
 
     The L and H stacks run as :class:`~mimir_megatron.inference.fast_stack.FastStack` (the same
     weights without megatron's autograd machinery) wherever it applies; ``megatron_layers=True``
-    runs megatron's modules instead (the reference). ``compile_decode=True`` runs decoding steps
-    with static shapes through ``torch.compile`` (caches allocated to a power of two of the
-    requests' prompt + new tokens, the whole allocation attended under a validity mask): one
-    compile per (schedule, batch size, allocation), so it pays off for long generations of a
-    steady batch (``docs/performance.md``) and is off by default.
+    runs megatron's modules instead (the reference). ``compile_decode=True`` runs decoding-only
+    steps with static shapes through ``torch.compile`` (rows padded to a power of two, caches
+    allocated to a power of two of the requests' prompt + new tokens, the whole allocation
+    attended under a mask; on a GPU as CUDA graphs): one compile per (schedule, padded rows,
+    allocation), off by default (``docs/performance.md``).
     """
 
     def __init__(
@@ -88,7 +88,11 @@ class InferenceEngine:
         # megatron's own modules (the reference in tests) or the model's setup is not covered;
         # generation steps as one flattened pass (step.py) under the same conditions.
         self._stacks = None if megatron_layers else fast_stacks(self.model)
-        self._step = None if megatron_layers else StepForward.of(self.model)
+        self._step = None if megatron_layers else StepForward.of(self.model, compile_decode)
+        if compile_decode and self._step is None:
+            raise ValueError("compile_decode needs the engine's flattened step (inference/step.py), which "
+                             "does not run with megatron_layers, sequence parallelism, TE layers or FP8")
+        self._compile_decode = compile_decode
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
                              f"got {logprobs_mode!r}")
@@ -199,9 +203,16 @@ class InferenceEngine:
         return self.model.full_sequence(
             self.model.recurrence(input_ids, position_ids, layout, plan, stacks=self._stacks))
 
-    def new_cache(self) -> KVCache:
-        """An empty cache for a session's rows (see :meth:`forward`)."""
-        return KVCache(self.device)
+    @property
+    def compiles_decode(self) -> bool:
+        """Whether decoding-only steps run compiled with static shapes (sessions then allocate
+        caches up front: :meth:`new_cache`'s ``capacity``)."""
+        return self._compile_decode
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        """An empty cache for a session's rows (see :meth:`forward`), ``capacity`` positions per
+        row allocated at once (no growth, and so no new compiled graph, below it)."""
+        return KVCache(self.device, capacity, static=self._compile_decode and self.device.type == "cuda")
 
     @torch.no_grad()
     def forward(self, cache: KVCache, tokens: list[int], prompts: list[list[int]], plan) -> torch.Tensor:

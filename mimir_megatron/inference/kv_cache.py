@@ -73,8 +73,10 @@ class KVCache:
     what it wrote (:meth:`commit`, :meth:`add_rows`) and drops finished rows (:meth:`remove`).
     """
 
-    def __init__(self, device: torch.device | str = "cpu", capacity: int = 0) -> None:
+    def __init__(self, device: torch.device | str = "cpu", capacity: int = 0, static: bool = False) -> None:
         self.device = torch.device(device)
+        self.static = static
+        """Buffers marked as static addresses for ``torch.compile`` (a CUDA graph may write into them)."""
         self.lengths: list[int] = []
         """Tokens cached per row."""
         self.capacity = capacity
@@ -111,24 +113,35 @@ class KVCache:
             self._position_room = max(positions, 2 * old_positions, 16, self.capacity)
         used_rows, used = self.rows, max(self.lengths, default=0)
         for slot, stored in self._slots.items():
-            grown = tuple(self._empty_like(t) for t in stored)
+            grown = tuple(self._empty(t.shape[1], t.shape[3], t) for t in stored)
             for dst, src in zip(grown, stored):
                 dst[:used_rows, :, :used] = src[:used_rows, :, :used]
             self._slots[slot] = grown
 
-    def _empty_like(self, like: torch.Tensor) -> torch.Tensor:
-        shape = (self._row_room, like.shape[1], self._position_room, like.shape[3])
-        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+    @property
+    def position_room(self) -> int:
+        """Positions allocated per row."""
+        return self._position_room
+
+    def _empty(self, heads: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
+        buffer = torch.zeros((self._row_room, heads, self._position_room, head_dim),
+                             dtype=like.dtype, device=like.device)
+        if self.static:
+            torch._dynamo.mark_static_address(buffer)
+        return buffer
 
     def buffers(self, slot: Slot, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``[room rows, heads, room positions, head_dim]`` key and value buffers of ``slot``,
         allocated at first use like ``like`` (``[..., heads, head_dim]``)."""
         stored = self._slots.get(slot)
         if stored is None:
-            shape = (self._row_room, like.shape[-2], self._position_room, like.shape[-1])
-            stored = tuple(torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2))
-            self._slots[slot] = stored
+            heads, head_dim = like.shape[-2:]
+            stored = self._slots[slot] = tuple(self._empty(heads, head_dim, like) for _ in range(2))
         return stored
+
+    def all_buffers(self) -> dict[Slot, tuple[torch.Tensor, torch.Tensor]]:
+        """Every slot's key and value buffers (a static decoding step's input)."""
+        return dict(self._slots)
 
     # -- bookkeeping by the engine ---------------------------------------------------------------
 

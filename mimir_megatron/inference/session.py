@@ -108,7 +108,11 @@ class DecodeSession:
         if not decoding and not joining:
             return []
         if self._cache is None:
-            self._cache = self.engine.new_cache()
+            capacity = 0  # eager: the cache doubles as needed (a row may stop long before its limit)
+            if self.engine.compiles_decode:  # static shapes: room for the rows' prompt + new tokens
+                need = max(len(r.request.prompt_ids) + r.request.params.max_new_tokens for r in joining)
+                capacity = min(self.engine.limits.max_context, max(64, 1 << (need - 1).bit_length()))
+            self._cache = self.engine.new_cache(capacity)
         logits = self.engine.forward(self._cache, [r.tokens[-1] for r in decoding],
                                      [r.request.prompt_ids for r in joining], self._plan)
         self._rows += joining

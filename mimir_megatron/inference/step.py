@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
+from mimir_megatron import backend
 from mimir_megatron.inference.kv_cache import DecodeRows, KVCache
 from mimir_megatron.model.rope import RotaryTable, rotary_angles
 
@@ -65,16 +66,20 @@ class _Layer:
 class StepForward:
     """The recurrence over one step's flat tokens, with the model's weights and the cache."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, compile_decode: bool = False) -> None:
         self.model = model
         self.cfg = model.cfg
         self._group = parallel_state.get_tensor_model_parallel_group()
         self._reduce = parallel_state.get_tensor_model_parallel_world_size() > 1
         self._stacks = {"L": self._layers(model.L), "H": self._layers(model.H)}
         self._exit_eps = {"L": model.L.final_layernorm.eps, "H": model.H.final_layernorm.eps}
+        self._static = None
+        if compile_decode:  # decoding-only steps with static shapes, compiled (see _static_decode)
+            self._static = torch.compile(self._decode_static,
+                                         **backend.decode_compile_options(next(model.parameters()).device))
 
     @classmethod
-    def of(cls, model) -> "StepForward | None":
+    def of(cls, model, compile_decode: bool = False) -> "StepForward | None":
         """The step for ``model`` (in eval mode), or None where it does not apply (module docstring)."""
         cfg = model.cfg
         if (model.training or model.layer_backend != "local" or cfg.uses_sequence_parallel
@@ -86,7 +91,7 @@ class StepForward:
                 attn = layer.self_attention
                 if attn.num_attention_heads_per_partition != attn.num_query_groups_per_partition:
                     return None
-        return cls(model)
+        return cls(model, compile_decode)
 
     @staticmethod
     def _layers(block) -> list[_Layer]:
@@ -108,6 +113,8 @@ class StepForward:
         ``tokens``: the new token of each of the cache's rows (none or all of them)."""
         if tokens and len(tokens) != cache.rows:
             raise ValueError(f"a step feeds every cached row: {cache.rows} rows, {len(tokens)} tokens")
+        if self._static is not None and tokens and not prompts:
+            return self._static_decode(cache, tokens, plan)
         device = cache.device
         decoding = len(tokens)
         decode = cache.decode_rows(decoding) if decoding else None
@@ -131,12 +138,7 @@ class StepForward:
         positions_t = torch.tensor(positions, dtype=torch.long, device=device)
         rotary = RotaryTable(rotary_angles(positions_t[None], self.cfg.head_dim, self.cfg.rope_theta))
         z_H = self.model._embed(ids_t[None]).view(len(ids), -1)  # [tokens, hidden]
-        z_L = self.model.z_L_init.to(z_H.dtype).expand_as(z_H)
-        for application, module in enumerate(plan.schedule):
-            if module == "L":
-                z_L = self._stack("L", z_L + z_H, cache, application, rotary, decode, groups)
-            else:
-                z_H = self._stack("H", z_H + z_L, cache, application, rotary, decode, groups)
+        z_H = self._recurrence(z_H, cache.buffers, plan.schedule, rotary, decode, groups)
         cache.commit([1] * decoding)
         cache.add_rows([len(p) for p in prompts])
         if not prompts:
@@ -146,7 +148,50 @@ class StepForward:
             last.extend(g.offset + (i + 1) * g.length - 1 for i in range(g.count))
         return z_H.index_select(0, torch.tensor(last, device=device))
 
-    def _stack(self, name: str, hidden: torch.Tensor, cache: KVCache, application: int,
+    def _recurrence(self, z_H: torch.Tensor, buffers, schedule: tuple[str, ...], rotary: RotaryTable,
+                    decode: DecodeRows | None, groups: list[_Prompts]) -> torch.Tensor:
+        """The applications of ``schedule`` from the embedded tokens ``z_H``; ``buffers(slot,
+        like)``: the cache's key and value buffers of a slot."""
+        z_L = self.model.z_L_init.to(z_H.dtype).expand_as(z_H)
+        for application, module in enumerate(schedule):
+            if module == "L":
+                z_L = self._stack("L", z_L + z_H, buffers, application, rotary, decode, groups)
+            else:
+                z_H = self._stack("H", z_H + z_L, buffers, application, rotary, decode, groups)
+        return z_H
+
+    def _static_decode(self, cache: KVCache, tokens: list[int], plan) -> torch.Tensor:
+        """A decoding-only step with the shapes of the last one whenever possible, so that one
+        compiled graph (on a GPU, one CUDA graph) serves step after step: the rows padded to a
+        power of two (padding rows write into free cache rows, position 0, and attend to it
+        alone), every allocated position attended under a mask, write positions as a tensor. A
+        graph per (schedule, padded rows, allocated positions)."""
+        rows = len(tokens)
+        padded = 1 << (rows - 1).bit_length()
+        cache.reserve(padded, max(cache.lengths) + 1)
+        lengths = cache.lengths + [0] * (padded - rows)
+        device = cache.device
+        positions = torch.tensor(lengths, dtype=torch.long, device=device)
+        room = cache.position_room
+        mask = torch.zeros(padded, 1, 1, room, device=device)
+        mask.masked_fill_((torch.arange(room, device=device)[None, :] > positions[:, None])[:, None, None, :],
+                          float("-inf"))
+        ids = torch.tensor(tokens + [0] * (padded - rows), dtype=torch.long, device=device)
+        hidden = self._static(cache.all_buffers(), ids, positions, mask, plan.schedule)
+        cache.commit([1] * rows)
+        return hidden[:rows]
+
+    def _decode_static(self, buffers: dict, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                       schedule: tuple[str, ...]) -> torch.Tensor:
+        """What :meth:`_static_decode` compiles: tensors in, tensors out, shapes fixed by the inputs'."""
+        rows = ids.shape[0]
+        decode = DecodeRows(rows, mask.shape[-1], None, positions, mask,
+                            torch.arange(rows, device=ids.device))
+        rotary = RotaryTable(rotary_angles(positions[None], self.cfg.head_dim, self.cfg.rope_theta))
+        z_H = self.model._embed(ids[None]).view(rows, -1)
+        return self._recurrence(z_H, lambda slot, like: buffers[slot], schedule, rotary, decode, [])
+
+    def _stack(self, name: str, hidden: torch.Tensor, buffers, application: int,
                rotary: RotaryTable, decode: DecodeRows | None, groups: list[_Prompts]) -> torch.Tensor:
         tokens, width = hidden.shape
         cos, sin_signed = rotary.cos.view(tokens, 1, 1, -1), rotary.sin_signed.view(tokens, 1, 1, -1)
@@ -159,7 +204,7 @@ class StepForward:
             qk = mixed[:, :, 0::2]  # q and k: RoPE on both at once
             half = layer.head_dim // 2
             qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin_signed
-            context = self._attend(cache, (application, number), qk[:, :, 0], qk[:, :, 1], mixed[:, :, 3],
+            context = self._attend(buffers, (application, number), qk[:, :, 0], qk[:, :, 1], mixed[:, :, 3],
                                    layer, decode, groups)
             gate = mixed[:, :, 1]
             if gate.dtype == torch.float32:
@@ -181,12 +226,12 @@ class StepForward:
         return hidden + out
 
     @staticmethod
-    def _attend(cache: KVCache, slot: tuple[int, int], query: torch.Tensor, key: torch.Tensor,
+    def _attend(buffers, slot: tuple[int, int], query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, layer: _Layer, decode: DecodeRows | None,
                 groups: list[_Prompts]) -> torch.Tensor:
         """Store the step's keys and values; ``[tokens, heads * head_dim]`` attention outputs.
         ``query``, ``key``, ``value``: ``[tokens, heads, head_dim]``."""
-        keys, values = cache.buffers(slot, key)
+        keys, values = buffers(slot, key)
         heads, head_dim = layer.heads, layer.head_dim
         parts = []
         if decode is not None:

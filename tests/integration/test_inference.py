@@ -101,19 +101,23 @@ def decode_in_lockstep(engine, other, plan, steps: int, joins: dict, leaves: dic
 
 @pytest.mark.slow  # a torch.compile (~1 min on 2 loaded cores)
 def test_compiled_static_decode_equals_eager_decode(model, engine):
-    """compile_decode: static-shape steps (whole allocated cache, tensor write index) through
-    torch.compile give eager decoding's tokens and logits (1e-5, fp32), with one compile for
-    all steps of a batch (a recompile would fail the test)."""
+    """compile_decode: decoding-only steps with static shapes (rows padded to a power of two, the
+    whole allocated cache under a mask, tensor write positions) through torch.compile give eager
+    decoding's tokens and logits (1e-5, fp32), with one compile for all steps of a batch (a
+    recompile would fail the test); steps with a joining prompt run eagerly."""
     compiled = InferenceEngine(model, None, max_batch_size=64, compile_decode=True)
-    prompts = random_prompts([3, 9, 14], seed=12)
     plan = engine.plan(1, 2)
     calls = []
-    compiled_recurrence = compiled._compiled_recurrence
-    compiled._compiled_recurrence = lambda *a, **k: calls.append(1) or compiled_recurrence(*a, **k)
-    decode_in_lockstep(engine, compiled, prompts, plan, steps=6, capacity=32,
-                       around_step=lambda step: torch._dynamo.config.patch(error_on_recompile=step > 0))
-    assert len(calls) == 6  # every step took the compiled path
+    static = compiled._step._static
+    compiled._step._static = lambda *a, **k: calls.append(1) or static(*a, **k)
+    prompts = random_prompts([3, 9, 14], seed=12)
+    original_new_cache = compiled.new_cache
+    compiled.new_cache = lambda capacity=0: original_new_cache(32)
+    decode_in_lockstep(engine, compiled, plan, steps=7, joins={0: prompts},
+                       around_step=lambda step: torch._dynamo.config.patch(error_on_recompile=step > 1))
+    assert len(calls) == 6  # every decoding-only step took the compiled path
     requests = [GenerationRequest(p, SamplingParams(max_new_tokens=5), 1, 2) for p in prompts]
+    compiled.new_cache = original_new_cache
     assert [r.token_ids for r in compiled.generate(requests)] == [r.token_ids for r in engine.generate(requests)]
 
 
