@@ -38,8 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "64 bytes per context token, at least 1 MiB)")
     p.add_argument("--compile-decode", action="store_true",
                    help="run decoding-only steps with static shapes through torch.compile (CUDA graphs on a "
-                        "GPU): one compile per (schedule, batch size rounded up to a power of two, cache "
-                        "allocation); measure it with bench/bench_serve.py before turning it on")
+                        "GPU): compiles per schedule and cache allocation (minutes on a small CPU); "
+                        "measure it with bench/bench_serve.py before turning it on")
     p.add_argument("--max-cycles-factor", type=int, default=4,
                    help="a request's h_cycles / l_cycles may be at most this many times the trained ones "
                         "(default 4; the paper's schedule sweep needs 2)")

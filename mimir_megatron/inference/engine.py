@@ -66,8 +66,8 @@ class InferenceEngine:
     runs megatron's modules instead (the reference). ``compile_decode=True`` runs decoding-only
     steps with static shapes through ``torch.compile`` (rows padded to a power of two, caches
     allocated to a power of two of the requests' prompt + new tokens, the whole allocation
-    attended under a mask; on a GPU as CUDA graphs): one compile per (schedule, padded rows,
-    allocation), off by default (``docs/performance.md``).
+    attended under a mask; on a GPU as CUDA graphs): compiles per (schedule, allocation), off by
+    default (``docs/performance.md``).
     """
 
     def __init__(

@@ -165,7 +165,7 @@ class StepForward:
         compiled graph (on a GPU, one CUDA graph) serves step after step: the rows padded to a
         power of two (padding rows write into free cache rows, position 0, and attend to it
         alone), every allocated position attended under a mask, write positions as a tensor. A
-        graph per (schedule, padded rows, allocated positions)."""
+        graph per (schedule, allocated positions), and one more when the padded rows change."""
         rows = len(tokens)
         padded = 1 << (rows - 1).bit_length()
         cache.reserve(padded, max(cache.lengths) + 1)
