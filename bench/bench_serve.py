@@ -218,6 +218,8 @@ def main() -> int:
     parser.add_argument("--vllm-python", help="a Python interpreter with vLLM installed")
     parser.add_argument("--compile-decode", action="store_true", help="mimir serve --compile-decode")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--start-timeout", type=float, default=1800,
+                        help="seconds a server may take to start (vLLM compiles the model first)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--keep", action="store_true", help="keep the work directory (export, server logs)")
     args = parser.parse_args()
@@ -256,7 +258,7 @@ def main() -> int:
         for name, (cmd, env) in specs.items():
             servers[name] = server = Server(name, cmd, env, work / f"{name}.log")
             stack.callback(server.stop)
-        models = {name: s.wait(900) for name, s in servers.items()}
+        models = {name: s.wait(args.start_timeout) for name, s in servers.items()}
         for name, s in servers.items():  # warm-up: every batch size once
             asyncio.run(_closed_loop(s.url, models[name], prompts[: max(levels)], max(levels), 4))
         peer = None if args.no_transformers else TransformersPeer(hf, args.threads)
