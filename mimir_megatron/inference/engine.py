@@ -1,7 +1,8 @@
 """The inference engine: batched, KV-cached PrefixLM decoding and continuation scoring on the
 megatron model. Its jobs live beside it: request validation in :mod:`.requests`, decoding
-sessions in :mod:`.session`, scoring in :mod:`.scoring`; this module holds the model's forward
-passes (prefill, a decoding step, a whole batch) and the entry points.
+sessions in :mod:`.session`, scoring in :mod:`.scoring`, the flattened generation step in
+:mod:`.step`; this module holds the model's forward passes (a generation step, a whole batch)
+and the entry points.
 
 The engine drives :class:`mimir_megatron.model.HRMTextModel` itself (its ``recurrence`` and
 ``head_logits``): no second copy of the model. A prompt is the PrefixLM prefix, processed in one
@@ -9,9 +10,10 @@ pass with bidirectional attention inside it (prefill); every generated token the
 prompt and the tokens before it through the cache (:mod:`mimir_megatron.inference.kv_cache`).
 
 Batching is step-level: a :class:`DecodeSession` holds the rows decoding under one (H, L)
-schedule; requests added while it runs are prefilled at the start of the next step and join the
-batch. ``generate`` and the server both drive sessions. With tensor parallelism every rank runs
-the same calls (same requests, same seeds) and obtains the same tokens.
+schedule; requests added while it runs are prefilled inside the next step (one forward pass with
+the decoding rows' tokens) and join the batch. ``generate`` and the server both drive sessions.
+With tensor parallelism every rank runs the same calls (same requests, same seeds) and obtains
+the same tokens.
 """
 
 from __future__ import annotations
