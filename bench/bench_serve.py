@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -226,6 +227,14 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     levels = [int(c) for c in args.concurrency.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench_serve_"))
+    try:
+        return _run(args, levels, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, levels: list[int], work: Path) -> int:
     print(f"work directory {work}; load average at start {_load()}", flush=True)
     hf = _export(args.shape, work)
     import torch
@@ -313,10 +322,6 @@ def main() -> int:
         args.json.write_text(json.dumps({"setup": vars(args) | {"baseline_src": str(args.baseline_src),
                                                                  "json": str(args.json)},
                                          "results": results}, indent=2))
-    if not args.keep:
-        import shutil
-
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
