@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from mimir_kernels import PrefixLMLayout, build_layout
 
+from mimir_megatron import backend
 from mimir_megatron.chat import encode, render_chat
 from mimir_megatron.inference import scoring
 from mimir_megatron.inference.fast_stack import fast_stacks
@@ -214,7 +215,8 @@ class InferenceEngine:
     def new_cache(self, capacity: int = 0) -> KVCache:
         """An empty cache for a session's rows (see :meth:`forward`), ``capacity`` positions per
         row allocated at once (no growth, and so no new compiled graph, below it)."""
-        return KVCache(self.device, capacity, static=self._compile_decode and self.device.type == "cuda")
+        static = self._compile_decode and backend.uses_cuda_graphs(self.device)
+        return KVCache(self.device, capacity, static=static)
 
     @torch.no_grad()
     def forward(self, cache: KVCache, tokens: list[int], prompts: list[list[int]], plan) -> torch.Tensor:
