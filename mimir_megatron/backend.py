@@ -127,6 +127,21 @@ def distributed_backend() -> str:
     return "nccl" if has_gpu() else "gloo"
 
 
+def decode_compile_options(device: torch.device) -> dict:
+    """``torch.compile`` options of the engine's static decoding step (``--compile-decode``): on a
+    GPU, CUDA graphs (``reduce-overhead``; the KV cache's buffers are then marked static, so
+    that the graph may write into them); on CPU, Inductor's C++ kernels (``default``). Shapes
+    are static for the first graph and dynamic from the second batch size on (torch's automatic
+    dynamic shapes): at most two compiles per schedule and cache allocation on CPU."""
+    return {"mode": "reduce-overhead" if uses_cuda_graphs(device) else "default"}
+
+
+def uses_cuda_graphs(device: torch.device) -> bool:
+    """Whether compiled decoding on ``device`` is captured as CUDA graphs, whose inputs (the KV
+    cache's buffers) must then stay at one address: marked static and never reallocated."""
+    return device.type == "cuda"
+
+
 def setup() -> None:
     """Redirect megatron-core's CUDA-only calls to the CPU when no GPU is present (idempotent).
 

@@ -18,8 +18,9 @@ def add_generate_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's own)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="TP size (run under torchrun)")
     p.add_argument("--compile-decode", action="store_true",
-                   help="decode with static shapes through torch.compile: faster steps after a compile "
-                        "per (schedule, batch size, cache size); pays off for long generations")
+                   help="decoding-only steps with static shapes through torch.compile (CUDA graphs on a "
+                        "GPU): faster steps after compiles per (schedule, cache size); pays off for long "
+                        "generations")
 
 
 def engine_from_args(args: argparse.Namespace, **kwargs):

@@ -44,6 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="largest request body; larger ones are answered 413 before they are read (default: "
                         "64 bytes per context token, at least 1 MiB)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="run decoding-only steps with static shapes through torch.compile (CUDA graphs on a "
+                        "GPU): compiles per schedule and cache allocation (minutes on a small CPU); "
+                        "measure it with bench/bench_serve.py before turning it on")
     p.add_argument("--max-cycles-factor", type=int, default=4,
                    help="a request's h_cycles / l_cycles may be at most this many times the trained ones "
                         "(default 4; the paper's schedule sweep needs 2)")
@@ -81,7 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
                     "may use the model", args.host)
     engine = load_engine(model=args.model, checkpoint=args.checkpoint, ema=args.ema, weights=args.weights,
                          hf=args.hf, tokenizer=args.tokenizer, max_batch_size=args.max_batch_size,
-                         max_context=args.max_context)
+                         max_context=args.max_context, compile_decode=args.compile_decode)
     engine.logprobs_mode = args.logprobs_mode
     serve(engine, host=args.host, port=args.port, api_keys=keys, max_tokens_limit=args.max_tokens_limit,
           max_queue=args.max_queue, max_stored_responses=args.max_stored_responses,

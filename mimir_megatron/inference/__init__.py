@@ -2,9 +2,12 @@
 
 Imports the model, never the trainer (the trainer imports this package for its evaluation).
 
-- :mod:`~mimir_megatron.inference.kv_cache`: one cache slot per (module application, layer).
-- :mod:`~mimir_megatron.inference.engine`: the model's forward passes (prefill, a decoding step,
-  a whole batch) and the entry points ``generate`` and ``score``.
+- :mod:`~mimir_megatron.inference.kv_cache`: one cache slot per (module application, layer),
+  one row per request.
+- :mod:`~mimir_megatron.inference.step`: a generation step as one flattened forward pass
+  (decoding rows and joining prompts together).
+- :mod:`~mimir_megatron.inference.engine`: the model's forward passes (a generation step, a
+  whole batch) and the entry points ``generate`` and ``score``.
 - :mod:`~mimir_megatron.inference.requests`: every check of a request (``RequestLimits``,
   ``RequestError``).
 - :mod:`~mimir_megatron.inference.session`: decoding sessions, rows joining at step boundaries.

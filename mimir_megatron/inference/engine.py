@@ -1,7 +1,8 @@
 """The inference engine: batched, KV-cached PrefixLM decoding and continuation scoring on the
 megatron model. Its jobs live beside it: request validation in :mod:`.requests`, decoding
-sessions in :mod:`.session`, scoring in :mod:`.scoring`; this module holds the model's forward
-passes (prefill, a decoding step, a whole batch) and the entry points.
+sessions in :mod:`.session`, scoring in :mod:`.scoring`, the flattened generation step in
+:mod:`.step`; this module holds the model's forward passes (a generation step, a whole batch)
+and the entry points.
 
 The engine drives :class:`mimir_megatron.model.HRMTextModel` itself (its ``recurrence`` and
 ``head_logits``): no second copy of the model. A prompt is the PrefixLM prefix, processed in one
@@ -9,9 +10,10 @@ pass with bidirectional attention inside it (prefill); every generated token the
 prompt and the tokens before it through the cache (:mod:`mimir_megatron.inference.kv_cache`).
 
 Batching is step-level: a :class:`DecodeSession` holds the rows decoding under one (H, L)
-schedule; requests added while it runs are prefilled at the start of the next step and join the
-batch. ``generate`` and the server both drive sessions. With tensor parallelism every rank runs
-the same calls (same requests, same seeds) and obtains the same tokens.
+schedule; requests added while it runs are prefilled inside the next step (one forward pass with
+the decoding rows' tokens) and join the batch. ``generate`` and the server both drive sessions.
+With tensor parallelism every rank runs the same calls (same requests, same seeds) and obtains
+the same tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from mimir_kernels import PrefixLMLayout, build_layout
 
+from mimir_megatron import backend
 from mimir_megatron.chat import encode, render_chat
 from mimir_megatron.inference import scoring
 from mimir_megatron.inference.fast_stack import fast_stacks
@@ -32,6 +35,7 @@ from mimir_megatron.inference.kv_cache import KVCache
 from mimir_megatron.inference.requests import RequestError, RequestLimits
 from mimir_megatron.inference.sampling import LOGPROBS_MODES
 from mimir_megatron.inference.session import DecodeSession
+from mimir_megatron.inference.step import StepForward
 from mimir_megatron.inference.text import default_stop_ids
 from mimir_megatron.inference.types import GenerationRequest, GenerationResult, ScoreResult
 
@@ -62,11 +66,11 @@ class InferenceEngine:
 
     The L and H stacks run as :class:`~mimir_megatron.inference.fast_stack.FastStack` (the same
     weights without megatron's autograd machinery) wherever it applies; ``megatron_layers=True``
-    runs megatron's modules instead (the reference). ``compile_decode=True`` runs decoding steps
-    with static shapes through ``torch.compile`` (caches allocated to a power of two of the
-    requests' prompt + new tokens, the whole allocation attended under a validity mask): one
-    compile per (schedule, batch size, allocation), so it pays off for long generations of a
-    steady batch (``docs/performance.md``) and is off by default.
+    runs megatron's modules instead (the reference). ``compile_decode=True`` runs decoding-only
+    steps with static shapes through ``torch.compile`` (rows padded to a power of two, caches
+    allocated to a power of two of the requests' prompt + new tokens, the whole allocation
+    attended under a mask; on a GPU as CUDA graphs): compiles per (schedule, allocation), off by
+    default (``docs/performance.md``).
     """
 
     def __init__(
@@ -84,13 +88,14 @@ class InferenceEngine:
     ) -> None:
         self.model = model.eval()
         # The stacks without megatron's per-call machinery (fast_stack.py) unless asked for
-        # megatron's own modules (the reference in tests) or the model's setup is not covered.
+        # megatron's own modules (the reference in tests) or the model's setup is not covered;
+        # generation steps as one flattened pass (step.py) under the same conditions.
         self._stacks = None if megatron_layers else fast_stacks(self.model)
-        # Decoding steps with static shapes through torch.compile (see decode_step); off by
-        # default: each (schedule, batch size, cache allocation) costs a compile.
-        self._compiled_recurrence = (
-            torch.compile(self.model.recurrence, dynamic=False) if compile_decode else None
-        )
+        self._step = None if megatron_layers else StepForward.of(self.model, compile_decode)
+        if compile_decode and self._step is None:
+            raise ValueError("compile_decode needs the engine's flattened step (inference/step.py), which "
+                             "does not run with megatron_layers, sequence parallelism, TE layers or FP8")
+        self._compile_decode = compile_decode
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
                              f"got {logprobs_mode!r}")
@@ -183,12 +188,6 @@ class InferenceEngine:
     def max_context(self) -> int:
         return self.limits.max_context
 
-    @property
-    def compiles_decode(self) -> bool:
-        """Whether decoding steps run through ``torch.compile`` with static shapes (sessions then
-        allocate caches up front)."""
-        return self._compiled_recurrence is not None
-
     def plan(self, h: int, low: int):
         """The window plan of an (H, L) schedule, without gradients (inference runs under no_grad)."""
         return self.model.window_plan(1, h, low)
@@ -207,58 +206,79 @@ class InferenceEngine:
         return self.model.full_sequence(
             self.model.recurrence(input_ids, position_ids, layout, plan, stacks=self._stacks))
 
-    @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], plan, capacity: int = 0) -> tuple[KVCache, torch.Tensor]:
-        """Left-padded prompts in one bidirectional pass; a fresh cache (``capacity`` positions
-        allocated up front) and ``[rows, vocab]`` fp32 logits of the token after each prompt."""
-        rows, width = len(prompts), self.pad_width(max(map(len, prompts)))
-        ids = torch.zeros(rows, width, dtype=torch.long)
-        positions = torch.zeros_like(ids)
-        real = torch.zeros(rows, width, dtype=torch.bool)
-        for r, prompt in enumerate(prompts):
-            n = len(prompt)
-            ids[r, width - n :] = torch.tensor(prompt)
-            positions[r, width - n :] = torch.arange(n)
-            real[r, width - n :] = True
-        ids, positions, real = ids.to(self.device), positions.to(self.device), real.to(self.device)
-        layout = build_layout(self.model.attention_backend, real.long(), real)
-        cache = KVCache(rows, self.device, capacity=self.pad_width(max(capacity, width)))
-        start = time.perf_counter()
-        hidden = self.model.full_sequence(
-            self.model.recurrence(ids, positions, layout, plan, kv_cache=cache, stacks=self._stacks)
-        )
-        cache.advance(real)
-        logits = self.model.head_logits(hidden[-1:])[:, 0].float()  # left padding: all rows end last
-        self.stats.prefill_tokens += sum(map(len, prompts))
-        self.stats.prefill_seconds += time.perf_counter() - start
-        return cache, logits
+    @property
+    def compiles_decode(self) -> bool:
+        """Whether decoding-only steps run compiled with static shapes (sessions then allocate
+        caches up front: :meth:`new_cache`'s ``capacity``)."""
+        return self._compile_decode
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        """An empty cache for a session's rows (see :meth:`forward`), ``capacity`` positions per
+        row allocated at once (no growth, and so no new compiled graph, below it)."""
+        static = self._compile_decode and backend.uses_cuda_graphs(self.device)
+        return KVCache(self.device, capacity, static=static)
 
     @torch.no_grad()
-    def decode_step(
-        self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, plan
-    ) -> torch.Tensor:
-        """One new token per row through the cache; ``[rows, vocab]`` fp32 logits of the next."""
-        rows, width = len(tokens), self.pad_width(1)
-        ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
-        pos = torch.zeros_like(ids)
-        ids[:, 0], pos[:, 0] = tokens, positions
-        valid = torch.zeros(rows, width, dtype=torch.bool, device=self.device)
-        valid[:, 0] = True
+    def forward(self, cache: KVCache, tokens: list[int], prompts: list[list[int]], plan) -> torch.Tensor:
+        """One scheduling step: the new token of every row of ``cache`` (all rows or none) and the
+        whole prompt of every request that joins (its row is appended to the cache), in one pass.
+        Returns ``[rows, vocab]`` fp32 logits of the token after each: decoding rows, then prompts.
+
+        With :class:`~mimir_megatron.inference.step.StepForward` (the default wherever it
+        applies) the step is one flattened forward over all of its tokens; otherwise the model's
+        own recurrence runs one pass for the decoding rows and one for the prompts (right-padded).
+        Statistics: a step's seconds are shared between prefill and decode by token count."""
         start = time.perf_counter()
-        if self._compiled_recurrence is not None and width == 1 and cache.can_step_static():
-            # Static shapes: the whole allocated cache, a tensor write index; one compiled graph
-            # per (schedule, batch size, allocation).
-            layout = PrefixLMLayout("dense", dense_mask=cache.static_attention_mask())
-            with cache.static_step():
-                hidden = self._compiled_recurrence(
-                    ids, pos, layout, plan, kv_cache=cache, stacks=self._stacks
-                )
+        if self._step is not None:
+            hidden = self._step(cache, tokens, prompts, plan)
         else:
-            layout = PrefixLMLayout("dense", dense_mask=cache.attention_mask(valid))
-            hidden = self.model.recurrence(ids, pos, layout, plan, kv_cache=cache, stacks=self._stacks)
-        hidden = self.model.full_sequence(hidden)
-        cache.advance(valid)
-        logits = self.model.head_logits(hidden[:1])[:, 0].float()
-        self.stats.decode_tokens += rows
-        self.stats.decode_seconds += time.perf_counter() - start
+            hidden = self._model_passes(cache, tokens, prompts, plan)
+        logits = self.model.head_logits(hidden[None])[:, 0].float()
+        seconds = time.perf_counter() - start
+        prompt_tokens = sum(map(len, prompts))
+        share = prompt_tokens / max(1, prompt_tokens + len(tokens))
+        self.stats.prefill_tokens += prompt_tokens
+        self.stats.prefill_seconds += seconds * share
+        self.stats.decode_tokens += len(tokens)
+        self.stats.decode_seconds += seconds * (1 - share)
         return logits
+
+    def _model_passes(self, cache: KVCache, tokens: list[int], prompts: list[list[int]],
+                      plan) -> torch.Tensor:
+        """:meth:`forward` through ``model.recurrence`` (megatron's layers or the fast stacks): the
+        decoding rows in one pass (each row's token, then padding up to what sequence parallelism
+        splits), the prompts in another (right-padded, bidirectional inside each prompt)."""
+        out = []
+        if tokens:
+            rows, width = len(tokens), self.pad_width(1)
+            lengths = torch.tensor(cache.lengths, dtype=torch.long)
+            ids = torch.zeros(rows, width, dtype=torch.long)
+            ids[:, 0] = torch.tensor(tokens)
+            positions = lengths[:, None] + torch.arange(width)
+            cache.reserve(rows, max(cache.lengths) + width)
+            layout = PrefixLMLayout("dense", dense_mask=cache.pass_mask(0, rows, width))
+            with cache.pass_over(0, rows, width):
+                hidden = self.model.recurrence(ids.to(self.device), positions.to(self.device), layout, plan,
+                                               kv_cache=cache, stacks=self._stacks)
+            out.append(self.model.full_sequence(hidden)[0])
+            cache.commit([1] * rows)
+        if prompts:
+            rows, width = len(prompts), self.pad_width(max(map(len, prompts)))
+            ids = torch.zeros(rows, width, dtype=torch.long)
+            positions = torch.zeros_like(ids)
+            real = torch.zeros(rows, width, dtype=torch.bool)
+            for r, prompt in enumerate(prompts):
+                ids[r, : len(prompt)] = torch.tensor(prompt)
+                positions[r, : len(prompt)] = torch.arange(len(prompt))
+                real[r, : len(prompt)] = True
+            ids, positions, real = ids.to(self.device), positions.to(self.device), real.to(self.device)
+            layout = build_layout(self.model.attention_backend, real.long(), real)
+            first = cache.rows
+            cache.reserve(first + rows, width)
+            with cache.pass_over(first, rows, width):
+                hidden = self.model.full_sequence(self.model.recurrence(
+                    ids, positions, layout, plan, kv_cache=cache, stacks=self._stacks))
+            last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+            out.append(hidden[last, torch.arange(rows, device=self.device)])
+            cache.add_rows([len(p) for p in prompts])
+        return out[0] if len(out) == 1 else torch.cat(out)

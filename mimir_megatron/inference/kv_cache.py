@@ -1,26 +1,54 @@
-"""The recurrence-aware KV cache: one slot per (module application, layer).
+"""The recurrence-aware KV cache: one slot per (module application, layer), one row per request.
 
 The same L layer applied at two points of the schedule sees different inputs, so it has different
 keys and values: for Mimir (16 + 16 layers, ``LLLHLLLH``) a cache holds 6 x 16 L-slots and
 2 x 16 H-slots, 128 in all, each ``2 x heads x head_dim`` values per token (bf16: 2 x 128 slots x
 1536 x 2 bytes = 768 KiB per token).
 
-Layout: each slot keeps keys and values as ``[batch, heads_local, capacity, head_dim]`` (SDPA's
-layout) and all rows share one write position. A row's cached tokens are marked valid in
-``valid [batch, capacity]``; slots of left padding, and the gap left when a row joins a running
-batch, are invalid and masked out of attention. RoPE positions are per row and independent of the
-slot a token is stored in, so rows of different lengths decode together.
+Layout: each slot keeps keys and values as ``[rows, heads, positions, head_dim]`` (SDPA's layout),
+allocated with room to spare (both dimensions double when full, so a growth copy is rare). Row
+``r`` holds its own tokens at positions ``0 .. lengths[r] - 1``: a request that joins the batch
+writes its prompt into a free row, a finished one leaves by having the last row copied into its
+place (:meth:`KVCache.remove`), so the rows in use are always ``0 .. rows - 1`` and nothing is
+copied per decoding step but the new keys and values. Attention over a row reads
+``[:lengths[r] + new]``; rows of different lengths decode together under a mask built once per
+step and shared by every layer (:class:`DecodeRows`).
 
 PrefixLM makes the cache exact: the prompt (prefix) is processed in one pass with bidirectional
 attention inside it; every later token attends to all cached tokens of its row, which are the
 prompt and the tokens generated before it, exactly the training mask.
+
+Two writers use it: the engine's flat step (:mod:`mimir_megatron.inference.step`) through
+:meth:`KVCache.buffers` and :class:`DecodeRows`, and the model's own attention slot (megatron's
+layers, the reference path) through :meth:`KVCache.application`, inside :meth:`KVCache.pass_over`.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+
+Slot = tuple[int, int]  # (module application, layer number)
+
+
+@dataclass
+class DecodeRows:
+    """Where one new token per row ``0 .. count - 1`` is written and what it attends to; built once
+    per step (:meth:`KVCache.decode_rows`), shared by every layer of every application."""
+
+    count: int
+    key_length: int
+    """Positions attended: the longest row's cached tokens plus its new one."""
+    write_at: int | None
+    """The position every row writes at, when all rows have the same length (no mask needed)."""
+    positions: torch.Tensor
+    """``[count]`` long: each row's write position (its cached length), also its token's RoPE position."""
+    mask: torch.Tensor | None
+    """``[count, 1, 1, key_length]`` additive (0 or -inf) when the rows' lengths differ; else None."""
+    row_index: torch.Tensor | None = None
+    """``[count]`` long ``0 .. count - 1`` (with ``positions`` the index of a write), when lengths differ."""
 
 
 class _ApplicationCache:
@@ -31,176 +59,185 @@ class _ApplicationCache:
         self._application = application
 
     def append(self, layer_number: int, key: torch.Tensor, value: torch.Tensor):
-        """Store ``[new, batch, heads, head_dim]`` keys/values; return the cached keys and values
-        ``[batch, heads, cached, head_dim]`` (new included) if earlier tokens are cached, else None."""
+        """Store ``[new, rows, heads, head_dim]`` keys/values of the pass's rows; return the
+        cached keys and values ``[rows, heads, cached + new, head_dim]`` if those rows hold
+        earlier tokens, else None (a fresh row: the layout's own kernel attends within the pass)."""
         return self._cache._append((self._application, layer_number), key, value)
 
 
 class KVCache:
-    """Keys and values of every (module application, layer) for a batch of decoding rows.
+    """Keys and values of every (module application, layer) for the rows of a batch.
 
-    A forward pass over ``new`` tokens per row appends at the shared write position; call
-    :meth:`advance` after it (the engine does). Rows leave with :meth:`select_rows` and join with
-    :meth:`merge`.
+    ``rows`` requests are cached, in rows ``0 .. rows - 1``, row ``r`` holding ``lengths[r]``
+    tokens. The engine grows it (:meth:`reserve`), writes into it (a step's new tokens), commits
+    what it wrote (:meth:`commit`, :meth:`add_rows`) and drops finished rows (:meth:`remove`).
     """
 
-    def __init__(self, batch: int, device: torch.device | str, capacity: int = 0) -> None:
-        self.batch = batch
+    def __init__(self, device: torch.device | str = "cpu", capacity: int = 0, static: bool = False) -> None:
         self.device = torch.device(device)
-        self.length = 0
+        self.static = static
+        """Buffers marked as static addresses for ``torch.compile`` (a CUDA graph may write into them)."""
+        self.lengths: list[int] = []
+        """Tokens cached per row."""
         self.capacity = capacity
-        """Positions allocated up front (the requests' prompts + new tokens): no regrowth below it."""
-        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=self.device)
-        self._slots: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._write_at: torch.Tensor | None = None  # set during a static-shape decoding step
+        """Positions allocated up front per row (the requests' prompts + new tokens): no growth below it."""
+        self._row_room = 0
+        self._position_room = 0
+        self._slots: dict[Slot, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pass: tuple[int, int, int] | None = None  # (first row, rows, new): see pass_over
 
-    # -- what the model sees ----------------------------------------------------------------------
-
-    def application(self, index: int) -> _ApplicationCache:
-        return _ApplicationCache(self, index)
-
-    def _append(self, slot: tuple[int, int], key: torch.Tensor, value: torch.Tensor):
-        new = key.shape[0]
-        key = key.permute(1, 2, 0, 3)  # [b, h, new, d]
-        value = value.permute(1, 2, 0, 3)
-        if self._write_at is not None:  # static shapes (see static_step): whole buffers, tensor index
-            keys, values = self._slots[slot]
-            keys.index_copy_(2, self._write_at, key)
-            values.index_copy_(2, self._write_at, value)
-            return keys, values
-        stored = self._slots.get(slot)
-        end = self.length + new
-        if stored is None or stored[0].shape[2] < end:
-            stored = self._grow(stored, key, end)
-            self._slots[slot] = stored
-        keys, values = stored
-        keys[:, :, self.length : end] = key
-        values[:, :, self.length : end] = value
-        if self.length == 0:
-            return None  # prefill: the layout's own kernel attends within the new tokens
-        return keys[:, :, :end], values[:, :, :end]
-
-    def _grow(self, stored, like: torch.Tensor, needed: int):
-        """A larger buffer (capacity doubles) holding what was stored so far."""
-        old = 0 if stored is None else stored[0].shape[2]
-        capacity = max(needed, 2 * old, 16, self.capacity)
-        shape = (like.shape[0], like.shape[1], capacity, like.shape[3])
-        grown = tuple(torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2))
-        if stored is not None:
-            for dst, src in zip(grown, stored):
-                dst[:, :, : self.length] = src[:, :, : self.length]
-        return grown
-
-    # -- bookkeeping by the engine ---------------------------------------------------------------
-
-    def attention_mask(self, new_valid: torch.Tensor) -> torch.Tensor:
-        """Dense ``[batch, 1, new, cached + new]`` mask (True = masked out) for ``new`` tokens that
-        attend to every valid cached token and causally among themselves; ``new_valid [b, new]``."""
-        new = new_valid.shape[1]
-        causal = torch.ones(new, new, dtype=torch.bool, device=self.device).tril()
-        allowed = torch.cat(
-            [self.valid[:, None, :].expand(-1, new, -1), causal[None] & new_valid[:, None, :]], dim=2
-        )
-        # A padding query still needs one key (itself), or its softmax row would be NaN.
-        allowed[:, :, self.length :] |= torch.eye(new, dtype=torch.bool, device=self.device)[None]
-        return ~allowed[:, None]
-
-    def can_step_static(self) -> bool:
-        """Whether every slot has room for one more token (a static-shape step needs no growth)."""
-        return bool(self._slots) and all(k.shape[2] > self.length for k, _ in self._slots.values())
-
-    @contextmanager
-    def static_step(self):
-        """One decoding step of one token per row with shapes that do not change from step to step
-        (for ``torch.compile``): every slot writes at a tensor index and hands attention its whole
-        buffer, ``[batch, heads, allocated, head_dim]``; :meth:`static_attention_mask` masks what is
-        not written. Needs :meth:`can_step_static`."""
-        self._write_at = torch.tensor([self.length], device=self.device)
-        try:
-            yield
-        finally:
-            self._write_at = None
-
-    def static_attention_mask(self) -> torch.Tensor:
-        """``[batch, 1, 1, allocated]`` (True = masked out) for one new token per row in a
-        :meth:`static_step`: the valid cached tokens and the new one itself."""
-        allocated = next(iter(self._slots.values()))[0].shape[2]
-        allowed = torch.zeros(self.batch, allocated, dtype=torch.bool, device=self.device)
-        allowed[:, : self.length] = self.valid
-        allowed[:, self.length] = True
-        return ~allowed[:, None, None, :]
-
-    def advance(self, new_valid: torch.Tensor) -> None:
-        """Commit the ``new_valid [batch, new]`` tokens of the forward pass that just ran."""
-        self.valid = torch.cat([self.valid, new_valid.to(self.device)], dim=1)
-        self.length += new_valid.shape[1]
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (indices, in this order)."""
-        rows = rows.to(self.device)
-        self._slots = {
-            slot: (k.index_select(0, rows), v.index_select(0, rows)) for slot, (k, v) in self._slots.items()
-        }
-        self.valid = self.valid.index_select(0, rows)
-        self.batch = len(rows)
-        self._compact()
-
-    def merge(self, other: "KVCache") -> None:
-        """Append ``other``'s rows (a prefill of joining requests) to this batch.
-
-        The shorter cache is left-padded with invalid slots so that both end at one write
-        position; the slots of both must be the same (same schedule and model).
-        """
-        if self.batch == 0:
-            self.__dict__.update(other.__dict__)
-            return
-        if set(self._slots) != set(other._slots):
-            raise ValueError("cannot merge KV caches of different schedules")
-        length = max(self.length, other.length)
-        mine, theirs = self._left_padded(length), other._left_padded(length)
-        self._slots = {
-            slot: tuple(torch.cat([a, b], dim=0) for a, b in zip(mine[slot], theirs[slot]))
-            for slot in self._slots
-        }
-        self.valid = torch.cat([self._valid_padded(length), other._valid_padded(length)], dim=0)
-        self.batch += other.batch
-        self.length = length
-        self.capacity = max(self.capacity, other.capacity)
-
-    def _left_padded(self, length: int) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
-        pad = length - self.length
-        out = {}
-        for slot, stored in self._slots.items():
-            kept = [t[:, :, : self.length] for t in stored]
-            if pad:
-                kept = [torch.nn.functional.pad(t, (0, 0, pad, 0)) for t in kept]
-            out[slot] = tuple(kept)
-        return out
-
-    def _valid_padded(self, length: int) -> torch.Tensor:
-        return torch.nn.functional.pad(self.valid, (length - self.length, 0), value=False)
-
-    def _compact(self) -> None:
-        """Drop leading positions that no remaining row uses (after rows have left)."""
-        if self.batch == 0:
-            self._slots, self.length = {}, 0
-            self.valid = self.valid[:, :0]
-            return
-        used = self.valid.any(dim=0).nonzero()
-        start = int(used[0]) if len(used) else self.length
-        if start == 0:
-            return
-        self._slots = {
-            slot: tuple(t[:, :, start : self.length].contiguous() for t in stored)
-            for slot, stored in self._slots.items()
-        }
-        self.valid = self.valid[:, start:]
-        self.length -= start
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
 
     @property
     def num_slots(self) -> int:
         return len(self._slots)
 
     def nbytes(self) -> int:
-        """Bytes held by the cache buffers (capacity, not only the filled part)."""
+        """Bytes held by the cache buffers (allocated room, not only the filled part)."""
         return sum(t.numel() * t.element_size() for stored in self._slots.values() for t in stored)
+
+    # -- room ---------------------------------------------------------------------------------------
+
+    def reserve(self, rows: int, positions: int) -> None:
+        """Room for ``rows`` rows of ``positions`` tokens each (buffers double when they grow)."""
+        grow_rows = rows > self._row_room
+        grow_positions = positions > self._position_room
+        if not (grow_rows or grow_positions):
+            return
+        old_rows, old_positions = self._row_room, self._position_room
+        if grow_rows:
+            self._row_room = max(rows, 2 * old_rows)
+        if grow_positions:
+            self._position_room = max(positions, 2 * old_positions, 16, self.capacity)
+        used_rows, used = self.rows, max(self.lengths, default=0)
+        for slot, stored in self._slots.items():
+            grown = tuple(self._empty(t.shape[1], t.shape[3], t) for t in stored)
+            for dst, src in zip(grown, stored):
+                dst[:used_rows, :, :used] = src[:used_rows, :, :used]
+            self._slots[slot] = grown
+
+    @property
+    def position_room(self) -> int:
+        """Positions allocated per row."""
+        return self._position_room
+
+    def _empty(self, heads: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
+        buffer = torch.zeros((self._row_room, heads, self._position_room, head_dim),
+                             dtype=like.dtype, device=like.device)
+        if self.static:
+            torch._dynamo.mark_static_address(buffer)
+        return buffer
+
+    def buffers(self, slot: Slot, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``[room rows, heads, room positions, head_dim]`` key and value buffers of ``slot``,
+        allocated at first use like ``like`` (``[..., heads, head_dim]``)."""
+        stored = self._slots.get(slot)
+        if stored is None:
+            heads, head_dim = like.shape[-2:]
+            stored = self._slots[slot] = tuple(self._empty(heads, head_dim, like) for _ in range(2))
+        return stored
+
+    def all_buffers(self) -> dict[Slot, tuple[torch.Tensor, torch.Tensor]]:
+        """Every slot's key and value buffers (a static decoding step's input)."""
+        return dict(self._slots)
+
+    # -- bookkeeping by the engine ---------------------------------------------------------------
+
+    def decode_rows(self, count: int) -> DecodeRows:
+        """The write positions and attention mask of one new token for each of rows ``0 .. count - 1``."""
+        lengths = self.lengths[:count]
+        key_length = max(lengths) + 1
+        positions = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        if min(lengths) == key_length - 1:
+            return DecodeRows(count, key_length, key_length - 1, positions, None)
+        keys = torch.arange(key_length, device=self.device)
+        mask = torch.zeros(count, 1, 1, key_length, device=self.device)
+        mask.masked_fill_((keys[None, :] > positions[:, None])[:, None, None, :], float("-inf"))
+        return DecodeRows(count, key_length, None, positions, mask,
+                          torch.arange(count, device=self.device))
+
+    def commit(self, counts: list[int]) -> None:
+        """Rows ``0 .. len(counts) - 1`` now hold ``counts[r]`` more tokens."""
+        for r, n in enumerate(counts):
+            self.lengths[r] += n
+
+    def add_rows(self, lengths: list[int]) -> None:
+        """Rows appended after the last one, holding ``lengths`` tokens (written by the step that
+        prefilled them)."""
+        self.lengths.extend(lengths)
+
+    def remove(self, rows: list[int]) -> list[int]:
+        """Drop ``rows``; the last rows move into their places (one copy per moved row, no other).
+        Returns the new row order as old row indices (``order[i]`` is now row ``i``)."""
+        gone = set(rows)
+        order = list(range(self.rows))
+        holes = sorted(r for r in gone if r < self.rows)
+        tail = [r for r in range(self.rows - 1, -1, -1) if r not in gone]
+        moves = []
+        for hole in holes:
+            if not tail or tail[0] < hole:
+                break
+            src = tail.pop(0)
+            moves.append((hole, src))
+            order[hole] = src
+        keep = self.rows - len(holes)
+        if moves:
+            dst = torch.tensor([d for d, _ in moves], device=self.device)
+            src = torch.tensor([s for _, s in moves], device=self.device)
+            used = max(self.lengths[s] for _, s in moves)
+            for stored in self._slots.values():
+                for t in stored:
+                    t[dst, :, :used] = t[src, :, :used]
+        lengths = list(self.lengths)
+        self.lengths = [lengths[order[i]] for i in range(keep)]
+        return order[:keep]
+
+    # -- the model's attention slot (megatron's layers) ------------------------------------------
+
+    def application(self, index: int) -> _ApplicationCache:
+        return _ApplicationCache(self, index)
+
+    @contextmanager
+    def pass_over(self, first: int, rows: int, new: int):
+        """A forward pass of the model (``model.recurrence(kv_cache=...)``) that writes ``new``
+        tokens for rows ``first .. first + rows - 1``, each at its own length."""
+        self._pass = (first, rows, new)
+        try:
+            yield
+        finally:
+            self._pass = None
+
+    def _append(self, slot: Slot, key: torch.Tensor, value: torch.Tensor):
+        if self._pass is None:
+            raise RuntimeError("KV cache appends happen inside KVCache.pass_over")
+        first, rows, new = self._pass
+        lengths = self.lengths[first : first + rows] if first < self.rows else [0] * rows
+        keys, values = self.buffers(slot, key)
+        key, value = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [rows, heads, new, d]
+        if min(lengths) == max(lengths):
+            at = lengths[0]
+            keys[first : first + rows, :, at : at + new] = key
+            values[first : first + rows, :, at : at + new] = value
+        else:
+            row = torch.arange(first, first + rows, device=self.device)[:, None]
+            pos = torch.tensor(lengths, device=self.device)[:, None] + torch.arange(new, device=self.device)
+            keys[row, :, pos] = key.transpose(1, 2)  # advanced indices first: [rows, new, heads, d]
+            values[row, :, pos] = value.transpose(1, 2)
+        if max(lengths) == 0:
+            return None
+        end = max(lengths) + new
+        return keys[first : first + rows, :, :end], values[first : first + rows, :, :end]
+
+    def pass_mask(self, first: int, rows: int, new: int) -> torch.Tensor:
+        """Dense ``[rows, 1, new, cached + new]`` mask (True = masked out) for a pass of ``new``
+        tokens per row (the first real, the rest padding) over rows that hold earlier tokens:
+        a real token attends to its row's cached tokens and itself, a padding token to itself."""
+        lengths = torch.tensor(self.lengths[first : first + rows], device=self.device)
+        end = int(lengths.max()) + new
+        keys = torch.arange(end, device=self.device)
+        at = lengths[:, None] + torch.arange(new, device=self.device)  # [rows, new] write positions
+        allowed = keys[None, None, :] == at[:, :, None]
+        allowed[:, 0] |= keys[None, :] < lengths[:, None]
+        return ~allowed[:, None]

@@ -1,6 +1,6 @@
 """Decoding sessions: the rows that decode together under one (H, L) schedule, joining at step
-boundaries. A session drives the engine through its public surface (``plan``, ``prefill``,
-``decode_step``, ``next_seed``, ``limits``); ``generate`` and the server's scheduler drive
+boundaries. A session drives the engine through its public surface (``plan``, ``new_cache``,
+``forward``, ``next_seed``, ``limits``); ``generate`` and the server's scheduler drive
 sessions."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class DecodeSession:
         self.engine = engine
         self.schedule = (h_cycles, l_cycles)
         self._plan = engine.plan(h_cycles, l_cycles)
-        self._rows: list[_Row] = []  # in cache row order
+        self._rows: list[_Row] = []  # in cache row order (rows that leave: the last ones move up)
         self._pending: list[_Row] = []
         self._cache: KVCache | None = None
         self._next_handle = 0
@@ -99,31 +99,24 @@ class DecodeSession:
         return False
 
     def step(self) -> list[TokenEvent]:
-        """Prefill the waiting requests (their first token), then one decoding step for the rows
-        that were already decoding. Finished rows leave the batch."""
-        events: list[TokenEvent] = []
+        """One forward pass: a token for every decoding row and the first token of every waiting
+        request that fits the batch (its prompt prefilled in the same pass). Finished rows leave."""
         decoding = list(self._rows)
-        if decoding:
-            tokens = torch.tensor([r.tokens[-1] for r in decoding], device=self.engine.device)
-            positions = torch.tensor([r.next_position for r in decoding], device=self.engine.device)
-            logits = self.engine.decode_step(self._cache, tokens, positions, self._plan)
-            events += self._emit(decoding, logits)
         joining = self._pending[: max(0, self.engine.max_batch_size - len(self._rows))]
-        if joining:
-            self._pending = self._pending[len(joining) :]
+        self._pending = self._pending[len(joining) :]
+        joining.sort(key=lambda r: len(r.request.prompt_ids))  # equal lengths: one attention call
+        if not decoding and not joining:
+            return []
+        if self._cache is None:
             capacity = 0  # eager: the cache doubles as needed (a row may stop long before its limit)
-            if self.engine.compiles_decode:
-                # Static shapes: allocated once for the rows' prompt + new tokens, rounded to a
-                # power of two (few allocations, few compiles).
+            if self.engine.compiles_decode:  # static shapes: room for the rows' prompt + new tokens
                 need = max(len(r.request.prompt_ids) + r.request.params.max_new_tokens for r in joining)
                 capacity = min(self.engine.limits.max_context, max(64, 1 << (need - 1).bit_length()))
-            cache, logits = self.engine.prefill([r.request.prompt_ids for r in joining], self._plan, capacity)
-            if self._cache is None:
-                self._cache = cache
-            else:
-                self._cache.merge(cache)
-            self._rows += joining
-            events += self._emit(joining, logits)
+            self._cache = self.engine.new_cache(capacity)
+        logits = self.engine.forward(self._cache, [r.tokens[-1] for r in decoding],
+                                     [r.request.prompt_ids for r in joining], self._plan)
+        self._rows += joining
+        events = self._emit(self._rows, logits)
         self._drop_finished({e.handle for e in events if e.finished})
         return events
 
@@ -213,8 +206,7 @@ class DecodeSession:
     def _drop_finished(self, finished: set[int]) -> None:
         if not finished:
             return
-        keep = [i for i, r in enumerate(self._rows) if r.handle not in finished]
-        self._rows = [self._rows[i] for i in keep]
-        self._cache.select_rows(torch.tensor(keep, dtype=torch.long))
+        order = self._cache.remove([i for i, r in enumerate(self._rows) if r.handle in finished])
+        self._rows = [self._rows[i] for i in order]
         if not self._rows:
             self._cache = None

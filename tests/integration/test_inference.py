@@ -47,63 +47,77 @@ def uncached_last_logits(model, rows: list[list[int]], prompt_lengths: list[int]
 def test_cached_greedy_equals_full_recomputation(model, engine, h, low):
     prompts = random_prompts(range(1, 41))
     plan = engine.plan(h, low)
-    cache, logits = engine.prefill(prompts, plan)
+    cache = engine.new_cache()
+    logits = engine.forward(cache, [], prompts, plan)
     generated = [[] for _ in prompts]
     for step in range(6):
         reference = uncached_last_logits(model, [p + g for p, g in zip(prompts, generated)],
                                          [len(p) for p in prompts], h, low)
         assert (logits - reference).abs().max().item() < 1e-5, f"step {step}"
-        tokens = logits.argmax(-1)
-        for g, t in zip(generated, tokens.tolist()):
+        tokens = logits.argmax(-1).tolist()
+        for g, t in zip(generated, tokens):
             g.append(t)
-        positions = torch.tensor([len(p) + len(g) - 1 for p, g in zip(prompts, generated)])
-        logits = engine.decode_step(cache, tokens, positions, plan)
+        logits = engine.forward(cache, tokens, [], plan)
     # generate() (sessions, stop handling, sorting by length) gives the same tokens
     results = engine.generate([GenerationRequest(p, SamplingParams(max_new_tokens=6), h, low) for p in prompts])
     assert [r.token_ids for r in results] == generated
     assert all(r.finish_reason == "length" and len(r.logprobs) == 6 for r in results)
 
 
-def test_fast_stacks_decode_like_megatrons_layers(model, engine):
-    """The engine's default stacks (inference/fast_stack.py) against the same engine on megatron's
-    modules: prefill and every decoding step's logits within 1e-5, the same greedy tokens."""
+def test_flat_steps_decode_like_megatrons_layers(model, engine):
+    """The engine's flattened steps (inference/step.py: decoding rows and joining prompts in one
+    pass, one KV-cache row per request) against the same engine on megatron's modules (one pass
+    per kind, right-padded): every step's logits within 1e-5, the same greedy tokens, with
+    prompts of unequal lengths joining rows that decode at unequal lengths, and rows leaving."""
     reference = InferenceEngine(model, None, max_batch_size=64, megatron_layers=True)
-    assert engine._stacks is not None and reference._stacks is None
-    plan = engine.plan(2, 2)
-    decode_in_lockstep(engine, reference, random_prompts([4, 11, 26], seed=8), plan, steps=5)
+    assert engine._step is not None and reference._step is None and reference._stacks is None
+    prompts = random_prompts([4, 11, 26, 11, 11, 1, 7], seed=8)
+    joins = {0: prompts[:3], 2: prompts[3:6], 3: prompts[6:]}
+    leaves = {4: [1], 5: [0, 3]}  # the last rows move into the holes
+    decode_in_lockstep(engine, reference, engine.plan(2, 2), steps=7, joins=joins, leaves=leaves)
 
 
-def decode_in_lockstep(engine, other, prompts, plan, steps: int, capacity: int = 0,
+def decode_in_lockstep(engine, other, plan, steps: int, joins: dict, leaves: dict | None = None,
                        around_step=lambda step: nullcontext()) -> None:
-    """Greedy decoding with ``engine`` and ``other`` fed the same tokens (``other``'s cache of
-    ``capacity``, each of its steps inside ``around_step(step)``): the logits of the prefill and of
-    every step within 1e-5, the same argmax."""
-    (cache, logits), (other_cache, other_logits) = engine.prefill(prompts, plan), other.prefill(prompts, plan, capacity)
-    positions = torch.tensor([len(p) for p in prompts])
+    """Greedy decoding with ``engine`` and ``other`` fed the same tokens, ``joins[step]`` prompts
+    joining and ``leaves[step]`` rows leaving at a step (``other``'s steps inside
+    ``around_step(step)``): the logits of every step within 1e-5, the same argmax."""
+    caches = engine.new_cache(), other.new_cache()
+    tokens: list[int] = []
     for step in range(steps):
-        assert (logits - other_logits).abs().max().item() < 1e-5, f"step {step}"
-        tokens = logits.argmax(-1)
-        assert torch.equal(tokens, other_logits.argmax(-1))
-        logits = engine.decode_step(cache, tokens, positions + step, plan)
+        prompts = joins.get(step, [])
+        logits = engine.forward(caches[0], tokens, prompts, plan)
         with around_step(step):
-            other_logits = other.decode_step(other_cache, tokens, positions + step, plan)
+            other_logits = other.forward(caches[1], tokens, prompts, plan)
+        assert (logits - other_logits).abs().max().item() < 1e-5, f"step {step}"
+        tokens = logits.argmax(-1).tolist()
+        assert tokens == other_logits.argmax(-1).tolist()
+        gone = (leaves or {}).get(step, [])
+        if gone:
+            order = caches[0].remove(gone)
+            assert caches[1].remove(gone) == order
+            tokens = [tokens[i] for i in order]
 
 
 @pytest.mark.slow  # a torch.compile (~1 min on 2 loaded cores)
 def test_compiled_static_decode_equals_eager_decode(model, engine):
-    """compile_decode: static-shape steps (whole allocated cache, tensor write index) through
-    torch.compile give eager decoding's tokens and logits (1e-5, fp32), with one compile for
-    all steps of a batch (a recompile would fail the test)."""
+    """compile_decode: decoding-only steps with static shapes (rows padded to a power of two, the
+    whole allocated cache under a mask, tensor write positions) through torch.compile give eager
+    decoding's tokens and logits (1e-5, fp32), with one compile for all steps of a batch (a
+    recompile would fail the test); steps with a joining prompt run eagerly."""
     compiled = InferenceEngine(model, None, max_batch_size=64, compile_decode=True)
-    prompts = random_prompts([3, 9, 14], seed=12)
     plan = engine.plan(1, 2)
     calls = []
-    compiled_recurrence = compiled._compiled_recurrence
-    compiled._compiled_recurrence = lambda *a, **k: calls.append(1) or compiled_recurrence(*a, **k)
-    decode_in_lockstep(engine, compiled, prompts, plan, steps=6, capacity=32,
-                       around_step=lambda step: torch._dynamo.config.patch(error_on_recompile=step > 0))
-    assert len(calls) == 6  # every step took the compiled path
+    static = compiled._step._static
+    compiled._step._static = lambda *a, **k: calls.append(1) or static(*a, **k)
+    prompts = random_prompts([3, 9, 14], seed=12)
+    original_new_cache = compiled.new_cache
+    compiled.new_cache = lambda capacity=0: original_new_cache(32)
+    decode_in_lockstep(engine, compiled, plan, steps=7, joins={0: prompts},
+                       around_step=lambda step: torch._dynamo.config.patch(error_on_recompile=step > 1))
+    assert len(calls) == 6  # every decoding-only step took the compiled path
     requests = [GenerationRequest(p, SamplingParams(max_new_tokens=5), 1, 2) for p in prompts]
+    compiled.new_cache = original_new_cache
     assert [r.token_ids for r in compiled.generate(requests)] == [r.token_ids for r in engine.generate(requests)]
 
 
@@ -132,21 +146,27 @@ def test_rows_joining_a_running_batch_decode_as_if_alone(engine):
     assert [out[i] for i in range(5)] == alone
 
 
-def test_kv_cache_merge_left_pads_and_select_compacts():
-    a, b = KVCache(1, "cpu"), KVCache(2, "cpu")
-    for cache, n in ((a, 2), (b, 4)):
-        app = cache.application(0)
-        key = torch.arange(n * cache.batch * 3, dtype=torch.float32).reshape(n, cache.batch, 1, 3)
-        assert app.append(1, key, key) is None  # prefill: nothing cached before
-        cache.advance(torch.ones(cache.batch, n, dtype=torch.bool))
-    a.merge(b)
-    assert a.batch == 3 and a.length == 4
-    assert a.valid.tolist() == [[False, False, True, True]] + [[True] * 4] * 2
-    a.select_rows(torch.tensor([0]))
-    assert a.length == 2 and a.valid.tolist() == [[True, True]]  # unused leading slots dropped
-    keys, _ = a.application(0).append(1, torch.zeros(1, 1, 1, 3), torch.zeros(1, 1, 1, 3))
-    assert keys.shape == (1, 1, 3, 3)
-    assert keys[0, 0, :2, 0].tolist() == [0.0, 3.0]  # row 0's prompt keys, in order
+def test_kv_cache_rows_grow_leave_and_mask_by_length():
+    """One row per request at its own length: growth keeps what was written, a row that leaves
+    gets the last row copied into its place (nothing else moves), the decoding mask lets each row
+    attend to its own tokens and its new one."""
+    cache = KVCache("cpu")
+    cache.reserve(3, 4)
+    keys, values = cache.buffers((0, 1), torch.zeros(1, 1, 2))
+    assert keys.shape == (3, 1, 16, 2)  # positions: at least 16
+    for row, n in enumerate((2, 4, 3)):
+        keys[row, 0, :n] = torch.arange(n, dtype=torch.float32)[:, None] + 10 * row
+    cache.add_rows([2, 4, 3])
+    cache.reserve(7, 40)  # both dimensions grow; the written tokens stay
+    keys, _ = cache.buffers((0, 1), torch.zeros(1, 1, 2))
+    assert keys.shape == (7, 1, 40, 2) and keys[1, 0, :4, 0].tolist() == [10.0, 11.0, 12.0, 13.0]
+    rows = cache.decode_rows(3)
+    assert rows.write_at is None and rows.key_length == 5 and rows.positions.tolist() == [2, 4, 3]
+    assert (rows.mask[:, 0, 0] == 0).tolist() == [[True] * 3 + [False] * 2, [True] * 5, [True] * 4 + [False]]
+    assert cache.remove([0]) == [2, 1]  # row 2 moved into row 0
+    assert cache.lengths == [3, 4] and keys[0, 0, :3, 0].tolist() == [20.0, 21.0, 22.0]
+    assert cache.remove([1]) == [0] and cache.lengths == [3]  # the last row: nothing moves
+    assert cache.decode_rows(1).write_at == 3 and cache.decode_rows(1).mask is None
 
 
 def test_matches_transformers_generate(model, tmp_path):

@@ -148,7 +148,14 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(engine, 
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(engine, "decode_step", broken)  # the prefill works, the next step fails
+    forward = engine.forward
+
+    def broken_decoding(cache, tokens, prompts, plan):
+        if tokens:
+            raise RuntimeError("injected failure")
+        return forward(cache, tokens, prompts, plan)
+
+    monkeypatch.setattr(engine, "forward", broken_decoding)  # the prefill works, the next step fails
     with pytest.raises(openai.InternalServerError, match="injected failure"):
         client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
     with pytest.raises(openai.APIError, match="injected failure"):

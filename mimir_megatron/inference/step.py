@@ -1,0 +1,258 @@
+"""One scheduling step of the engine as one flattened forward pass.
+
+A step feeds the model the new token of every decoding row and the whole prompt of every request
+that joins the batch, as one ``[tokens, hidden]`` sequence without padding: each linear of each
+layer application is one matrix product over all of them (the weights are read once per step,
+not once for the decoding rows and again for the prompts), and only attention looks at rows:
+
+- decoding rows (``0 .. d - 1`` of the :class:`~mimir_megatron.inference.kv_cache.KVCache`): the
+  new keys and values are written at each row's length, and one SDPA call attends every row's
+  new query over its cached tokens (a mask, built once per step, only when the rows' lengths
+  differ);
+- joining prompts (rows ``d ..``): their keys and values fill fresh rows, and attention is
+  bidirectional inside each prompt (PrefixLM: the prompt is the prefix), one SDPA call per run of
+  equal-length prompts, without a mask.
+
+The arithmetic is the model's, in its order (``inference/fast_stack.py`` spells it out): the
+parameterless RMSNorm (``torch.rms_norm``, the same operations in one call), the fused q / gate /
+k / v projection, RoPE on q and k together (rotate-half, the pass's table: equal to
+:class:`~mimir_megatron.model.rope.RotaryTable`), the sigmoid output gate (fp32 for a bf16 model,
+cast back), SwiGLU, the residual adds fused into the output projections (``addmm``), the stack's
+exit norm after every application. Parameters are read from the modules at each call (no copy).
+``tests/integration/test_inference.py`` checks it against megatron's layers and a full forward.
+
+Not covered (:meth:`StepForward.of` returns None; the engine then runs the model's own recurrence
+per pass, :meth:`~mimir_megatron.inference.engine.InferenceEngine.forward`): training mode,
+Transformer Engine layers, FP8, sequence parallelism, query groups shared by several heads,
+fewer heads than TP ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+
+from mimir_megatron import backend
+from mimir_megatron.inference.kv_cache import DecodeRows, KVCache
+from mimir_megatron.model.rope import RotaryTable, rotary_angles
+
+
+@dataclass
+class _Prompts:
+    """Joining prompts of one length, in consecutive cache rows and consecutive flat tokens."""
+
+    first_row: int
+    count: int
+    length: int
+    offset: int  # of their first token in the flat sequence
+
+
+@dataclass
+class _Layer:
+    eps_attention: float
+    eps_mlp: float
+    qkv: torch.nn.Module
+    proj: torch.nn.Module
+    fc1: torch.nn.Module
+    fc2: torch.nn.Module
+    heads: int
+    head_dim: int
+    scale: float | None
+
+
+class StepForward:
+    """The recurrence over one step's flat tokens, with the model's weights and the cache."""
+
+    def __init__(self, model, compile_decode: bool = False) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self._group = parallel_state.get_tensor_model_parallel_group()
+        self._reduce = parallel_state.get_tensor_model_parallel_world_size() > 1
+        self._stacks = {"L": self._layers(model.L), "H": self._layers(model.H)}
+        self._exit_eps = {"L": model.L.final_layernorm.eps, "H": model.H.final_layernorm.eps}
+        self._static = None
+        if compile_decode:  # decoding-only steps with static shapes, compiled (see _static_decode)
+            self._static = torch.compile(self._decode_static,
+                                         **backend.decode_compile_options(next(model.parameters()).device))
+
+    @classmethod
+    def of(cls, model, compile_decode: bool = False) -> "StepForward | None":
+        """The step for ``model`` (in eval mode), or None where it does not apply (module docstring)."""
+        cfg = model.cfg
+        if (model.training or model.layer_backend != "local" or cfg.uses_sequence_parallel
+                or cfg.execution.fp8 != "none"
+                or cfg.num_attention_heads < cfg.parallel.tensor_parallel_size):
+            return None
+        for block in (model.L, model.H):
+            for layer in block.layers:
+                attn = layer.self_attention
+                if attn.num_attention_heads_per_partition != attn.num_query_groups_per_partition:
+                    return None
+        return cls(model, compile_decode)
+
+    @staticmethod
+    def _layers(block) -> list[_Layer]:
+        layers = []
+        for layer in block.layers:
+            attn, mlp = layer.self_attention, layer.mlp
+            layers.append(_Layer(
+                layer.input_layernorm.eps, layer.pre_mlp_layernorm.eps,
+                attn.linear_qkv, attn.linear_proj, mlp.linear_fc1, mlp.linear_fc2,
+                attn.num_attention_heads_per_partition, attn.hidden_size_per_attention_head,
+                attn.core_attention.softmax_scale,
+            ))
+        return layers
+
+    @torch.no_grad()
+    def __call__(self, cache: KVCache, tokens: list[int], prompts: list[list[int]], plan) -> torch.Tensor:
+        """``[decoding rows + prompts, hidden]``: the final high-level state of each row's last token
+        (decoding rows in cache order, then the prompts, which become the cache's next rows).
+        ``tokens``: the new token of each of the cache's rows (none or all of them)."""
+        if tokens and len(tokens) != cache.rows:
+            raise ValueError(f"a step feeds every cached row: {cache.rows} rows, {len(tokens)} tokens")
+        if self._static is not None and tokens and not prompts:
+            return self._static_decode(cache, tokens, plan)
+        device = cache.device
+        decoding = len(tokens)
+        decode = cache.decode_rows(decoding) if decoding else None
+        groups: list[_Prompts] = []
+        offset, row = decoding, cache.rows
+        for prompt in prompts:
+            n = len(prompt)
+            if groups and groups[-1].length == n:
+                groups[-1].count += 1
+            else:
+                groups.append(_Prompts(row, 1, n, offset))
+            offset, row = offset + n, row + 1
+        cache.reserve(row, max([decode.key_length if decode else 0, *map(len, prompts)]))
+
+        ids = list(tokens)
+        positions = list(cache.lengths[:decoding])
+        for prompt in prompts:
+            ids.extend(prompt)
+            positions.extend(range(len(prompt)))
+        ids_t = torch.tensor(ids, dtype=torch.long, device=device)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+        rotary = RotaryTable(rotary_angles(positions_t[None], self.cfg.head_dim, self.cfg.rope_theta))
+        z_H = self.model._embed(ids_t[None]).view(len(ids), -1)  # [tokens, hidden]
+        z_H = self._recurrence(z_H, cache.buffers, plan.schedule, rotary, decode, groups)
+        cache.commit([1] * decoding)
+        cache.add_rows([len(p) for p in prompts])
+        if not prompts:
+            return z_H
+        last = list(range(decoding))
+        for g in groups:
+            last.extend(g.offset + (i + 1) * g.length - 1 for i in range(g.count))
+        return z_H.index_select(0, torch.tensor(last, device=device))
+
+    def _recurrence(self, z_H: torch.Tensor, buffers, schedule: tuple[str, ...], rotary: RotaryTable,
+                    decode: DecodeRows | None, groups: list[_Prompts]) -> torch.Tensor:
+        """The applications of ``schedule`` from the embedded tokens ``z_H``; ``buffers(slot,
+        like)``: the cache's key and value buffers of a slot."""
+        z_L = self.model.z_L_init.to(z_H.dtype).expand_as(z_H)
+        for application, module in enumerate(schedule):
+            if module == "L":
+                z_L = self._stack("L", z_L + z_H, buffers, application, rotary, decode, groups)
+            else:
+                z_H = self._stack("H", z_H + z_L, buffers, application, rotary, decode, groups)
+        return z_H
+
+    def _static_decode(self, cache: KVCache, tokens: list[int], plan) -> torch.Tensor:
+        """A decoding-only step with the shapes of the last one whenever possible, so that one
+        compiled graph (on a GPU, one CUDA graph) serves step after step: the rows padded to a
+        power of two (padding rows write into free cache rows, position 0, and attend to it
+        alone), every allocated position attended under a mask, write positions as a tensor. A
+        graph per (schedule, allocated positions), and one more when the padded rows change."""
+        rows = len(tokens)
+        padded = 1 << (rows - 1).bit_length()
+        cache.reserve(padded, max(cache.lengths) + 1)
+        lengths = cache.lengths + [0] * (padded - rows)
+        device = cache.device
+        positions = torch.tensor(lengths, dtype=torch.long, device=device)
+        room = cache.position_room
+        mask = torch.zeros(padded, 1, 1, room, device=device)
+        mask.masked_fill_((torch.arange(room, device=device)[None, :] > positions[:, None])[:, None, None, :],
+                          float("-inf"))
+        ids = torch.tensor(tokens + [0] * (padded - rows), dtype=torch.long, device=device)
+        hidden = self._static(cache.all_buffers(), ids, positions, mask, plan.schedule)
+        cache.commit([1] * rows)
+        return hidden[:rows]
+
+    def _decode_static(self, buffers: dict, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                       schedule: tuple[str, ...]) -> torch.Tensor:
+        """What :meth:`_static_decode` compiles: tensors in, tensors out, shapes fixed by the inputs'."""
+        rows = ids.shape[0]
+        decode = DecodeRows(rows, mask.shape[-1], None, positions, mask,
+                            torch.arange(rows, device=ids.device))
+        rotary = RotaryTable(rotary_angles(positions[None], self.cfg.head_dim, self.cfg.rope_theta))
+        z_H = self.model._embed(ids[None]).view(rows, -1)
+        return self._recurrence(z_H, lambda slot, like: buffers[slot], schedule, rotary, decode, [])
+
+    def _stack(self, name: str, hidden: torch.Tensor, buffers, application: int,
+               rotary: RotaryTable, decode: DecodeRows | None, groups: list[_Prompts]) -> torch.Tensor:
+        tokens, width = hidden.shape
+        cos, sin_signed = rotary.cos.view(tokens, 1, 1, -1), rotary.sin_signed.view(tokens, 1, 1, -1)
+        if cos.dtype != hidden.dtype:  # a bf16 model: the table cast once per stack call
+            cos, sin_signed = cos.to(hidden.dtype), sin_signed.to(hidden.dtype)
+        for number, layer in enumerate(self._stacks[name], start=1):
+            x = torch.rms_norm(hidden, (width,), None, layer.eps_attention)
+            # The fused projection holds, per head (one head per query group), q, gate, k, v.
+            mixed = F.linear(x, layer.qkv.weight).view(tokens, layer.heads, 4, layer.head_dim)
+            qk = mixed[:, :, 0::2]  # q and k: RoPE on both at once
+            half = layer.head_dim // 2
+            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin_signed
+            context = self._attend(buffers, (application, number), qk[:, :, 0], qk[:, :, 1], mixed[:, :, 3],
+                                   layer, decode, groups)
+            gate = mixed[:, :, 1]
+            if gate.dtype == torch.float32:
+                context = torch.sigmoid(gate).view(tokens, -1).mul_(context)
+            else:  # megatron's gate: the sigmoid in fp32, the product cast back
+                context = (context * torch.sigmoid(gate.float()).view(tokens, -1)).to(hidden.dtype)
+            hidden = self._residual(hidden, context, layer.proj.weight)
+            up_gate, up = torch.chunk(F.linear(torch.rms_norm(hidden, (width,), None, layer.eps_mlp),
+                                               layer.fc1.weight), 2, dim=-1)
+            hidden = self._residual(hidden, F.silu(up_gate).mul_(up), layer.fc2.weight)
+        return torch.rms_norm(hidden, (width,), None, self._exit_eps[name])
+
+    def _residual(self, hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``hidden + x W^T``; row-parallel under TP (the product all-reduced first, as megatron)."""
+        if not self._reduce:
+            return torch.addmm(hidden, x, weight.t())
+        out = F.linear(x, weight)
+        torch.distributed.all_reduce(out, group=self._group)
+        return hidden + out
+
+    @staticmethod
+    def _attend(buffers, slot: tuple[int, int], query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, layer: _Layer, decode: DecodeRows | None,
+                groups: list[_Prompts]) -> torch.Tensor:
+        """Store the step's keys and values; ``[tokens, heads * head_dim]`` attention outputs.
+        ``query``, ``key``, ``value``: ``[tokens, heads, head_dim]``."""
+        keys, values = buffers(slot, key)
+        heads, head_dim = layer.heads, layer.head_dim
+        parts = []
+        if decode is not None:
+            n = decode.count
+            if decode.write_at is not None:
+                keys[:n, :, decode.write_at] = key[:n]
+                values[:n, :, decode.write_at] = value[:n]
+            else:
+                keys[decode.row_index, :, decode.positions] = key[:n]
+                values[decode.row_index, :, decode.positions] = value[:n]
+            out = F.scaled_dot_product_attention(
+                query[:n, :, None], keys[:n, :, : decode.key_length], values[:n, :, : decode.key_length],
+                attn_mask=decode.mask, scale=layer.scale)  # [rows, heads, 1, head_dim]
+            parts.append(out.reshape(n, heads * head_dim))
+        for g in groups:
+            flat = slice(g.offset, g.offset + g.count * g.length)
+            q, k, v = (t[flat].view(g.count, g.length, heads, head_dim).transpose(1, 2)
+                       for t in (query, key, value))
+            rows = slice(g.first_row, g.first_row + g.count)
+            keys[rows, :, : g.length] = k
+            values[rows, :, : g.length] = v
+            out = F.scaled_dot_product_attention(q, k, v, scale=layer.scale)  # the prefix: bidirectional
+            parts.append(out.transpose(1, 2).reshape(g.count * g.length, heads * head_dim))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
