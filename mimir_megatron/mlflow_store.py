@@ -116,10 +116,11 @@ def rebase_moved_store(uri: str, artifact_root: str) -> int:
         changed = 0
         for table, column in _ARTIFACT_COLUMNS:
             try:  # the old folder itself or a path below it, never a sibling that shares its prefix
+                sql = (f"UPDATE {table} SET {column} = ? || substr({column}, ?) "
+                       f"WHERE substr({column}, 1, ?) = ? "
+                       f"AND (length({column}) = ? OR substr({column}, ?, 1) = '/')")
                 changed += conn.execute(
-                    f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE substr({column}, 1, ?) = ? "
-                    f"AND (length({column}) = ? OR substr({column}, ?, 1) = '/')",
-                    (artifact_root, len(old) + 1, len(old), old, len(old), len(old) + 1)).rowcount
+                    sql, (artifact_root, len(old) + 1, len(old), old, len(old), len(old) + 1)).rowcount
             except sqlite3.OperationalError:  # no such table in this MLflow's schema
                 continue
     log.warning("MLflow store %s was made in another run directory: %d artifact location(s) moved from "
