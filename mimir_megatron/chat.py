@@ -45,16 +45,11 @@ def load_tokenizer(tokenizer_dir: str | Path):
 def tokenizer_sha256(tokenizer_dir: str | Path) -> str:
     """sha256 over the names and bytes of every file in the tokenizer directory: what prepared
     manifests, audit indices and denylists record to tell tokenizers apart."""
-    import hashlib
+    from mimir_megatron.integrity import directory_sha256
 
     if not Path(tokenizer_dir).is_dir():
         raise UserError(f"tokenizer directory not found: {tokenizer_dir}")
-    digest = hashlib.sha256()
-    for path in sorted(p for p in Path(tokenizer_dir).iterdir() if p.is_file()):
-        digest.update(path.name.encode() + b"\0")
-        digest.update(path.read_bytes())
-        digest.update(b"\0")
-    return digest.hexdigest()
+    return directory_sha256(tokenizer_dir, recursive=False, end_each_file=True)
 
 
 _PROBE = "\u2063mimir-end-of-turn-probe\u2063"  # text no template rewrites or contains

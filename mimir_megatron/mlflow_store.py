@@ -95,12 +95,15 @@ def rebase_moved_store(uri: str, artifact_root: str) -> int:
     ``artifact_root`` is ``<dir>/mlartifacts`` (the run directory's layout) and every experiment
     made with such a folder names the same other one (the store as a whole came from elsewhere); a
     store shared by several run directories (``tracking.uri``) is left alone."""
+    from mimir_megatron.checkpoint.run_directory import RunDirectory
+
     path = sqlite_path(uri)
-    if path is None or path.name != "mlflow.db" or not path.is_file():
+    store = RunDirectory(path.parent) if path is not None else None
+    if store is None or path != store.mlflow_db or not path.is_file():
         return 0
-    if (path.parent / "mlartifacts").resolve().as_uri() != artifact_root:
+    if store.artifact_root != artifact_root:
         return 0
-    suffix = "/mlartifacts"
+    suffix = "/" + store.artifacts.name
     with contextlib.closing(sqlite3.connect(path, timeout=30)) as conn, conn:
         try:
             recorded = {row[0] for row in conn.execute("SELECT artifact_location FROM experiments")}
@@ -113,10 +116,11 @@ def rebase_moved_store(uri: str, artifact_root: str) -> int:
         changed = 0
         for table, column in _ARTIFACT_COLUMNS:
             try:  # the old folder itself or a path below it, never a sibling that shares its prefix
+                sql = (f"UPDATE {table} SET {column} = ? || substr({column}, ?) "
+                       f"WHERE substr({column}, 1, ?) = ? "
+                       f"AND (length({column}) = ? OR substr({column}, ?, 1) = '/')")
                 changed += conn.execute(
-                    f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE substr({column}, 1, ?) = ? "
-                    f"AND (length({column}) = ? OR substr({column}, ?, 1) = '/')",
-                    (artifact_root, len(old) + 1, len(old), old, len(old), len(old) + 1)).rowcount
+                    sql, (artifact_root, len(old) + 1, len(old), old, len(old), len(old) + 1)).rowcount
             except sqlite3.OperationalError:  # no such table in this MLflow's schema
                 continue
     log.warning("MLflow store %s was made in another run directory: %d artifact location(s) moved from "

@@ -3,7 +3,8 @@
 Six groups (arithmetic, algorithmic, text tasks x en/da), each written as its own JSONL file so
 that the demo mixture can show categories, languages and repetition. Answers have strict formats
 so that exact match is a meaningful score. The held-out split shares no prompt with the train
-split. Everything is a pure function of the seed.
+split. Everything is a pure function of the seed. `mimir data demo` builds it
+(:mod:`.demo_build`).
 
     mimir data demo --output data/demo
 """
@@ -11,7 +12,6 @@ split. Everything is a pure function of the seed.
 from __future__ import annotations
 
 import json
-import logging
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,8 +19,6 @@ from pathlib import Path
 from mimir_megatron.data.provenance import Provenance
 
 from .text_tasks import TASK_FAMILIES, make_sample, split_units
-
-log = logging.getLogger(__name__)
 
 DEMO_DIR = Path(__file__).parent / "demo"
 TEXT_FILES = {"en": DEMO_DIR / "text_en.txt", "da": DEMO_DIR / "text_da.txt"}
@@ -198,27 +196,3 @@ def write_demo(
     eval_path = output / "raw" / "eval.jsonl"
     write_jsonl(eval_path, [s for samples in held_out.values() for s in samples])
     return train_paths, eval_path
-
-
-def build_demo(
-    output: str | Path, *, seed: int = 0, train_per_group: int = 3000, eval_per_group: int = 100,
-    tokenizer: str | Path | None = None, seq_len: int = 256, workers: int | None = None,
-    prepare: bool = True,
-) -> list[Path]:
-    """`mimir data demo`: write the raw demo files under ``output/raw`` and, with ``prepare``,
-    prepare each into ``output/<name>`` with ``tokenizer`` (default: the bundled demo tokenizer)
-    and its demo provenance. Returns the prepared dataset directories (the raw files without
-    ``prepare``)."""
-    output = Path(output)
-    train_paths, eval_path = write_demo(output, seed, train_per_group, eval_per_group)
-    log.info("wrote %d train files and %s", len(train_paths), eval_path)
-    raw = train_paths + [eval_path]
-    if not prepare:
-        return raw
-    from .demo_tokenizer import DEMO_TOKENIZER_DIR
-    from .prepare import prepare as prepare_dataset
-
-    for path in raw:
-        prepare_dataset([path], tokenizer or DEMO_TOKENIZER_DIR, output / path.stem, seq_len=seq_len,
-                        workers=workers or 1, progress=False, provenance=demo_provenance(path.stem))
-    return [output / path.stem for path in raw]

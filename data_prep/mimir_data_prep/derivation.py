@@ -30,7 +30,7 @@ import numpy as np
 
 from mimir_megatron.data.licences import dropped_terms
 from mimir_megatron.data.manifest import MANIFEST_NAME, Manifest
-from mimir_megatron.data.provenance import UNKNOWN, Provenance, read_sidecar, sidecar_path
+from mimir_megatron.data.provenance import UNKNOWN, Provenance, read_provenance, sidecar_path
 from mimir_megatron.errors import UserError
 
 from .layouts import decide_layouts
@@ -60,7 +60,8 @@ def sidecar_conflicts(paths: Iterable[Path], provenance: Provenance | None) -> l
         return []
     problems = []
     for path in paths:
-        own = read_sidecar(path)
+        stored = read_provenance(path)
+        own = None if stored is None else stored.provenance
         if own is None:
             continue
         differs = []

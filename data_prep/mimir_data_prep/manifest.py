@@ -5,7 +5,6 @@ their rejects merged into ``rejects.jsonl``, in shard order."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ from mimir_megatron.chat import ChatRenderer
 from mimir_megatron.data.manifest import Manifest, write_manifest
 from mimir_megatron.data.prepared import REJECTS_NAME, SEQUENCES_PER_DOCUMENT, SHARDS_DIR
 from mimir_megatron.data.provenance import Provenance, stored_record
-from mimir_megatron.integrity import sha256_file
+from mimir_megatron.integrity import atomic_files, sha256_file
 
 from .records import REJECT_REASONS
 from .settings import PrepareSettings
@@ -31,13 +30,11 @@ def source_record(path: Path, sha256: str) -> dict:
 
 def merge_rejects(tasks: list[ShardTask], out: Path) -> str:
     """The shards' rejects concatenated into ``rejects.jsonl``; its sha256."""
-    tmp = out / (REJECTS_NAME + f".tmp{os.getpid()}")
-    with tmp.open("wb") as merged:
+    with atomic_files(out / REJECTS_NAME) as (tmp,), tmp.open("wb") as merged:
         for task in tasks:
             with (out / SHARDS_DIR / f"{task.shard_id:05d}.rejects.jsonl").open("rb") as part:
                 while block := part.read(1 << 22):
                     merged.write(block)
-    os.replace(tmp, out / REJECTS_NAME)
     return sha256_file(out / REJECTS_NAME)
 
 

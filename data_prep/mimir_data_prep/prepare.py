@@ -30,7 +30,7 @@ from typing import Any
 from mimir_megatron.chat import ChatRenderer
 from mimir_megatron.data.manifest import Manifest
 from mimir_megatron.data.prepared import SHARDS_DIR
-from mimir_megatron.data.provenance import SIDECAR_SUFFIX, Provenance, checked_record, read_provenance
+from mimir_megatron.data.provenance import Provenance, read_provenance
 from mimir_megatron.errors import UserError
 from mimir_megatron.integrity import sha256_file
 
@@ -277,15 +277,12 @@ def _id_list(ids: list[int]) -> str:
 def _sidecar_provenance(paths: list[Path], out: Path) -> Provenance | None:
     """The record the inputs' provenance sidecars agree on (a pipeline's output), else None."""
     records = [read_provenance(p) for p in paths]
-    if False in records:
+    if None in records:
         return None  # a missing input: planning the shards names it
-    for path, record in zip(paths, records):
-        if not isinstance(record, dict):
-            raise UserError(f"{path}{SIDECAR_SUFFIX}: not a provenance record (a JSON object expected)")
-    digests = {r.get("digest") for r in records}
+    digests = {r.digest for r in records}
     if len(digests) == 1 and None not in digests:
-        provenance = checked_record(records[0], paths[0])
-        log.info("%s: provenance from the inputs' sidecar (%s)", out, records[0]["id"])
+        provenance = records[0].provenance
+        log.info("%s: provenance from the inputs' sidecar (%s)", out, provenance.id)
         return provenance
     log.warning("%s: no provenance declared (--source/--license/--basis/--form, or a provenance "
                 "section in the prepare YAML): the dataset's provenance is unknown, and the default "

@@ -1,9 +1,10 @@
 """The write-shards stage of `mimir prepare`: one shard of input through read, screen, render
 and screen again into ``shards/<id>.bin/.idx``, its rejects and its statistics.
 
-Everything is written under temporary names and renamed; the statistics file is renamed last
-and marks the shard finished, so a rerun (or ``--merge``) finds it by its key
-(:func:`finished_shard`). Memory is bounded by one batch of documents and one shard's lengths.
+Everything is written under temporary names and renamed
+(:func:`~mimir_megatron.integrity.atomic_files`); the statistics file is renamed last and marks
+the shard finished, so a rerun (or ``--merge``) finds it by its key (:func:`finished_shard`).
+Memory is bounded by one batch of documents and one shard's lengths.
 
 Documents go through in batches of :data:`BATCH` so that the tokenizer encodes a batch per call
 (``encode_batch``); rejects and accepted documents still come out in line order.
@@ -12,7 +13,6 @@ Documents go through in batches of :data:`BATCH` so that the tokenizer encodes a
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import os
 from contextlib import contextmanager
@@ -26,7 +26,7 @@ import numpy as np
 from mimir_megatron.chat import ChatRenderer
 from mimir_megatron.data.manifest import FORMAT
 from mimir_megatron.data.prepared import SHARDS_DIR
-from mimir_megatron.integrity import sha256_file, write_json_atomic
+from mimir_megatron.integrity import Fingerprint, atomic_files, fingerprint, sha256_file, write_json_atomic
 
 from .read import read_records
 from .records import REJECT_REASONS, RecordError
@@ -61,7 +61,9 @@ class ShardStats:
     sizes: dict[str, int] = field(default_factory=dict)
 
 
-def shard_key(task: ShardTask, settings: PrepareSettings) -> str:
+def shard_key(task: ShardTask, settings: PrepareSettings) -> Fingerprint:
+    """The fingerprint of what decides a shard (its input's slice, size and time, the settings,
+    the format): a rerun finds a finished shard by it."""
     stat = os.stat(task.path)
     payload = {
         "task": task.to_dict(),
@@ -71,7 +73,7 @@ def shard_key(task: ShardTask, settings: PrepareSettings) -> str:
                      if k != "strict" and (v or k not in _KEY_WHEN_SET)},
         "format": FORMAT,
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    return fingerprint(payload)
 
 
 def stats_path(out: Path, shard_id: int) -> Path:
@@ -87,7 +89,7 @@ def finished_shard(task: ShardTask, settings: PrepareSettings, out: Path) -> Sha
         data = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
-    if data.get("key") != shard_key(task, settings):
+    if not shard_key(task, settings).matches(data.get("key")):
         return None
     for rel, size in data.get("sizes", {}).items():
         path = out / rel
@@ -162,20 +164,18 @@ def _write_shard(task: ShardTask, settings: PrepareSettings, out_dir: str, job: 
     out = Path(out_dir)
     name = f"{task.shard_id:05d}"
     final = {ext: out / SHARDS_DIR / f"{name}{ext}" for ext in (".bin", ".idx", ".rejects.jsonl")}
-    tmp = {ext: p.with_name(p.name + f".tmp{os.getpid()}") for ext, p in final.items()}
-    stats = ShardStats(task.shard_id, shard_key(task, settings), task.path, task.first_line)
-    builder = IndexedDatasetBuilder(str(tmp[".bin"]), dtype=DType.optimal_dtype(renderer.vocab_size))
-    try:
-        with tmp[".rejects.jsonl"].open("w") as rejects:
-            _ShardFill(task, settings, renderer, builder, stats, rejects, job).run()
-    except BaseException:
-        builder.data_file.close()
-        for path in tmp.values():
-            path.unlink(missing_ok=True)
-        raise
-    builder.finalize(str(tmp[".idx"]))
-    for ext, path in final.items():
-        os.replace(tmp[ext], path)
+    stats = ShardStats(task.shard_id, str(shard_key(task, settings)), task.path, task.first_line)
+    with atomic_files(*final.values()) as staged:
+        tmp = dict(zip(final, staged))
+        builder = IndexedDatasetBuilder(str(tmp[".bin"]), dtype=DType.optimal_dtype(renderer.vocab_size))
+        try:
+            with tmp[".rejects.jsonl"].open("w") as rejects:
+                _ShardFill(task, settings, renderer, builder, stats, rejects, job).run()
+        except BaseException:
+            builder.data_file.close()
+            raise
+        builder.finalize(str(tmp[".idx"]))
+    for path in final.values():
         rel = f"{SHARDS_DIR}/{path.name}"
         stats.files[rel] = sha256_file(path)
         stats.sizes[rel] = path.stat().st_size

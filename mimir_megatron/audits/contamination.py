@@ -443,7 +443,7 @@ def write_report(report: ContaminationReport, results: list[BenchmarkResult], ou
     """``<suite>.json`` (``report``: what eval, sweep and export read), ``<suite>.md`` / ``.csv``
     (the table) and ``<suite>_items.jsonl`` (every contaminated item: its run, the training text,
     the documents)."""
-    from .report import write_table
+    from .outputs import write_table
 
     n, suite = report.ngram, report.suite
     paths = [report.write(out)]

@@ -21,7 +21,7 @@ from .contamination import (
     write_report,
 )
 from .index_query import AuditIndex
-from .report import AuditResult, AuditTracking
+from .outputs import AuditResult, AuditTracking
 
 if TYPE_CHECKING:
     from mimir_megatron.evaluation.suite import SuiteSpec

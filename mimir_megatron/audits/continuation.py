@@ -25,7 +25,7 @@ from mimir_megatron.errors import UserError
 
 from .index_query import AuditIndex
 from .model import AuditModel
-from .report import AuditResult, AuditTracking
+from .outputs import AuditResult, AuditTracking
 from .sampling import CategoryDocuments, Probe, sample_windows
 from .sources import AuditSource
 
@@ -62,7 +62,7 @@ def continuation_audit(model: ModelDir | AuditModel, sources: list[AuditSource] 
     (with ``mask='training'`` also ``exact_matches_training_mask.jsonl``). With ``tracking``, one
     MLflow run named ``continuation-audit`` holds ``params`` (default: the settings), the table's
     numbers as metrics and the files."""
-    from .report import write_table
+    from .outputs import write_table
 
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import atomic_files, remove_temporaries
 
 from .index_format import (
     META_NAME,
@@ -305,19 +306,20 @@ def build_index(
             (out / WORDS_DIR).mkdir(exist_ok=True)
             streams.append(tuple(shard_file(out / WORDS_DIR, kind, sid)
                                  for kind in ("tokenized", "offset", "table")))
-        tmp = {p: p.with_name(p.name + ".tmp") for stream in streams for p in stream}
-        for path in (*tmp, *tmp.values()):
+        finals = [path for stream in streams for path in stream]
+        for path in finals:
             path.unlink(missing_ok=True)
-        longest = _write_shard_data(plan, shard.units, sources, tmp[tokenized], tmp[offsets], bar)
-        bar.set_postfix_str(f"shard {sid}: suffix array")
-        _build_suffix_array(tmp[tokenized], tmp[table], mem_bytes, cpus, out / f"work.{sid}")
-        if plan.reader is not None:
-            words, word_offsets, word_table = streams[1]
-            bar.set_postfix_str(f"shard {sid}: word stream")
-            _write_word_data(plan, shard.units, sources, tmp[words], tmp[word_offsets])
-            _build_suffix_array(tmp[words], tmp[word_table], mem_bytes, cpus, out / f"work.{sid}")
-        for final, temporary in tmp.items():
-            os.replace(temporary, final)
+        remove_temporaries(*finals)  # a killed build's, gigabytes each
+        with atomic_files(*finals) as staged:
+            tmp = dict(zip(finals, staged))
+            longest = _write_shard_data(plan, shard.units, sources, tmp[tokenized], tmp[offsets], bar)
+            bar.set_postfix_str(f"shard {sid}: suffix array")
+            _build_suffix_array(tmp[tokenized], tmp[table], mem_bytes, cpus, out / f"work.{sid}")
+            if plan.reader is not None:
+                words, word_offsets, word_table = streams[1]
+                bar.set_postfix_str(f"shard {sid}: word stream")
+                _write_word_data(plan, shard.units, sources, tmp[words], tmp[word_offsets])
+                _build_suffix_array(tmp[words], tmp[word_table], mem_bytes, cpus, out / f"work.{sid}")
         write_shard_record(out, shard, longest, time.perf_counter() - start)
     bar.close()
     return out

@@ -81,7 +81,5 @@ def load_audit_model(model: ModelDir | str, *, ema: bool = False, tokenizer: str
     from mimir_megatron.inference import load_engine
 
     source = model if isinstance(model, ModelDir) else detect_model_dir(model)
-    kwargs: dict = {"max_batch_size": batch_size, "ema": ema, str(source.kind): str(source.path)}
-    if tokenizer:
-        kwargs["tokenizer"] = tokenizer
-    return EngineAuditModel(load_engine(**kwargs), batch_size=batch_size)
+    engine = load_engine(model=source, ema=ema, tokenizer=tokenizer, max_batch_size=batch_size)
+    return EngineAuditModel(engine, batch_size=batch_size)

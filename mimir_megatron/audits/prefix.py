@@ -26,7 +26,7 @@ from mimir_megatron.errors import UserError
 
 from .index_query import AuditIndex
 from .model import AuditModel
-from .report import AuditResult, AuditTracking
+from .outputs import AuditResult, AuditTracking
 from .sampling import CategoryDocuments, Probe, sample_prefixes
 
 log = logging.getLogger("mimir.audit")
@@ -74,7 +74,7 @@ def prefix_audit(model: ModelDir | AuditModel, index: str | Path | AuditIndex, o
     ``generic``: generic prompts (a JSONL file, :func:`read_generic_prompts`, or its records).
     With ``tracking``, one MLflow run named ``prefix-audit`` holds ``params`` (default: the
     settings), the table's numbers as metrics and the files."""
-    from .report import match_length_figure, write_table
+    from .outputs import match_length_figure, write_table
 
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mimir_megatron import backend
 from mimir_megatron.bench.measure import BenchResult
 from mimir_megatron.bench.peer import PEER_NAME
+from mimir_megatron.integrity import write_json_atomic
 
 if TYPE_CHECKING:
     import torch
 
-    from mimir_megatron.bench.run import BenchRequest
+    from mimir_megatron.bench.request import BenchRequest
 
 
 class Report:
@@ -69,13 +68,7 @@ class Report:
     def _write(self) -> None:
         if not self.request.json_path:
             return
-        a = self.request
-        payload = {"shape": a.config or a.shape, "windows": list(a.windows), "seq_len": a.seq_len,
-                   "micro_batch": a.micro_batch, "samples_per_context": a.samples_per_context,
-                   "precision": a.precision, "device": self.device_name, "torch": self.torch_version,
-                   "attended_keys_per_token": self.attended_keys,
-                   "step": {"optimizer": a.optimizer, "lr": a.lr, "clip_grad": a.clip_grad,
-                            "ema_decay": a.ema_decay},
-                   "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in self.results],
-                   "ratio_vs_transformers": self.ratios()}
-        Path(a.json_path).write_text(json.dumps(payload, indent=2))
+        payload = {**self.request.to_dict(), "device": self.device_name, "torch": self.torch_version,
+                   "attended_keys_per_token": self.attended_keys, "date": time.strftime("%Y-%m-%d"),
+                   "results": [asdict(r) for r in self.results], "ratio_vs_transformers": self.ratios()}
+        write_json_atomic(self.request.json_path, payload, fsync=False)  # a kill keeps the last whole one

@@ -14,54 +14,17 @@ first variant, so a run cut short still has a ratio.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
+
+from mimir_megatron.bench.request import BenchRequest, Variant
 
 if TYPE_CHECKING:
     from mimir_megatron.bench.report import Report
 
-
-@dataclass
-class Variant:
-    """One configuration of our model to measure: a name and model ``key=value`` overrides."""
-
-    name: str
-    overrides: list[str]
-
+__all__ = ["PEER", "BenchRequest", "Variant", "is_compiled", "run_bench", "run_order"]
 
 PEER = None
 """Stands for the transformers peer in a run order."""
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    """What one run measures (`mimir bench`'s flags; the defaults are the command's)."""
-
-    shape: str = "tiny"
-    config: str | None = None  # a model YAML instead of ``shape``
-    windows: tuple[int, ...] = (5,)
-    seq_len: int = 256
-    micro_batch: int = 4
-    samples_per_context: int = 1
-    steps: int = 5
-    warmup: int = 2
-    precision: str = "auto"
-    optimizer: str = "adamw"
-    lr: float = 1e-4
-    clip_grad: float = 1.0
-    ema_decay: float = 0.9999
-    variants: tuple[Variant, ...] = ()  # none: our model as configured, named "mimir-megatron"
-    overrides: tuple[str, ...] = ()  # model key=value overrides for every variant
-    peer: bool = True
-    peer_checkpointing: bool = False
-    peak_tflops: float | None = None  # None: the GPU table's, unknown on CPU (no MFU)
-    json_path: Path | None = None
-
-    @property
-    def our_variants(self) -> tuple[Variant, ...]:
-        """The variants measured: those given, else our model as configured."""
-        return self.variants or (Variant("mimir-megatron", []),)
 
 
 def is_compiled(variant: Variant, shared: Sequence[str] = ()) -> bool:

@@ -20,8 +20,9 @@ with one job:
 - :mod:`.layout`: names, ``latest``, the resolver (:func:`resolve`).
 - :mod:`.trainer_state`: :class:`TrainerState`, its one reader and one writer.
 - :mod:`.run_directory`: the paths of a run, derived in one place (:class:`~.run_directory.RunDirectory`).
-- :mod:`.model_dir`: which form a model directory has, and what it says about its model
-  (tokenizer, trained schedule, display and served names, run directory and lineage).
+- :mod:`.model_dir`: which form a model directory has, and the model value a command resolves
+  once (:class:`~.model_dir.ModelDir`: tokenizer, trained schedule, display and served names,
+  training record, run directory and lineage, the weights).
 - :mod:`.compat`: layout version and model-shape checks (whether training may go on from a
   checkpoint is the trainer's policy: ``mimir_megatron.train.resume``).
 - :mod:`.state`: the sharded model/optimizer/EMA state and the per-rank RNG state.
@@ -54,19 +55,11 @@ from .model_dir import (
     MODEL_FORMS_HELP,
     ModelDir,
     ModelKind,
+    TrainingRecord,
     add_model_arguments,
     detect_model_dir,
-    TrainingRecord,
-    display_name,
-    lineage,
-    load_model_dir,
     model_dir_from_args,
     resolve_model_dir,
-    run_directory,
-    served_name,
-    tokenizer_dir,
-    trained_schedule,
-    training_record,
 )
 from .trainer_state import BaseModel, DatasetLineage, TrainerState, read_trainer_state
 
@@ -81,9 +74,8 @@ __getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "FORMAT", "FORMS_HELP", "MODEL_FORMS_HELP", "RUN_CHECKPOINTS", "BaseModel", "ModelDir", "ModelKind",
-    "add_model_arguments", "detect_model_dir", "load_model_dir", "model_dir_from_args", "resolve_model_dir",
-    "tokenizer_dir", "trained_schedule", "display_name", "served_name", "DatasetLineage", "TrainerState",
-    "TrainingRecord", "training_record", "run_directory", "lineage", "find",
+    "add_model_arguments", "detect_model_dir", "model_dir_from_args", "resolve_model_dir",
+    "DatasetLineage", "TrainerState", "TrainingRecord", "find",
     "is_checkpoint", "is_checkpoint_source", "latest_checkpoint", "read_trainer_state", "resolve",
     "step_dir_name", *_LAZY,
 ]

@@ -139,13 +139,15 @@ class Verification:
         return self.state
 
 
-def start_verification(path: Path, *, rank: int = 0, world: int = 1) -> Verification:
+def start_verification(path: Path, *, rank: int = 0, world: int = 1,
+                       state: TrainerState | None = None) -> Verification:
     """Start hashing the files of checkpoint ``path`` (this rank's share: every ``world``-th file
     from ``rank``) in background threads. Missing and truncated files, and a trainer state that
-    cannot be read, are found at once (every rank checks every size: a ``stat`` each)."""
+    cannot be read, are found at once (every rank checks every size: a ``stat`` each). ``state``:
+    the trainer state, when the caller read it already (its digest checked)."""
     path = Path(path)
     try:
-        state = read_trainer_state(path)
+        state = state if state is not None else read_trainer_state(path)
     except UserError as exc:
         return Verification(path, None, [], [f"checkpoint {path} is damaged: {exc}"], None)
     if not state.files:

@@ -106,10 +106,12 @@ def execution_overrides(tensor_parallel_size: int = 1) -> list[str]:
     return [f"parallel.tensor_parallel_size={tensor_parallel_size}", "parallel.sequence_parallel=false"]
 
 
-def load_model(path: str | Path, *, ema: bool = False, tensor_parallel_size: int = 1):
+def load_model(path: str | Path, *, ema: bool = False, tensor_parallel_size: int = 1,
+               state: TrainerState | None = None):
     """The model of a training checkpoint (``step_N``, or through ``latest`` a run's checkpoints
     directory or the run directory) with its trained or (``ema``) EMA weights, for this process's
-    TP rank.
+    TP rank. ``state``: the checkpoint's trainer state, already read (the model value's record:
+    its files are verified against it, it is not read again).
 
     Only the model is read: the process's RNG state is left as it was (building a model seeds
     torch's generator; that is undone here).
@@ -118,7 +120,7 @@ def load_model(path: str | Path, *, ema: bool = False, tensor_parallel_size: int
     from mimir_megatron.model import build_model
 
     path = resolve(path)
-    verification = start_verification(path)  # hashed by threads while the model is built
+    verification = start_verification(path, state=state)  # hashed by threads while the model is built
     if verification.state is None:
         verification.check()  # the state itself is unreadable: nothing to build
     state = verification.state

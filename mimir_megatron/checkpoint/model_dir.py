@@ -8,24 +8,27 @@ a run's checkpoints directory or the run directory), project weights (`mimir imp
 to say which form it is; a path given as the wrong form is refused with the flag that fits.
 
 Recognising a form reads directory entries only (no torch, no omegaconf): `--help` and a mistyped
-path stay instant. What a model directory says about its model, without loading weights, is asked
-here too: its tokenizer, trained schedule, display and served names, and for a training checkpoint
-the run it belongs to and the data lineage it records (:func:`training_record`).
+path stay instant. The :class:`ModelDir` a command resolves is its one model value: it is asked,
+without loading weights, for its tokenizer, trained schedule, display and served names, and for
+a training checkpoint the run it belongs to and the data lineage it records
+(:attr:`ModelDir.record`, read and verified once), and it loads the weights (:meth:`ModelDir.load`).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from mimir_megatron.errors import UserError
 
-from .layout import FORMS_HELP, RUN_CHECKPOINTS, find, is_checkpoint_source
+from .layout import FORMS_HELP, RUN_CHECKPOINTS, is_checkpoint_source, resolve
 from .run_directory import RunDirectory
-from .trainer_state import DatasetLineage, TrainerState
+from .trainer_state import DatasetLineage, TrainerState, read_trainer_state
 
 WEIGHTS_CONFIG = "model.yaml"
 """The model settings file of project weights (beside ``model.safetensors``)."""
@@ -43,6 +46,10 @@ class ModelKind(StrEnum):
 
 @dataclass(frozen=True)
 class ModelDir:
+    """A model directory, resolved once per command, and what it says about its model: each fact
+    is read on first use and kept (a training checkpoint's ``latest`` followed once, its trainer
+    state read and its digest checked once), so every part of a command asks this one value."""
+
     kind: ModelKind
     path: Path
 
@@ -51,6 +58,105 @@ class ModelDir:
         if ema and self.kind != ModelKind.checkpoint:
             raise UserError(f"--ema needs a training checkpoint; {self.path} is {_describe(self.kind)}, "
                             "which holds no EMA weights")
+
+    @cached_property
+    def checkpoint(self) -> Path | None:
+        """A training checkpoint's ``step_N`` directory (a run or checkpoints directory resolved
+        through ``latest``); None for the other forms."""
+        return resolve(self.path) if self.kind == ModelKind.checkpoint else None
+
+    @cached_property
+    def record(self) -> TrainingRecord | None:
+        """The checkpoint and its trainer state (its digest checked); None for project weights and
+        transformers directories, which record no training run."""
+        if self.checkpoint is None:
+            return None
+        return TrainingRecord(self.checkpoint, read_trainer_state(self.checkpoint))
+
+    @property
+    def run_directory(self) -> RunDirectory | None:
+        """The run directory of a training checkpoint (its MLflow store, contamination reports,
+        ...); None for the forms that record no training run."""
+        return self.record.run_directory if self.record else None
+
+    @property
+    def lineage(self) -> tuple[DatasetLineage, ...] | None:
+        """The data lineage a training checkpoint records (:attr:`TrainingRecord.lineage`); None
+        where the form records none (project weights, a transformers directory)."""
+        return self.record.lineage if self.record else None
+
+    @cached_property
+    def settings(self) -> Mapping[str, Any]:
+        """The model's recorded settings: a checkpoint's trainer state, a weights directory's
+        ``model.yaml`` (h_cycles, l_cycles, tokenizer, ...). Empty for a transformers directory."""
+        if self.record is not None:
+            return dict(self.record.state.model)
+        if self.kind == ModelKind.weights:
+            from mimir_megatron.yaml_config import read_yaml
+
+            return dict(read_yaml(self.path / WEIGHTS_CONFIG, "model settings"))
+        return {}
+
+    @cached_property
+    def trained_schedule(self) -> tuple[int, int] | None:
+        """(H_cycles, L_cycles) the weights were trained with, from whatever form this is: the
+        checkpoint's trainer state, ``model.yaml`` of project weights, a transformers
+        ``config.json``. None when the directory does not say."""
+        if self.kind == ModelKind.hf:
+            import json
+
+            config = json.loads((self.path / HF_CONFIG).read_text())
+            pair = config.get("H_cycles"), config.get("L_cycles")
+        else:
+            pair = self.settings.get("h_cycles"), self.settings.get("l_cycles")
+        return (int(pair[0]), int(pair[1])) if None not in pair else None
+
+    @cached_property
+    def tokenizer(self) -> Path | None:
+        """The tokenizer that goes with the model: a transformers or weights directory's own
+        ``tokenizer.json``, else the one the model's settings name. None: none known (a command's
+        ``--tokenizer`` comes first: :meth:`tokenizer_or`)."""
+        if self.kind != ModelKind.checkpoint and (self.path / "tokenizer.json").is_file():
+            return self.path
+        named = self.settings.get("tokenizer")
+        return Path(named) if named else None
+
+    def tokenizer_or(self, given: str | Path | None) -> Path | None:
+        """``given`` (a command's ``--tokenizer``), else the model's own :attr:`tokenizer`."""
+        return Path(given) if given else self.tokenizer
+
+    def display_name(self, *, ema: bool = False) -> str:
+        """The model's name in evaluation tables, output folders and MLflow: a training
+        checkpoint's ``<run>-step_N`` (a run or checkpoints directory names the step its
+        ``latest`` points at), else the directory's name; ``-ema`` for a checkpoint's EMA weights."""
+        path = (self.checkpoint or self.path).resolve()
+        name = f"{path.parent.parent.name}-{path.name}" if path.parent.name == RUN_CHECKPOINTS else path.name
+        return name + ("-ema" if ema else "")
+
+    @property
+    def served_name(self) -> str:
+        """The model id ``mimir serve`` answers to (and clients send): the directory's name as
+        given (the parent's for a ``latest`` link)."""
+        return self.path.name if self.path.name not in ("latest", "") else self.path.parent.name
+
+    def load(self, *, ema: bool = False, tensor_parallel_size: int = 1, overrides: Sequence[str] = ()):
+        """The model for this process's TP rank: a training checkpoint's trained or (``ema``) EMA
+        weights (its files verified against the trainer state read here), project weights or a
+        transformers directory (``overrides``: model config ``key=value`` applied to the last
+        two, after the loading layout)."""
+        self.check_ema(ema)
+        if self.record is not None:
+            from .load import load_model
+
+            return load_model(self.record.checkpoint, ema=ema, tensor_parallel_size=tensor_parallel_size,
+                              state=self.record.state)
+        from mimir_megatron import interop
+
+        from .load import execution_overrides
+
+        settings = [*execution_overrides(tensor_parallel_size), *overrides]
+        load = interop.load_weights if self.kind == ModelKind.weights else interop.import_hf
+        return load(self.path, settings)
 
 
 def detect_model_dir(path: str | Path, flag: str = "--model") -> ModelDir:
@@ -97,25 +203,6 @@ def _describe(kind: ModelKind) -> str:
             ModelKind.hf: "a transformers directory"}[kind]
 
 
-def load_model_dir(source: ModelDir, *, ema: bool = False, tensor_parallel_size: int = 1,
-                   overrides: Sequence[str] = ()):
-    """The model of ``source`` for this process's TP rank: a training checkpoint's trained or
-    (``ema``) EMA weights, project weights or a transformers directory (``overrides``: model
-    config ``key=value`` applied to the last two, after the loading layout)."""
-    source.check_ema(ema)
-    if source.kind == ModelKind.checkpoint:
-        from .load import load_model
-
-        return load_model(source.path, ema=ema, tensor_parallel_size=tensor_parallel_size)
-    from mimir_megatron import interop
-
-    from .load import execution_overrides
-
-    settings = [*execution_overrides(tensor_parallel_size), *overrides]
-    load = interop.load_weights if source.kind == ModelKind.weights else interop.import_hf
-    return load(source.path, settings)
-
-
 # -- what a model directory says about its model (no weights are loaded) ----------------------------
 
 
@@ -137,89 +224,6 @@ class TrainingRecord:
         """Per dataset of the run's mixture: its provenance, the digest its manifest had, and
         what of it went into the weights up to this step."""
         return self.state.lineage
-
-
-def training_record(source: ModelDir) -> TrainingRecord | None:
-    """The checkpoint and trainer state of a training checkpoint (its digest checked); None for
-    project weights and transformers directories, which record no training run."""
-    if source.kind != ModelKind.checkpoint:
-        return None
-    found = find(source.path)
-    return TrainingRecord(*found) if found else None
-
-
-def run_directory(source: ModelDir) -> RunDirectory | None:
-    """The run directory of a training checkpoint (its MLflow store, contamination reports, ...);
-    None for the forms that record no training run."""
-    record = training_record(source)
-    return record.run_directory if record else None
-
-
-def lineage(source: ModelDir) -> tuple[DatasetLineage, ...] | None:
-    """The data lineage a training checkpoint records (:attr:`TrainingRecord.lineage`); None
-    where the form records none (project weights, a transformers directory)."""
-    record = training_record(source)
-    return record.lineage if record else None
-
-
-def _model_settings(source: ModelDir) -> dict:
-    """The model's recorded settings: a checkpoint's trainer state, a weights directory's
-    ``model.yaml`` (h_cycles, l_cycles, tokenizer, ...). Empty for a transformers directory."""
-    if source.kind == ModelKind.checkpoint:
-        record = training_record(source)
-        return dict(record.state.model) if record else {}
-    if source.kind == ModelKind.weights:
-        from mimir_megatron.yaml_config import read_yaml
-
-        return dict(read_yaml(source.path / WEIGHTS_CONFIG, "model settings"))
-    return {}
-
-
-def trained_schedule(source: ModelDir) -> tuple[int, int] | None:
-    """(H_cycles, L_cycles) the weights were trained with, from whatever form ``source`` has:
-    the checkpoint's trainer state, ``model.yaml`` of project weights, a transformers
-    ``config.json``. None when the directory does not say."""
-    if source.kind == ModelKind.hf:
-        import json
-
-        config = json.loads((source.path / HF_CONFIG).read_text())
-        pair = config.get("H_cycles"), config.get("L_cycles")
-    else:
-        settings = _model_settings(source)
-        pair = settings.get("h_cycles"), settings.get("l_cycles")
-    return (int(pair[0]), int(pair[1])) if None not in pair else None
-
-
-def tokenizer_dir(source: ModelDir, given: str | Path | None = None) -> Path | None:
-    """The tokenizer that goes with the model: ``given``, else a transformers or weights
-    directory's own ``tokenizer.json``, else the one the model's settings name. None: none known."""
-    if given:
-        return Path(given)
-    if source.kind != ModelKind.checkpoint and (source.path / "tokenizer.json").is_file():
-        return source.path
-    named = _model_settings(source).get("tokenizer")
-    return Path(named) if named else None
-
-
-def display_name(source: ModelDir, *, ema: bool = False) -> str:
-    """The model's name in evaluation tables, output folders and MLflow: a training checkpoint's
-    ``<run>-step_N`` (a run or checkpoints directory names the step its ``latest`` points at),
-    else the directory's name; ``-ema`` for a checkpoint's EMA weights."""
-    path = source.path
-    if source.kind == ModelKind.checkpoint:
-        from .layout import resolve
-
-        path = resolve(path)
-    path = path.resolve()
-    name = f"{path.parent.parent.name}-{path.name}" if path.parent.name == RUN_CHECKPOINTS else path.name
-    return name + ("-ema" if ema else "")
-
-
-def served_name(source: ModelDir) -> str:
-    """The model id ``mimir serve`` answers to (and clients send): the directory's name as given
-    (the parent's for a ``latest`` link)."""
-    path = source.path
-    return path.name if path.name not in ("latest", "") else path.parent.name
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool = True,

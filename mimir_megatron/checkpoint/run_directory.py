@@ -12,7 +12,9 @@
 
 The trainer derives it from its configuration (:meth:`RunDirectory.configured`); evaluation,
 export and audits from a checkpoint (:meth:`RunDirectory.of_checkpoint`): its ``checkpoints/``
-folder's parent, else the directory its trainer state's configuration names.
+folder's parent, else the directory its trainer state's configuration names. An output directory
+that keeps a local MLflow store of its own (an evaluation's, an audit's, a synthetic pipeline's,
+the store `mimir ui` serves) lays it out the same way: ``RunDirectory(output).mlflow_uri``.
 """
 
 from __future__ import annotations
@@ -56,13 +58,29 @@ class RunDirectory:
         return self.root / "config.yaml"
 
     @property
+    def lock_file(self) -> Path:
+        """One trainer at a time (:mod:`mimir_megatron.train.run_lock`)."""
+        return self.root / "train.lock"
+
+    @property
+    def mlflow_db(self) -> Path:
+        """The local MLflow store's sqlite file."""
+        return self.root / "mlflow.db"
+
+    @property
     def mlflow_uri(self) -> str:
         """The default MLflow store: a sqlite file in the run directory (absolute)."""
-        return f"sqlite:///{(self.root / 'mlflow.db').resolve()}"
+        return f"sqlite:///{self.mlflow_db.resolve()}"
+
+    @property
+    def artifacts(self) -> Path:
+        """The local store's artifacts (absolute)."""
+        return (self.root / "mlartifacts").resolve()
 
     @property
     def artifact_root(self) -> str:
-        return (self.root / "mlartifacts").resolve().as_uri()
+        """:attr:`artifacts` as the URI MLflow records."""
+        return self.artifacts.as_uri()
 
     @property
     def contamination(self) -> Path:

@@ -25,6 +25,7 @@ import torch
 
 from mimir_megatron.batch import IGNORE_INDEX, Batch
 from mimir_megatron.errors import UserError, write_error
+from mimir_megatron.integrity import Fingerprint, atomic_files
 
 from .config import DataConfig
 from .mixture import Mixture, load_mixture, mixture_digest
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 Sample = tuple[np.ndarray, np.ndarray]  # (prefix ids, response ids)
 
 
-def mixture_fingerprint(cfg: DataConfig, mixture: Mixture | None = None) -> str:
+def mixture_fingerprint(cfg: DataConfig, mixture: Mixture | None = None) -> Fingerprint:
     """Hash of everything that decides the sample stream: the datasets' manifests (their output
     sha256s), repeat factors, seq_len, seed and packing algorithm. A checkpoint stores it so that
     a resume on changed data is refused instead of silently replaying a different stream.
@@ -118,16 +119,13 @@ class PackedMixture:
 
     def _save(self, paths: dict[str, Path], write, needed: int) -> None:
         """Write cache files under temporary names, then rename them: ranks racing to write the
-        same files write identical ones harmlessly, and a reader never sees half a file."""
-        tmp = {k: p.with_name(p.name + f".tmp{os.getpid()}.npy") for k, p in paths.items()}
+        same files write identical ones harmlessly, and a reader never sees half a file. A cache
+        (made again when missing): not fsynced."""
         try:
             self.index_dir.mkdir(parents=True, exist_ok=True)
-            write(tmp)
-            for k, path in paths.items():
-                os.replace(tmp[k], path)
+            with atomic_files(*paths.values(), suffix=".npy", fsync=False) as staged:
+                write(dict(zip(paths, staged)))
         except OSError as exc:
-            for path in tmp.values():
-                path.unlink(missing_ok=True)
             raise write_error(exc, self.index_dir, "set data.index_dir to a writable directory (the packing "
                               "index is cached there)", needed=needed) from None
 

@@ -32,7 +32,7 @@ from types import MappingProxyType
 from typing import Any
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.integrity import DIGEST_KEY, digest_matches, with_digest, write_json_atomic
+from mimir_megatron.integrity import DIGEST_KEY, RecordFields, digest_matches, with_digest, write_json_atomic
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "mimir-prepared-v1"
@@ -279,35 +279,11 @@ def _personal_data(screen: Mapping[str, Any] | None, path: Path) -> PersonalData
                               documents_rejected=fields.int("documents_rejected"))
 
 
-class _Fields:
-    """Typed access to one JSON object of the manifest; a missing or mistyped field is a one-line
-    :class:`UserError` naming the file and the field."""
+class _Fields(RecordFields):
+    """Typed access to one JSON object of the manifest (its integers are counts: never negative)."""
 
-    def __init__(self, values: Mapping[str, Any], path: Path, prefix: str = "") -> None:
-        self.values, self.path, self.prefix = values, path, prefix
-
-    def _get(self, name: str, kinds: tuple[type, ...], what: str, required: bool) -> Any:
-        value = self.values.get(name)
-        if value is None:
-            if required:
-                raise UserError(f"{self.path}: {self.prefix}{name}: missing (a field every manifest has); "
-                                "prepare the dataset again")
-            return None
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            raise UserError(f"{self.path}: {self.prefix}{name}: {what} expected, got {value!r}")
-        return value
+    missing_hint = " (a field every manifest has); prepare the dataset again"
 
     def int(self, name: str, *, required: bool = True) -> Any:
-        value = self._get(name, (int,), "a non-negative integer", required)
-        if value is not None and value < 0:
-            raise UserError(f"{self.path}: {self.prefix}{name}: a non-negative integer expected, got {value}")
-        return value
-
-    def str(self, name: str, *, required: bool = True) -> Any:
-        return self._get(name, (str,), "a string", required)
-
-    def list(self, name: str, *, required: bool = True) -> Any:
-        return self._get(name, (list,), "a list", required)
-
-    def mapping(self, name: str, *, required: bool = True) -> Any:
-        return self._get(name, (dict,), "a JSON object", required)
+        return self.get(name, lambda v: type(v) is int and v >= 0, "a non-negative integer",
+                        required=required)

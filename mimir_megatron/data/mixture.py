@@ -20,12 +20,11 @@ Every mistake in the file is reported at once, one line each.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import Fingerprint, fingerprint
 
 from .policy import DataPolicy, parse_policy
 from .manifest import Manifest
@@ -126,7 +125,7 @@ def _entry(item, where: str, source: Path, errors: list[str]) -> MixtureEntry | 
     )
 
 
-def mixture_digest(mixture: Mixture, extra: dict | None = None) -> str:
+def mixture_digest(mixture: Mixture, extra: dict | None = None) -> Fingerprint:
     """sha256 of what decides the sample stream: each dataset's outputs and repeat factor."""
     parts = []
     for e in mixture.entries:
@@ -140,5 +139,4 @@ def mixture_digest(mixture: Mixture, extra: dict | None = None) -> str:
                 "tokenizer": manifest.tokenizer.sha256,
             }
         )
-    payload = json.dumps({"datasets": parts, **(extra or {})}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()
+    return fingerprint({"datasets": parts, **(extra or {})})

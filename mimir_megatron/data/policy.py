@@ -304,27 +304,10 @@ def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world
     other check is cheap and made by every rank. ``digest_cache``: a directory where the digests
     of files hashed before are kept (:class:`~.prepared.DigestCache`); unchanged files are not
     read again. None: every file is hashed."""
+    verify = _verification_needed(mixture.policy, verify)
     problems: list[str] = []
-    files: list[tuple[str, list[str], list]] = []  # (dataset, structural lines, files being hashed)
-    signed = bool(mixture.policy.public_key)
-    if signed and not verify:  # a signature vouches for the manifest; the hashes carry it to the shards
-        log.warning("data.verify=false, but data_policy.public_key is set: signed datasets' files are "
-                    "verified against their manifests all the same")
-        verify = True
-    threads = max(1, min(8, os.cpu_count() or 1))
-    started, hashed, shares = time.perf_counter(), [0, 0], ByteShares(world)
-    cache = DigestCache(digest_cache, rank) if verify and digest_cache is not None else None
-    with ThreadPoolExecutor(threads, thread_name_prefix="verify-data") as pool:
-        def submit(path: Path, shared: bool = True) -> Future:
-            hashed[0] += 1
-            size = path.stat().st_size if path.is_file() else 0
-            if shared and shares.owner(size) != rank:
-                skipped: Future = Future()
-                skipped.set_result(None)  # another rank's share
-                return skipped
-            hashed[1] += size
-            return pool.submit(cache.sha256 if cache is not None else sha256_file, path)
-
+    datasets: list[tuple[str, list[str], list]] = []  # (dataset, structural lines, files being hashed)
+    with _OutputHashing(verify, rank, world, digest_cache) as hashing:
         for entry in mixture.entries:
             if entry.repeat == 0:
                 continue  # listed, never trained on
@@ -336,26 +319,72 @@ def training_data_problems(mixture, *, verify: bool = True, rank: int = 0, world
                 continue
             problems += declaration_problems(entry, manifest, mixture.policy)
             structural = shard_problems(entry.path, manifest)
-            # A dataset with a structural problem is hashed whole by every rank: its digests then
-            # name the damaged or swapped file itself, the same line on every rank.
-            pending = hash_outputs(entry.path, manifest, lambda p, s=not structural: submit(p, s)) \
-                if verify else []
-            files.append((entry.name, structural, pending))
-        for name, structural, pending in files:
+            datasets.append((entry.name, structural, hashing.start(entry.path, manifest, structural)))
+        for name, structural, pending in datasets:
             lines = _file_lines(structural, output_problems(pending))
             problems += [f"dataset {name}: {line}" for line in lines]
-    if verify:
-        seconds = time.perf_counter() - started
-        reused = ""
-        if cache is not None:
-            cache.save()
-            reused = f", {cache.reused} unchanged since an earlier start and not read again"
-        log.info("prepared data: %d files (%.2f GB on this rank%s) verified against their manifests' sha256 "
-                 "in %.1f s", hashed[0], hashed[1] / 1e9, reused, seconds)
-    else:
-        log.warning("prepared data: structure checked, sha256 not verified (data.verify=false: for "
-                    "trusted corpora only)")
     return problems
+
+
+def _verification_needed(policy: DataPolicy, verify: bool) -> bool:
+    """``data.verify``, except that a policy asking for signed manifests always verifies: a
+    signature vouches for the manifest, the files' hashes carry it to the shards."""
+    if policy.public_key and not verify:
+        log.warning("data.verify=false, but data_policy.public_key is set: signed datasets' files are "
+                    "verified against their manifests all the same")
+        return True
+    return verify
+
+
+class _OutputHashing:
+    """The prepared files' sha256 against their manifests: hashed in threads across all datasets
+    at once, a share per rank (split by bytes), unchanged files' digests taken from the cache;
+    the files hashed and the time logged at the end. Off (``verify=False``): nothing is hashed."""
+
+    def __init__(self, verify: bool, rank: int, world: int, digest_cache: Path | None) -> None:
+        self.verify, self.rank, self.shares = verify, rank, ByteShares(world)
+        self.cache = DigestCache(digest_cache, rank) if verify and digest_cache is not None else None
+        self.files = self.bytes = 0
+
+    def __enter__(self) -> _OutputHashing:
+        self.started = time.perf_counter()
+        self.pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="verify-data")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.pool.shutdown()
+        if exc[0] is None:
+            self._log()
+
+    def start(self, path: Path, manifest: Manifest, structural: list[str]) -> list:
+        """Start hashing the files of the dataset at ``path`` (:func:`~.prepared.output_problems`
+        reads the verdicts). A dataset with a structural problem is hashed whole by every rank:
+        its digests then name the damaged or swapped file itself, the same line on every rank."""
+        if not self.verify:
+            return []
+        return hash_outputs(path, manifest, lambda file: self._submit(file, shared=not structural))
+
+    def _submit(self, path: Path, shared: bool) -> Future:
+        self.files += 1
+        size = path.stat().st_size if path.is_file() else 0
+        if shared and self.shares.owner(size) != self.rank:
+            skipped: Future = Future()
+            skipped.set_result(None)  # another rank's share
+            return skipped
+        self.bytes += size
+        return self.pool.submit(self.cache.sha256 if self.cache is not None else sha256_file, path)
+
+    def _log(self) -> None:
+        if not self.verify:
+            log.warning("prepared data: structure checked, sha256 not verified (data.verify=false: for "
+                        "trusted corpora only)")
+            return
+        reused = ""
+        if self.cache is not None:
+            self.cache.save()
+            reused = f", {self.cache.reused} unchanged since an earlier start and not read again"
+        log.info("prepared data: %d files (%.2f GB on this rank%s) verified against their manifests' sha256 "
+                 "in %.1f s", self.files, self.bytes / 1e9, reused, time.perf_counter() - self.started)
 
 
 def declaration_problems(entry, manifest: Manifest, policy: DataPolicy) -> list[str]:

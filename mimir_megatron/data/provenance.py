@@ -499,10 +499,10 @@ def _resolve_parent(ref: str, base: Path, siblings: Mapping[str, Path]
     if path is None:
         path = Path(ref).expanduser()
         path = path if path.is_absolute() else base / path
-    record = read_provenance(path)
-    if record is False:
+    stored = read_provenance(path)
+    if stored is None:
         return None
-    found = checked_record(record, path)
+    found = stored.provenance
     if found is None:  # it exists but declared nothing: kept, visibly unknown
         return Parent(id=str(ref), digest=None, license=UNKNOWN, basis=UNKNOWN, source=UNKNOWN,
                       path=str(Path(path).resolve())), (), None
@@ -529,14 +529,13 @@ def ancestry_problems(provenance: Provenance, path: str | Path | None, name: str
                                 "itself")
                 continue
             try:
-                record = read_provenance(parent.path)
-                found = None if record is False else checked_record(record, parent.path)
+                stored = read_provenance(parent.path)
             except UserError as exc:
                 problems.append(f"{name}: parent {parent.id} of {child_name}: {exc}")
                 continue
-            if record is False:
+            if stored is None:
                 continue  # gone: the record pinned in the child is what there is
-            now = found.digest if found is not None else None
+            found, now = stored.provenance, stored.digest
             if now != parent.digest:
                 terms = found.license if found is not None else UNKNOWN
                 whose = "it" if child is provenance else f"its ancestor {child_name}"
@@ -576,7 +575,7 @@ def agreement_ancestors(provenance: Provenance) -> list[Parent]:
             seen.add(parent.path)
             try:
                 stored = read_provenance(parent.path)
-                above = None if stored is False else checked_record(stored, parent.path)
+                above = None if stored is None else stored.provenance
             except UserError:
                 continue  # a damaged parent: the gate names it
             if above is not None and above.digest == parent.digest:
@@ -594,29 +593,49 @@ def sidecar_path(data_file: str | Path) -> Path:
     return data_file.with_name(data_file.name + SIDECAR_SUFFIX)
 
 
-def read_provenance(path: str | Path) -> dict[str, Any] | bool:
-    """The stored record of a prepared dataset (its manifest's ``provenance``) or of a data file
-    (its sidecar); ``UNKNOWN_RECORD`` where it exists but declares nothing; False where ``path``
-    is neither."""
+@dataclass(frozen=True)
+class StoredProvenance:
+    """The provenance recorded for a prepared dataset (in its manifest) or a data file (in its
+    sidecar), read and checked: its format, its digest and every field."""
+
+    path: Path
+    """The dataset or data file."""
+    where: Path
+    """The file that holds the record: the manifest, or the sidecar (which may not exist)."""
+    provenance: Provenance | None
+    """None where nothing is declared (provenance unknown)."""
+
+    @property
+    def digest(self) -> str | None:
+        """The record's digest (what a child pins); None where nothing is declared."""
+        return None if self.provenance is None else self.provenance.digest
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The record as a manifest or sidecar stores it (the unknown marker where undeclared)."""
+        return stored_record(self.provenance)
+
+
+def read_provenance(path: str | Path) -> StoredProvenance | None:
+    """The provenance recorded for ``path``, a prepared dataset (its manifest's record) or a data
+    file (its sidecar's; declared by nothing where it has none); None where ``path`` is neither.
+    A one-line :class:`UserError` naming the manifest or sidecar when its record is damaged (not
+    JSON, of another format, edited after its digest, or not one this project would write)."""
     from .manifest import MANIFEST_NAME, Manifest
 
     path = Path(path)
     if (path / MANIFEST_NAME).is_file():
-        return dict(Manifest.read(path).provenance or UNKNOWN_RECORD)
-    if path.is_file():
-        sidecar = sidecar_path(path)
-        return _sidecar_record(sidecar) if sidecar.is_file() else dict(UNKNOWN_RECORD)
-    return False
-
-
-def read_sidecar(data_file: str | Path) -> Provenance | None:
-    """The provenance recorded beside ``data_file``, checked (format, digest, every field); None
-    where there is no sidecar or it declares nothing. A one-line :class:`UserError` naming the
-    sidecar and what is wrong otherwise."""
-    sidecar = sidecar_path(data_file)
-    if not sidecar.is_file():
+        record, where = Manifest.read(path).provenance, path / MANIFEST_NAME
+    elif path.is_file():
+        where = sidecar_path(path)
+        record = _sidecar_record(where) if where.is_file() else None
+    else:
         return None
-    return checked_record(_sidecar_record(sidecar), data_file)
+    if record:
+        problem = record_problem(record)
+        if problem:
+            raise UserError(f"{where}: {problem}")
+    return StoredProvenance(path, where, provenance_from_record(record, f"{where}: provenance"))
 
 
 def _sidecar_record(sidecar: Path) -> dict[str, Any]:
@@ -641,20 +660,6 @@ def _migrated_sidecar(record: dict[str, Any], sidecar: Path) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k != "format"}
 
 
-def checked_record(record: Mapping[str, Any] | None, path: str | Path) -> Provenance | None:
-    """The record stored for ``path`` (a prepared dataset or a data file), checked for hand edits
-    and validated; a one-line :class:`UserError` naming the file and the field otherwise."""
-    from .manifest import MANIFEST_NAME
-
-    path = Path(path)
-    where = path / MANIFEST_NAME if (path / MANIFEST_NAME).is_file() else sidecar_path(path)
-    if isinstance(record, Mapping):
-        problem = record_problem(record)
-        if problem:
-            raise UserError(f"{where}: {problem}")
-    return provenance_from_record(record, f"{where}: provenance")
-
-
 def write_sidecar(data_file: str | Path, provenance: Provenance | None) -> Path:
     """Record ``provenance`` beside a data file a pipeline wrote (atomically)."""
     return write_json_atomic(sidecar_path(data_file), {"format": SIDECAR_FORMAT, **stored_record(provenance)})
@@ -670,8 +675,8 @@ def derived_provenance(
     (None with a ``generator``: ``unknown``, which the default data policy refuses)."""
     parents, languages = [], {}
     for path in inputs:
-        record = read_provenance(path)
-        found = checked_record(record or None, path)
+        stored = read_provenance(path)
+        found = None if stored is None else stored.provenance
         if found is None:
             parents.append(Parent(id=Path(path).name, digest=None, license=UNKNOWN, basis=UNKNOWN,
                                   source=UNKNOWN, path=str(Path(path).resolve())))

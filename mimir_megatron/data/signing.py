@@ -6,25 +6,65 @@ keygen`` makes a key pair, ``mimir data sign --key KEY DATASET...`` writes ``man
 each manifest, and a mixture whose ``data_policy.public_key`` names the public key trains only on
 datasets whose manifest carries a valid signature by it (:func:`signature_problem`, checked
 with the policy before step 1). ``cryptography`` (the ``sign`` extra) does the Ed25519; nothing
-imports it unless signing is used.
+imports it unless signing is used. ``manifest.sig`` is a record (:class:`ManifestSignature`): one
+writer, one reader, which checks its format and fields (a signature is its own integrity check:
+it carries no digest).
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
-import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mimir_megatron.errors import UserError, write_error
+from mimir_megatron.integrity import RecordFields, read_json_object, write_json_atomic
 
 if TYPE_CHECKING:
     from .manifest import Manifest
 
 SIGNATURE_NAME = "manifest.sig"
 FORMAT = "mimir-manifest-signature-v1"
+ALGORITHM = "ed25519"
+
+
+@dataclass(frozen=True)
+class ManifestSignature:
+    """``manifest.sig``: the signature of a manifest's digest, and the key that made it."""
+
+    key_id: str
+    """The first 16 hex digits of the sha256 of the raw public key."""
+    digest: str
+    """The manifest digest signed."""
+    signature: bytes
+
+    def write(self, dataset: str | Path) -> Path:
+        return write_json_atomic(Path(dataset) / SIGNATURE_NAME, {
+            "format": FORMAT, "algorithm": ALGORITHM, "key_id": self.key_id, "digest": self.digest,
+            "signature": base64.b64encode(self.signature).decode()}, indent=1)
+
+    @classmethod
+    def read(cls, dataset: str | Path) -> ManifestSignature:
+        """The signature beside the manifest of ``dataset``; a one-line :class:`UserError` naming
+        the file when it is missing, of another format or algorithm, or a field is wrong."""
+        path = Path(dataset) / SIGNATURE_NAME
+        missing = f"{path}: missing (data_policy.public_key requires signed manifests: mimir data sign)"
+        body = read_json_object(path, "manifest signature", missing=missing)
+        found = body.get("format")
+        if found != FORMAT:
+            raise UserError(f"{path}: format {found!r} is not one this version of mimir reads (it reads "
+                            f"{FORMAT!r}); sign the dataset again (mimir data sign)")
+        f = RecordFields(body, path)
+        f.get("algorithm", lambda v: v == ALGORITHM, repr(ALGORITHM))
+        try:
+            signature = base64.b64decode(f.str("signature"), validate=True)
+        except (binascii.Error, ValueError):
+            raise UserError(f"{path}: signature: base64 expected") from None
+        return cls(key_id=f.str("key_id"), digest=f.str("digest"), signature=signature)
 
 
 def generate_key(private_path: str | Path) -> tuple[Path, Path]:
@@ -85,18 +125,14 @@ def _key_id(public_key) -> str:
 
 def sign_manifest(dataset: str | Path, private_key: str | Path) -> Path:
     """Sign the manifest of the prepared dataset ``dataset`` (its digest must be intact)."""
-    from mimir_megatron.integrity import write_json_atomic
-
     from .manifest import MANIFEST_NAME, Manifest
 
     manifest = Manifest.read(dataset, verify_digest=False)
     if manifest.digest_problem or manifest.digest is None:
         raise UserError(f"{Path(dataset) / MANIFEST_NAME}: {manifest.digest_problem}; not signed")
     key = _load(private_key, private=True)
-    signature = key.sign(manifest.digest.encode())
-    return write_json_atomic(Path(dataset) / SIGNATURE_NAME, {
-        "format": FORMAT, "algorithm": "ed25519", "key_id": _key_id(key.public_key()),
-        "digest": manifest.digest, "signature": base64.b64encode(signature).decode()}, indent=1)
+    return ManifestSignature(key_id=_key_id(key.public_key()), digest=manifest.digest,
+                             signature=key.sign(manifest.digest.encode())).write(dataset)
 
 
 def signature_problem(dataset: str | Path, manifest: Manifest, public_key: str | Path) -> str | None:
@@ -104,19 +140,15 @@ def signature_problem(dataset: str | Path, manifest: Manifest, public_key: str |
     from cryptography.exceptions import InvalidSignature
 
     path = Path(dataset) / SIGNATURE_NAME
-    if not path.is_file():
-        return f"{path}: missing (data_policy.public_key requires signed manifests: mimir data sign)"
     try:
-        body = json.loads(path.read_text())
-        signature = base64.b64decode(body["signature"], validate=True)
-        signed = body["digest"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{path}: not a manifest signature"
-    if signed != manifest.digest:
-        return (f"{path}: signs another manifest (digest {str(signed)[:12]}, the manifest's "
+        signed = ManifestSignature.read(dataset)
+    except UserError as exc:
+        return str(exc)
+    if signed.digest != manifest.digest:
+        return (f"{path}: signs another manifest (digest {signed.digest[:12]}, the manifest's "
                 f"{str(manifest.digest)[:12]})")
     try:
-        _load(public_key, private=False).verify(signature, str(signed).encode())
+        _load(public_key, private=False).verify(signed.signature, signed.digest.encode())
     except InvalidSignature:
         return f"{path}: not signed by the key {public_key} (forged, or signed with another key)"
     return None

@@ -143,7 +143,7 @@ def _params(args: argparse.Namespace) -> dict:
 
 def cmd_prefix(args: argparse.Namespace) -> int:
     from mimir_megatron.audits.prefix import PrefixSettings, prefix_audit
-    from mimir_megatron.audits.report import audit_tracking
+    from mimir_megatron.audits.outputs import audit_tracking
 
     source = model_dir_from_args(args)
     settings = PrefixSettings(
@@ -160,7 +160,7 @@ def cmd_prefix(args: argparse.Namespace) -> int:
 
 def cmd_continuation(args: argparse.Namespace) -> int:
     from mimir_megatron.audits.continuation import ContinuationSettings, continuation_audit
-    from mimir_megatron.audits.report import audit_tracking
+    from mimir_megatron.audits.outputs import audit_tracking
     from mimir_megatron.audits.sources import resolve_sources
 
     if args.index:
@@ -186,7 +186,7 @@ def cmd_contamination(args: argparse.Namespace) -> int:
 
     from mimir_megatron.audits.contamination import ContaminationSettings
     from mimir_megatron.audits.contamination_audit import contamination_audit
-    from mimir_megatron.audits.report import audit_tracking
+    from mimir_megatron.audits.outputs import audit_tracking
 
     settings = ContaminationSettings(ngram=args.ngram, max_hits=args.max_hits, limit=args.limit,
                                      workers=args.workers or max(1, len(os.sched_getaffinity(0))))

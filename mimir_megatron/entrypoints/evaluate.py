@@ -7,7 +7,7 @@ import contextlib
 import logging
 from pathlib import Path
 
-from mimir_megatron.checkpoint import add_model_arguments, model_dir_from_args
+from mimir_megatron.checkpoint import ModelDir, add_model_arguments, model_dir_from_args
 from mimir_megatron.inference.api_keys import ENV_VAR, add_api_key_arguments
 
 log = logging.getLogger("mimir")
@@ -94,20 +94,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_fixtures)
 
 
-def _resolve_model(args: argparse.Namespace) -> None:
-    """Recognise ``--model`` once: the rest of the command sees the form it is (``args.checkpoint``,
-    ``args.hf`` or ``args.weights``), as if that flag had been given."""
+def _model(args: argparse.Namespace) -> ModelDir | None:
+    """The model the flags name, resolved once for the whole command (every fact of it is asked
+    of this value); None with ``--base-url``."""
     if args.base_url:
-        return
+        return None
     if args.api_key_file:
         from mimir_megatron.errors import UserError
 
         raise UserError("--api-key-file is the key of a running server (--base-url); the server started here "
                         "gets a fresh key of its own")
-    source = model_dir_from_args(args)
-    source.check_ema(args.ema)
-    args.model = args.checkpoint = args.hf = args.weights = None
-    setattr(args, str(source.kind), str(source.path))
+    model = model_dir_from_args(args)
+    model.check_ema(args.ema)
+    return model
 
 
 def _suite(args: argparse.Namespace):
@@ -120,105 +119,85 @@ def _suite(args: argparse.Namespace):
     return suite
 
 
-def _source_name(args: argparse.Namespace) -> str:
-    if args.base_url:
+def _source_name(args: argparse.Namespace, model: ModelDir | None) -> str:
+    if model is None:
         return getattr(args, "model_name", None) or "server"
-    from mimir_megatron.checkpoint import display_name
-
-    return display_name(_model(args), ema=args.ema)
+    return model.display_name(ema=args.ema)
 
 
-def _model(args: argparse.Namespace):
-    """The model directory the (resolved) flags name; None with ``--base-url``."""
-    from mimir_megatron.checkpoint import resolve_model_dir
-
-    if not (args.checkpoint or args.weights or args.hf):
-        return None
-    return resolve_model_dir(checkpoint=args.checkpoint, weights=args.weights, hf=args.hf)
-
-
-def _tokenizer_dir(args: argparse.Namespace) -> str | None:
+def _tokenizer_dir(args: argparse.Namespace, model: ModelDir | None) -> str | None:
     """The tokenizer the log-likelihood client renders chat contexts with: the one the server
-    loads for the same model (:func:`mimir_megatron.checkpoint.tokenizer_dir`)."""
-    from mimir_megatron.checkpoint import tokenizer_dir
-
-    source = _model(args)
-    if source is None:
+    loads for the same model (``--tokenizer``, else the model's own)."""
+    if model is None:
         return args.tokenizer
-    found = tokenizer_dir(source, args.tokenizer)
+    found = model.tokenizer_or(args.tokenizer)
     return str(found) if found is not None else None
 
 
-def _trained_schedule(args: argparse.Namespace) -> tuple[int, int] | None:
+def _trained_schedule(args: argparse.Namespace, model: ModelDir | None) -> tuple[int, int] | None:
     """The schedule a sweep marks as trained: ``--trained-schedule``, else what the model's
     directory records (any form: checkpoint, weights, transformers)."""
-    from mimir_megatron.checkpoint import trained_schedule
     from mimir_megatron.evaluation.sweep import parse_schedules
 
     if args.trained_schedule:
         return tuple(parse_schedules(args.trained_schedule)[0])
-    source = _model(args)
-    return trained_schedule(source) if source is not None else None
+    return model.trained_schedule if model is not None else None
 
 
 @contextlib.contextmanager
-def _server(args: argparse.Namespace, output: Path):
+def _server(args: argparse.Namespace, model: ModelDir | None, output: Path):
     """The endpoint of ``--base-url`` (with the key of ``--api-key-file`` or the environment), or of
     a `mimir serve` started here for the model."""
-    if args.base_url:
+    if model is None:
         from mimir_megatron.inference.api_keys import Endpoint, client_key
 
         yield Endpoint(args.base_url, client_key(args.api_key_file))
         return
     from mimir_megatron.evaluation.serve import launched_server
 
-    with launched_server(checkpoint=args.checkpoint, ema=args.ema, hf=args.hf, weights=args.weights,
-                         tokenizer=args.tokenizer, log_file=output / "serve.log",
-                         startup_timeout_s=args.startup_timeout) as url:
+    with launched_server(**{str(model.kind): str(model.path)}, ema=args.ema, tokenizer=args.tokenizer,
+                         log_file=output / "serve.log", startup_timeout_s=args.startup_timeout) as url:
         yield url
 
 
-def _score_client(args: argparse.Namespace, endpoint, model_name: str):  # noqa: ANN001
+def _score_client(args: argparse.Namespace, model: ModelDir | None, endpoint, model_name: str):  # noqa: ANN001
     from mimir_megatron.evaluation.scoring_client import ScoreClient, load_renderer
 
-    render, encode = load_renderer(_tokenizer_dir(args))
+    render, encode = load_renderer(_tokenizer_dir(args, model))
     return ScoreClient(endpoint, model_name, render, encode)
 
 
-def _marks(args: argparse.Namespace, suite):
+def _marks(args: argparse.Namespace, suite, model: ModelDir | None):
     """Contamination marks per task (None without a report), read before anything runs."""
-    from mimir_megatron.checkpoint.model_dir import ModelDir, ModelKind, run_directory
     from mimir_megatron.evaluation.contamination import benchmark_marks, find_report
 
-    checkpoint = ModelDir(ModelKind.checkpoint, Path(args.checkpoint)) if args.checkpoint else None
-    run_dir = run_directory(checkpoint) if checkpoint else None
-    report = find_report(args.contamination, suite.name, run_dir)
+    report = find_report(args.contamination, suite.name, model.run_directory if model else None)
     return benchmark_marks(report, suite, args.data_dir), (str(report.path) if report else None)
 
 
-def _params(args: argparse.Namespace, suite, model_name: str) -> dict:
-    return {"suite": suite.name, "suite_file": suite.source, "model": model_name,
-            "source": args.checkpoint or args.hf or args.weights or args.base_url,
+def _params(args: argparse.Namespace, suite, model: ModelDir | None) -> dict:
+    return {"suite": suite.name, "suite_file": suite.source, "model": "",
+            "source": str(model.path) if model else args.base_url,
             "ema": args.ema, "limit": args.limit, "seed": suite.seed,
             "mc_scoring": args.mc_scoring or suite.mc_scoring, "data_dir": args.data_dir or suite.data_dir}
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from mimir_megatron.evaluation.report import markdown
+    from mimir_megatron.evaluation.tables import markdown
     from mimir_megatron.evaluation.tracking import tracking_target
     from mimir_megatron.evaluation.workflow import run_eval
 
-    _resolve_model(args)
+    model = _model(args)
     suite = _suite(args)
-    marks, report = _marks(args, suite)
+    marks, report = _marks(args, suite, model)
     schedule = "" if args.h_cycles is None and args.l_cycles is None else f"-h{args.h_cycles}l{args.l_cycles}"
-    output = Path(args.output or Path("evals") / suite.name / (_source_name(args) + schedule))
-    target = tracking_target(output, args.tracking_uri, args.checkpoint, args.experiment)
-    done = run_eval(suite, output, _server(args, output), target,
+    output = Path(args.output or Path("evals") / suite.name / (_source_name(args, model) + schedule))
+    target = tracking_target(output, args.tracking_uri, model.record if model else None, args.experiment)
+    done = run_eval(suite, output, _server(args, model, output), target,
                     model_name=args.model_name if args.base_url and args.model_name else None,
-                    score_client=lambda endpoint, name: _score_client(args, endpoint, name),
+                    score_client=lambda endpoint, name: _score_client(args, model, endpoint, name),
                     h_cycles=args.h_cycles, l_cycles=args.l_cycles, marks=marks,
-                    params={**_params(args, suite, ""), "contamination_report": report},
+                    params={**_params(args, suite, model), "contamination_report": report},
                     data_dir=args.data_dir, limit=args.limit, allow_code_execution=args.allow_code_execution,
                     mc_scoring=args.mc_scoring)
     print(markdown(done.result, f"{suite.name} — {done.model_name}", marks))
@@ -233,19 +212,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from mimir_megatron.evaluation.tracking import tracking_target
     from mimir_megatron.evaluation.workflow import contamination_metrics
 
-    _resolve_model(args)
+    model = _model(args)
     suite = _suite(args)
-    marks, report = _marks(args, suite)
+    marks, report = _marks(args, suite, model)
     schedules = parse_schedules(args.schedules)
-    trained = _trained_schedule(args)
-    output = Path(args.output or Path("evals") / f"sweep-{suite.name}" / _source_name(args))
-    target = tracking_target(output, args.tracking_uri, args.checkpoint, args.experiment)
-    params = {**_params(args, suite, ""), "schedules": args.schedules, "trained_schedule": trained,
+    trained = _trained_schedule(args, model)
+    output = Path(args.output or Path("evals") / f"sweep-{suite.name}" / _source_name(args, model))
+    target = tracking_target(output, args.tracking_uri, model.record if model else None, args.experiment)
+    params = {**_params(args, suite, model), "schedules": args.schedules, "trained_schedule": trained,
               "contamination_report": report}
-    done = run_sweep(suite, schedules, output, _server(args, output), target,
+    done = run_sweep(suite, schedules, output, _server(args, model, output), target,
                      model_name=args.model_name if args.base_url and args.model_name else None,
-                     score_client=lambda endpoint, name: _score_client(args, endpoint, name), trained=trained,
-                     marks=marks, params=params, data_dir=args.data_dir, limit=args.limit,
+                     score_client=lambda endpoint, name: _score_client(args, model, endpoint, name),
+                     trained=trained, marks=marks, params=params, data_dir=args.data_dir, limit=args.limit,
                      allow_code_execution=args.allow_code_execution, mc_scoring=args.mc_scoring,
                      metrics=contamination_metrics(marks))
     print(markdown(done.sweep))
@@ -257,15 +236,15 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
     from mimir_megatron.evaluation.lm_eval_run import require_lm_eval, run_lm_eval
 
     require_lm_eval()
-    _resolve_model(args)
-    tokenizer = _tokenizer_dir(args)
+    model = _model(args)
+    tokenizer = _tokenizer_dir(args, model)
     if tokenizer is None:
         from mimir_megatron.errors import UserError
 
         raise UserError("mimir lm-eval needs the model's tokenizer: pass --tokenizer DIR")
-    output = Path(args.output or Path("evals") / "lm-eval" / _source_name(args))
+    output = Path(args.output or Path("evals") / "lm-eval" / _source_name(args, model))
     passthrough = args.lm_eval_args[1:] if args.lm_eval_args[:1] == ["--"] else args.lm_eval_args
-    with _server(args, output) as endpoint:
+    with _server(args, model, output) as endpoint:
         return run_lm_eval(endpoint, tokenizer, args.tasks, passthrough, output_path=output,
                            batch_size=args.batch_size, h_cycles=args.h_cycles, l_cycles=args.l_cycles)
 

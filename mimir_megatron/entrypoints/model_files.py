@@ -85,7 +85,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mimir_megatron.checkpoint import load_model_dir, training_record
     from mimir_megatron.config import load_config
     from mimir_megatron.errors import UserError
     from mimir_megatron.model import build_model
@@ -97,17 +96,19 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise UserError("--seed needs --config (the model shape to initialise)")
         model = build_model(load_config(args.config, [*args.overrides, f"seed={args.seed}"]))
         origin = f"freshly initialised weights (seed {args.seed})"
+        tokenizer = args.tokenizer or model.cfg.tokenizer  # a model with no directory: its config's
     else:
         source = model_dir_from_args(args)
-        model = load_model_dir(source, ema=args.ema, overrides=args.overrides)
-        record = training_record(source)
+        model = source.load(ema=args.ema, overrides=args.overrides)
+        record = source.record
         origin = f"{source.kind} ({source.path})"
+        tokenizer = source.tokenizer_or(args.tokenizer)
     details = ReleaseDetails(
         name=args.name, license=args.license, provider=args.provider, provider_contact=args.provider_contact,
         model_version=args.model_version, placed_on_market=args.placed_on_market, base_model=args.base_model,
         accept_licence_risk=args.accept_licence_risk, contamination=args.contamination)
     export_model(model, args.output, details, record=record, origin=origin, ema=args.ema,
-                 tokenizer=args.tokenizer, register=args.register, mlflow=not args.no_mlflow)
+                 tokenizer=tokenizer, register=args.register, mlflow=not args.no_mlflow)
     print(f"exported to {args.output}")
     return 0
 

@@ -54,7 +54,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from mimir_megatron.train.config import load_train_config
     from mimir_megatron.train.plan.layouts import RunSettings, plan_stages
     from mimir_megatron.train.plan.record import PlanRecord
-    from mimir_megatron.train.plan.report import stages_table, table
+    from mimir_megatron.train.plan.table import stages_table, table
 
     cfgs = [load_train_config(path, args.overrides) for path in args.config]
     settings = RunSettings(gpu=gpu_spec(args.gpu), gpus=args.gpus, nodes=args.nodes,

@@ -10,7 +10,6 @@ same data (sha256) the evaluation reads; otherwise it is shown as stale and not 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -18,7 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.integrity import read_json_object, refuse_if_edited, with_digest, write_json_atomic
+from mimir_megatron.integrity import (
+    directory_sha256,
+    read_json_object,
+    refuse_if_edited,
+    sha256_file,
+    with_digest,
+    write_json_atomic,
+)
 
 from .suite import SuiteSpec
 
@@ -42,20 +48,9 @@ def data_sha256(path: str | Path) -> str | None:
     """sha256 over a benchmark's data: a file's bytes, or a directory's files (names and bytes,
     sorted, as `datasets`' save_to_disk writes them); None when absent."""
     path = Path(path)
-    digest = hashlib.sha256()
     if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
-    else:
-        return None
-    for file in files:
-        if path.is_dir():
-            digest.update(str(file.relative_to(path)).encode() + b"\0")
-        with file.open("rb") as f:
-            while block := f.read(1 << 22):
-                digest.update(block)
-    return digest.hexdigest()
+        return sha256_file(path)
+    return directory_sha256(path) if path.is_dir() else None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 from mimir_megatron.errors import UserError
 
 from .metrics import LETTERS, extract
-from .records import load_rows, lookup, matches_filter, render, template_fields
+from .benchmark_rows import load_rows, lookup, matches_filter, render, template_fields
 from .suite import TaskSpec
 
 MC_INSTRUCTION = "Answer with the letter of the correct option only."

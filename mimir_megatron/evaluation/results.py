@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.integrity import read_json_object, refuse_if_edited, with_digest, write_json_atomic
+from mimir_megatron.integrity import (
+    RecordFields as _Fields,
+    is_number,
+    read_json_object,
+    refuse_if_edited,
+    with_digest,
+    write_json_atomic,
+)
 
 RESULTS_FORMAT = "mimir-eval-results-v2"
 SWEEP_FORMAT = "mimir-sweep-results-v2"
@@ -123,7 +130,7 @@ class EvalResults(_ResultsFile):
                 contamination=t.mapping("contamination", required=False),
                 score_split=t.mapping("score_split", required=False), marked="contamination" in task)
         averages = body.mapping("category_averages")
-        bad = next((k for k, v in averages.items() if not _is_number(v)), None)
+        bad = next((k for k, v in averages.items() if not is_number(v)), None)
         if bad is not None:
             raise UserError(f"{path}: category_averages.{bad}: a number expected, got {averages[bad]!r}")
         return cls(suite=body.str("suite"), model=body.str("model"), tasks=tasks, category_averages=averages,
@@ -193,40 +200,3 @@ def _schedule(value: Any, path: Path, where: str) -> tuple[int, int] | None:
     if len(value) != 2 or not all(type(v) is int for v in value):
         raise UserError(f"{path}: {where}: [H, L] expected, got {value!r}")
     return value[0], value[1]
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-class _Fields:
-    """Typed access to one JSON object of a results file; a missing or mistyped field is a
-    one-line :class:`UserError` naming the file and the field."""
-
-    def __init__(self, values: Mapping[str, Any], path: Path, prefix: str = "") -> None:
-        self.values, self.path, self.prefix = values, path, prefix
-
-    def _get(self, name: str, check, what: str, required: bool) -> Any:
-        if name not in self.values or self.values[name] is None:
-            if required:
-                raise UserError(f"{self.path}: {self.prefix}{name}: missing")
-            return None
-        value = self.values[name]
-        if not check(value):
-            raise UserError(f"{self.path}: {self.prefix}{name}: {what} expected, got {value!r}")
-        return value
-
-    def int(self, name: str, *, required: bool = True) -> Any:
-        return self._get(name, lambda v: type(v) is int, "an integer", required)
-
-    def number(self, name: str, *, required: bool = True) -> Any:
-        return self._get(name, _is_number, "a number", required)
-
-    def str(self, name: str, *, required: bool = True) -> Any:
-        return self._get(name, lambda v: isinstance(v, str), "a string", required)
-
-    def list(self, name: str, *, required: bool = True) -> Any:
-        return self._get(name, lambda v: isinstance(v, list), "a list", required)
-
-    def mapping(self, name: str, *, required: bool = True) -> Any:
-        return self._get(name, lambda v: isinstance(v, dict), "a JSON object", required)

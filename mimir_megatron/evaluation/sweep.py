@@ -75,7 +75,7 @@ class SweepResult:
     """Per task, from a contamination report (None: no report)."""
 
     def header(self, task: TaskSpec) -> str:
-        from .report import marked_name
+        from .tables import marked_name
 
         return marked_name(task.header, self.marks, task.name)
 
@@ -125,7 +125,7 @@ def markdown(sweep: SweepResult) -> str:
             cells.append("n/a" if score is None else f"{score:.2f}{mark}")
         name = row["schedule"] + (" (trained)" if row["trained"] else "")
         lines.append(f"| {row['D']} | {row['H']} | {row['L']} | {name} | " + " | ".join(cells) + " |")
-    from .report import contamination_note
+    from .tables import contamination_note
 
     lines += ["", f"{DAGGER} collapsed: below chance (multiple choice) or under 2 points (generation).",
               *contamination_note(sweep.marks)]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mimir_megatron.checkpoint.model_dir import ModelDir, ModelKind, training_record
+from mimir_megatron.checkpoint.model_dir import TrainingRecord
+from mimir_megatron.checkpoint.run_directory import RunDirectory
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +32,11 @@ class TrackingTarget:
     checkpoint_step: int | None = None
 
 
-def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path | ModelDir | None = None,
+def tracking_target(output: Path, uri: str | None = None, record: TrainingRecord | None = None,
                     experiment: str | None = None) -> TrackingTarget:
-    """Where an evaluation's MLflow run goes (see the module docstring). ``checkpoint``: the
-    evaluated model, a training checkpoint in any form (a path that is none, or a model directory
-    of another form, records no training run)."""
-    if checkpoint and not isinstance(checkpoint, ModelDir):
-        checkpoint = ModelDir(ModelKind.checkpoint, Path(checkpoint))
-    record = training_record(checkpoint) if checkpoint else None
+    """Where an evaluation's MLflow run goes (see the module docstring). ``record``: the
+    evaluated model's training record (:attr:`ModelDir.record
+    <mimir_megatron.checkpoint.model_dir.ModelDir.record>`; None: the model records no run)."""
     if record is not None and not uri:
         run_dir, recorded = record.run_directory, record.state.recorded_run()
         return TrackingTarget(
@@ -46,8 +44,9 @@ def tracking_target(output: Path, uri: str | None = None, checkpoint: str | Path
             experiment=experiment or recorded.experiment or DEFAULT_EXPERIMENT,
             artifact_root=run_dir.artifact_root,
             parent_run_id=record.state.mlflow_run_id, checkpoint_step=record.state.step)
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(output / 'mlflow.db').resolve()}"
-    return TrackingTarget(uri, experiment or DEFAULT_EXPERIMENT, (output / "mlartifacts").resolve().as_uri(),
+    store = RunDirectory(output)
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or store.mlflow_uri
+    return TrackingTarget(uri, experiment or DEFAULT_EXPERIMENT, store.artifact_root,
                           checkpoint_step=record.state.step if record else None)
 
 

@@ -37,7 +37,7 @@ class EvalRunResult:
 def contamination_metrics(marks: Marks | None, result: SuiteResult | None = None) -> dict[str, float]:
     """``contamination/<task>`` (the share of items contaminated) and, with an evaluation's
     ``result``, ``eval/clean/<task>`` and ``eval/contaminated/<task>`` (the score split)."""
-    from .report import score_split
+    from .tables import score_split
 
     metrics = {f"contamination/{name}": mark.fraction for name, mark in (marks or {}).items()
                if mark is not None and not mark.stale}
@@ -67,7 +67,7 @@ def run_eval(suite: SuiteSpec, output: Path, server: AbstractContextManager[Endp
     logs to ``output`` (``marks``: a contamination report's, :func:`.contamination.benchmark_marks`),
     then logs one MLflow run to ``tracking`` with ``params`` (the model's name added as ``model``,
     the schedule as ``h_cycles``/``l_cycles``), the metrics, the tables and the logs."""
-    from .report import write_tables
+    from .tables import write_tables
     from .runner import run_suite, server_model_name
     from .tracking import EvalRun
 

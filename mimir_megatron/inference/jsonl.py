@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import atomic_files
 
 from .requests import RequestError
 from .types import GenerationRequest, SamplingParams
@@ -83,9 +84,8 @@ def generate_jsonl(engine, source: str | Path, output: str | Path,  # noqa: ANN0
             records.append(record if isinstance(record, dict) else {"line": number})
     results = engine.generate([r for _, r in requests], progress=True) if requests else []
     by_index = {i: res for (i, _), res in zip(requests, results)}
-    tmp = Path(str(output) + ".tmp")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    with tmp.open("w") as out:
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_files(output) as (tmp,), tmp.open("w") as out:
         for i, record in enumerate(records):
             line = dict(record)
             if i in errors:
@@ -97,7 +97,6 @@ def generate_jsonl(engine, source: str | Path, output: str | Path,  # noqa: ANN0
                 if logprobs:
                     line["logprobs"] = res.logprobs
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
-    tmp.replace(output)
     log.info("generated %d of %d lines (%d bad) -> %s; %s", len(requests), len(records), len(errors), output,
              engine.stats.summary())
     return GeneratedFile(output, len(records), len(requests), len(errors))

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def load_engine(
     *,
-    model: str | Path | None = None,
+    model: str | Path | checkpoint_pkg.ModelDir | None = None,
     checkpoint: str | Path | None = None,
     ema: bool = False,
     weights: str | Path | None = None,
@@ -31,16 +31,20 @@ def load_engine(
     compile_decode: bool = False,
 ) -> InferenceEngine:
     """An engine over exactly one of: a ``model`` directory of any form (recognised by
-    :func:`mimir_megatron.checkpoint.resolve_model_dir`), a training ``checkpoint`` (optionally its
+    :func:`mimir_megatron.checkpoint.resolve_model_dir`, or the command's model value already
+    resolved: a :class:`~mimir_megatron.checkpoint.ModelDir`), a training ``checkpoint`` (optionally its
     ``ema`` weights), project ``weights`` (``mimir import`` output) or a transformers ``hf`` directory.
 
     The tokenizer comes from ``tokenizer``, else from the model's own directory or config.
     ``compile_decode``: see :class:`InferenceEngine`.
     """
-    found = checkpoint_pkg.resolve_model_dir(model=model, checkpoint=checkpoint, weights=weights, hf=hf)
+    if isinstance(model, checkpoint_pkg.ModelDir) and checkpoint is weights is hf is None:
+        found = model
+    else:
+        found = checkpoint_pkg.resolve_model_dir(model=model, checkpoint=checkpoint, weights=weights, hf=hf)
     source = found.path
-    net = checkpoint_pkg.load_model_dir(found, ema=ema, tensor_parallel_size=tensor_parallel_size)
-    tok_dir = checkpoint_pkg.tokenizer_dir(found, tokenizer)
+    net = found.load(ema=ema, tensor_parallel_size=tensor_parallel_size)
+    tok_dir = found.tokenizer_or(tokenizer)
     tok = None
     if tok_dir is not None and (tok_dir / "tokenizer.json").is_file():
         from mimir_megatron.chat import load_tokenizer
@@ -50,6 +54,6 @@ def load_engine(
         log.warning("no tokenizer found for %s: the engine takes and returns token ids only", source)
     return InferenceEngine(
         net, tok, max_batch_size=max_batch_size, max_context=max_context,
-        model_name=checkpoint_pkg.served_name(found),
+        model_name=found.served_name,
         compile_decode=compile_decode,
     )

@@ -25,6 +25,8 @@ import urllib.request
 from pathlib import Path
 from typing import Self
 
+from mimir_megatron.checkpoint.run_directory import RunDirectory
+
 DEFAULT_HOST = "127.0.0.1"
 
 
@@ -33,12 +35,6 @@ def free_port(host: str = DEFAULT_HOST) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def run_store(run_dir: str | os.PathLike) -> tuple[str, Path]:
-    """The trainer's default store of a run directory: (sqlite URI, artifacts directory)."""
-    run_dir = Path(run_dir).resolve()
-    return f"sqlite:///{run_dir / 'mlflow.db'}", run_dir / "mlartifacts"
 
 
 def server_command(
@@ -127,8 +123,9 @@ class MlflowServer:
         app_name: str | None = None,
     ) -> None:
         self.store_dir = Path(store_dir).resolve()
-        default_uri, self.artifacts_dir = run_store(self.store_dir)
-        self.backend_store_uri = backend_store_uri or default_uri
+        store = RunDirectory(self.store_dir)
+        self.artifacts_dir = store.artifacts
+        self.backend_store_uri = backend_store_uri or store.mlflow_uri
         self.host = host
         self.port = port
         self.startup_timeout = startup_timeout

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.ops.mlflow_server import DEFAULT_HOST, run_store, server_command, server_env
+from mimir_megatron.checkpoint.run_directory import RunDirectory
+from mimir_megatron.ops.mlflow_server import DEFAULT_HOST, server_command, server_env
 from mimir_megatron.ops.ui_app import APP_NAME, TRAINING_VIEW
 from mimir_megatron.ops.ui_login import ui_login
 
@@ -39,15 +40,15 @@ def ui_command(
     if run_dir is None and backend_store_uri is None:
         raise UserError("give --run-dir (a training run directory) or --backend-store-uri")
     if run_dir is not None:
-        store_uri, default_artifacts = run_store(run_dir)
+        store = RunDirectory(Path(run_dir))
         if backend_store_uri is None:
-            if not (Path(run_dir) / "mlflow.db").is_file():
+            if not store.mlflow_db.is_file():
                 raise UserError(
-                    f"no MLflow store in {run_dir} (expected {Path(run_dir) / 'mlflow.db'}); "
+                    f"no MLflow store in {run_dir} (expected {store.mlflow_db}); "
                     "train first, or pass --backend-store-uri"
                 )
-            backend_store_uri = store_uri
-        artifacts_dir = artifacts_dir or str(default_artifacts)
+            backend_store_uri = store.mlflow_uri
+        artifacts_dir = artifacts_dir or str(store.artifacts)
     if artifacts_dir is None:
         raise UserError("--backend-store-uri without --run-dir needs --artifacts-dir")
     return server_command(backend_store_uri, artifacts_dir, host=host, port=port,

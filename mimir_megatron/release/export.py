@@ -50,9 +50,8 @@ def export_model(model, output: str | Path, details: ReleaseDetails = ReleaseDet
     if record is not None and mlflow:
         from .tracking import log_exported_model
 
-        log_exported_model(Path(output), record.checkpoint, record.state,
-                           details.name or Path(output).resolve().name, register=register,
-                           reports=contamination_reports(details.contamination, record))
+        log_exported_model(Path(output), record, details.name or Path(output).resolve().name,
+                           register=register, reports=contamination_reports(details.contamination, record))
     return Path(output)
 
 

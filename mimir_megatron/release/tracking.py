@@ -19,24 +19,27 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from mimir_megatron.checkpoint.model_dir import TrainingRecord
+
 log = logging.getLogger(__name__)
 
 CARD = "README.md"
 RELEASE_FILES = (CARD, "training_data_summary.md", "training_data_summary.json")
 
 
-def log_exported_model(output: Path, checkpoint: Path, state: Any, name: str, register: str | None = None,
+def log_exported_model(output: Path, record: TrainingRecord, name: str, register: str | None = None,
                        reports: list[Path] = ()) -> str | None:
-    """Log ``output`` (an export of ``checkpoint``, whose trainer ``state`` names its MLflow run)
-    as described above, and the contamination ``reports`` its summary used into the run
+    """Log ``output`` (an export of the checkpoint of ``record``, whose trainer state names its
+    MLflow run) as described above, and the contamination ``reports`` its summary used into the run
     (``contamination/``); the LoggedModel's id, or None with a warning."""
     from mimir_megatron.evaluation.tracking import tracking_target
     from mimir_megatron.mlflow_store import experiment_id, mlflow_client
 
+    checkpoint, state = record.checkpoint, record.state
     if not state.mlflow_run_id:
         log.warning("%s names no MLflow run: the export is not logged to MLflow", checkpoint)
         return None
-    target = tracking_target(output, checkpoint=checkpoint)
+    target = tracking_target(output, record=record)
     try:
         client = mlflow_client(target.uri, request_timeout_s=10, artifact_root=target.artifact_root)
         run = client.get_run(state.mlflow_run_id)

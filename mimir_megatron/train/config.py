@@ -106,6 +106,25 @@ class TrainSection:
     """Fraction of the GPU's peak the plan assumes the step's FLOPs achieve; calibrate it from
     a run's measured step time (docs/planning.md)."""
 
+    def errors(self) -> list[str]:
+        errs = [f"train.{name} must be >= 1, got {getattr(self, name)}"
+                for name in ("steps", "global_batch_size", "micro_batch_size", "log_interval")
+                if getattr(self, name) < 1]
+        if self.max_nonfinite_skips < 0:
+            errs.append(f"train.max_nonfinite_skips must be >= 0, got {self.max_nonfinite_skips}")
+        if self.plan_gpu and self.plan_gpu != "auto":
+            from mimir_megatron.gpus import gpu_spec
+
+            try:
+                gpu_spec(self.plan_gpu)
+            except UserError as exc:
+                errs.append(f"train.plan_gpu: {exc}")
+        if not 0 < self.plan_efficiency <= 1:
+            errs.append(f"train.plan_efficiency must be in (0, 1], got {self.plan_efficiency}")
+        if self.collective_timeout_s < 1:
+            errs.append(f"train.collective_timeout_s must be >= 1, got {self.collective_timeout_s}")
+        return errs
+
 
 @dataclass
 class WindowSection:
@@ -120,6 +139,17 @@ class WindowSection:
     """Last window of `linear`, held after the ramp."""
     ramp_fraction: float = 0.2
     """Fraction of `train.steps` over which `linear` grows."""
+
+    def errors(self, depth: int | None) -> list[str]:
+        """``depth``: the model's schedule depth (None when the model's own errors make it unknown)."""
+        errs = []
+        for name in {"constant": ("k",), "linear": ("k0", "k1")}.get(self.schedule, ()):
+            if depth and not 1 <= getattr(self, name) <= depth:
+                errs.append(f"window.{name} must be in 1..{depth} (the model's schedule depth), "
+                            f"got {getattr(self, name)}")
+        if self.schedule == "linear" and not 0 < self.ramp_fraction <= 1:
+            errs.append(f"window.ramp_fraction must be in (0, 1], got {self.ramp_fraction}")
+        return errs
 
 
 @dataclass
@@ -162,6 +192,32 @@ class OptimSection:
     divide_lr_by_window: bool = True
     """Divide the L and H learning rates by their applications in the window (paper, section 3)."""
 
+    def errors(self) -> list[str]:
+        errs = []
+        for mode in ("distributed_optimizer", "fully_shard"):
+            if getattr(self, mode) and not self.shard_state:
+                errs.append(f"optim.{mode}=true shards the optimizer state: it contradicts "
+                            "optim.shard_state=false")
+        if self.distributed_optimizer and self.fully_shard:
+            errs.append("optim.distributed_optimizer and optim.fully_shard are two sharding layouts: "
+                        "set one of them")
+        if self.lr <= 0:
+            errs.append(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            errs.append(f"optim.min_lr must be in [0, optim.lr], got {self.min_lr}")
+        if self.warmup_steps < 0 or self.cooldown_steps < 0:
+            errs.append("optim.warmup_steps and optim.cooldown_steps must be >= 0")
+        if self.cooldown != "none" and self.cooldown_steps < 1:
+            errs.append(f"optim.cooldown={self.cooldown} needs optim.cooldown_steps >= 1")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                errs.append(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0 <= self.ema_decay < 1:
+            errs.append(f"optim.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.weight_decay < 0 or self.clip_grad < 0:
+            errs.append("optim.weight_decay and optim.clip_grad must be >= 0")
+        return errs
+
 
 @dataclass
 class CheckpointSection:
@@ -193,6 +249,19 @@ class CheckpointSection:
     window_policy differ from the checkpoint's (micro-batch size, logging and ZeRO sharding may
     change freely); the accepted changes are logged and tagged in MLflow."""
 
+    def errors(self) -> list[str]:
+        errs = []
+        if self.interval < 1:
+            errs.append(f"checkpoint.interval must be >= 1, got {self.interval}")
+        if self.keep < 1:
+            errs.append(f"checkpoint.keep must be >= 1, got {self.keep}")
+        if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
+            errs.append(f"checkpoint.resume must be auto, never or an existing checkpoint directory, "
+                        f"got {self.resume!r}")
+        if self.init_from and not Path(self.init_from).is_dir():
+            errs.append(f"checkpoint.init_from: no directory {self.init_from}")
+        return errs
+
 
 @dataclass
 class TrackingSection:
@@ -215,6 +284,11 @@ class TrackingSection:
     system_metrics_interval: float = 10.0
     """Seconds between system-metric samples."""
 
+    def errors(self) -> list[str]:
+        if self.system_metrics_interval <= 0:
+            return [f"tracking.system_metrics_interval must be > 0, got {self.system_metrics_interval}"]
+        return []
+
 
 @dataclass
 class EvalSection:
@@ -232,6 +306,14 @@ class EvalSection:
     """Items per task of ``suite`` (a small, fixed subset: evaluation must not stall training)."""
     data_dir: str = ""
     """Where the suite's benchmark files are (default: the suite's own ``data_dir``)."""
+
+    def errors(self) -> list[str]:
+        errs = []
+        if self.suite and not Path(self.suite).is_file():
+            errs.append(f"eval.suite: {self.suite} is not a file (a suite YAML, e.g. configs/eval/demo.yaml)")
+        if self.limit < 1:
+            errs.append(f"eval.limit must be >= 1, got {self.limit}")
+        return errs
 
 
 @dataclass
@@ -255,12 +337,17 @@ class TrainConfig(RunSections):
     """The YAML this config was loaded from."""
 
     @property
+    def run_directory(self) -> RunDirectory:
+        """The run's directory (``run.dir``, else ``runs/<run.name>``) and every path in it."""
+        return RunDirectory.configured(self.run.dir, self.run.name)
+
+    @property
     def run_dir(self) -> Path:
-        return RunDirectory.configured(self.run.dir, self.run.name).root
+        return self.run_directory.root
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.checkpoint.dir) if self.checkpoint.dir else RunDirectory(self.run_dir).checkpoints
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_directory.checkpoints
 
     def to_dict(self) -> dict[str, Any]:
         return plain(asdict(self))
@@ -269,35 +356,22 @@ class TrainConfig(RunSections):
         return self.model.errors() + self.data.errors() + self.run_errors(world_size)
 
     def run_errors(self, world_size: int | None = None) -> list[str]:
-        """The value checks of every section but the model's and the data's own."""
-        errs: list[str] = []
-        t, w, o = self.train, self.window, self.optim
+        """The value checks of every section but the model's and the data's own: each section's
+        own (:meth:`TrainSection.errors`, ...), then those that read two sections."""
         tp = self.model.parallel.tensor_parallel_size
-        for name in ("steps", "global_batch_size", "micro_batch_size", "log_interval"):
-            if getattr(t, name) < 1:
-                errs.append(f"train.{name} must be >= 1, got {getattr(t, name)}")
-        if t.max_nonfinite_skips < 0:
-            errs.append(f"train.max_nonfinite_skips must be >= 0, got {t.max_nonfinite_skips}")
-        if t.plan_gpu and t.plan_gpu != "auto":
-            from mimir_megatron.gpus import gpu_spec
+        depth = self.model.depth if self.model.h_cycles >= 1 and self.model.l_cycles >= 1 else None
+        return (self.train.errors() + self.eval.errors() + self._layout_errors(tp, world_size)
+                + self.window.errors(depth) + self.optim.errors() + self.tracking.errors()
+                + self.checkpoint.errors() + self._mixture_errors())
 
-            try:
-                gpu_spec(t.plan_gpu)
-            except UserError as exc:
-                errs.append(f"train.plan_gpu: {exc}")
-        if not 0 < t.plan_efficiency <= 1:
-            errs.append(f"train.plan_efficiency must be in (0, 1], got {t.plan_efficiency}")
-        if t.collective_timeout_s < 1:
-            errs.append(f"train.collective_timeout_s must be >= 1, got {t.collective_timeout_s}")
-        if self.eval.suite and not Path(self.eval.suite).is_file():
-            errs.append(f"eval.suite: {self.eval.suite} is not a file (a suite YAML, e.g. "
-                        "configs/eval/demo.yaml)")
+    def _layout_errors(self, tp: int, world_size: int | None) -> list[str]:
+        """How the model, the optimizer, the suite and the batch are laid out over the ranks."""
+        errs: list[str] = []
+        t, o = self.train, self.optim
         if self.eval.suite and tp > 1:
             errs.append("eval.suite runs on rank 0's engine alone, which needs the whole model: "
                         "use model.parallel.tensor_parallel_size=1, or evaluate checkpoints with "
                         "`mimir eval`")
-        if self.eval.limit < 1:
-            errs.append(f"eval.limit must be >= 1, got {self.eval.limit}")
         if self.model.params_dtype != ParamsDtype.float32 and not (o.distributed_optimizer or o.fully_shard):
             # The plain and ZeRO-1 optimizers update the weights in place from fp32 gradients:
             # bf16 weights need the distributed optimizer's fp32 main copy.
@@ -305,13 +379,6 @@ class TrainConfig(RunSections):
                         "optim.distributed_optimizer=true (fp32 main weights sharded over data-parallel "
                         "ranks) or optim.fully_shard=true; or use "
                         "model.params_dtype=float32 (fp32 weights, bf16 autocast on GPU)")
-        for mode in ("distributed_optimizer", "fully_shard"):
-            if getattr(o, mode) and not o.shard_state:
-                errs.append(f"optim.{mode}=true shards the optimizer state: it contradicts "
-                            "optim.shard_state=false")
-        if o.distributed_optimizer and o.fully_shard:
-            errs.append("optim.distributed_optimizer and optim.fully_shard are two sharding layouts: "
-                        "set one of them")
         if o.fully_shard and tp != 1:
             errs.append(f"optim.fully_shard=true shards over data-parallel ranks only: it needs "
                         f"model.parallel.tensor_parallel_size=1, got {tp}")
@@ -323,47 +390,15 @@ class TrainConfig(RunSections):
             elif t.global_batch_size % (t.micro_batch_size * dp):
                 errs.append(f"train.global_batch_size ({t.global_batch_size}) is not a multiple of "
                             f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp})")
-        depth = self.model.depth if self.model.h_cycles >= 1 and self.model.l_cycles >= 1 else None
-        ks = {"constant": ("k",), "linear": ("k0", "k1")}.get(w.schedule, ())
-        for name in ks:
-            if depth and not 1 <= getattr(w, name) <= depth:
-                errs.append(f"window.{name} must be in 1..{depth} (the model's schedule depth), "
-                            f"got {getattr(w, name)}")
-        if w.schedule == "linear" and not 0 < w.ramp_fraction <= 1:
-            errs.append(f"window.ramp_fraction must be in (0, 1], got {w.ramp_fraction}")
-        if o.lr <= 0:
-            errs.append(f"optim.lr must be > 0, got {o.lr}")
-        if not 0 <= o.min_lr <= o.lr:
-            errs.append(f"optim.min_lr must be in [0, optim.lr], got {o.min_lr}")
-        if o.warmup_steps < 0 or o.cooldown_steps < 0:
-            errs.append("optim.warmup_steps and optim.cooldown_steps must be >= 0")
-        if o.cooldown != "none" and o.cooldown_steps < 1:
-            errs.append(f"optim.cooldown={o.cooldown} needs optim.cooldown_steps >= 1")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(o, name) < 1:
-                errs.append(f"optim.{name} must be in [0, 1), got {getattr(o, name)}")
-        if not 0 <= o.ema_decay < 1:
-            errs.append(f"optim.ema_decay must be in [0, 1), got {o.ema_decay}")
-        if o.weight_decay < 0 or o.clip_grad < 0:
-            errs.append("optim.weight_decay and optim.clip_grad must be >= 0")
-        if self.tracking.system_metrics_interval <= 0:
-            errs.append("tracking.system_metrics_interval must be > 0, got "
-                        f"{self.tracking.system_metrics_interval}")
-        c = self.checkpoint
-        if c.interval < 1:
-            errs.append(f"checkpoint.interval must be >= 1, got {c.interval}")
-        if c.keep < 1:
-            errs.append(f"checkpoint.keep must be >= 1, got {c.keep}")
-        if c.resume not in ("auto", "never") and not Path(c.resume).is_dir():
-            errs.append(f"checkpoint.resume must be auto, never or an existing checkpoint directory, "
-                        f"got {c.resume!r}")
-        if c.init_from and not Path(c.init_from).is_dir():
-            errs.append(f"checkpoint.init_from: no directory {c.init_from}")
-        if not self.data.mixture:
-            errs.append("data.mixture is required (a mixture YAML, e.g. configs/data/demo.yaml)")
-        elif not Path(self.data.mixture).is_file():
-            errs.append(f"data.mixture: no file {self.data.mixture}")
         return errs
+
+    def _mixture_errors(self) -> list[str]:
+        """A run needs its mixture file (the data section alone checks values, not files)."""
+        if not self.data.mixture:
+            return ["data.mixture is required (a mixture YAML, e.g. configs/data/demo.yaml)"]
+        if not Path(self.data.mixture).is_file():
+            return [f"data.mixture: no file {self.data.mixture}"]
+        return []
 
     def validate(self, world_size: int | None = None) -> "TrainConfig":
         raise_errors(self.errors(world_size),

@@ -25,7 +25,7 @@ from mimir_megatron.stop_signals import STOP_SIGNALS, take_early
 from mimir_megatron.train.config import TrainConfig, flatten
 from mimir_megatron.train.flops import flops_per_token
 from mimir_megatron.train.lineage import LineageCounter, earlier_training_problems
-from mimir_megatron.train.resume import check_resumable, resume_path, verified_resume
+from mimir_megatron.train.resume import check_resumable, data_changed, resume_path, verified_resume
 from mimir_megatron.train.run_lock import RunLock
 from mimir_megatron.train.schedules import StepPlan, plan_step
 from mimir_megatron.train.step import StepHooks, StepOutcome, Trainer, build_trainer, train_step
@@ -287,16 +287,16 @@ def _layout_tag(cfg: TrainConfig, place: _Place) -> str:
 def _save_run_config(cfg: TrainConfig, rank: int) -> None:
     """Rank 0 (which holds the run directory's lock) checks the checkpoint directory is writable
     and saves the configuration there; every rank ends with rank 0's one-line refusal."""
-    run_dir = cfg.run_dir
+    config_file = cfg.run_directory.config_file
     refusal: list[UserError | None] = [None]
     if rank == 0:
         try:
             ckpt.check_writable(cfg.checkpoint_dir)
-            OmegaConf.save(OmegaConf.create(cfg.to_dict()), run_dir / "config.yaml")
+            OmegaConf.save(OmegaConf.create(cfg.to_dict()), config_file)
         except UserError as exc:
             refusal = [exc]
         except OSError as exc:
-            refusal = [write_error(exc, run_dir / "config.yaml", "set run.dir to a writable directory")]
+            refusal = [write_error(exc, config_file, "set run.dir to a writable directory")]
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0] is not None:
         raise refusal[0]
@@ -320,7 +320,7 @@ def _restore_state(cfg: TrainConfig, trainer: Trainer, resume_from: Path | None,
     if resume_from is not None:
         resume_from, saved = verified_resume(cfg, resume_from, verification)
         start.config_changes = check_resumable(saved, cfg, resume_from, fingerprint)
-        start.data_changed = saved.data_fingerprint != fingerprint
+        start.data_changed = data_changed(saved, fingerprint)
         state = ckpt.load_checkpoint(resume_from, model, optimizer, ema, verified=saved)
         start.step, start.consumed, start.run_id = state.step, state.consumed_samples, state.mlflow_run_id
         start.lineage, start.base_model = state.lineage, state.base_model
@@ -611,7 +611,7 @@ def _eval_subset(samples: list, limit: int) -> list:
 def _evaluate(model, samples, cfg: TrainConfig, device, dp_rank, dp_size, dp_group,
               tracker: Tracker, step: int) -> float | None:
     """Held-out exact match (every rank shares the samples) and the benchmark suite (rank 0)."""
-    from mimir_megatron.train.evaluate import eval_stop_ids, exact_match, suite_scores
+    from mimir_megatron.train.evaluate import eval_stop_ids, exact_match
 
     score = None
     if samples:
@@ -625,12 +625,21 @@ def _evaluate(model, samples, cfg: TrainConfig, device, dp_rank, dp_size, dp_gro
         log.info("step %d: exact match %.3f on %d held-out samples", step, score, count)
     if cfg.eval.suite:
         if dist.get_rank() == 0:
-            log_dir = Path(cfg.run.dir) / "eval_logs" / f"step_{step:07d}"
-            metrics = suite_scores(model, cfg, log_dir)
-            tracker.log_metrics(step, metrics)
-            tracker.log_json({"step": step, **metrics}, f"eval/step_{step:07d}/suite.json")
-            if log_dir.is_dir():
-                tracker.log_path(log_dir, f"eval/step_{step:07d}/inspect_logs")
-            log.info("step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())))
+            _evaluate_suite(model, cfg, tracker, step)
         dist.barrier()  # the other ranks wait for rank 0's suite
     return score
+
+
+def _evaluate_suite(model, cfg: TrainConfig, tracker: Tracker, step: int) -> dict[str, float]:
+    """Rank 0: the benchmark suite ``eval.suite`` at ``step``, its scores logged and its InspectAI
+    logs kept in the run directory (``eval_logs/step_N``) and in MLflow."""
+    from mimir_megatron.train.evaluate import suite_scores
+
+    log_dir = cfg.run_directory.eval_logs(step)
+    metrics = suite_scores(model, cfg, log_dir)
+    tracker.log_metrics(step, metrics)
+    tracker.log_json({"step": step, **metrics}, f"eval/step_{step:07d}/suite.json")
+    if log_dir.is_dir():
+        tracker.log_path(log_dir, f"eval/step_{step:07d}/inspect_logs")
+    log.info("step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())))
+    return metrics

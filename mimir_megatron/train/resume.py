@@ -13,6 +13,7 @@ from mimir_megatron.checkpoint.digests import CheckpointDamaged, Verification
 from mimir_megatron.checkpoint.layout import complete_checkpoints
 from mimir_megatron.checkpoint.trainer_state import TrainerState
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import Fingerprint
 from mimir_megatron.train.config import TrainConfig
 
 log = logging.getLogger("mimir.train")
@@ -81,11 +82,17 @@ def config_changes(saved: TrainerState, cfg: TrainConfig) -> list[str]:
     ]
 
 
-def check_resumable(saved: TrainerState, cfg: TrainConfig, path: Path, fingerprint: str) -> list[str]:
+def data_changed(saved: TrainerState, fingerprint: Fingerprint) -> bool:
+    """Whether the data mixture differs from the one ``saved`` was trained on (a fingerprint
+    recorded by an earlier version's encoding of the same mixture matches)."""
+    return not fingerprint.matches(saved.data_fingerprint)
+
+
+def check_resumable(saved: TrainerState, cfg: TrainConfig, path: Path, fingerprint: Fingerprint) -> list[str]:
     """Refuse a changed data mixture or training configuration unless allowed; returns the
     accepted configuration changes (to be recorded)."""
     check_compatible(saved, cfg.model, path)
-    if saved.data_fingerprint != fingerprint and not cfg.checkpoint.allow_data_change:
+    if data_changed(saved, fingerprint) and not cfg.checkpoint.allow_data_change:
         raise UserError(
             f"the data mixture changed since {path} was written "
             f"(fingerprint {saved.data_fingerprint[:12]} -> {fingerprint[:12]}); "

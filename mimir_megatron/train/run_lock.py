@@ -24,11 +24,11 @@ import socket
 import time
 from pathlib import Path
 
+from mimir_megatron.checkpoint.run_directory import RunDirectory
 from mimir_megatron.errors import UserError, write_error
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "train.lock"
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
@@ -40,7 +40,7 @@ class RunLock:
     """The lock of one run directory; :meth:`acquire` once, :meth:`release` on any exit."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / LOCK_FILE
+        self.path = RunDirectory(Path(run_dir)).lock_file
         self._fd: int | None = None
 
     def acquire(self) -> None:

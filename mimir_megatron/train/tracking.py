@@ -34,7 +34,6 @@ lists a run with a model output under "Training runs", and one without under "Ev
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import socket
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from mimir_megatron.checkpoint.run_directory import RunDirectory
+from mimir_megatron.integrity import fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def run_params(flat_config: dict[str, Any], effective: dict[str, Any] | None = N
 
 def config_digest(config: dict[str, Any]) -> str:
     """A short hash of a resolved config (what tells two runs of one recipe apart)."""
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:6]
+    return fingerprint(config)[:6]
 
 
 def run_name(cfg: Any) -> str:

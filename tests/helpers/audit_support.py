@@ -64,7 +64,7 @@ def write_prepared(path: Path, docs: list[tuple[list[int], list[int]]], dtype=np
 
 
 class RecordingTracking:
-    """Stands in for :class:`~mimir_megatron.audits.report.AuditTracking`: records the run an
+    """Stands in for :class:`~mimir_megatron.audits.outputs.AuditTracking`: records the run an
     audit logs instead of starting MLflow."""
 
     def __init__(self) -> None:

@@ -8,6 +8,17 @@ import numpy as np
 from audit_support import write_prepared
 
 
+def documents_by_epoch(stream, epochs: int) -> list[list[tuple[int, ...]]]:
+    """Per epoch, the document ids of each context of ``stream`` (a PackedMixture), walked
+    through the global sample stream."""
+    out: list[list[tuple[int, ...]]] = [[] for _ in range(epochs)]
+    sample = 0
+    while (epoch := stream.locate(sample)[0]) < epochs:
+        out[epoch].append(tuple(int(d) for d in stream.context_documents(sample)))
+        sample += 1
+    return out
+
+
 def make_mixture(tmp_path: Path, n_docs: int = 60, repeat_b: float = 2) -> Path:
     rng = np.random.default_rng(0)
     datasets = {}

@@ -59,7 +59,7 @@ def damage(path: Path, *changes: Change) -> None:
     record = json.loads(path.read_text())
     for change in changes:
         change(record)
-    path.write_text(json.dumps(record))
+    path.write_text(json.dumps(record) + "\n")  # one line: a JSONL record's file reads it too
 
 
 def assert_refused(read: Callable[[], Any], path: Path, says: str) -> str:

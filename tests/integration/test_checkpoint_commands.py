@@ -130,19 +130,20 @@ def test_evaluation_reads_the_checkpoint(trained, form, tmp_path):
     import argparse
 
     from mimir_megatron.checkpoint import read_trainer_state
-    from mimir_megatron.entrypoints.evaluate import _source_name, _tokenizer_dir, _trained_schedule
+    from mimir_megatron.entrypoints.evaluate import _model, _source_name, _tokenizer_dir, _trained_schedule
     from mimir_megatron.evaluation.tracking import tracking_target
 
     state = read_trainer_state(trained / "checkpoints" / STEP)
     path = str(source(trained, form))
-    target = tracking_target(tmp_path, checkpoint=path)
+    args = argparse.Namespace(model=None, checkpoint=path, hf=None, weights=None, base_url=None, tokenizer=None,
+                              ema=False, trained_schedule=None, api_key_file=None)
+    model = _model(args)  # resolved once: every fact below is asked of it
+    target = tracking_target(tmp_path, record=model.record)
     assert (target.parent_run_id, target.checkpoint_step) == (state.mlflow_run_id, 3)
     assert target.uri == f"sqlite:///{(trained / 'mlflow.db').resolve()}"
-    args = argparse.Namespace(checkpoint=path, hf=None, weights=None, base_url=None, tokenizer=None,
-                              ema=False, trained_schedule=None)
-    assert _trained_schedule(args) == (state.model["h_cycles"], state.model["l_cycles"])
-    assert _tokenizer_dir(args) == state.model["tokenizer"]
-    assert _source_name(args) == f"{trained.name}-{STEP}"
+    assert _trained_schedule(args, model) == (state.model["h_cycles"], state.model["l_cycles"])
+    assert _tokenizer_dir(args, model) == state.model["tokenizer"]
+    assert _source_name(args, model) == f"{trained.name}-{STEP}"
 
 
 @pytest.fixture(scope="module")

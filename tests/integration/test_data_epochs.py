@@ -1,5 +1,6 @@
-"""Beyond epoch 0: every epoch is shuffled and packed anew, fractional repeats are redrawn, and a
-loader or a training run resumed across an epoch boundary continues exactly."""
+"""Beyond epoch 0: a loader or a training run resumed across an epoch boundary continues exactly,
+and the packer's index is today's (each epoch shuffled and packed anew, fractional repeats
+redrawn: tests/unit/test_data_loader.py)."""
 
 from __future__ import annotations
 
@@ -15,31 +16,6 @@ from mixtures import make_mixture
 from mimir_megatron.data import DataConfig, PackedMixture, build_train_loader
 
 N_DOCS = 60  # per dataset in make_mixture: "a" is global docs 0..59 (repeat 1), "b" 60..119
-
-
-def documents_by_epoch(stream: PackedMixture, epochs: int) -> list[list[tuple[int, ...]]]:
-    """Per epoch, the document ids of each context, walked through the global sample stream."""
-    out: list[list[tuple[int, ...]]] = [[] for _ in range(epochs)]
-    sample = 0
-    while (epoch := stream.locate(sample)[0]) < epochs:
-        out[epoch].append(tuple(int(d) for d in stream.context_documents(sample)))
-        sample += 1
-    return out
-
-
-def test_each_epoch_is_reshuffled_and_redraws_its_fractional_subset(tmp_path):
-    cfg = DataConfig(mixture=str(make_mixture(tmp_path, n_docs=N_DOCS, repeat_b=1.5)), seq_len=32,
-                     seed=5, pack_window=64)
-    epochs = documents_by_epoch(PackedMixture(cfg), 3)
-    drawn = []
-    for contexts in epochs:
-        counts = collections.Counter(d for context in contexts for d in context)
-        assert all(counts[d] == 1 for d in range(N_DOCS))                     # repeat 1: once
-        b = [counts[d] for d in range(N_DOCS, 2 * N_DOCS)]
-        assert sorted(b) == [1] * 30 + [2] * 30                              # 1.5: once + a half
-        drawn.append({d for d in range(N_DOCS, 2 * N_DOCS) if counts[d] == 2})
-    assert epochs[0] != epochs[1] != epochs[2], "an epoch repeats another's packing"
-    assert drawn[0] != drawn[1] and drawn[1] != drawn[2], "the fractional subset is not redrawn"
 
 
 def test_loader_resumes_on_both_sides_of_an_epoch_boundary(tmp_path):

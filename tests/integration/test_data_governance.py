@@ -85,7 +85,7 @@ def test_the_model_directory_names_the_run_and_the_lineage_the_trainer_wrote(ref
 
     from mlflow.tracking import MlflowClient
 
-    from mimir_megatron.checkpoint import detect_model_dir, lineage, read_trainer_state, run_directory
+    from mimir_megatron.checkpoint import detect_model_dir, read_trainer_state
     from mimir_megatron.train.config import load_train_config
 
     run_dir, result = reference_run
@@ -96,11 +96,11 @@ def test_the_model_directory_names_the_run_and_the_lineage_the_trainer_wrote(ref
     assert logged != json.loads(json.dumps([asdict(e) for e in states[3].lineage], default=str))
     for form in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "step_0000006"):
         source = detect_model_dir(form)
-        found = run_directory(source)
+        found = source.run_directory
         assert found is not None and found.root == cfg.run_dir and found.checkpoints == cfg.checkpoint_dir, form
         assert found.config_file.is_file() and client.get_run(result.run_id)  # the trainer's store is there
         assert found.mlflow_uri == client.tracking_uri
-        assert json.loads(json.dumps([asdict(e) for e in lineage(source)], default=str)) == logged, form
+        assert json.loads(json.dumps([asdict(e) for e in source.lineage], default=str)) == logged, form
     assert sum(e["documents"] for e in logged) > 0
 
 def _prepare(tmp_path: Path, name: str, lines: list[dict], *flags: str) -> None:
@@ -182,7 +182,7 @@ def test_export_refuses_an_unrelated_report_and_a_manifest_changed_since_trainin
 
 def test_one_epoch_summary_and_card_hold_the_data_reports_numbers(one_epoch):
     from huggingface_hub import ModelCard
-    from mimir_data_prep.report import dataset_rows, group_rows
+    from mimir_data_prep.mixture_report import dataset_rows, group_rows
 
     from mimir_megatron.data import load_mixture
 

@@ -31,7 +31,7 @@ def test_an_audit_of_a_training_checkpoint_is_a_child_run_of_its_training_run(tr
 
     from mlflow.tracking import MlflowClient
 
-    from mimir_megatron.audits.report import audit_tracking
+    from mimir_megatron.audits.outputs import audit_tracking
     from mimir_megatron.checkpoint import ModelDir, ModelKind
 
     run_dir, result = trained
@@ -106,7 +106,7 @@ def test_an_export_is_a_logged_model_of_its_training_run_and_registrable(trained
 def test_an_export_is_a_function_of_typed_arguments(trained, tmp_path):
     """`mimir export`'s workflow without the CLI, from a loaded model and its training record:
     the files the command writes; --register without a training record is refused."""
-    from mimir_megatron.checkpoint import detect_model_dir, load_model_dir, training_record
+    from mimir_megatron.checkpoint import detect_model_dir
     from mimir_megatron.errors import UserError
     from mimir_megatron.release.export import ReleaseDetails, export_model
 
@@ -114,14 +114,14 @@ def test_an_export_is_a_function_of_typed_arguments(trained, tmp_path):
     assert main(["export", "--model", str(run_dir), "--output", str(tmp_path / "cli"), "--license", "Apache-2.0",
                  "--provider", "Test Lab", "--no-mlflow"]) == 0
     source = detect_model_dir(run_dir)
-    model = load_model_dir(source)
+    model = source.load()
     out = export_model(model, tmp_path / "lib", ReleaseDetails(name="cli", license="Apache-2.0", provider="Test Lab"),
-                       record=training_record(source), mlflow=False)
+                       record=source.record, tokenizer=source.tokenizer, mlflow=False)
     for name in ("README.md", "training_data_summary.json", "training_data_summary.md", "config.json",
                  "tokenizer.json"):
         assert (out / name).read_text() == (tmp_path / "cli" / name).read_text(), name
     general = json.loads((out / "training_data_summary.json").read_text())["general"]
-    step = training_record(source).checkpoint
+    step = source.record.checkpoint
     assert (general["provider"], general["model"], general["checkpoint"], general["step"]) == \
         ("Test Lab", "cli", str(step), 2)
     card = (out / "README.md").read_text()

@@ -20,6 +20,7 @@ from synth_standin import StandIn
 from mimir_data_prep.records import to_conversation
 from mimir_data_prep.synth_pipeline.client import ChatEndpoint, EndpointUnavailable
 from mimir_data_prep.synth_pipeline.pipeline import load_pipeline
+from mimir_data_prep.synth_pipeline.run_records import AcceptanceReport, MlflowPointer
 from mimir_data_prep.synth_pipeline.runner import RunOptions, run_pipeline
 from mimir_megatron.errors import UserError
 
@@ -130,13 +131,13 @@ def test_counts_verdicts_evidence_and_output(fresh, tmp_path):
     before = fresh.requests
     report = run(path, tmp_path / "out")
     assert_complete(tmp_path / "out", rows)
-    s = report["status"]
-    assert report["source_rows"] == report["decided"] == sum(s.values()) == rows
+    s = report.status
+    assert report.source_rows == report.decided == sum(s.values()) == rows
     assert s == {"kept": 0, "accepted": 4, "discarded": 8, "error": 0}
-    assert report["discard_reasons"] == {"attempts_exhausted": 4, "off_topic": 2, "auditor_unparseable": 2}
-    assert report["regenerate_reasons"] == {"generator_unparseable": 6, "answer_in_source": 6, "too_vague": 2}
+    assert report.discard_reasons == {"attempts_exhausted": 4, "off_topic": 2, "auditor_unparseable": 2}
+    assert report.regenerate_reasons == {"generator_unparseable": 6, "answer_in_source": 6, "too_vague": 2}
     calls = {k: 2 * sum(EXPECTED[kind][i] for kind in KINDS) for k, i in (("generator", 2), ("auditor", 3))}
-    assert report["calls"] == calls | {"retries": 0}
+    assert report.calls == calls | {"retries": 0}
     assert fresh.requests - before == calls["generator"] + calls["auditor"]
     for line in (tmp_path / "out" / "accepted.jsonl").read_text().splitlines():
         to_conversation(json.loads(line))  # what `mimir prepare` will do
@@ -168,9 +169,9 @@ def test_each_retryable_fault_is_retried_without_loss(tmp_path, fault):
     assert_complete(tmp_path / "out", rows)
     assert server.faults_served[fault] == len(server.seen) > rows
     if fault == "timeout":  # on a loaded machine a served reply may also miss the 0.6 s deadline
-        assert report["calls"]["retries"] >= server.faults_served[fault]
+        assert report.calls["retries"] >= server.faults_served[fault]
     else:
-        assert report["calls"]["retries"] == server.faults_served[fault]
+        assert report.calls["retries"] == server.faults_served[fault]
     retries = [r for rec in read_jsonl(tmp_path / "out" / "evidence.jsonl") for a in rec["attempts"]
                for stage in ("generator", "auditor") if a.get(stage) for r in a[stage]["retries"]]
     names = {"429": "RateLimitError 429", "500": "InternalServerError 500", "503": "InternalServerError 503",
@@ -185,14 +186,14 @@ def test_refused_requests_are_row_errors_and_can_be_retried(fresh, tmp_path):
     fresh.fault = lambda body, seen: "400" if "w0 accept" in body["messages"][-1]["content"] else None
     path = write_pipeline(tmp_path, fresh.base_url, rows)
     report = run(path, tmp_path / "out")
-    assert report["status"]["error"] == 1 and report["error_reasons"] == {"api_error_400": 1}
-    assert report["decided"] == rows
+    assert report.status["error"] == 1 and report.error_reasons == {"api_error_400": 1}
+    assert report.decided == rows
     fresh.fault = None
     before = fresh.requests
-    assert run(path, tmp_path / "out")["status"]["error"] == 1  # errors stay unless asked
+    assert run(path, tmp_path / "out").status["error"] == 1  # errors stay unless asked
     assert fresh.requests == before
     report = run(path, tmp_path / "out", retry_errors=True)
-    assert report["status"]["error"] == 0 and fresh.requests == before + 2
+    assert report.status["error"] == 0 and fresh.requests == before + 2
     assert_complete(tmp_path / "out", rows, superseded=1)
 
 
@@ -202,8 +203,8 @@ def test_unreachable_server_stops_the_run_and_a_rerun_resumes(fresh, tmp_path):
     path = write_pipeline(tmp_path, fresh.base_url, rows)
     with pytest.raises(EndpointUnavailable, match="rerun the same command to resume"):
         run(path, tmp_path / "out", "concurrency=1", "retry.max_retries=2")
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert report["decided"] == 5 and report["pending"] == 7 and "503" in report["stopped"]
+    report = AcceptanceReport.read(tmp_path / "out")
+    assert report.decided == 5 and report.pending == 7 and "503" in report.stopped
     assert len(read_jsonl(tmp_path / "out" / "verdicts.jsonl")) == 5
     fresh.fault = None
     run(path, tmp_path / "out")
@@ -252,11 +253,11 @@ def test_acceptance_report_in_mlflow(fresh, tmp_path):
     out = tmp_path / "out"
     report = run(path, out, "tracking.enabled=true", "source.limit=3")
     report = run(path, out, "tracking.enabled=true")  # resumed: the same MLflow run, a later step
-    run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
+    run_id = MlflowPointer.read(out).run_id
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     run_ = client.get_run(run_id)
     m = run_.data.metrics
-    assert m["status.accepted"] == report["status"]["accepted"] == 2
+    assert m["status.accepted"] == report.status["accepted"] == 2
     assert m["status.discarded"] == 4 and m["decided"] == rows
     assert m["discard_reason.off_topic"] == 1 and m["regenerate_reason.too_vague"] == 1
     assert [x.step for x in client.get_metric_history(run_id, "decided")] == [3, 6]
@@ -329,7 +330,7 @@ def test_server_stopped_and_restarted_mid_run(tmp_path, monkeypatch):
     server.stop()
     assert not thread.is_alive()
     report = result["report"]
-    assert report["decided"] == rows and report["calls"]["retries"] >= 1
+    assert report.decided == rows and report.calls["retries"] >= 1
     assert_complete(out, rows)
 
 
@@ -396,8 +397,8 @@ def test_shipped_pipeline(name, tmp_path):
         report = run(REPO / "configs" / "synth" / f"{name}.yaml", tmp_path / "out", *overrides,
                      "tracking.enabled=false")
     status, regenerated = SHIPPED_EXPECTED[name]
-    assert report["status"] == status
-    assert report["regenerate_reasons"] == regenerated
+    assert report.status == status
+    assert report.regenerate_reasons == regenerated
     accepted = read_jsonl(tmp_path / "out" / "accepted.jsonl")
     for rec in accepted:
         to_conversation(rec)
@@ -419,9 +420,9 @@ def test_bad_source_rows_are_counted_as_errors(fresh, tmp_path):
         f.write('{"id": "r002", "text": \n')  # malformed JSON
         f.write('{"id": "r003", "body": "no text field"}\n')  # the prompt's row.text is missing
     report = run(path, tmp_path / "out")
-    assert report["source_rows"] == report["decided"] == 4
-    assert report["status"] == {"kept": 0, "accepted": 1, "discarded": 1, "error": 2}
-    assert report["error_reasons"] == {"invalid_source_row": 1, "prompt_template_error": 1}
+    assert report.source_rows == report.decided == 4
+    assert report.status == {"kept": 0, "accepted": 1, "discarded": 1, "error": 2}
+    assert report.error_reasons == {"invalid_source_row": 1, "prompt_template_error": 1}
 
 
 def test_parquet_source_with_line_numbers_as_ids(fresh, tmp_path):

@@ -113,17 +113,17 @@ def assert_same_as_uninterrupted(out: Path, reference: Path) -> None:
 
 def test_counts_add_up_against_mimir_serve(uninterrupted):
     out, report = uninterrupted
-    s = report["status"]
-    assert report["source_rows"] == report["decided"] == sum(s.values()) == ROWS
-    assert report["pending"] == 0 and s["kept"] == 0 and s["error"] == 0
+    s = report.status
+    assert report.source_rows == report.decided == sum(s.values()) == ROWS
+    assert report.pending == 0 and s["kept"] == 0 and s["error"] == 0
     records = read_jsonl(out / "evidence.jsonl")
     calls = [a[stage] for r in records for a in r["attempts"] for stage in ("generator", "auditor") if a.get(stage)]
-    assert len(calls) == report["calls"]["generator"] + report["calls"]["auditor"] >= ROWS
+    assert len(calls) == report.calls["generator"] + report.calls["auditor"] >= ROWS
     assert {c["response_model"] for c in calls} == {"tiny-random"}
     assert all(c["usage"]["completion_tokens"] >= 1 for c in calls)
     # A nonsense auditor reply holds no verdict: every audited row is discarded for it.
     assert s["accepted"] == 0
-    assert report["discard_reasons"].get("auditor_unparseable", 0) == report["calls"]["auditor"]
+    assert report.discard_reasons.get("auditor_unparseable", 0) == report.calls["auditor"]
 
 
 @pytest.mark.slow
@@ -174,5 +174,5 @@ def test_mimir_serve_stopped_and_restarted_mid_run(engine, uninterrupted, tmp_pa
         thread.join(timeout=240)
     assert not thread.is_alive()
     report = result["report"]
-    assert report["decided"] == ROWS and report["calls"]["retries"] >= 1
+    assert report.decided == ROWS and report.calls["retries"] >= 1
     assert_same_as_uninterrupted(out, uninterrupted[0])

@@ -232,7 +232,7 @@ def test_prepare_array_submits_its_parts_then_the_merge_and_each_job_runs_its_pa
         return proc.stdout.splitlines()
 
     script = str(LAUNCHERS / "prepare_array.sh")
-    submit = launch(DRY_RUN="1", PARTS="3", SBATCH_ARGS="--partition=cpu")
+    submit = launch(DRY_RUN="1", PARTS="3", SBATCH_ARGS="--partition=cpu")  # what it prints
     assert submit[0] == f"sbatch --parsable --array=0-2 --partition=cpu {script} {' '.join(args)}"
     assert submit[1].startswith("sbatch --parsable --dependency=afterok:ARRAY_JOB_ID "
                                 "--export=ALL,MIMIR_PREPARE_MERGE=1 --partition=cpu ")
@@ -241,6 +241,34 @@ def test_prepare_array_submits_its_parts_then_the_merge_and_each_job_runs_its_pa
     assert part == [f"-m mimir_megatron.cli prepare --part 1/3 --workers 4 --no-progress {' '.join(args)}"]
     merge = launch(**job, MIMIR_PREPARE_MERGE="1")
     assert merge == [f"-m mimir_megatron.cli prepare --merge --workers 4 --no-progress {' '.join(args)}"]
+
+
+def test_prepare_array_submits_the_merge_only_after_every_part_succeeded(tmp_path):
+    """What is submitted, not what a dry run prints: a stand-in ``sbatch`` on PATH records each
+    call's arguments and answers as sbatch --parsable does (``ID;CLUSTER`` on a federation). The
+    merge depends on the array with ``afterok`` (``afterany`` would merge the shards of a failed
+    part's predecessors into a manifest) on the job id alone."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        "#!/usr/bin/env bash\n"
+        f"printf '%s\\0' \"$@\" >> {calls}\n"
+        f"printf '\\n' >> {calls}\n"
+        f"if [ ! -e {calls}.answered ]; then touch {calls}.answered; echo '4711;cluster'; else echo 4712; fi\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "DRY_RUN"))}
+    args = ["-i", "raw/a b.jsonl", "-t", "tok", "-o", "prepared/a"]
+    script = str(LAUNCHERS / "prepare_array.sh")
+    proc = subprocess.run(["bash", script, *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**clean, "PATH": f"{bin_dir}:{clean['PATH']}", "PARTS": "3",
+                               "SBATCH_ARGS": "--partition=cpu --time=1:00:00"})
+    assert proc.returncode == 0, proc.stderr
+    submitted = [line.split("\0")[:-1] for line in calls.read_text().split("\n") if line]
+    assert submitted == [
+        ["--parsable", "--array=0-2", "--partition=cpu", "--time=1:00:00", script, *args],
+        ["--parsable", "--dependency=afterok:4711", "--export=ALL,MIMIR_PREPARE_MERGE=1", "--partition=cpu",
+         "--time=1:00:00", script, *args]]
+    assert proc.stdout == "submitted parts: job 4711;cluster (array 0-2), merge: job 4712\n"
 
 
 # -- serve.sh: `mimir serve` behind an API key -------------------------------------------------------

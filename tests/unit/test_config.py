@@ -165,6 +165,44 @@ eval: {{limit: 0}}
     assert sorted(line[4:] for line in lines) == sorted(expected)
 
 
+def test_each_sections_values_and_the_checks_across_sections_are_all_listed(tmp_path):
+    """Each section checks its own values; the checks that read two sections (the layout over the
+    ranks, the mixture a run needs) follow; every mistake is listed, in the words used before the
+    checks moved to their sections."""
+    bad = tmp_path / "train.yaml"
+    bad.write_text(f"""
+model: {{config: {TINY}, params_dtype: bfloat16, parallel: {{tensor_parallel_size: 2}}}}
+data: {{mixture: {tmp_path / "none.yaml"}}}
+train: {{steps: 0, plan_efficiency: 2.0}}
+window: {{schedule: linear, k0: 9, ramp_fraction: 0}}
+optim: {{fully_shard: true, shard_state: false, lr: 0, cooldown: linear, cooldown_steps: 0}}
+checkpoint: {{interval: 0, init_from: {tmp_path / "nowhere"}}}
+tracking: {{system_metrics_interval: -1}}
+eval: {{suite: {tmp_path / "suite.yaml"}, limit: 0}}
+""")
+    with pytest.raises(ConfigError) as err:
+        load_train_config(bad)
+    found = sorted(line[4:] for line in str(err.value).splitlines()[1:])
+    assert found == sorted([
+        "train.steps must be >= 1, got 0",
+        "train.plan_efficiency must be in (0, 1], got 2.0",
+        f"eval.suite: {tmp_path / 'suite.yaml'} is not a file (a suite YAML, e.g. configs/eval/demo.yaml)",
+        "eval.limit must be >= 1, got 0",
+        "eval.suite runs on rank 0's engine alone, which needs the whole model: use "
+        "model.parallel.tensor_parallel_size=1, or evaluate checkpoints with `mimir eval`",
+        "optim.fully_shard=true shards over data-parallel ranks only: it needs "
+        "model.parallel.tensor_parallel_size=1, got 2",
+        "window.k0 must be in 1..8 (the model's schedule depth), got 9",
+        "window.ramp_fraction must be in (0, 1], got 0.0",
+        "optim.fully_shard=true shards the optimizer state: it contradicts optim.shard_state=false",
+        "optim.lr must be > 0, got 0.0",
+        "optim.cooldown=linear needs optim.cooldown_steps >= 1",
+        "tracking.system_metrics_interval must be > 0, got -1.0",
+        "checkpoint.interval must be >= 1, got 0",
+        f"checkpoint.init_from: no directory {tmp_path / 'nowhere'}",
+        f"data.mixture: no file {tmp_path / 'none.yaml'}"]), found
+
+
 def test_a_missing_model_yaml_does_not_hide_the_other_mistakes(tmp_path):
     bad = tmp_path / "train.yaml"
     bad.write_text("model: {config: nowhere.yaml}\ndata: {seq_len: 1}\noptimizer: {lr: 1}\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from audit_support import write_prepared
-from mixtures import make_mixture
+from mixtures import documents_by_epoch, make_mixture
 
 from mimir_megatron.batch import IGNORE_INDEX
 from mimir_megatron.data import (
@@ -266,6 +267,46 @@ def test_the_file_pool_keeps_at_most_its_capacity_open(tmp_path):
     assert list(pool._open) == [str(paths[9]), str(paths[8]), str(paths[0])]
     pool.close()
     assert len(pool) == 0
+
+
+def test_each_epoch_is_reshuffled_and_redraws_its_fractional_subset(tmp_path):
+    """Three epochs of one mixture: every document of a repeat-1 dataset once per epoch, a
+    repeat-1.5 one's documents once plus a half of them again, and each epoch packed and drawn
+    anew (an epoch seed ignored would repeat epoch 0)."""
+    n_docs = 60  # "a" is global docs 0..59 (repeat 1), "b" 60..119 (repeat 1.5)
+    cfg = DataConfig(mixture=str(make_mixture(tmp_path, n_docs=n_docs, repeat_b=1.5)), seq_len=32,
+                     seed=5, pack_window=64)
+    epochs = documents_by_epoch(PackedMixture(cfg), 3)
+    drawn = []
+    for contexts in epochs:
+        counts = collections.Counter(d for context in contexts for d in context)
+        assert all(counts[d] == 1 for d in range(n_docs))                     # repeat 1: once
+        b = [counts[d] for d in range(n_docs, 2 * n_docs)]
+        assert sorted(b) == [1] * 30 + [2] * 30                              # 1.5: once + a half
+        drawn.append({d for d in range(n_docs, 2 * n_docs) if counts[d] == 2})
+    assert epochs[0] != epochs[1] != epochs[2], "an epoch repeats another's packing"
+    assert drawn[0] != drawn[1] and drawn[1] != drawn[2], "the fractional subset is not redrawn"
+
+
+def test_the_file_pool_closes_what_it_evicts(tmp_path):
+    """The descriptors a pool evicts are closed, not only forgotten: reading 10 files through a
+    pool of 3 leaves 3 more descriptors open in the process, and none once the pool is closed."""
+    from mimir_megatron.data.files import FilePool
+
+    def open_descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    paths = []
+    for i in range(10):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(bytes([i]) * 4)
+    before = open_descriptors()
+    pool = FilePool(3)
+    for path in paths * 2:
+        pool.pread(str(path), 1, 0)
+    assert open_descriptors() - before == 3
+    pool.close()
+    assert open_descriptors() == before
 
 
 def test_the_file_pool_reads_a_file_replaced_under_its_name_anew(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mimir_data_prep.report import dataset_rows, format_report, group_rows
+from mimir_data_prep.mixture_report import dataset_rows, format_report, group_rows
 
 from mimir_megatron.data import load_mixture
 from mimir_megatron.errors import UserError

@@ -10,7 +10,7 @@ from mimir_megatron.checkpoint.trainer_state import TrainerState, write_trainer_
 from mimir_megatron.errors import ConfigError, UserError
 from mimir_megatron.evaluation.fixtures import write_fixtures
 from mimir_megatron.evaluation.prompts import build_items
-from mimir_megatron.evaluation.records import MissingData, load_rows
+from mimir_megatron.evaluation.benchmark_rows import MissingData, load_rows
 from mimir_megatron.evaluation.suite import TaskSpec, load_suite
 from mimir_megatron.evaluation.sweep import SweepResult, markdown, parse_schedules, schedule_string
 
@@ -152,7 +152,7 @@ def test_schedules_parse():
 
 
 def test_training_checkpoint_evaluations_go_under_the_training_run(tmp_path):
-    from mimir_megatron.checkpoint import resolve_model_dir, trained_schedule
+    from mimir_megatron.checkpoint import resolve_model_dir
     from mimir_megatron.evaluation.tracking import tracking_target
 
     ckpts = tmp_path / "runs" / "demo" / "checkpoints"
@@ -162,23 +162,24 @@ def test_training_checkpoint_evaluations_go_under_the_training_run(tmp_path):
                          config={"run": {"name": "demo", "dir": ""},
                                  "tracking": {"uri": None, "experiment": "mimir-demo"}})
     write_trainer_state(ckpts / "step_0000400", state)
-    target = tracking_target(tmp_path / "out", checkpoint=ckpts)
+    model = resolve_model_dir(checkpoint=ckpts)
+    target = tracking_target(tmp_path / "out", record=model.record)
     assert target.uri == f"sqlite:///{(tmp_path / 'runs' / 'demo' / 'mlflow.db').resolve()}"
     assert (target.experiment, target.parent_run_id, target.checkpoint_step) == ("mimir-demo", "abc123", 400)
-    assert trained_schedule(resolve_model_dir(checkpoint=ckpts)) == (2, 3)
-    other = tracking_target(tmp_path / "out", uri="sqlite:///x.db", checkpoint=ckpts)
+    assert model.trained_schedule == (2, 3)
+    other = tracking_target(tmp_path / "out", uri="sqlite:///x.db", record=model.record)
     assert other.parent_run_id is None and other.experiment == "mimir-eval"
 
 
 def test_contamination_report_is_found_in_the_training_run(tmp_path):
     """`mimir eval --checkpoint` of a run finds RUN/contamination/<suite>.json; --contamination wins."""
-    from mimir_megatron.checkpoint.model_dir import resolve_model_dir, run_directory
+    from mimir_megatron.checkpoint.model_dir import resolve_model_dir
     from mimir_megatron.evaluation.contamination import find_report
 
     ckpts = tmp_path / "runs" / "demo" / "checkpoints"
     (ckpts / "step_0000002").mkdir(parents=True)
     write_trainer_state(ckpts / "step_0000002", TrainerState(step=2, config={"run": {"name": "demo", "dir": ""}}))
-    run_dir = run_directory(resolve_model_dir(checkpoint=ckpts))
+    run_dir = resolve_model_dir(checkpoint=ckpts).run_directory
     assert find_report(None, "demo", run_dir) is None  # no report: nothing marked
     report = tmp_path / "runs" / "demo" / "contamination" / "demo.json"
     report.parent.mkdir()
@@ -213,7 +214,7 @@ def test_scores_split_into_clean_and_contaminated_items_only_where_the_report_ch
 
     from mimir_megatron.evaluation.contamination import FORMAT, ContaminationReport, data_sha256
     from mimir_megatron.evaluation.metrics import ItemOutcome
-    from mimir_megatron.evaluation.report import ScoreSplit, score_split
+    from mimir_megatron.evaluation.tables import ScoreSplit, score_split
     from mimir_megatron.evaluation.runner import TaskResult
     from mimir_megatron.integrity import with_digest
 
@@ -247,7 +248,7 @@ def test_a_sweep_marks_the_trained_schedule_of_every_model_form(tmp_path):
     import argparse
     import json
 
-    from mimir_megatron.entrypoints.evaluate import _tokenizer_dir, _trained_schedule
+    from mimir_megatron.entrypoints.evaluate import _model, _tokenizer_dir, _trained_schedule
 
     weights = tmp_path / "weights"
     weights.mkdir()
@@ -257,15 +258,16 @@ def test_a_sweep_marks_the_trained_schedule_of_every_model_form(tmp_path):
     (hf / "config.json").write_text(json.dumps({"model_type": "hrm_text", "H_cycles": 1, "L_cycles": 2}))
     (hf / "tokenizer.json").write_text("{}")
 
-    def args(**given):
-        base = dict(checkpoint=None, weights=None, hf=None, base_url=None, tokenizer=None, ema=False,
-                    trained_schedule=None)
-        return argparse.Namespace(**{**base, **given})
+    def ask(fact, **given):  # a command's flags, its model resolved once, one fact asked of it
+        base = dict(model=None, checkpoint=None, weights=None, hf=None, base_url=None, tokenizer=None, ema=False,
+                    trained_schedule=None, api_key_file=None)
+        args = argparse.Namespace(**{**base, **given})
+        return fact(args, _model(args))
 
-    assert _trained_schedule(args(weights=str(weights))) == (3, 4)
-    assert _tokenizer_dir(args(weights=str(weights))) == str(tmp_path / "tok")  # what the server loads
-    assert _trained_schedule(args(hf=str(hf))) == (1, 2)
-    assert _tokenizer_dir(args(hf=str(hf))) == str(hf)
-    assert _trained_schedule(args(weights=str(weights), trained_schedule="2x3")) == (2, 3)
-    assert _trained_schedule(args(base_url="http://127.0.0.1:1", tokenizer="t")) is None
-    assert _tokenizer_dir(args(base_url="http://127.0.0.1:1", tokenizer="t")) == "t"
+    assert ask(_trained_schedule, weights=str(weights)) == (3, 4)
+    assert ask(_tokenizer_dir, weights=str(weights)) == str(tmp_path / "tok")  # what the server loads
+    assert ask(_trained_schedule, hf=str(hf)) == (1, 2)
+    assert ask(_tokenizer_dir, hf=str(hf)) == str(hf)
+    assert ask(_trained_schedule, weights=str(weights), trained_schedule="2x3") == (2, 3)
+    assert ask(_trained_schedule, base_url="http://127.0.0.1:1", tokenizer="t") is None
+    assert ask(_tokenizer_dir, base_url="http://127.0.0.1:1", tokenizer="t") == "t"

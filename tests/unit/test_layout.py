@@ -6,7 +6,8 @@
   adds its `mimir` commands through an entry point);
 - mimir_kernels imports neither project package;
 - the model, checkpoints, data, inference, evaluation and audits import no trainer and no CLI
-  entry point.
+  entry point;
+- no two modules import each other, directly or around a loop.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def test_the_check_sees_lazy_imports():
     # A lazy, function-local import is found (the form the old cycle took), relative ones resolved.
     found = imports("mimir_data_prep")
     assert ("mimir_data_prep.pack_index", "mimir_megatron.data") in found  # inside build_packing_index
-    assert ("mimir_data_prep.demo_data", "mimir_data_prep.prepare") in found  # `from .prepare import`
+    assert ("mimir_data_prep.demo_build", "mimir_data_prep.prepare") in found  # `from .prepare import`
     # ... and so is a module named in a string for importlib (how the old CLI reached data_prep).
     assert ("mimir_data_prep.cli", "mimir_data_prep.entrypoints.synth") in imports("mimir_data_prep", names=True)
 
@@ -92,3 +93,64 @@ def test_data_preparation_commands_arrive_through_the_entry_point():
     assert [e.value for e in entry_points(group=COMMAND_GROUP)] == ["mimir_data_prep.cli:register"]
     (commands,) = [a for a in build_parser()._actions if a.dest == "command"]
     assert {"prepare", "data", "synth", "train", "serve"} <= set(commands.choices)
+
+
+def _project_modules() -> set[str]:
+    return {_module_name(package, path) for package, folder in PACKAGES.items() for path in folder.rglob("*.py")}
+
+
+def import_cycles() -> list[list[str]]:
+    """The project's modules that import each other, directly or around a loop (lazy imports
+    included): the strongly connected components of the import graph with more than one module."""
+    modules = _project_modules()
+    edges: dict[str, set[str]] = {}
+    for package in PACKAGES:
+        for module, target in imports(package):
+            parts = target.split(".")
+            while parts and ".".join(parts) not in modules:  # `from pkg.mod import name` -> pkg.mod
+                parts.pop()
+            if parts and ".".join(parts) != module:
+                edges.setdefault(module, set()).add(".".join(parts))
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(edges.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while (top := stack.pop()) != module:
+                component.append(top)
+            if component:
+                cycles.append(sorted([module, *component]))
+
+    for module in sorted(modules):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No import cycles, lazy imports counted: a function-local import that closes a loop is a knot
+    (two modules each needing the other), even when it does not fail at import time."""
+    assert import_cycles() == []
+
+
+def test_the_cycle_check_sees_a_loop(monkeypatch):
+    real = imports
+
+    def with_loop(package: str, under: str = "", names: bool = False) -> list[tuple[str, str]]:
+        extra = [("mimir_data_prep.demo_data", "mimir_data_prep.demo_build")] if package == "mimir_data_prep" else []
+        return real(package, under, names) + extra
+
+    monkeypatch.setitem(globals(), "imports", with_loop)
+    assert import_cycles() == [["mimir_data_prep.demo_build", "mimir_data_prep.demo_data",
+                                "mimir_data_prep.demo_tokenizer"]]  # demo_build -> tokenizer -> data

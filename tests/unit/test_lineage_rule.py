@@ -72,7 +72,7 @@ def test_an_or_may_narrow_an_ancestors_terms_never_reopen_them(tmp_path, caplog)
     assert "--license: CC-BY-4.0 OR CC-BY-NC-4.0 is more permissive than nc's terms CC-BY-NC-4.0 (drops " \
            "CC-BY-NC-4.0)" in error, error
     narrowed = prepare(tmp_path, "narrowed", *derived, "--license", "CC-BY-NC-4.0 AND (MIT OR Apache-2.0)")
-    assert read_provenance(narrowed)["license"] == "CC-BY-NC-4.0 AND (MIT OR Apache-2.0)"
+    assert read_provenance(narrowed).provenance.license == "CC-BY-NC-4.0 AND (MIT OR Apache-2.0)"
     assert "CC-BY-NC-4.0 is not an open licence" in problems(mixture(tmp_path, "narrowed"))[0]
     # The record as today's main wrote it for the laundered child: refused when read, not trained.
     _forge(narrowed / "manifest.json", lambda p: p.update(license="CC-BY-4.0 OR CC-BY-NC-4.0"))
@@ -96,7 +96,7 @@ def test_a_generators_terms_bind_its_output_and_must_be_declared(tmp_path, caplo
     assert found == ["dataset unknown: license unknown (the generator 'llama-2-70b' has no declared licence "
                      "(generator_license)): declare it, or set data_policy.allow_unknown"], found
     kept = prepare(tmp_path, "kept", *made, "--generator-license", LLAMA)
-    assert read_provenance(kept)["license"] == LLAMA  # inherited: the generator's terms
+    assert read_provenance(kept).provenance.license == LLAMA  # inherited: the generator's terms
     assert "not a standard licence" in problems(mixture(tmp_path, "kept"))[0]
     # `mimir synth run`'s sidecar: the generator endpoint's licence, else unknown.
     from mimir_megatron.data.provenance import derived_provenance, effective_terms
@@ -226,7 +226,7 @@ def test_a_files_own_declaration_is_its_record(tmp_path, caplog):
                              raw=copy)
     assert "derived_from partner: 4 of 4 documents checked (100 %) are verbatim copies of partner's" in error
     derived = prepare(tmp_path, "derived", "--source", "x", *SYNTH, "--derived-from", str(partner))
-    assert read_provenance(derived)["license"] == "CC-BY-4.0"
+    assert read_provenance(derived).provenance.license == "CC-BY-4.0"
     assert problems(mixture(tmp_path, "derived")) == []
 
 
@@ -237,7 +237,7 @@ def test_a_parent_changed_since_refuses_its_children_and_a_lineage_may_not_loop(
     parent = prepare(tmp_path, "parent", *OPEN)
     converted = ["--source", "converted", "--basis", "open-licence", "--form", "curated-reformatted"]
     child = prepare(tmp_path, "child", *converted, "--derived-from", str(parent))
-    assert read_provenance(child)["license"] == "CC-BY-4.0" and problems(mixture(tmp_path, "child")) == []
+    assert read_provenance(child).provenance.license == "CC-BY-4.0" and problems(mixture(tmp_path, "child")) == []
     # The parent prepared again, now declared NC: its child, derived as CC-BY-4.0, is stale.
     prepare(tmp_path, "parent", "--source", "Open set", "--license", "CC-BY-NC-4.0", "--basis", "open-licence",
             "--form", "reformatted", raw=tmp_path / "parent.jsonl")
@@ -310,12 +310,12 @@ def test_a_licence_with_an_exception_is_judged_everywhere(tmp_path, caplog, caps
     assert problems(mixture(tmp_path, "gpl")) == []
     assert problems(mixture(tmp_path, "gpl", policy="data_policy: {deny_licenses: [GPL-2.0-only]}\n")) == [
         f"dataset gpl: license {licence}: {licence} is in data_policy.deny_licenses"]
-    assert policy_problems("gpl", read_provenance(gpl), DataPolicy(allow_licenses=[licence]), "C") == []
+    assert policy_problems("gpl", read_provenance(gpl).record, DataPolicy(allow_licenses=[licence]), "C") == []
     assert main(["data", "report", "--mixture", str(mixture(tmp_path, "gpl"))]) == 0
     assert "may be trained on" in capsys.readouterr().out
     converted = ["--source", "c", "--basis", "open-licence", "--form", "curated-reformatted", "--derived-from",
                  str(gpl)]
-    assert read_provenance(prepare(tmp_path, "child", *converted))["license"] == licence
+    assert read_provenance(prepare(tmp_path, "child", *converted)).provenance.license == licence
     error = _prepare_refused(tmp_path, caplog, "relaxed", *converted, "--license", "MIT")
     assert f"MIT is more permissive than gpl's terms {licence} (drops {licence})" in error, error
     card = hf_license(licence)
@@ -337,12 +337,12 @@ def test_the_release_documents_say_what_the_lineage_records(tmp_path):
                  "--basis", "agreement", "--form", "agreement-supplied", "--derived-terms", "CC-BY-4.0"]) == 0
     derived = prepare(tmp_path, "partner", "--source", "generated from the partner corpus", *SYNTH,
                       "--derived-from", str(partner), raw=write_raw(tmp_path / "generated.jsonl", say="Made"))
-    assert read_provenance(derived)["id"] == "partner"  # named like its source
+    assert read_provenance(derived).provenance.id == "partner"  # named like its source
     tdm = declared(id="news", license="LicenseRef-scancode-proprietary-license", basis="tdm-research",
                    research_organisation="Example University", lawful_access="library subscription")
     screen = {"policy": "reject", "found": {"email": 2}, "documents_rejected": 2}
     state = TrainerState(step=5, data_policy=asdict(DataPolicy()), lineage=(
-        _entry("partner", read_provenance(derived), 300, screen), _entry("news", tdm, 100, screen),
+        _entry("partner", read_provenance(derived).record, 300, screen), _entry("news", tdm, 100, screen),
         _entry("idle", declared(id="idle", license="MIT"), 0)))
     summary = training_data_summary(state, model_name="m")
     markdown = summary_markdown(summary)

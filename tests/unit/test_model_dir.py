@@ -91,26 +91,18 @@ def test_the_flags_are_the_same_for_every_command(forms):
 def test_a_models_names_come_from_its_directory(forms, name, display, served):
     """Evaluation tables and MLflow name a checkpoint by its run and step whichever form named it;
     the server answers to the directory's name as given (what clients were told to send)."""
-    from mimir_megatron.checkpoint import display_name, served_name
-
     source = detect_model_dir(forms[name])
-    assert display_name(source) == display
-    assert served_name(source) == served
+    assert source.display_name() == display
+    assert source.served_name == served
     if source.kind == ModelKind.checkpoint:
-        assert display_name(source, ema=True) == display + "-ema"
+        assert source.display_name(ema=True) == display + "-ema"
 
 
 def test_the_run_directory_and_lineage_of_each_form(tmp_path, forms):
     """A checkpoint's run directory is its ``checkpoints/`` folder's parent, else (``checkpoint.dir``
     set elsewhere) the one its recorded configuration names; its lineage is the one recorded. The
     other forms record no run and no lineage."""
-    from mimir_megatron.checkpoint import (
-        DatasetLineage,
-        TrainerState,
-        lineage,
-        run_directory,
-        training_record,
-    )
+    from mimir_megatron.checkpoint import DatasetLineage, TrainerState
     from mimir_megatron.checkpoint.trainer_state import write_trainer_state
 
     recorded = (DatasetLineage(name="d", path="/data/d", category="c", language="en", audit_group="A",
@@ -127,12 +119,42 @@ def test_the_run_directory_and_lineage_of_each_form(tmp_path, forms):
     unnamed.mkdir(parents=True)
     write_trainer_state(unnamed, TrainerState(step=2, config={"run": {"name": "r"}}))
 
-    assert run_directory(detect_model_dir(elsewhere)).root == tmp_path / "the-run"
-    assert lineage(detect_model_dir(elsewhere)) == recorded
-    assert run_directory(detect_model_dir(tmp_path / "run2")).root == tmp_path / "run2"  # its folder wins
-    assert lineage(detect_model_dir(tmp_path / "run2")) == ()
-    assert run_directory(detect_model_dir(unnamed)).root == Path("runs") / "r"  # run.dir unset: runs/<name>
-    assert training_record(detect_model_dir(elsewhere)).checkpoint == elsewhere
+    assert detect_model_dir(elsewhere).run_directory.root == tmp_path / "the-run"
+    assert detect_model_dir(elsewhere).lineage == recorded
+    assert detect_model_dir(tmp_path / "run2").run_directory.root == tmp_path / "run2"  # its folder wins
+    assert detect_model_dir(tmp_path / "run2").lineage == ()
+    assert detect_model_dir(unnamed).run_directory.root == Path("runs") / "r"  # run.dir unset: runs/<name>
+    assert detect_model_dir(elsewhere).record.checkpoint == elsewhere
     for name in ("weights", "hf"):
         source = detect_model_dir(forms[name])
-        assert (training_record(source), run_directory(source), lineage(source)) == (None, None, None)
+        assert (source.record, source.run_directory, source.lineage) == (None, None, None)
+
+
+def test_a_model_is_resolved_once_and_every_fact_is_asked_of_it(tmp_path, monkeypatch):
+    """The model value a command resolves reads the checkpoint's trainer state once (its digest
+    checked once) however many facts are asked (record, run, lineage, settings, schedule,
+    tokenizer, names), follows ``latest`` once, and hands that state to the weights' loader,
+    which verifies the files against it instead of reading it again."""
+    from mimir_megatron.checkpoint import TrainerState, load, model_dir
+    from mimir_megatron.checkpoint.trainer_state import write_trainer_state
+
+    step = tmp_path / "run" / "checkpoints" / "step_0000004"
+    step.mkdir(parents=True)
+    (step.parent / "latest").write_text("step_0000004\n")
+    write_trainer_state(step, TrainerState(step=4, model={"h_cycles": 2, "l_cycles": 3, "tokenizer": "tok"},
+                                           config={"run": {"name": "r", "dir": None}}))
+    reads, resolves = [], []
+    real_read, real_resolve = model_dir.read_trainer_state, model_dir.resolve
+    monkeypatch.setattr(model_dir, "read_trainer_state", lambda p: reads.append(p) or real_read(p))
+    monkeypatch.setattr(model_dir, "resolve", lambda p: resolves.append(p) or real_resolve(p))
+    model = resolve_model_dir(checkpoint=tmp_path / "run")
+    for _ in range(2):
+        facts = (model.record.state.step, model.run_directory.root, model.lineage, model.trained_schedule,
+                 model.tokenizer, model.tokenizer_or("given"), model.display_name(), model.served_name)
+        assert facts == (4, tmp_path / "run", (), (2, 3), Path("tok"), Path("given"), "run-step_0000004", "run")
+    assert reads == [step] and resolves == [tmp_path / "run"]
+    loaded = []
+    monkeypatch.setattr(load, "load_model", lambda path, **kw: loaded.append((path, kw)) or "model")
+    assert model.load(ema=True) == "model"
+    assert loaded == [(step, {"ema": True, "tensor_parallel_size": 1, "state": model.record.state})]
+    assert reads == [step]  # the loader was given the state, not left to read it again

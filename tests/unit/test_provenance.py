@@ -54,7 +54,7 @@ def test_prepare_records_the_declaration_and_the_inputs_sha256(tmp_path):
 
 def test_undeclared_data_is_unknown_and_refused_unless_allowed(tmp_path):
     out = _prepare(tmp_path, "plain")
-    assert read_provenance(out) == {"status": "unknown"}
+    assert read_provenance(out).provenance is None and read_provenance(out).record == {"status": "unknown"}
     problems = _problems(_mixture(tmp_path, "plain"))
     assert len(problems) == 1 and "dataset plain: provenance unknown" in problems[0]
     assert _problems(_mixture(tmp_path, "plain", policy="data_policy: {allow_unknown: true}\n")) == []
@@ -71,9 +71,9 @@ def test_agreement_data_only_through_a_derived_dataset(tmp_path):
     _prepare(tmp_path, "plain")
     synthetic = _prepare(tmp_path, "synthetic", "--source", "generated from the partner corpus",
                          "--basis", "synthetic", "--form", "synthetic-audited", "--derived-from", str(agreed))
-    record = read_provenance(synthetic)
-    assert record["license"] == "proprietary-agreement" and record["languages"] == ["da"]  # inherited
-    assert record["derived_from"][0]["basis"] == "agreement"
+    record = read_provenance(synthetic).provenance
+    assert record.license == "proprietary-agreement" and record.languages == ("da",)  # inherited
+    assert record.derived_from[0].basis == "agreement"
 
     problems = _problems(_mixture(tmp_path, "agreed", "plain", "synthetic"))
     assert [p.split(":")[0] for p in problems] == ["dataset agreed", "dataset plain"], problems
@@ -206,7 +206,7 @@ def test_a_derived_dataset_cannot_relax_its_ancestors_licence(tmp_path, caplog):
     assert not (tmp_path / "relaxed").exists()
     child = _prepare(tmp_path, "child", "--source", "made from NC", "--basis", "synthetic",
                      "--form", "synthetic-audited", "--derived-from", str(nc))
-    assert read_provenance(child)["license"] == "CC-BY-NC-4.0"  # inherited
+    assert read_provenance(child).provenance.license == "CC-BY-NC-4.0"  # inherited
     grandchild = [*relax[:6], str(tmp_path / "grandchild"), *relax[7:-1], str(child), "--license", "MIT"]
     assert "MIT is more permissive than child's terms CC-BY-NC-4.0" in _cli_error(caplog, *grandchild)
     problems = _problems(_mixture(tmp_path, "child", policy="data_policy: {deny_licenses: [CC-BY-NC-4.0]}\n"))
@@ -236,8 +236,8 @@ def test_agreement_data_passes_on_the_terms_its_agreement_states(tmp_path, caplo
     synth = ["--source", "generated", "--basis", "synthetic", "--form", "synthetic-audited"]
     inherited = _prepare(tmp_path, "inherited", *synth, "--derived-from", str(stated))
     declared = _prepare(tmp_path, "declared", *synth, "--derived-from", str(stated), "--license", "CC-BY-4.0")
-    assert read_provenance(inherited)["license"] == read_provenance(declared)["license"] == "CC-BY-4.0"
-    assert read_provenance(declared)["derived_from"][0]["derived_terms"] == "CC-BY-4.0"
+    assert read_provenance(inherited).provenance.license == read_provenance(declared).provenance.license == "CC-BY-4.0"
+    assert read_provenance(declared).provenance.derived_from[0].derived_terms == "CC-BY-4.0"
     assert _problems(_mixture(tmp_path, "inherited", "declared")) == []
     base = ["prepare", "-i", str(_raw(tmp_path / "x.jsonl")), "-t", TOK, "-o", str(tmp_path / "refused")]
     error = _cli_error(caplog, *base, *synth, "--derived-from", str(silent), "--license", "CC-BY-4.0")

@@ -45,9 +45,9 @@ def _sidecar(directory: Path) -> Path:
 
 
 def _read_sidecar(directory: Path):
-    from mimir_megatron.data.provenance import read_sidecar
+    from mimir_megatron.data.provenance import read_provenance
 
-    return read_sidecar(directory / "data.jsonl")
+    return read_provenance(directory / "data.jsonl").provenance
 
 
 def _report(directory: Path) -> Path:
@@ -128,6 +128,79 @@ def _read_plan(directory: Path):
     return PlanRecord.read(directory / "plan.json")
 
 
+def _evidence(directory: Path) -> Path:
+    from mimir_data_prep.synth_pipeline.evidence_file import STATE_NAME
+    from synth_records import evidence_row
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / STATE_NAME).write_bytes(evidence_row("r1", "discarded").line())
+    return directory / STATE_NAME
+
+
+def _read_evidence(directory: Path):
+    from mimir_data_prep.synth_pipeline.evidence_file import StateFile
+
+    with StateFile(directory) as state:
+        return state.read(state.index["r1"])
+
+
+def _stamp(directory: Path) -> Path:
+    from mimir_data_prep.synth_pipeline.run_records import PipelineStamp
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return PipelineStamp("oversæt", "a" * 64).write(directory)
+
+
+def _read_stamp(directory: Path):
+    from mimir_data_prep.synth_pipeline.run_records import PipelineStamp
+
+    return PipelineStamp.read(directory)
+
+
+def _acceptance(directory: Path) -> Path:
+    from mimir_data_prep.synth_pipeline.run_records import AcceptanceReport
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return AcceptanceReport(
+        pipeline="oversæt", fingerprint="a" * 64, source_rows=3, decided=2, pending=1,
+        status={"kept": 0, "accepted": 1, "discarded": 1, "error": 0}, acceptance_rate=0.5,
+        discard_reasons={"off_topic": 1}, error_reasons={}, regenerate_reasons={"too_vague": 1},
+        check_failures={}, generations_per_row={"1": 1, "2": 1},
+        calls={"generator": 3, "auditor": 2, "retries": 0}, models={"generator": "g"}, stopped=None).write(directory)
+
+
+def _read_acceptance(directory: Path):
+    from mimir_data_prep.synth_pipeline.run_records import AcceptanceReport
+
+    return AcceptanceReport.read(directory)
+
+
+def _pointer(directory: Path) -> Path:
+    from mimir_data_prep.synth_pipeline.run_records import MlflowPointer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return MlflowPointer("0123abcd", "sqlite:////tmp/ø/mlflow.db").write(directory)
+
+
+def _read_pointer(directory: Path):
+    from mimir_data_prep.synth_pipeline.run_records import MlflowPointer
+
+    return MlflowPointer.read(directory)
+
+
+def _signature(directory: Path) -> Path:
+    from mimir_megatron.data.signing import ManifestSignature
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return ManifestSignature(key_id="0" * 16, digest="a" * 64, signature=b"\x01" * 64).write(directory)
+
+
+def _read_signature(directory: Path):
+    from mimir_megatron.data.signing import ManifestSignature
+
+    return ManifestSignature.read(directory)
+
+
 # The records: (writer, reader, the digest computed again after a careful hand edit)
 RECORDS = {
     "manifest": (_manifest, _read_manifest, reseal()),
@@ -137,6 +210,11 @@ RECORDS = {
     "sweep": (_sweep, _read_sweep, reseal()),
     "plan": (_plan, _read_plan, reseal()),
     "state": (_state, _read_state, reseal()),
+    "evidence": (_evidence, _read_evidence, reseal()),
+    "stamp": (_stamp, _read_stamp, reseal()),
+    "acceptance": (_acceptance, _read_acceptance, reseal()),
+    "pointer": (_pointer, _read_pointer, reseal()),
+    "signature": (_signature, _read_signature, lambda record: None),  # a signature is its own check
 }
 
 # (record, change, recompute the digest so that only the check under test speaks, what the line must say)
@@ -194,6 +272,41 @@ CASES = {
     "sweep-digest-removed": ("sweep", drop("digest"), False, "has no digest, though the version that wrote it"),
     "plan-digest-removed": ("plan", drop("digest"), False, "has no digest, though the version that wrote it"),
     "state-digest-removed": ("state", drop("digest"), False, "its digest was deleted"),
+    # The synthetic pipeline's output directory (an evidence row is named by its line too).
+    "evidence-missing-field": ("evidence", drop("input_sha256"), True, "line 1: input_sha256: missing"),
+    "evidence-wrong-status": ("evidence", put("done", "status"), True,
+                              "line 1: status: one of kept, accepted, discarded, error expected, got 'done'"),
+    "evidence-wrong-nested": ("evidence", put("yes", "attempts", 0, "checks", 0, "passed"), True,
+                              "line 1: attempts[0].checks[0].passed: true or false expected"),
+    "evidence-unknown-version": ("evidence", put("mimir-synth-evidence-v9", "format"), True,
+                                 "format 'mimir-synth-evidence-v9' is not one this version of mimir reads"),
+    "evidence-edited": ("evidence", put("accepted", "status"), False,
+                        "line 1: edited after `mimir synth run` wrote it (its digest does not match"),
+    "evidence-digest-removed": ("evidence", drop("digest"), False, "has no digest, though the version"),
+    "stamp-missing-field": ("stamp", drop("fingerprint"), True, "fingerprint: missing"),
+    "stamp-wrong-type": ("stamp", put(7, "name"), True, "name: a string expected, got 7"),
+    "stamp-unknown-version": ("stamp", put("mimir-synth-pipeline-v0", "format"), True,
+                              "format 'mimir-synth-pipeline-v0' is not one this version of mimir reads"),
+    "stamp-edited": ("stamp", put("b" * 64, "fingerprint"), False, "edited after `mimir synth run` wrote it"),
+    "acceptance-missing-field": ("acceptance", drop("status", "error"), True, "status.error: missing"),
+    "acceptance-wrong-type": ("acceptance", put("2", "decided"), True, "decided: an integer expected, got '2'"),
+    "acceptance-wrong-count": ("acceptance", put(1.5, "calls", "retries"), True,
+                               "calls.retries: an integer expected, got 1.5"),
+    "acceptance-unknown-version": ("acceptance", put("mimir-synth-report-v0", "format"), True,
+                                   "format 'mimir-synth-report-v0' is not one this version of mimir reads"),
+    "acceptance-edited": ("acceptance", put(3, "decided"), False, "edited after `mimir synth run` wrote it"),
+    "acceptance-digest-removed": ("acceptance", drop("digest"), False, "has no digest, though the version"),
+    "pointer-missing-field": ("pointer", drop("run_id"), True, "run_id: missing"),
+    "pointer-unknown-version": ("pointer", put("mimir-synth-mlflow-run-v2", "format"), True,
+                                "format 'mimir-synth-mlflow-run-v2' is not one this version of mimir reads"),
+    "pointer-edited": ("pointer", put("ffff", "run_id"), False, "edited after `mimir synth run` wrote it"),
+    "signature-missing-field": ("signature", drop("digest"), False, "digest: missing"),
+    "signature-wrong-type": ("signature", put(5, "key_id"), False, "key_id: a string expected, got 5"),
+    "signature-not-base64": ("signature", put("not base64!", "signature"), False, "signature: base64 expected"),
+    "signature-algorithm": ("signature", put("rsa", "algorithm"), False, "algorithm: 'ed25519' expected, got 'rsa'"),
+    "signature-unknown-version": ("signature", put("mimir-manifest-signature-v0", "format"), False,
+                                  "format 'mimir-manifest-signature-v0' is not one this version of mimir reads"),
+    "signature-without-format": ("signature", drop("format"), False, "format None is not one this version"),
 }
 # A record that lost its format too still has its digest checked (the migration never skips it).
 for _name, (_keys, _value, _says) in {
@@ -246,6 +359,28 @@ def test_a_record_written_before_digests_reads_as_it_is(tmp_path, case):
     path = write(tmp_path / "record")
     older = drop("format") if formatless else put(DIGESTLESS_FORMATS[name], "format")
     damage(path, drop("digest"), older, put(edited, *keys))
+    assert value(read(tmp_path / "record")) == edited
+
+
+# A synthetic pipeline's file written before formats were recorded (no format, no digest): a field
+# edited by hand, and how the record gives it.
+SYNTH_BEFORE_FORMATS = {
+    "evidence": (("status",), "error", lambda row: row.status),
+    "stamp": (("fingerprint",), "b" * 64, lambda stamp: stamp.fingerprint),
+    "acceptance": (("decided",), 3, lambda report: report.decided),
+    "pointer": (("run_id",), "ffff", lambda pointer: pointer.run_id),
+}
+
+
+@pytest.mark.parametrize("name", SYNTH_BEFORE_FORMATS)
+def test_a_synth_file_written_before_formats_reads_as_it_is(tmp_path, name):
+    """evidence.jsonl's rows, pipeline.json, report.json and mlflow_run.json were written without a
+    format or digest before they were records: such a file holds today's fields and reads as it is
+    (there is nothing to verify); writing it again gives it today's format and a digest."""
+    keys, edited, value = SYNTH_BEFORE_FORMATS[name]
+    write, read, _ = RECORDS[name]
+    path = write(tmp_path / "record")
+    damage(path, drop("digest"), drop("format"), put(edited, *keys))
     assert value(read(tmp_path / "record")) == edited
 
 
@@ -343,6 +478,40 @@ def test_the_run_directory_of_a_checkpoint_is_derived_in_one_place(tmp_path):
     assert cfg.run_dir == Path("runs") / "demo" and cfg.checkpoint_dir == Path("runs") / "demo" / "checkpoints"
     cfg.run.dir = str(tmp_path / "run")
     assert RunDirectory.configured(cfg.run.dir, cfg.run.name).mlflow_uri == f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}"
+
+
+def test_an_in_training_suite_without_run_dir_keeps_its_logs_in_the_default_run_directory(tmp_path, monkeypatch):
+    """run.dir is optional (configs/train/demo.yaml sets none): the in-training suite's InspectAI
+    logs go to runs/<run.name>/eval_logs/step_N, the run directory's, where building the folder
+    from run.dir itself was a TypeError at the first suite evaluation. The suite is stubbed."""
+    from mimir_megatron.train import evaluate, loop
+    from mimir_megatron.train.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig()
+    cfg.run.name, cfg.run.dir, cfg.eval.suite = "demo", None, "demo"
+    asked = []
+
+    def suite_scores(model, config, log_dir):
+        asked.append(log_dir)
+        log_dir.mkdir(parents=True)
+        return {"suite/arith": 0.5}
+
+    class Tracker:
+        def __init__(self):
+            self.logged = []
+
+        def __getattr__(self, name):
+            return lambda *args: self.logged.append((name, *args))
+
+    monkeypatch.setattr(evaluate, "suite_scores", suite_scores)
+    tracker = Tracker()
+    assert loop._evaluate_suite(None, cfg, tracker, 3) == {"suite/arith": 0.5}
+    assert asked == [Path("runs/demo/eval_logs/step_0000003")] == [cfg.run_directory.eval_logs(3)]
+    assert ("log_path", asked[0], "eval/step_0000003/inspect_logs") in tracker.logged
+    cfg.run.dir = str(tmp_path / "elsewhere")
+    loop._evaluate_suite(None, cfg, tracker, 4)
+    assert asked[-1] == tmp_path / "elsewhere" / "eval_logs" / "step_0000004"
 
 
 def test_mimir_prepare_writes_its_manifest_through_the_one_writer(tmp_path, monkeypatch):

@@ -18,6 +18,21 @@ def test_v1_window_ramp_is_the_reference_step_function():
     assert ks[20:] == [5] * 80
 
 
+def test_a_linear_window_without_a_ramp_fraction_grows_over_the_papers_20_percent(tmp_path):
+    """The default itself: every shipped recipe sets window.ramp_fraction, so only a config that
+    leaves it out shows the default (Mimir v1: k 2 -> 5 over the first 20 % of the steps)."""
+    import yaml
+
+    recipe = yaml.safe_load((REPO / "configs/train/demo.yaml").read_text())
+    del recipe["window"]["ramp_fraction"]
+    recipe["model"]["config"] = str(REPO / recipe["model"]["config"])
+    (tmp_path / "no_ramp.yaml").write_text(yaml.safe_dump(recipe))
+    cfg = load_train_config(tmp_path / "no_ramp.yaml", ["train.steps=300"])
+    ks = [plan_step(s, cfg).window.k for s in range(300)]
+    # 20 % of 300 steps = 60: k = 2 + int(step / 60 * 3)
+    assert ks[:20] == [2] * 20 and ks[20:40] == [3] * 20 and ks[40:60] == [4] * 20 and ks[60:] == [5] * 240
+
+
 def test_v1_5_window_ramp_reaches_full_backprop():
     ks = [window_at(s, 1000, "linear", 0, 5, 8, 0.1) for s in (0, 33, 34, 67, 99, 100, 999)]
     assert ks == [5, 5, 6, 7, 7, 8, 8]

@@ -9,9 +9,10 @@ import pytest
 
 from mimir_data_prep.synth_pipeline.checks import run_checks, structure_differences
 from mimir_data_prep.synth_pipeline.pipeline import CheckConfig, VerdictConfig, load_pipeline
-from mimir_data_prep.synth_pipeline.state import StateFile
+from mimir_data_prep.synth_pipeline.evidence_file import StateFile
 from mimir_data_prep.synth_pipeline.verdict import UNPARSEABLE, first_json_object, parse_verdict
 from mimir_megatron.errors import ConfigError, UserError
+from synth_records import evidence_row
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs" / "synth").glob("*.yaml"))
@@ -207,30 +208,62 @@ def test_first_json_object_needs_the_required_keys():
 # --- state file -------------------------------------------------------------------------------
 
 def test_state_file_cuts_a_partial_line_and_the_latest_record_wins(tmp_path):
-    rec = {"row_id": "r1", "input_sha256": "h1", "status": "accepted"}
     with StateFile(tmp_path) as state:
-        state.append(rec)
-        state.append(rec | {"row_id": "r2"})
-        state.append(rec | {"status": "discarded", "input_sha256": "h2"})
+        state.append(evidence_row("r1"))
+        state.append(evidence_row("r2"))
+        state.append(evidence_row("r1", "discarded", "h2"))
         with pytest.raises(UserError, match="in use"):
             StateFile(tmp_path).open()
     with (tmp_path / "evidence.jsonl").open("ab") as f:
         f.write(b'{"row_id": "r3", "input_sha')  # a kill in the middle of a write
     with StateFile(tmp_path) as state:
         assert set(state.index) == {"r1", "r2"}
-        assert state.read(state.index["r1"])["status"] == "discarded"
-        state.append(rec | {"row_id": "r3"})
+        latest = state.read(state.index["r1"])
+        assert (latest.status, latest.input_sha256, latest.reasons) == ("discarded", "h2", ("off_topic",))
+        state.append(evidence_row("r3"))
     lines = (tmp_path / "evidence.jsonl").read_text().splitlines()
     assert [json.loads(x)["row_id"] for x in lines] == ["r1", "r2", "r1", "r3"]
 
 
 def test_pipeline_change_is_refused_unless_allowed(tmp_path):
+    from mimir_megatron.integrity import Fingerprint
+
     with StateFile(tmp_path) as state:
-        state.check_pipeline("a" * 64, "p", allow_change=False)
-        state.check_pipeline("a" * 64, "p", allow_change=False)
+        state.check_pipeline(Fingerprint("a" * 64), "p", allow_change=False)
+        state.check_pipeline(Fingerprint("a" * 64), "p", allow_change=False)
         with pytest.raises(UserError, match="pipeline changed"):
-            state.check_pipeline("b" * 64, "p", allow_change=False)
-        state.check_pipeline("b" * 64, "p", allow_change=True)
+            state.check_pipeline(Fingerprint("b" * 64), "p", allow_change=False)
+        state.check_pipeline(Fingerprint("b" * 64), "p", allow_change=True)
+
+
+def test_a_pipeline_stamped_by_the_earlier_encoding_resumes(tmp_path):
+    """A Danish prompt: the stamp an earlier version wrote (ASCII-escaped JSON, no format) is the
+    same pipeline, and the run resumes; writing the stamp again gives it today's format."""
+    import hashlib
+
+    from mimir_data_prep.synth_pipeline.run_records import PIPELINE_FORMAT, PipelineStamp
+    from mimir_megatron.integrity import fingerprint
+
+    tree = {"prompt": "Oversæt til dansk"}
+    earlier = hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
+    (tmp_path / "pipeline.json").write_text(json.dumps({"name": "p", "fingerprint": earlier}))
+    with StateFile(tmp_path) as state:
+        state.check_pipeline(fingerprint(tree), "p", allow_change=False)
+    stamp = json.loads((tmp_path / "pipeline.json").read_text())
+    assert stamp["format"] == PIPELINE_FORMAT and PipelineStamp.read(tmp_path).fingerprint == fingerprint(tree)
+
+
+def test_evidence_written_before_formats_reads_as_it_is(tmp_path):
+    """A state file of an earlier version (rows without format and digest) resumes: its rows are
+    read as they are; a row of today's format is checked against its digest."""
+    row = evidence_row("r1").to_dict()
+    old = {k: v for k, v in row.items() if k not in ("format", "digest")}
+    (tmp_path / "evidence.jsonl").write_text(json.dumps(old) + "\n" + json.dumps({**row, "status": "error"}) + "\n")
+    with pytest.raises(UserError, match=r"evidence.jsonl: line 2: edited after `mimir synth run` wrote it"):
+        StateFile(tmp_path).open()
+    (tmp_path / "evidence.jsonl").write_text(json.dumps(old) + "\n")
+    with StateFile(tmp_path) as state:
+        assert state.read(state.index["r1"]).attempts[0].verdict == "accept"
 
 
 def test_cli_check_flag(capsys):

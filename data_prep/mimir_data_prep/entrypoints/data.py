@@ -74,14 +74,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from mimir_data_prep.report import report
+    from mimir_data_prep.mixture_report import report
 
     print(report(args.mixture, args.top))
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mimir_data_prep.demo_data import build_demo
+    from mimir_data_prep.demo_build import build_demo
 
     build_demo(args.output, seed=args.seed, train_per_group=args.train_per_group,
                eval_per_group=args.eval_per_group, tokenizer=args.tokenizer, seq_len=args.seq_len,

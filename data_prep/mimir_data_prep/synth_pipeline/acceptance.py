@@ -3,7 +3,10 @@
 For every row of the current source whose latest record matches its input hash:
 ``accepted.jsonl`` gets the chat record (kept and accepted rows, in source order, with a
 ``synth`` block naming the row), ``verdicts.jsonl`` one line with status and reasons. Both are
-written under a temporary name and renamed, so they are never half-written.
+written under a temporary name and renamed (:func:`~mimir_megatron.integrity.atomic_files`), so
+they are never half-written. The report and the MLflow pointer are records of
+:mod:`.run_records`; the local MLflow store is the output directory's
+(:class:`~mimir_megatron.checkpoint.run_directory.RunDirectory`).
 """
 
 from __future__ import annotations
@@ -16,132 +19,123 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from mimir_megatron.checkpoint.run_directory import RunDirectory
+from mimir_megatron.integrity import atomic_files
+
+from .run_records import REPORT_NAME, STATUSES, AcceptanceReport, EvidenceRow, MlflowPointer
 from .source import iter_source
-from .state import StateFile
+from .evidence_file import StateFile
 
 log = logging.getLogger(__name__)
 
 ACCEPTED_NAME = "accepted.jsonl"
 VERDICTS_NAME = "verdicts.jsonl"
-REPORT_NAME = "report.json"
-MLFLOW_RUN_NAME = "mlflow_run.json"
 _METRIC_KEY = re.compile(r"[^A-Za-z0-9_.\-/ ]")
 
 
-class _AtomicLines:
-    def __init__(self, path: Path):
-        self.path = path
-        self.tmp = path.with_name(path.name + ".tmp")
-        self.f = self.tmp.open("w", encoding="utf-8")
+class _Tally:
+    """The counts of the acceptance report, row by row."""
 
-    def write(self, obj: Any) -> None:
-        self.f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    def __init__(self) -> None:
+        self.status: Counter = Counter()
+        self.discard_reasons: Counter = Counter()
+        self.error_reasons: Counter = Counter()
+        self.regenerate_reasons: Counter = Counter()
+        self.check_failures: Counter = Counter()
+        self.generations: Counter = Counter()
+        self.calls = {"generator": 0, "auditor": 0, "retries": 0}
 
-    def commit(self) -> None:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.replace(self.tmp, self.path)
+    def add(self, row: EvidenceRow) -> int:
+        """Count ``row``; its generator calls."""
+        self.status[row.status] += 1
+        if row.status == "discarded":
+            self.discard_reasons.update(row.reasons)
+        elif row.status == "error":
+            self.error_reasons.update(row.reasons)
+        generations = 0
+        for attempt in row.attempts:
+            for stage, call in (("generator", attempt.generator), ("auditor", attempt.auditor)):
+                if call is not None:
+                    self.calls[stage] += 1
+                    self.calls["retries"] += call.retries
+            generations += attempt.generator is not None
+            self.check_failures.update(attempt.failed_checks)
+            if attempt.verdict == "regenerate":
+                self.regenerate_reasons.update(attempt.verdict_reasons)
+        self.generations[generations] += 1
+        return generations
 
 
-def finalize(pipeline: Any, state: StateFile, out: Path, stopped: str | None = None) -> dict[str, Any]:
+def finalize(pipeline: Any, state: StateFile, out: Path, stopped: str | None = None) -> AcceptanceReport:
     cfg = pipeline.config
-    status: Counter = Counter()
-    discard_reasons: Counter = Counter()
-    error_reasons: Counter = Counter()
-    regenerate_reasons: Counter = Counter()
-    check_failures: Counter = Counter()
-    generations: Counter = Counter()
-    calls = {"generator": 0, "auditor": 0, "retries": 0}
+    tally = _Tally()
     source_rows = 0
-    accepted = _AtomicLines(out / ACCEPTED_NAME)
-    verdicts = _AtomicLines(out / VERDICTS_NAME)
     src = cfg.source
-    for row in iter_source(pipeline.source_path, src.format, src.id_field, src.limit):
-        source_rows += 1
-        entry = state.index.get(row.row_id)
-        if entry is None or entry.sha256 != row.sha256:
-            continue
-        rec = state.read(entry)
-        status[rec["status"]] += 1
-        codes = [r["code"] for r in rec["reasons"]]
-        if rec["status"] == "discarded":
-            discard_reasons.update(codes)
-        elif rec["status"] == "error":
-            error_reasons.update(codes)
-        n_gen = 0
-        for attempt in rec["attempts"]:
-            for stage in ("generator", "auditor"):
-                if attempt.get(stage):
-                    calls[stage] += 1
-                    calls["retries"] += len(attempt[stage]["retries"])
-            n_gen += bool(attempt.get("generator"))
-            check_failures.update(c["name"] for c in attempt.get("checks", []) if not c["passed"])
-            verdict = attempt.get("verdict") or {}
-            if verdict.get("verdict") == "regenerate":
-                regenerate_reasons.update(r["code"] for r in verdict.get("reasons", []))
-        generations[n_gen] += 1
-        verdicts.write({"row_id": rec["row_id"], "status": rec["status"], "reasons": codes,
-                        "attempts": len(rec["attempts"]), "generations": n_gen})
-        if rec["status"] in ("kept", "accepted"):
-            accepted.write(rec["output"] | {"synth": {"pipeline": cfg.name, "row_id": rec["row_id"],
-                                                      "status": rec["status"],
-                                                      "input_sha256": rec["input_sha256"]}})
-    accepted.commit()
-    verdicts.commit()
+    with (atomic_files(out / ACCEPTED_NAME, out / VERDICTS_NAME) as (accepted_tmp, verdicts_tmp),
+          accepted_tmp.open("w", encoding="utf-8") as accepted,
+          verdicts_tmp.open("w", encoding="utf-8") as verdicts):
+        for source_row in iter_source(pipeline.source_path, src.format, src.id_field, src.limit):
+            source_rows += 1
+            entry = state.index.get(source_row.row_id)
+            if entry is None or entry.sha256 != source_row.sha256:
+                continue
+            row = state.read(entry)
+            generations = tally.add(row)
+            _line(verdicts, {"row_id": row.row_id, "status": row.status, "reasons": list(row.reasons),
+                             "attempts": len(row.attempts), "generations": generations})
+            if row.status in ("kept", "accepted"):
+                _line(accepted, dict(row.output or {}) | {"synth": {
+                    "pipeline": cfg.name, "row_id": row.row_id, "status": row.status,
+                    "input_sha256": row.input_sha256}})
     _write_provenance(pipeline, out / ACCEPTED_NAME)
-    decided = sum(status.values())
-    kept_or_accepted = status["kept"] + status["accepted"]
-    report = {
-        "pipeline": cfg.name,
-        "fingerprint": pipeline.fingerprint(),
-        "source_rows": source_rows,
-        "decided": decided,
-        "pending": source_rows - decided,
-        "status": {s: status[s] for s in ("kept", "accepted", "discarded", "error")},
-        "acceptance_rate": kept_or_accepted / decided if decided else 0.0,
-        "discard_reasons": dict(discard_reasons.most_common()),
-        "error_reasons": dict(error_reasons.most_common()),
-        "regenerate_reasons": dict(regenerate_reasons.most_common()),
-        "check_failures": dict(check_failures.most_common()),
-        "generations_per_row": {str(k): v for k, v in sorted(generations.items())},
-        "calls": calls,
-        "models": {name: ep.model for name, ep in cfg.endpoints.items()},
-        "stopped": stopped,
-    }
-    tmp = out / (REPORT_NAME + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, out / REPORT_NAME)
+    decided = sum(tally.status.values())
+    report = AcceptanceReport(
+        pipeline=cfg.name, fingerprint=str(pipeline.fingerprint()), source_rows=source_rows, decided=decided,
+        pending=source_rows - decided, status={s: tally.status[s] for s in STATUSES},
+        acceptance_rate=(tally.status["kept"] + tally.status["accepted"]) / decided if decided else 0.0,
+        discard_reasons=dict(tally.discard_reasons.most_common()),
+        error_reasons=dict(tally.error_reasons.most_common()),
+        regenerate_reasons=dict(tally.regenerate_reasons.most_common()),
+        check_failures=dict(tally.check_failures.most_common()),
+        generations_per_row={str(k): v for k, v in sorted(tally.generations.items())},
+        calls=tally.calls, models={name: ep.model for name, ep in cfg.endpoints.items()}, stopped=stopped)
+    report.write(out)
     log.info("%s", format_report(report))
     if cfg.tracking.enabled:
         log_to_mlflow(report, pipeline, out)
     return report
 
 
-def format_report(report: dict[str, Any]) -> str:
-    s = report["status"]
-    lines = [f"acceptance report for {report['pipeline']}: {report['decided']} of {report['source_rows']} "
-             f"rows decided, acceptance {100 * report['acceptance_rate']:.1f} %",
+def _line(f: Any, obj: Any) -> None:
+    f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+
+
+def format_report(report: AcceptanceReport) -> str:
+    s = report.status
+    lines = [f"acceptance report for {report.pipeline}: {report.decided} of {report.source_rows} "
+             f"rows decided, acceptance {100 * report.acceptance_rate:.1f} %",
              f"  kept {s['kept']}  accepted {s['accepted']}  discarded {s['discarded']}  error {s['error']}"]
-    for title, key in (("discarded", "discard_reasons"), ("error", "error_reasons"),
-                       ("regenerated", "regenerate_reasons")):
-        if report[key]:
-            lines.append(f"  {title}: " + ", ".join(f"{k} {v}" for k, v in report[key].items()))
+    for title, reasons in (("discarded", report.discard_reasons), ("error", report.error_reasons),
+                           ("regenerated", report.regenerate_reasons)):
+        if reasons:
+            lines.append(f"  {title}: " + ", ".join(f"{k} {v}" for k, v in reasons.items()))
     return "\n".join(lines)
 
 
-def _metrics(report: dict[str, Any]) -> dict[str, float]:
-    m = {"source_rows": report["source_rows"], "decided": report["decided"],
-         "acceptance_rate": report["acceptance_rate"]}
-    m |= {f"status.{k}": v for k, v in report["status"].items()}
-    for prefix, key in (("discard_reason", "discard_reasons"), ("error_reason", "error_reasons"),
-                        ("regenerate_reason", "regenerate_reasons"), ("check_failure", "check_failures")):
-        m |= {f"{prefix}.{_METRIC_KEY.sub('_', k)}": v for k, v in report[key].items()}
-    m |= {f"calls.{k}": v for k, v in report["calls"].items()}
+def _metrics(report: AcceptanceReport) -> dict[str, float]:
+    m = {"source_rows": report.source_rows, "decided": report.decided,
+         "acceptance_rate": report.acceptance_rate}
+    m |= {f"status.{k}": v for k, v in report.status.items()}
+    for prefix, reasons in (("discard_reason", report.discard_reasons),
+                            ("error_reason", report.error_reasons),
+                            ("regenerate_reason", report.regenerate_reasons),
+                            ("check_failure", report.check_failures)):
+        m |= {f"{prefix}.{_METRIC_KEY.sub('_', k)}": v for k, v in reasons.items()}
+    m |= {f"calls.{k}": v for k, v in report.calls.items()}
     return {k: float(v) for k, v in m.items()}
 
 
-def log_to_mlflow(report: dict[str, Any], pipeline: Any, out: Path) -> str | None:
+def log_to_mlflow(report: AcceptanceReport, pipeline: Any, out: Path) -> str | None:
     """One MLflow run per output directory (resumed by later invocations); never fails the run."""
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     cfg = pipeline.config
@@ -151,28 +145,29 @@ def log_to_mlflow(report: dict[str, Any], pipeline: Any, out: Path) -> str | Non
 
         from mimir_megatron.mlflow_store import create_run
 
-        uri = cfg.tracking.uri or f"sqlite:///{(out / 'mlflow.db').resolve()}"
+        store = RunDirectory(out)
+        uri = cfg.tracking.uri or store.mlflow_uri
         client = MlflowClient(tracking_uri=uri)
-        run_file = out / MLFLOW_RUN_NAME
-        run_id = json.loads(run_file.read_text())["run_id"] if run_file.exists() else None
+        pointer = MlflowPointer.read(out)
+        run_id = pointer.run_id if pointer is not None else None
         if run_id is None:
             exp = client.get_experiment_by_name(cfg.tracking.experiment)
             exp_id = exp.experiment_id if exp else client.create_experiment(
-                cfg.tracking.experiment, artifact_location=(out / "mlartifacts").resolve().as_uri())
+                cfg.tracking.experiment, artifact_location=store.artifact_root)
             run = create_run(client, exp_id, cfg.name, {"mimir.kind": "synth"})
             run_id = run.info.run_id
-            params = {"pipeline": cfg.name, "fingerprint": report["fingerprint"],
+            params = {"pipeline": cfg.name, "fingerprint": report.fingerprint,
                       "source": str(pipeline.source_path), "max_generations": cfg.max_generations}
-            params |= {f"model.{k}": v for k, v in report["models"].items()}
+            params |= {f"model.{k}": v for k, v in report.models.items()}
             client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
-            run_file.write_text(json.dumps({"run_id": run_id, "tracking_uri": uri}))
+            MlflowPointer(run_id, uri).write(out)
         import time
 
         now = int(time.time() * 1000)
-        step = report["decided"]
+        step = report.decided
         client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in _metrics(report).items()])
         client.log_artifact(run_id, str(out / REPORT_NAME))
-        client.set_terminated(run_id, "FINISHED" if not report["stopped"] else "KILLED")
+        client.set_terminated(run_id, "FINISHED" if not report.stopped else "KILLED")
         log.info("acceptance report logged to MLflow run %s (%s)", run_id, uri)
         return run_id
     except Exception as exc:  # noqa: BLE001 - tracking must never lose the produced rows

@@ -13,8 +13,6 @@ is recorded with status ``error``.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import os
 import random
 import time
@@ -24,6 +22,7 @@ from typing import Any
 import openai
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import fingerprint
 
 RETRY_STATUS = (408, 409, 429)
 # Wrong URL, model name or key: every row would fail the same way, so the run stops instead.
@@ -112,8 +111,7 @@ class ChatEndpoint:
             request["seed"] = cfg.seed
         evidence: dict[str, Any] = {
             "endpoint": self.name, "base_url": cfg.base_url, "model": cfg.model,
-            "prompt_sha256": hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False)
-                                            .encode()).hexdigest(),
+            "prompt_sha256": str(fingerprint(messages)),
             "retries": [],
         }
         failures = 0

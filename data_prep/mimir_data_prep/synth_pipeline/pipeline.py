@@ -12,7 +12,6 @@ Every mistake is reported in one :class:`ConfigError`, one line each, before any
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mimir_megatron.integrity import Fingerprint, fingerprint
 from mimir_megatron.yaml_config import raise_errors, read_yaml
 
 from .checks import CHECK_KINDS, check_errors
@@ -237,7 +237,7 @@ class Pipeline:
     def evaluate(self, name: str, **context: Any) -> Any:
         return self.expressions[name](**context)
 
-    def fingerprint(self) -> str:
+    def fingerprint(self) -> Fingerprint:
         """sha256 over everything that decides a row's result (prompts included)."""
         tree = self.config.to_dict()
         for key in OPERATIONAL_FIELDS:
@@ -249,7 +249,7 @@ class Pipeline:
         tree["source"].pop("path", None)
         tree["source"].pop("limit", None)
         tree["template_texts"] = self.template_texts
-        return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
+        return fingerprint(tree)
 
 
 def resolve(base: Path, path: str) -> Path:

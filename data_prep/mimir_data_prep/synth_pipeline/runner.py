@@ -28,13 +28,12 @@ from .acceptance import finalize
 from .checks import CheckResult, run_checks
 from .client import ChatEndpoint, EndpointMisconfigured, EndpointUnavailable, RequestRejected
 from .pipeline import Pipeline, resolve
+from .run_records import STATUSES, AcceptanceReport, EvidenceRow
 from .source import SourceRow, iter_source
-from .state import StateFile
+from .evidence_file import StateFile
 from .verdict import Verdict, first_json_object, parse_verdict
 
 log = logging.getLogger(__name__)
-
-STATUSES = ("kept", "accepted", "discarded", "error")
 
 
 @dataclass
@@ -145,7 +144,11 @@ class RowProcessor:
         attempt["auditor"] = call.evidence
         return parse_verdict(call.text, self.cfg.verdict), output
 
-    async def process(self, row: SourceRow) -> dict[str, Any]:
+    async def process(self, row: SourceRow) -> EvidenceRow:
+        """The decided row with its evidence (the record the state file appends)."""
+        return EvidenceRow.decided(await self._decide(row))
+
+    async def _decide(self, row: SourceRow) -> dict[str, Any]:
         record: dict[str, Any] = {
             "row_id": row.row_id, "source_line": row.number, "input_sha256": row.sha256,
             "pipeline": self.cfg.name, "fingerprint": self.fingerprint,
@@ -245,10 +248,10 @@ async def _run_rows(pipeline: Pipeline, state: StateFile, concurrency: int, retr
                 break
             done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                record = task.result()  # EndpointUnavailable and bugs propagate from here
-                state.append(record)
+                decided = task.result()  # EndpointUnavailable and bugs propagate from here
+                state.append(decided)
                 bar.update(1)
-                bar.set_postfix_str(record["status"], refresh=False)
+                bar.set_postfix_str(decided.status, refresh=False)
     finally:
         for task in in_flight:
             task.cancel()
@@ -257,7 +260,7 @@ async def _run_rows(pipeline: Pipeline, state: StateFile, concurrency: int, retr
             await ep.close()
 
 
-def run_pipeline(pipeline: Pipeline, options: RunOptions) -> dict[str, Any]:
+def run_pipeline(pipeline: Pipeline, options: RunOptions) -> AcceptanceReport:
     """Run (or resume) a pipeline; returns the acceptance report. Raises EndpointUnavailable
     (after writing the outputs of the rows decided so far) when a server stays unreachable."""
     from tqdm.auto import tqdm
@@ -284,6 +287,6 @@ def run_pipeline(pipeline: Pipeline, options: RunOptions) -> dict[str, Any]:
                 raise
         report = finalize(pipeline, state, out, stopped=str(stopped) if stopped else None)
     if stopped is not None:
-        raise type(stopped)(f"{stopped}\n{report['decided']} of {report['source_rows']} rows are "
+        raise type(stopped)(f"{stopped}\n{report.decided} of {report.source_rows} rows are "
                             f"decided and kept in {out}; rerun the same command to resume")
     return report

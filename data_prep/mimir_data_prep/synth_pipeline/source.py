@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import fingerprint
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,8 @@ class SourceRow:
 
 
 def record_sha256(record: Any) -> str:
-    return hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=False,
-                                     default=str).encode()).hexdigest()
+    """A source row's fingerprint (what tells a row changed since it was decided)."""
+    return str(fingerprint(record))
 
 
 def source_kind(path: Path, declared: str = "auto") -> str:

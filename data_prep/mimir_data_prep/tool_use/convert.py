@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
 from mimir_megatron.data.provenance import derived_provenance, write_sidecar
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import atomic_files
 
 from ..shards import CorruptRowGroup, iter_parquet, plan_shards
 from .assemble import DANGLING_POLICIES, assemble
@@ -119,12 +119,12 @@ def convert_files(
     parts_dropped: Counter[str] = Counter()
     notes: Counter[str] = Counter()
     formats: Counter[str] = Counter()
-    tmp = {p: p.with_name(p.name + f".tmp{os.getpid()}") for p in (out, rejects_path(out))}
     from tqdm import tqdm
 
     bar = tqdm(desc="synth tools", unit=" lines", disable=not progress, dynamic_ncols=True)
     try:
-        with tmp[out].open("w", encoding="utf-8") as sink, tmp[rejects_path(out)].open("w") as bad:
+        with (atomic_files(out, rejects_path(out)) as (out_tmp, rejects_tmp),
+              out_tmp.open("w", encoding="utf-8") as sink, rejects_tmp.open("w") as bad):
             for path in paths:
                 for number, lines, converted, excerpt in _lines(path, fmt, dangling):
                     counts["lines_read"] += lines
@@ -149,12 +149,8 @@ def convert_files(
                     if fixed:
                         meta["repairs"] = dict(sorted(fixed.items()))
                     sink.write(json.dumps({**sample, "meta": meta}, ensure_ascii=False) + "\n")
-        for path in tmp:
-            os.replace(tmp[path], path)
     finally:
         bar.close()
-        for path in tmp.values():
-            path.unlink(missing_ok=True)
     assert counts["accepted"] + counts["repaired"] + counts["rejected"] == counts["lines_read"]
     report = {
         "inputs": [str(p) for p in paths],

@@ -2,7 +2,7 @@
 
 Modules (the GPU table is :mod:`mimir_megatron.gpus`): :mod:`.memory` (bytes per GPU,
 term by term), :mod:`.timing` (step time, communication), :mod:`.layouts` (window phases,
-candidate layouts, the plan), :mod:`.report` (table and JSON), :mod:`.startup` (the trainer's plan
+candidate layouts, the plan), :mod:`.table` (table and JSON), :mod:`.startup` (the trainer's plan
 of its own run); the command is :mod:`mimir_megatron.entrypoints.plan`. Importing this package
 imports neither torch nor megatron-core.
 """

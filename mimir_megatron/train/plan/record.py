@@ -1,7 +1,7 @@
 """The plan as a file (``mimir plan --json``, MLflow's ``plan.json``): one record, one reader, one
 writer.
 
-The record is :func:`.report.to_dict`'s layout with ``format`` and the digest of its content
+The record is :func:`.table.to_dict`'s layout with ``format`` and the digest of its content
 (:mod:`mimir_megatron.integrity`); :class:`PlanRecord` names what a tool compares (the cluster,
 the run's size, each layout's fit, step time, throughput and cost) and keeps the rest in
 :attr:`PlanRecord.content`. A file whose content no longer matches its digest is refused as
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from mimir_megatron.errors import UserError
 from mimir_megatron.integrity import (
     DIGEST_KEY,
+    RecordFields,
     read_json_object,
     refuse_if_edited,
     with_digest,
@@ -70,7 +71,7 @@ class PlanRecord:
 
     @classmethod
     def of(cls, plan: RunPlan, top: int = 10, stages: list[RunPlan] | None = None) -> PlanRecord:
-        from .report import to_dict
+        from .table import to_dict
 
         return cls.from_dict(to_dict(plan, top, stages))
 
@@ -81,13 +82,13 @@ class PlanRecord:
         body = _migrated(dict(values), path)
         refuse_if_edited(body, path, required=values.get("format") == FORMAT)
         body.pop(DIGEST_KEY, None)
-        f = _Fields(body, path)
-        return cls(config=f.get("config", str, "a string"), gpus=f.int("gpus"), nodes=f.int("nodes"),
+        f = RecordFields(body, path)
+        return cls(config=f.str("config"), gpus=f.int("gpus"), nodes=f.int("nodes"),
                    seq_len=f.int("seq_len"), global_batch=f.int("global_batch"), steps=f.int("steps"),
                    tokens=f.int("tokens"), efficiency=f.number("efficiency"),
-                   configured=_layout(f.get("configured", dict, "a JSON object"), path, "configured."),
+                   configured=_layout(f.mapping("configured"), path, "configured."),
                    layouts=tuple(_layout(layout, path, f"layouts[{i}].")
-                                 for i, layout in enumerate(f.get("layouts", list, "a list"))),
+                                 for i, layout in enumerate(f.list("layouts"))),
                    content=MappingProxyType({**body, "format": FORMAT}))
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,34 +121,9 @@ def _migrated(body: dict[str, Any], path: str | Path) -> dict[str, Any]:
 def _layout(values: Any, path: str | Path, where: str) -> LayoutSummary:
     if not isinstance(values, Mapping):
         raise UserError(f"{path}: {where.rstrip('.')}: a JSON object expected, got {values!r}")
-    f = _Fields(values, path, where)
+    f = RecordFields(values, path, where)
     return LayoutSummary(tp=f.int("tp"), dp=f.int("dp"), micro_batch=f.int("micro_batch"),
-                         recompute=f.get("recompute", str, "a string"),
-                         fits=f.get("fits", bool, "true or false"),
+                         recompute=f.str("recompute"),
+                         fits=f.bool("fits"),
                          step_time_s=f.number("step_time_s"), tokens_per_s=f.number("tokens_per_s"),
                          days=f.number("days"), gpu_hours=f.number("gpu_hours"))
-
-
-class _Fields:
-    def __init__(self, values: Mapping[str, Any], path: str | Path, prefix: str = "") -> None:
-        self.values, self.path, self.prefix = values, path, prefix
-
-    def get(self, name: str, kind: type, what: str) -> Any:
-        if self.values.get(name) is None:
-            raise UserError(f"{self.path}: {self.prefix}{name}: missing")
-        value = self.values[name]
-        if kind is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif kind is int:
-            ok = type(value) is int
-        else:
-            ok = isinstance(value, kind)
-        if not ok:
-            raise UserError(f"{self.path}: {self.prefix}{name}: {what} expected, got {value!r}")
-        return value
-
-    def int(self, name: str) -> Any:
-        return self.get(name, int, "an integer")
-
-    def number(self, name: str) -> Any:
-        return self.get(name, float, "a number")

@@ -22,7 +22,7 @@ from mimir_megatron.errors import UserError
 from mimir_megatron.train.plan.layouts import RunPlan, RunSettings, plan_run
 from mimir_megatron.train.plan.memory import GB
 from mimir_megatron.train.plan.record import PlanRecord
-from mimir_megatron.train.plan.report import percent, table
+from mimir_megatron.train.plan.table import percent, table
 
 log = logging.getLogger("mimir.plan")
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mimir_megatron.checkpoint.model_dir import ModelDir, ModelKind
+from mimir_megatron.checkpoint.model_dir import ModelDir
+from mimir_megatron.checkpoint.run_directory import RunDirectory
 
 log = logging.getLogger("mimir.audit")
 
@@ -57,15 +58,14 @@ def audit_tracking(output: str | Path, model: ModelDir | None = None, uri: str |
     tables then sit beside the run's curves), else a sqlite database in the output directory;
     artifacts beside that database, never in ``./mlruns`` of the working directory."""
     from mimir_megatron.evaluation.tracking import tracking_target
-    from mimir_megatron.ops.mlflow_server import run_store
 
     output = Path(output)
-    if model is not None and model.kind == ModelKind.checkpoint and not uri:
-        target = tracking_target(output, checkpoint=model)
+    if model is not None and model.record is not None and not uri:
+        target = tracking_target(output, record=model.record)
         if target.parent_run_id:
             return AuditTracking(target.uri, target.artifact_root, target.experiment, target.parent_run_id)
-    default_uri, artifacts = run_store(output)
-    return AuditTracking(uri or default_uri, artifacts.as_uri(), experiment)
+    store = RunDirectory(output)
+    return AuditTracking(uri or store.mlflow_uri, store.artifact_root, experiment)
 
 
 def write_table(rows: list[dict], out_dir: Path, stem: str, title: str, json_rows: bool = True,

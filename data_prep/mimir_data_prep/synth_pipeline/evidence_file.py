@@ -7,13 +7,13 @@ kernel has it); ``fsync`` runs at most once a second (and on close), so that an 
 crash costs at most the last second's rows, which are redone, without an 8 ms disk flush per
 row stalling every request in flight. The file is the
 only truth: the output files are derived from it, so a kill can neither lose nor duplicate a row.
-One run at a time holds the directory's lock.
+One run at a time holds the directory's lock. Its lines are :class:`~.run_records.EvidenceRow`
+records (read and written there); ``pipeline.json`` is the :class:`~.run_records.PipelineStamp`.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import time
@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import Fingerprint
+
+from .run_records import EvidenceRow, PipelineStamp
 
 log = logging.getLogger(__name__)
 
 STATE_NAME = "evidence.jsonl"
 LOCK_NAME = "state.lock"
-PIPELINE_NAME = "pipeline.json"
 SYNC_INTERVAL_S = 1.0
 
 
@@ -36,6 +38,7 @@ class Entry:
     """Where a row's latest record sits in the state file, and what it decided."""
 
     offset: int
+    line: int
     sha256: str
     status: str
 
@@ -45,6 +48,7 @@ class StateFile:
         self.directory = directory
         self.path = directory / STATE_NAME
         self.index: dict[str, Entry] = {}
+        self._lines = 0
         self._fd: int | None = None
         self._lock_fd: int | None = None
         self._reader: Any = None
@@ -66,9 +70,13 @@ class StateFile:
             os.close(self._lock_fd)
             self._lock_fd = None
             raise UserError(f"{self.directory} is in use by another `synth run`") from None
-        self._cut_partial_line()
-        self._load_index()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            self._cut_partial_line()
+            self._load_index()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except BaseException:  # a damaged file: the lock is released with the refusal
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._reader is not None:
@@ -111,18 +119,17 @@ class StateFile:
             offset = 0
             for number, line in enumerate(f, start=1):
                 try:
-                    rec = json.loads(line)
-                    entry = Entry(offset, rec["input_sha256"], rec["status"])
-                    row_id = rec["row_id"]
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise UserError(f"{self.path}:{number}: not a state record ({exc}); the file is "
-                                    "damaged: move it away to start over") from None
-                self.index[row_id] = entry  # a later record of the same row supersedes
+                    row = EvidenceRow.from_line(line, self.path, number)
+                except UserError as exc:
+                    raise UserError(f"{exc}; the file is damaged: move it away to start over") from None
+                # a later record of the same row supersedes
+                self.index[row.row_id] = Entry(offset, number, row.input_sha256, row.status)
                 offset += len(line)
+                self._lines = number
 
-    def append(self, record: dict[str, Any]) -> None:
+    def append(self, row: EvidenceRow) -> None:
         assert self._fd is not None, "state file not open"
-        data = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode()
+        data = row.line()
         offset = os.lseek(self._fd, 0, os.SEEK_END)
         written = os.write(self._fd, data)
         if written != len(data):  # a short write leaves a partial line, cut off on the next open
@@ -131,27 +138,25 @@ class StateFile:
         if now - self._synced_at >= SYNC_INTERVAL_S:
             os.fsync(self._fd)
             self._synced_at = now
-        self.index[record["row_id"]] = Entry(offset, record["input_sha256"], record["status"])
+        self._lines += 1
+        self.index[row.row_id] = Entry(offset, self._lines, row.input_sha256, row.status)
 
-    def read(self, entry: Entry) -> dict[str, Any]:
+    def read(self, entry: Entry) -> EvidenceRow:
         if self._reader is None:
             self._reader = self.path.open("rb")
         self._reader.seek(entry.offset)
-        return json.loads(self._reader.readline())
+        return EvidenceRow.from_line(self._reader.readline(), self.path, entry.line)
 
-    def check_pipeline(self, fingerprint: str, name: str, allow_change: bool) -> None:
-        """Refuse to mix rows produced by different prompts/models unless told to."""
-        path = self.directory / PIPELINE_NAME
-        if path.exists():
-            known = json.loads(path.read_text())
-            if known.get("fingerprint") != fingerprint:
-                if not allow_change:
-                    raise UserError(
-                        f"{self.directory}: the pipeline changed since these rows were produced "
-                        f"(prompts, models, checks, verdict or output shape; was {known.get('name')!r} "
-                        f"{known.get('fingerprint', '')[:12]}, now {fingerprint[:12]}). Use another "
-                        "output directory, or --allow-pipeline-change to keep the finished rows")
-                log.warning("pipeline changed; finished rows are kept, new rows use the new pipeline")
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"name": name, "fingerprint": fingerprint}, indent=1))
-        os.replace(tmp, path)
+    def check_pipeline(self, fingerprint: Fingerprint, name: str, allow_change: bool) -> None:
+        """Refuse to mix rows produced by different prompts/models unless told to (a stamp written
+        by an earlier version's encoding of the same pipeline matches)."""
+        known = PipelineStamp.read(self.directory)
+        if known is not None and not fingerprint.matches(known.fingerprint):
+            if not allow_change:
+                raise UserError(
+                    f"{self.directory}: the pipeline changed since these rows were produced "
+                    f"(prompts, models, checks, verdict or output shape; was {known.name!r} "
+                    f"{known.fingerprint[:12]}, now {fingerprint[:12]}). Use another "
+                    "output directory, or --allow-pipeline-change to keep the finished rows")
+            log.warning("pipeline changed; finished rows are kept, new rows use the new pipeline")
+        PipelineStamp(name, str(fingerprint)).write(self.directory)
