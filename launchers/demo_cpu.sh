@@ -21,9 +21,8 @@ data_dir="data/demo"
 bash launchers/setup_env.sh demo
 mimir="${VENV:-$repo/.venv}/bin/mimir"
 
-if [ ! -f "$data_dir/eval/manifest.json" ]; then
-    "$mimir" data demo --output "$data_dir"
-fi
+# Kept when this version's recipe built it; built again otherwise (an older version's demo data).
+"$mimir" data demo --output "$data_dir" --reuse
 "$mimir" train --config configs/train/demo.yaml "run.dir=$run_dir" "data.eval_path=$data_dir/eval" "$@"
 # The release artefacts: transformers weights, a model card and the training-data summary, every
 # figure from the checkpoint's data lineage (docs/data-governance.md).

@@ -68,3 +68,30 @@ def test_demo_command_prepares_samples_that_fit_the_tiny_model(tmp_path):
     assert len(samples) == 60
     assert all(s.completion_ids[-1] == 4 for s in samples)  # <end_of_turn>
     assert all(s.prompt_ids[-3:] == samples[0].prompt_ids[-3:] for s in samples)  # gen. prompt
+
+
+def test_reuse_keeps_data_this_recipe_built_and_rebuilds_an_older_versions(tmp_path, monkeypatch):
+    """`mimir data demo --reuse` (launchers/demo_cpu.sh): a second run keeps what the same recipe
+    built; data whose declarations differ from today's (an older version's demo) is built again."""
+    import mimir_data_prep.demo_build as demo_build
+    import mimir_data_prep.prepare as prepare_module
+
+    out = tmp_path / "demo"
+    sizes = ["--output", str(out), "--train-per-group", "4", "--eval-per-group", "2", "--workers", "1"]
+    assert main(["data", "demo", *sizes, "--reuse"]) == 0
+    prepared = []
+    real_prepare = prepare_module.prepare
+    monkeypatch.setattr(prepare_module, "prepare", lambda inputs, *a, **k: prepared.append(inputs) or
+                        real_prepare(inputs, *a, **k))
+    assert main(["data", "demo", *sizes, "--reuse"]) == 0
+    assert prepared == []  # kept
+    assert main(["data", "demo", *sizes, "--reuse", "--seed", "1"]) == 0
+    assert len(prepared) == 7  # another seed: all six groups and the held-out split again
+    prepared.clear()
+    real_provenance = demo_build.demo_provenance
+    monkeypatch.setattr(demo_build, "demo_provenance",  # as an older version declared it
+                        lambda name: real_provenance(name).__class__(
+                            **{**real_provenance(name).__dict__, "notes": "older declaration"}))
+    assert main(["data", "demo", *sizes, "--reuse", "--seed", "1"]) == 0
+    assert len(prepared) == 7
+    assert (out / "arith-en" / "manifest.json").is_file()

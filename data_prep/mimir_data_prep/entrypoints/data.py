@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--seq-len", type=int, default=256, help="context length (default 256)")
     d.add_argument("--workers", type=int, default=None, help="worker processes (default 1)")
     d.add_argument("--no-prepare", action="store_true", help="only write the raw JSONL files")
+    d.add_argument("--reuse", action="store_true",
+                   help="keep the output when this recipe built it (seed, sizes, tokenizer, declared "
+                        "provenance); build it again otherwise")
     d.set_defaults(handler=cmd_demo)
 
     t = dsub.add_parser("demo-tokenizer", help="retrain the demo tokenizer (deterministic)")
@@ -85,7 +88,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     build_demo(args.output, seed=args.seed, train_per_group=args.train_per_group,
                eval_per_group=args.eval_per_group, tokenizer=args.tokenizer, seq_len=args.seq_len,
-               workers=args.workers, prepare=not args.no_prepare)
+               workers=args.workers, prepare=not args.no_prepare, reuse=args.reuse)
     return 0
 
 
