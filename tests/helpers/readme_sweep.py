@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,9 +129,52 @@ def run_sweep(output: Path, repo: Path = REPO, run_dir: Path | None = None) -> s
 # survives that: the exact match on 300 samples within EXACT_MATCH_SLACK, the sweep's layout
 # (schedules, tasks, sample counts) exactly, and its mean score within MEAN_SCORE_SLACK points; its
 # cells (20 samples each) moved by up to 25 points between two kinds of CPU on the same code.
+# docs/results.md also lists other kinds measured (OTHER_KINDS block: the demo's exact match and
+# the sweep's mean score on each); on one of those the check is exact again, against its row.
 CPU_KIND = re.compile(r"on a CPU of kind `([A-Za-z0-9_ ]+)`")
-EXACT_MATCH_SLACK = 0.02  # 6 of the 300 held-out samples; two kinds measured 0.007 apart
-MEAN_SCORE_SLACK = 5.0  # two kinds measured 2.4 points apart (20.8 and 18.5)
+EXACT_MATCH_SLACK = 0.06  # 18 of the 300 held-out samples; AVX512 and AVX2 AMD measured 0.050 apart
+MEAN_SCORE_SLACK = 5.0  # kinds measured 2.4 (AVX512 AMD and Intel) and 3.8 (AVX512 and AVX2 AMD) points apart
+OTHER_BEGIN = ("<!-- other-cpu-kinds: begin (python tests/helpers/readme_sweep.py --update on such a CPU "
+               "rewrites its row) -->")
+OTHER_END = "<!-- other-cpu-kinds: end -->"
+OTHER_HEADER = ["| CPU kind | commit | demo exact match | sweep mean score |", "| --- | --- | ---: | ---: |"]
+
+
+@dataclass(frozen=True)
+class KindResults:
+    """What docs/results.md records of the demo on one CPU kind besides the documented one."""
+
+    kind: str
+    commit: str
+    exact_match: str
+    mean_score: str
+
+    def row(self) -> str:
+        return f"| `{self.kind}` | `{self.commit}` | {self.exact_match} | {self.mean_score} |"
+
+
+def other_kinds(text: str | None = None) -> dict[str, KindResults]:
+    """docs/results.md's rows of other CPU kinds, by kind."""
+    rows = table_rows(block(RESULTS.read_text() if text is None else text, OTHER_BEGIN, OTHER_END,
+                            "docs/results.md"))
+    found = {}
+    for row in rows[2:]:  # after the header and its rule
+        kind, measured_at, exact_match, mean = (cell.strip("`") for cell in row.split(" | "))
+        found[kind] = KindResults(kind, measured_at, exact_match, mean)
+    return found
+
+
+def mean_score(rows: list[str]) -> str:
+    """The mean of a sweep's schedule-table scores, as the other kinds' rows record it."""
+    scores = _layout_and_scores(rows)[1]
+    return f"{sum(scores) / len(scores):.2f}"
+
+
+def with_other_kind(text: str, results: KindResults) -> str:
+    """docs/results.md with ``results``' row added or replaced (rows sorted by kind)."""
+    rows = {**other_kinds(text), results.kind: results}
+    table = "\n".join([*OTHER_HEADER, *(rows[k].row() for k in sorted(rows))])
+    return text[:text.index(OTHER_BEGIN) + len(OTHER_BEGIN)] + "\n" + table + "\n" + text[text.index(OTHER_END):]
 
 
 def cpu_kind() -> str:
@@ -159,7 +203,11 @@ def recorded_cpu_kind() -> str:
     return found.group(1)
 
 
-def exact_matches_agree(printed: str, quoted: str, same_kind: bool) -> bool:
+def exact_matches_agree(printed: str, quoted: str, same_kind: bool, known: KindResults | None = None) -> bool:
+    """The demo's printed exact match against the documented one: equal on the documented kind,
+    equal to its row on a kind docs/results.md lists (``known``), within the slack on another."""
+    if known is not None:
+        return printed == known.exact_match
     return printed == quoted if same_kind else abs(float(printed) - float(quoted)) <= EXACT_MATCH_SLACK + 1e-9
 
 
@@ -191,11 +239,20 @@ def _layout_and_scores(rows: list[str]) -> tuple[list[list[str]], list[float]]:
     return layout, scores
 
 
-def table_differences(documented: list[str], measured: list[str], same_kind: bool) -> list[str]:
+def table_differences(documented: list[str], measured: list[str], same_kind: bool,
+                      known: KindResults | None = None) -> list[str]:
     """Where a measured sweep's table rows differ from the documented ones: every cell on the
-    documented CPU kind; on another kind, the layout and the mean score (see above)."""
+    documented CPU kind; on another kind, the layout and the mean score (see above): that kind's
+    recorded mean exactly where docs/results.md lists the kind (``known``)."""
     if same_kind:
         return list(difflib.unified_diff(documented, measured, "docs/results.md", "mimir sweep", lineterm=""))
+    if known is not None:
+        found = table_differences(documented, measured, same_kind=False)
+        found = [f for f in found if not f.startswith("mean score")]
+        if mean_score(measured) != known.mean_score:
+            found.append(f"mean score {mean_score(measured)} measured, {known.mean_score} recorded for "
+                         f"`{known.kind}` in docs/results.md")
+        return found
     (doc_layout, doc_scores), (new_layout, new_scores) = _layout_and_scores(documented), _layout_and_scores(measured)
     found = [f"{' | '.join(a)!r} documented, {' | '.join(b)!r} measured"
              for a, b in zip(doc_layout, new_layout) if a != b]
@@ -225,19 +282,33 @@ def rewritten(text: str, table: str, measured_at: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--update", action="store_true", help="rewrite docs/results.md's table")
+    parser.add_argument("--update", action="store_true",
+                        help="rewrite docs/results.md's table (on another CPU kind than the documented one: "
+                             "that kind's row of the other kinds' table)")
+    parser.add_argument("--documented-kind", action="store_true",
+                        help="with --update on another kind: make this kind the documented one (the README's "
+                             "exact match is then rewritten by hand)")
     args = parser.parse_args(argv)
     exact_match = run_demo()
-    same_kind = args.update or cpu_kind() == recorded_cpu_kind()
-    for name, quoted in quoted_exact_matches().items():
-        if not exact_matches_agree(exact_match, quoted, same_kind):
-            print(f"{name} quotes exact match {quoted}; the demo prints {exact_match}: "
-                  "re-measure the demo results by hand")
+    primary = args.documented_kind or cpu_kind() == recorded_cpu_kind()
+    known = None if primary else other_kinds().get(cpu_kind())
+    if not args.update:
+        for name, quoted in quoted_exact_matches().items():
+            if not exact_matches_agree(exact_match, quoted, primary, known):
+                print(f"{name} quotes exact match {quoted}; the demo prints {exact_match}"
+                      + (f" (docs/results.md records {known.exact_match} for `{known.kind}`)" if known else "")
+                      + ": re-measure the demo results by hand")
     with tempfile.TemporaryDirectory() as tmp:
         table = run_sweep(Path(tmp) / "sweep")
     text = RESULTS.read_text()
     exported = exported_blocks(REPO / RUN_DIR)
-    if args.update:
+    if args.update and not primary:
+        RESULTS.write_text(with_other_kind(text, KindResults(cpu_kind(), commit(), exact_match,
+                                                             mean_score(table_rows(table)))))
+        print(f"docs/results.md: the row of `{cpu_kind()}` rewritten (commit {commit()}): exact match "
+              f"{exact_match}, sweep mean score {mean_score(table_rows(table))}")
+        text = RESULTS.read_text()
+    elif args.update:
         RESULTS.write_text(rewritten(text, table, commit()))
         for path, (begin, end) in ((README, (CARD_BEGIN, CARD_END)), (RESULTS, (SUMMARY_BEGIN, SUMMARY_END))):
             doc = path.read_text()
@@ -248,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, shown in shown_blocks().items():
         if shown != exported[name]:
             print(f"{name}: the demo's exported card or summary differs from what it shows")
-    diff = table_differences(table_rows(readme_block(text)), table_rows(table), same_kind)
+    diff = table_differences(table_rows(readme_block(text)), table_rows(table), primary, known)
     print("\n".join(diff) or "docs/results.md's sweep table is what `mimir sweep` gives")
     return 1 if diff else 0
 
