@@ -64,6 +64,9 @@ class RunSection:
     """Run name; also the default run directory `runs/<name>`."""
     dir: str | None = None
     """Run directory (checkpoints, resolved config, local MLflow store)."""
+    private: bool = False
+    """Make the run directory 0700 (yours alone on a shared filesystem, whatever the umask);
+    false: it is made with the umask, as every file in it (docs/operations.md, "Shared nodes")."""
     seed: int = 1234
     """Seed of everything random in the run that is not the model init or the data plan."""
 

@@ -87,7 +87,7 @@ def train(cfg: TrainConfig, stop_at_step: int | None = None, hooks: StepHooks | 
     # Handlers first: a pre-emption signal during start-up must not kill a rank.
     stop = _StopFlag()
     stop.install()
-    lock = RunLock(cfg.run_dir)
+    lock = RunLock(cfg.run_dir, private=cfg.run.private)
     try:
         run = _set_up(cfg, lock)
         return _loop(run, stop, stop_at_step, hooks)

@@ -39,8 +39,10 @@ class RunDirectoryBusy(UserError):
 class RunLock:
     """The lock of one run directory; :meth:`acquire` once, :meth:`release` on any exit."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, private: bool = False) -> None:
         self.path = RunDirectory(Path(run_dir)).lock_file
+        self.private = private
+        """Make the run directory 0700 when the lock is taken (``run.private``)."""
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -48,6 +50,8 @@ class RunLock:
         the holder; a run directory that cannot be written is a one-line :class:`UserError`."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.private:  # before anything is written in it: no window in which others may look
+                self.path.parent.chmod(0o700)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise write_error(exc, f"run directory {self.path.parent}", "set run.dir to a writable "
