@@ -67,10 +67,12 @@ class InferenceEngine:
     The L and H stacks run as :class:`~mimir_megatron.inference.fast_stack.FastStack` (the same
     weights without megatron's autograd machinery) wherever it applies; ``megatron_layers=True``
     runs megatron's modules instead (the reference). ``compile_decode=True`` runs decoding-only
-    steps with static shapes through ``torch.compile`` (rows padded to a power of two, caches
-    allocated to a power of two of the requests' prompt + new tokens, the whole allocation
-    attended under a mask; on a GPU as CUDA graphs): compiles per (schedule, allocation), off by
-    default (``docs/performance.md``).
+    steps through ``torch.compile``: on CPU with dynamic shapes (one compile per schedule, for
+    every batch size and length), on a GPU as CUDA graphs over static shapes (rows padded to a
+    power of two, caches allocated up front, the whole allocation attended under a mask; a graph
+    per schedule, allocation and padded row count); see
+    :func:`~mimir_megatron.backend.decode_compile_options`. Off by default: the first decoding
+    step of each schedule waits for its compile (``docs/performance.md``).
     """
 
     def __init__(
@@ -207,16 +209,16 @@ class InferenceEngine:
             self.model.recurrence(input_ids, position_ids, layout, plan, stacks=self._stacks))
 
     @property
-    def compiles_decode(self) -> bool:
-        """Whether decoding-only steps run compiled with static shapes (sessions then allocate
-        caches up front: :meth:`new_cache`'s ``capacity``)."""
-        return self._compile_decode
+    def static_decode_shapes(self) -> bool:
+        """Whether decoding-only steps run compiled with static shapes (CUDA graphs,
+        :func:`~mimir_megatron.backend.decode_compile_options`): sessions then allocate caches up
+        front (:meth:`new_cache`'s ``capacity``), and the cache's buffers stay at one address."""
+        return self._compile_decode and backend.uses_cuda_graphs(self.device)
 
     def new_cache(self, capacity: int = 0) -> KVCache:
         """An empty cache for a session's rows (see :meth:`forward`), ``capacity`` positions per
-        row allocated at once (no growth, and so no new compiled graph, below it)."""
-        static = self._compile_decode and backend.uses_cuda_graphs(self.device)
-        return KVCache(self.device, capacity, static=static)
+        row allocated at once (no growth, and so no new static graph, below it)."""
+        return KVCache(self.device, capacity, static=self.static_decode_shapes)
 
     @torch.no_grad()
     def forward(self, cache: KVCache, tokens: list[int], prompts: list[list[int]], plan) -> torch.Tensor:

@@ -109,7 +109,7 @@ class DecodeSession:
             return []
         if self._cache is None:
             capacity = 0  # eager: the cache doubles as needed (a row may stop long before its limit)
-            if self.engine.compiles_decode:  # static shapes: room for the rows' prompt + new tokens
+            if self.engine.static_decode_shapes:  # CUDA graphs: room for the rows' prompt + new tokens
                 need = max(len(r.request.prompt_ids) + r.request.params.max_new_tokens for r in joining)
                 capacity = min(self.engine.limits.max_context, max(64, 1 << (need - 1).bit_length()))
             self._cache = self.engine.new_cache(capacity)

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
@@ -73,10 +74,11 @@ class StepForward:
         self._reduce = parallel_state.get_tensor_model_parallel_world_size() > 1
         self._stacks = {"L": self._layers(model.L), "H": self._layers(model.H)}
         self._exit_eps = {"L": model.L.final_layernorm.eps, "H": model.H.final_layernorm.eps}
-        self._static = None
-        if compile_decode:  # decoding-only steps with static shapes, compiled (see _static_decode)
-            self._static = torch.compile(self._decode_static,
-                                         **backend.decode_compile_options(next(model.parameters()).device))
+        device = next(model.parameters()).device
+        self._compiled = None
+        if compile_decode:  # decoding-only steps compiled (see _compiled_decode)
+            self._compiled = torch.compile(self._decode_graph, **backend.decode_compile_options(device))
+        self._static_shapes = backend.uses_cuda_graphs(device)
 
     @classmethod
     def of(cls, model, compile_decode: bool = False) -> "StepForward | None":
@@ -113,8 +115,8 @@ class StepForward:
         ``tokens``: the new token of each of the cache's rows (none or all of them)."""
         if tokens and len(tokens) != cache.rows:
             raise ValueError(f"a step feeds every cached row: {cache.rows} rows, {len(tokens)} tokens")
-        if self._static is not None and tokens and not prompts:
-            return self._static_decode(cache, tokens, plan)
+        if self._compiled is not None and tokens and not prompts:
+            return self._compiled_decode(cache, tokens, plan)
         device = cache.device
         decoding = len(tokens)
         decode = cache.decode_rows(decoding) if decoding else None
@@ -160,30 +162,40 @@ class StepForward:
                 z_H = self._stack("H", z_H + z_L, buffers, application, rotary, decode, groups)
         return z_H
 
-    def _static_decode(self, cache: KVCache, tokens: list[int], plan) -> torch.Tensor:
-        """A decoding-only step with the shapes of the last one whenever possible, so that one
-        compiled graph (on a GPU, one CUDA graph) serves step after step: the rows padded to a
-        power of two (padding rows write into free cache rows, position 0, and attend to it
-        alone), every allocated position attended under a mask, write positions as a tensor. A
-        graph per (schedule, allocated positions), and one more when the padded rows change."""
+    def _compiled_decode(self, cache: KVCache, tokens: list[int], plan) -> torch.Tensor:
+        """A decoding-only step through the compiled graph: tensors in (write positions, the
+        attention mask), tensors out. With static shapes (CUDA graphs: one graph replayed step
+        after step) the rows are padded to a power of two and every allocated position is
+        attended; with dynamic shapes (CPU) the step's rows attend its longest row's length. A
+        single row is padded to two either way: torch specialises a dimension of size 1, and a
+        second graph for it would cost a second compile. Padding rows write into free cache
+        rows at position 0 and attend to that position alone."""
         rows = len(tokens)
-        padded = 1 << (rows - 1).bit_length()
-        cache.reserve(padded, max(cache.lengths) + 1)
+        padded = 1 << (rows - 1).bit_length() if self._static_shapes else rows
+        padded = max(padded, 2)
+        attended = max(cache.lengths) + 1
+        if self._static_shapes:
+            cache.reserve(padded, attended)
+            attended = cache.position_room
+        else:  # room beyond the step's rows and length: a slice never spans a whole buffer, which
+            cache.reserve(padded + 1, attended + 1)  # torch would guard on (a recompile)
         lengths = cache.lengths + [0] * (padded - rows)
         device = cache.device
         positions = torch.tensor(lengths, dtype=torch.long, device=device)
-        room = cache.position_room
-        mask = torch.zeros(padded, 1, 1, room, device=device)
-        mask.masked_fill_((torch.arange(room, device=device)[None, :] > positions[:, None])[:, None, None, :],
+        mask = torch.zeros(padded, 1, 1, attended, device=device)
+        mask.masked_fill_((torch.arange(attended, device=device)[None, :] > positions[:, None])[:, None, None, :],
                           float("-inf"))
         ids = torch.tensor(tokens + [0] * (padded - rows), dtype=torch.long, device=device)
-        hidden = self._static(cache.all_buffers(), ids, positions, mask, plan.schedule)
+        # No duck sizing: sizes that happen to be equal at the first compile (the cache's
+        # positions and the head width, say) would otherwise be guarded equal (a recompile).
+        with fx_config.patch(use_duck_shape=False):
+            hidden = self._compiled(cache.all_buffers(), ids, positions, mask, plan.schedule)
         cache.commit([1] * rows)
         return hidden[:rows]
 
-    def _decode_static(self, buffers: dict, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                       schedule: tuple[str, ...]) -> torch.Tensor:
-        """What :meth:`_static_decode` compiles: tensors in, tensors out, shapes fixed by the inputs'."""
+    def _decode_graph(self, buffers: dict, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                      schedule: tuple[str, ...]) -> torch.Tensor:
+        """What :meth:`_compiled_decode` compiles: tensors in, tensors out, shapes from the inputs'."""
         rows = ids.shape[0]
         decode = DecodeRows(rows, mask.shape[-1], None, positions, mask,
                             torch.arange(rows, device=ids.device))

@@ -99,25 +99,24 @@ def decode_in_lockstep(engine, other, plan, steps: int, joins: dict, leaves: dic
             tokens = [tokens[i] for i in order]
 
 
-@pytest.mark.slow  # a torch.compile (~1 min on 2 loaded cores)
-def test_compiled_static_decode_equals_eager_decode(model, engine):
-    """compile_decode: decoding-only steps with static shapes (rows padded to a power of two, the
-    whole allocated cache under a mask, tensor write positions) through torch.compile give eager
-    decoding's tokens and logits (1e-5, fp32), with one compile for all steps of a batch (a
-    recompile would fail the test); steps with a joining prompt run eagerly."""
+@pytest.mark.slow  # a torch.compile (~1 min on 2 cores)
+def test_compiled_decode_equals_eager_decode(model, engine):
+    """compile_decode on CPU: decoding-only steps through torch.compile with dynamic shapes give
+    eager decoding's tokens and logits (1e-5, fp32) with ONE compile per schedule, while rows
+    decode at unequal lengths, leave (3 rows, then 2, then 1, padded to 2), and the cache grows
+    past its first allocation (a recompile would fail the test); steps with a joining prompt run
+    eagerly."""
     compiled = InferenceEngine(model, None, max_batch_size=64, compile_decode=True)
+    assert not compiled.static_decode_shapes  # CPU: no CUDA graphs, no cache allocated up front
     plan = engine.plan(1, 2)
     calls = []
-    static = compiled._step._static
-    compiled._step._static = lambda *a, **k: calls.append(1) or static(*a, **k)
+    graph = compiled._step._compiled
+    compiled._step._compiled = lambda *a, **k: calls.append(1) or graph(*a, **k)
     prompts = random_prompts([3, 9, 14], seed=12)
-    original_new_cache = compiled.new_cache
-    compiled.new_cache = lambda capacity=0: original_new_cache(32)
-    decode_in_lockstep(engine, compiled, plan, steps=7, joins={0: prompts},
+    decode_in_lockstep(engine, compiled, plan, steps=9, joins={0: prompts}, leaves={3: [1], 5: [0]},
                        around_step=lambda step: torch._dynamo.config.patch(error_on_recompile=step > 1))
-    assert len(calls) == 6  # every decoding-only step took the compiled path
+    assert len(calls) == 8  # every decoding-only step took the compiled path
     requests = [GenerationRequest(p, SamplingParams(max_new_tokens=5), 1, 2) for p in prompts]
-    compiled.new_cache = original_new_cache
     assert [r.token_ids for r in compiled.generate(requests)] == [r.token_ids for r in engine.generate(requests)]
 
 

@@ -383,6 +383,26 @@ def test_serve_cli_parses(tmp_path):
     assert main(["serve", "--weights", str(tmp_path / "missing")]) != 0
 
 
+@pytest.mark.parametrize("flags,compile_decode", [([], False), (["--compile-decode"], True)])
+def test_serve_cli_hands_its_engine_options_to_the_engine(tmp_path, monkeypatch, flags, compile_decode):
+    """`mimir serve`'s engine flags reach load_engine (which builds InferenceEngine with them), and
+    the engine it built is the one served: no flag parsed and dropped on the way."""
+    import types
+
+    from mimir_megatron.cli import main
+    from mimir_megatron.inference import loading, server
+
+    built, served = {}, {}
+    engine = types.SimpleNamespace(logprobs_mode="raw")
+    monkeypatch.setattr(loading, "load_engine", lambda **kw: built.update(kw) or engine)
+    monkeypatch.setattr(server, "serve", lambda e, **kw: served.update(kw, engine=e))
+    argv = ["serve", "--weights", str(tmp_path), "--port", "0", "--max-batch-size", "3", "--max-context", "99",
+            "--logprobs-mode", "processed", *flags]
+    assert main(argv) == 0
+    assert (built["compile_decode"], built["max_batch_size"], built["max_context"]) == (compile_decode, 3, 99)
+    assert served["engine"] is engine and engine.logprobs_mode == "processed"
+
+
 @pytest.mark.slow
 def test_mimir_serve_command_end_to_end(tmp_path, repo):
     """The real entry point: `mimir serve --hf DIR` in its own process, on 127.0.0.1, with an API
