@@ -1,0 +1,69 @@
+"""Usage: python bench/bench_linear.py [--threads 2] [--shape tiny|mid512] [--calls 2000]
+
+Wall time per call (µs) of the inference engine's weight products (``F.linear``, what
+``inference/step.py`` runs) next to the same product on prepacked weights: oneDNN's
+(``torch.ops.mkldnn._linear_pointwise`` on ``_reorder_linear_weight``) and MKL's
+(``torch.ops.mkl._mkl_linear`` on ``_mkl_reorder_linear_weight``), the kernels Inductor's CPU
+freezing uses. Rows M = 1 to 512 (a decoding step's rows, a prompt's tokens), the shape's
+projections (fused QKV, MLP up, MLP down), alternated per call site; results checked equal.
+A question it answers: would prepacked weights speed the serving engine's products on this CPU?
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # (hidden, ffn): the products (N, K) are QKV (4 * hidden, hidden), up (2 * ffn, hidden), down (hidden, ffn)
+    "tiny": (256, 768),
+    "mid512": (512, 1536),
+}
+
+
+def per_call_us(call: Callable[[], torch.Tensor], calls: int) -> float:
+    for _ in range(min(50, calls)):
+        call()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rows", default="1,2,4,8,16,32,512")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    hidden, ffn = SHAPES[args.shape]
+    products = {"qkv": (4 * hidden, hidden), "up": (2 * ffn, hidden), "down": (hidden, ffn)}
+    print(f"{args.shape}, {args.threads} threads, µs per call ({args.calls} calls); "
+          "ratios: prepacked / F.linear")
+    print("| rows | product | F.linear | oneDNN prepacked | MKL prepacked | oneDNN / F.linear | MKL / F.linear |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for rows in map(int, args.rows.split(",")):
+        for name, (n, k) in products.items():
+            x, weight = torch.randn(rows, k), torch.randn(n, k)
+            onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+            mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+            calls = {
+                "linear": lambda: F.linear(x, weight),
+                "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
+                "mkl": lambda: torch.ops.mkl._mkl_linear(x, mkl, weight, None, rows),
+            }
+            reference = calls["linear"]()
+            for other in ("onednn", "mkl"):
+                torch.testing.assert_close(calls[other](), reference, rtol=1e-4, atol=1e-4)
+            us = {key: per_call_us(call, args.calls) for key, call in calls.items()}
+            print(f"| {rows} | {name} {n}x{k} | {us['linear']:.1f} | {us['onednn']:.1f} | {us['mkl']:.1f} | "
+                  f"{us['onednn'] / us['linear']:.2f} | {us['mkl'] / us['linear']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
