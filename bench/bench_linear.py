@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-SHAPES = {  # (hidden, ffn): the products (N, K) are QKV (4 * hidden, hidden), up (2 * ffn, hidden), down (hidden, ffn)
+# (hidden, ffn); the products (N, K): QKV (4 * hidden, hidden), up (2 * ffn, hidden), down (hidden, ffn)
+SHAPES = {
     "tiny": (256, 768),
     "mid512": (512, 1536),
 }
@@ -45,7 +46,8 @@ def main() -> None:
     products = {"qkv": (4 * hidden, hidden), "up": (2 * ffn, hidden), "down": (hidden, ffn)}
     print(f"{args.shape}, {args.threads} threads, µs per call ({args.calls} calls); "
           "ratios: prepacked / F.linear")
-    print("| rows | product | F.linear | oneDNN prepacked | MKL prepacked | oneDNN / F.linear | MKL / F.linear |")
+    print("| rows | product | F.linear | oneDNN prepacked | MKL prepacked | oneDNN / F.linear "
+          "| MKL / F.linear |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for rows in map(int, args.rows.split(",")):
         for name, (n, k) in products.items():

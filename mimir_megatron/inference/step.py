@@ -183,8 +183,8 @@ class StepForward:
         device = cache.device
         positions = torch.tensor(lengths, dtype=torch.long, device=device)
         mask = torch.zeros(padded, 1, 1, attended, device=device)
-        mask.masked_fill_((torch.arange(attended, device=device)[None, :] > positions[:, None])[:, None, None, :],
-                          float("-inf"))
+        beyond = torch.arange(attended, device=device)[None, :] > positions[:, None]
+        mask.masked_fill_(beyond[:, None, None, :], float("-inf"))
         ids = torch.tensor(tokens + [0] * (padded - rows), dtype=torch.long, device=device)
         # No duck sizing: sizes that happen to be equal at the first compile (the cache's
         # positions and the head width, say) would otherwise be guarded equal (a recompile).
