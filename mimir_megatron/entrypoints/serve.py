@@ -24,8 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                              f"'Authorization: Bearer <key>' (also {ENV_VAR}, one key; never on the "
                              "command line)")
     p.add_argument("--allow-unauthenticated", action="store_true",
-                   help="serve a non-loopback --host without an API key (anyone who reaches the port may "
-                        "use it)")
+                   help="serve without an API key: anyone who reaches the port may use the model (on "
+                        "127.0.0.1, every user of this machine). Without it and without a key, a loopback "
+                        "server uses the key of ~/.config/mimir/api-key (made on first use, mode 600), and "
+                        "any other --host is refused")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--max-batch-size", type=int, default=32, help="rows decoded together in one step")
     p.add_argument("--max-queue", type=int, default=256,
@@ -45,9 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="largest request body; larger ones are answered 413 before they are read (default: "
                         "64 bytes per context token, at least 1 MiB)")
     p.add_argument("--compile-decode", action="store_true",
-                   help="run decoding-only steps with static shapes through torch.compile (CUDA graphs on a "
-                        "GPU): compiles per schedule and cache allocation (minutes on a small CPU); "
-                        "measure it with bench/bench_serve.py before turning it on")
+                   help="run decoding-only steps through torch.compile: CUDA graphs on a GPU; on CPU "
+                        "Inductor with dynamic shapes, one compile per schedule (~1 min on a small CPU), "
+                        "measured slower than eager there (docs/performance.md); measure it with "
+                        "bench/bench_serve.py before turning it on")
     p.add_argument("--max-cycles-factor", type=int, default=4,
                    help="a request's h_cycles / l_cycles may be at most this many times the trained ones "
                         "(default 4; the paper's schedule sweep needs 2)")
@@ -58,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from mimir_megatron.errors import UserError
-    from mimir_megatron.inference.api_keys import server_keys
+    from mimir_megatron.inference.api_keys import own_keys, server_keys
     from mimir_megatron.inference.loading import load_engine
     from mimir_megatron.inference.server import serve
 
@@ -77,16 +80,21 @@ def _serve(args: argparse.Namespace) -> int:
                         f"the port: give --api-key-file PATH or {ENV_VAR}, or --allow-unauthenticated")
     if keys is not None:
         log.info("requests need an API key (%d accepted)", len(keys))
-    elif _loopback(args.host):
-        log.warning("no API key: every user of this machine may use the server on %s (set %s or "
-                    "--api-key-file)", args.host, ENV_VAR)
-    else:
-        log.warning("binding %s without an API key (--allow-unauthenticated): anyone who reaches the port "
-                    "may use the model", args.host)
+    elif args.allow_unauthenticated:
+        log.warning("no API key (--allow-unauthenticated): %s may use the model on %s",
+                    "every user of this machine" if _loopback(args.host) else "anyone who reaches the port",
+                    args.host)
     engine = load_engine(model=args.model, checkpoint=args.checkpoint, ema=args.ema, weights=args.weights,
                          hf=args.hf, tokenizer=args.tokenizer, max_batch_size=args.max_batch_size,
                          max_context=args.max_context, compile_decode=args.compile_decode)
     engine.logprobs_mode = args.logprobs_mode
+    if keys is None and not args.allow_unauthenticated:
+        # On a shared node 127.0.0.1 is every user's: the user's own key, made once, after the
+        # model loaded (a command that fails on its input leaves no file behind).
+        keys, key_file, made = own_keys()
+        log.info("requests need the API key in %s (%s): clients send it as 'Authorization: Bearer <key>', "
+                 'e.g. export %s="$(cat %s)"; --api-key-file or %s choose another',
+                 key_file, "made now, mode 600" if made else "yours", ENV_VAR, key_file, ENV_VAR)
     serve(engine, host=args.host, port=args.port, api_keys=keys, max_tokens_limit=args.max_tokens_limit,
           max_queue=args.max_queue, max_stored_responses=args.max_stored_responses,
           max_body_bytes=args.max_body_bytes, max_cycles_factor=args.max_cycles_factor)

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mimir_megatron import user_config
 from mimir_megatron.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,33 @@ def server_keys(key_file: str | os.PathLike | None,
         log.warning("an API key is shorter than %d characters: it can be guessed; make a new one with "
                     "python -c 'import secrets; print(secrets.token_urlsafe(32))'", MIN_LENGTH)
     return ApiKeys(keys)
+
+
+def own_key_file(environ: Mapping[str, str] = os.environ) -> Path:
+    """The user's own key file, ``$XDG_CONFIG_HOME/mimir/api-key`` (else ``~/.config/mimir/api-key``):
+    what `mimir serve` on loopback uses when given no key, and ``launchers/serve.sh``'s default."""
+    return user_config.config_dir(environ) / "api-key"
+
+
+def own_keys(environ: Mapping[str, str] = os.environ) -> tuple[ApiKeys, Path, bool]:
+    """The keys of the user's own key file, made (one fresh key, mode 0600, in a 0700 directory)
+    when there is none: ``(keys, path, made_now)``."""
+    path = own_key_file(environ)
+    made = False
+    if not path.exists():
+        user_config.private_directory(path.parent, "the API key of mimir serve")
+        try:  # O_EXCL: two servers starting at once make one key, not two
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise UserError(f"cannot write the API key file {path} ({exc.strerror or exc}); give one with "
+                            f"--api-key-file or {ENV_VAR}") from None
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.write(new_key() + "\n")
+            made = True
+    return ApiKeys(read_key_file(path)), path, made
 
 
 def client_key(key_file: str | os.PathLike | None,

@@ -24,19 +24,20 @@ import logging
 import os
 import secrets
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mimir_megatron import user_config
 from mimir_megatron.errors import UserError
 from mimir_megatron.mlflow_store import unix_user
 
 log = logging.getLogger("mimir")
 
 
-def config_dir(environ: dict[str, str] | os._Environ = os.environ) -> Path:
+def config_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """Where the login lives: ``$XDG_CONFIG_HOME/mimir/ui``, else ``~/.config/mimir/ui``."""
-    base = environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "mimir" / "ui"
+    return user_config.config_dir(environ) / "ui"
 
 
 @dataclass(frozen=True)
@@ -80,16 +81,6 @@ class UiLogin:
         return {"MLFLOW_TRACKING_USERNAME": self.username, "MLFLOW_TRACKING_PASSWORD": self.password}
 
 
-def _private_directory(path: Path) -> None:
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if stat.S_IMODE(path.stat().st_mode) != 0o700:
-            path.chmod(0o700)  # made by hand, or by an older version: keep others out
-    except OSError as exc:
-        raise UserError(f"cannot make {path} for the login of mimir ui ({exc.strerror or exc}); set "
-                        "XDG_CONFIG_HOME to a private directory") from None
-
-
 def _read_login(path: Path) -> tuple[str, str]:
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
@@ -126,7 +117,7 @@ authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 def ui_login(directory: Path | None = None) -> tuple[UiLogin, bool]:
     """This user's login (made now if there is none) and whether it was made now."""
     directory = directory or config_dir()
-    _private_directory(directory)
+    user_config.private_directory(directory, "the login of mimir ui")
     login_file = directory / "login"
     created = False
     if not login_file.exists():

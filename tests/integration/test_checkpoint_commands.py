@@ -113,9 +113,10 @@ def test_generate(trained, form, tmp_path):
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_serve_start_up(trained, form, monkeypatch):
+def test_serve_start_up(trained, form, monkeypatch, tmp_path):
     import mimir_megatron.inference.server as server
 
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # no key given: the user's own is made there
     served = {}
     monkeypatch.setattr(server, "serve", lambda engine, **kw: served.update(engine=engine, **kw))
     assert main(["serve", "--checkpoint", str(source(trained, form)), "--port", "0"]) == 0

@@ -396,11 +396,14 @@ def test_serve_cli_hands_its_engine_options_to_the_engine(tmp_path, monkeypatch,
     engine = types.SimpleNamespace(logprobs_mode="raw")
     monkeypatch.setattr(loading, "load_engine", lambda **kw: built.update(kw) or engine)
     monkeypatch.setattr(server, "serve", lambda e, **kw: served.update(kw, engine=e))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # no key given: the user's own is made
+    monkeypatch.delenv("MIMIR_API_KEY", raising=False)
     argv = ["serve", "--weights", str(tmp_path), "--port", "0", "--max-batch-size", "3", "--max-context", "99",
             "--logprobs-mode", "processed", *flags]
     assert main(argv) == 0
     assert (built["compile_decode"], built["max_batch_size"], built["max_context"]) == (compile_decode, 3, 99)
     assert served["engine"] is engine and engine.logprobs_mode == "processed"
+    assert served["api_keys"] is not None and (tmp_path / "config" / "mimir" / "api-key").is_file()
 
 
 @pytest.mark.slow

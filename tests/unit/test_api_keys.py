@@ -126,3 +126,36 @@ def test_eval_takes_a_key_file_only_for_a_running_server(tmp_path, caplog):
     key_file.write_text(KEYS[0] + "\n")
     assert main(["eval", "--weights", str(tmp_path), "--suite", "s.yaml", "--api-key-file", str(key_file)]) == 2
     assert "--api-key-file is the key of a running server (--base-url)" in caplog.text
+
+
+def test_the_users_own_key_is_made_once_private_and_then_reused(tmp_path):
+    """`mimir serve` given no key on loopback: the user's own key file, made with a fresh key (mode
+    600, folder 700, under $XDG_CONFIG_HOME), then the same key at every later start."""
+    import stat
+
+    environ = {"XDG_CONFIG_HOME": str(tmp_path / "config")}
+    keys, path, made = api_keys.own_keys(environ)
+    assert made and path == tmp_path / "config" / "mimir" / "api-key"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    key = path.read_text().strip()
+    assert len(key) >= 40 and keys.accepts(key) and not keys.accepts(key[:-1])
+    again, same_path, made_again = api_keys.own_keys(environ)
+    assert not made_again and same_path == path and again.accepts(key) and path.read_text().strip() == key
+
+
+def test_serve_without_a_key_serves_behind_the_users_own_and_unauthenticated_only_when_said(
+        tmp_path, monkeypatch, caplog):
+    from mimir_megatron.inference import loading, server
+
+    monkeypatch.delenv("MIMIR_API_KEY", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    served: dict = {}
+    monkeypatch.setattr(loading, "load_engine", lambda **kw: type("Engine", (), {"logprobs_mode": "raw"})())
+    monkeypatch.setattr(server, "serve", lambda engine, **kw: served.update(kw))
+    caplog.set_level(logging.INFO)
+    assert main(["serve", "--weights", str(tmp_path)]) == 0
+    key = (tmp_path / "mimir" / "api-key").read_text().strip()
+    assert served["api_keys"].accepts(key) and not served["api_keys"].accepts("EMPTY")
+    assert str(tmp_path / "mimir" / "api-key") in caplog.text and key not in caplog.text
+    assert main(["serve", "--weights", str(tmp_path), "--allow-unauthenticated"]) == 0
+    assert served["api_keys"] is None and "every user of this machine may use the model" in caplog.text
