@@ -18,9 +18,9 @@ def add_generate_source(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's own)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="TP size (run under torchrun)")
     p.add_argument("--compile-decode", action="store_true",
-                   help="decoding-only steps with static shapes through torch.compile (CUDA graphs on a "
-                        "GPU): faster steps after compiles per (schedule, cache size); pays off for long "
-                        "generations")
+                   help="decoding-only steps through torch.compile: CUDA graphs on a GPU; on CPU "
+                        "Inductor with dynamic shapes, one compile per schedule (~1 min on a small CPU); "
+                        "see docs/performance.md for when it pays")
 
 
 def engine_from_args(args: argparse.Namespace, **kwargs):
