@@ -159,3 +159,23 @@ def test_serve_without_a_key_serves_behind_the_users_own_and_unauthenticated_onl
     assert str(tmp_path / "mimir" / "api-key") in caplog.text and key not in caplog.text
     assert main(["serve", "--weights", str(tmp_path), "--allow-unauthenticated"]) == 0
     assert served["api_keys"] is None and "every user of this machine may use the model" in caplog.text
+
+
+def test_two_servers_making_the_key_at_once_share_the_first_one(tmp_path, monkeypatch):
+    """Another server links its key into place between our check and our link: ours is dropped,
+    the first one is used, and no draft is left behind."""
+    import os
+
+    environ = {"XDG_CONFIG_HOME": str(tmp_path)}
+    path = api_keys.own_key_file(environ)
+    real_link = os.link
+
+    def another_server_first(src, dst):
+        path.write_text(KEYS[0] + "\n")
+        path.chmod(0o600)
+        return real_link(src, dst)
+
+    monkeypatch.setattr(api_keys.os, "link", another_server_first)
+    keys, _, made = api_keys.own_keys(environ)
+    assert not made and keys.accepts(KEYS[0]) and path.read_text() == KEYS[0] + "\n"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["api-key"]
