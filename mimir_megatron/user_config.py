@@ -1,4 +1,5 @@
-"""The user's own mimir files: ``$XDG_CONFIG_HOME/mimir`` (else ``~/.config/mimir``), kept 0700.
+"""The user's own mimir files: ``$XDG_CONFIG_HOME/mimir`` (else ``~/.config/mimir``), kept 0700,
+each secret written once, 0600 from its creation (:func:`write_new_private_file`).
 
 What lives there is private to one Unix user on a shared node: the login of `mimir ui`
 (``ui/``, :mod:`mimir_megatron.ops.ui_login`) and the API key of `mimir serve` (``api-key``,
@@ -31,3 +32,24 @@ def private_directory(path: Path, purpose: str) -> None:
     except OSError as exc:
         raise UserError(f"cannot make {path} for {purpose} ({exc.strerror or exc}); set XDG_CONFIG_HOME "
                         "to a private directory") from None
+
+
+def write_new_private_file(path: Path, text: str) -> bool:
+    """Write ``path`` (mode 0600 from its creation) unless it exists; whether this call made it.
+
+    The text is written whole beside ``path`` and hard-linked into place, so a process starting
+    at the same moment (two servers, two `mimir ui`) finds either no file or the whole text, and
+    the first link wins. Errors other than "it exists" (no such folder, no hard links on this
+    file system) are the caller's to word."""
+    draft = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # ours: a 0700 folder
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        try:
+            os.link(draft, path)
+        except FileExistsError:  # another process made it first: its text is the one
+            return False
+        return True
+    finally:
+        draft.unlink(missing_ok=True)

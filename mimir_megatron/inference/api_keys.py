@@ -127,23 +127,11 @@ def own_keys(environ: Mapping[str, str] = os.environ) -> tuple[ApiKeys, Path, bo
     made = False
     if not path.exists():
         user_config.private_directory(path.parent, "the API key of mimir serve")
-        # Written whole beside it, then linked into place: a server starting at the same moment
-        # finds either no file or the whole key, and the first link wins (never two keys).
-        draft = path.with_name(f".{path.name}.{os.getpid()}")
         try:
-            fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # ours: a 0700 folder
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                out.write(new_key() + "\n")
-            try:
-                os.link(draft, path)
-                made = True
-            except FileExistsError:  # another server made it first: that key is the one
-                pass
+            made = user_config.write_new_private_file(path, new_key() + "\n")
         except OSError as exc:
             raise UserError(f"cannot write the API key file {path} ({exc.strerror or exc}); give one with "
                             f"--api-key-file or {ENV_VAR}") from None
-        finally:
-            draft.unlink(missing_ok=True)
     return ApiKeys(read_key_file(path)), path, made
 
 

@@ -93,17 +93,6 @@ def _read_login(path: Path) -> tuple[str, str]:
     return username, password
 
 
-def _write_new_login(path: Path, username: str, password: str) -> bool:
-    """Write the login file (0600 from its creation); False when another `mimir ui` made one first."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        out.write(f"{username}:{password}\n")
-    return True
-
-
 _AUTH_INI = """\
 # Written by `mimir ui` (mimir_megatron/ops/ui_login.py) at every start; edits are lost.
 [mlflow]
@@ -121,7 +110,8 @@ def ui_login(directory: Path | None = None) -> tuple[UiLogin, bool]:
     login_file = directory / "login"
     created = False
     if not login_file.exists():
-        created = _write_new_login(login_file, unix_user().replace(" ", "-"), secrets.token_urlsafe(24))
+        login_text = f"{unix_user().replace(' ', '-')}:{secrets.token_urlsafe(24)}\n"
+        created = user_config.write_new_private_file(login_file, login_text)
     username, password = _read_login(login_file)
     login = UiLogin(directory, username, password)
     if created:

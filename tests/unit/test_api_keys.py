@@ -11,6 +11,7 @@ import logging
 
 import pytest
 
+from mimir_megatron import user_config
 from mimir_megatron.cli import main
 from mimir_megatron.errors import UserError
 from mimir_megatron.inference import api_keys
@@ -175,7 +176,7 @@ def test_two_servers_making_the_key_at_once_share_the_first_one(tmp_path, monkey
         path.chmod(0o600)
         return real_link(src, dst)
 
-    monkeypatch.setattr(api_keys.os, "link", another_server_first)
+    monkeypatch.setattr(user_config.os, "link", another_server_first)
     keys, _, made = api_keys.own_keys(environ)
     assert not made and keys.accepts(KEYS[0]) and path.read_text() == KEYS[0] + "\n"
     assert sorted(p.name for p in path.parent.iterdir()) == ["api-key"]
