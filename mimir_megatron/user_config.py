@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from mimir_megatron.errors import UserError
+from mimir_megatron.integrity import temporary_path
 
 
 def config_dir(environ: Mapping[str, str] = os.environ) -> Path:
@@ -41,7 +42,7 @@ def write_new_private_file(path: Path, text: str) -> bool:
     at the same moment (two servers, two `mimir ui`) finds either no file or the whole text, and
     the first link wins. Errors other than "it exists" (no such folder, no hard links on this
     file system) are the caller's to word."""
-    draft = path.with_name(f".{path.name}.{os.getpid()}")
+    draft = temporary_path(path)  # the project's staging name: beside it, hidden, per process
     try:
         fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # ours: a 0700 folder
         with os.fdopen(fd, "w", encoding="utf-8") as out:
