@@ -1,4 +1,4 @@
-"""Usage: python bench/bench_linear.py [--threads 2] [--shape tiny|mid512] [--calls 2000]
+"""Usage: python bench/bench_linear.py [--threads 2] [--shape tiny|mid512] [--calls 2000] [--rotate N]
 
 Wall time per call (µs) of the inference engine's weight products (``F.linear``, what
 ``inference/step.py`` runs) next to the same product on prepacked weights: oneDNN's
@@ -7,6 +7,8 @@ Wall time per call (µs) of the inference engine's weight products (``F.linear``
 freezing uses. Rows M = 1 to 512 (a decoding step's rows, a prompt's tokens), the shape's
 projections (fused QKV, MLP up, MLP down), alternated per call site; results checked equal.
 A question it answers: would prepacked weights speed the serving engine's products on this CPU?
+``--rotate N``: N distinct weights per product, called in turn, as a decoding step reads its
+layers' weights one after another (N = 1: one weight, hot in the cache, which flatters F.linear).
 """
 
 from __future__ import annotations
@@ -40,28 +42,42 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rows", default="1,2,4,8,16,32,512")
+    parser.add_argument("--rotate", type=int, default=1, help="distinct weights per product, used in turn")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     hidden, ffn = SHAPES[args.shape]
     products = {"qkv": (4 * hidden, hidden), "up": (2 * ffn, hidden), "down": (hidden, ffn)}
-    print(f"{args.shape}, {args.threads} threads, µs per call ({args.calls} calls); "
-          "ratios: prepacked / F.linear")
+    print(f"{args.shape}, {args.threads} threads, µs per call ({args.calls} calls, {args.rotate} weight(s) "
+          "in turn); ratios: prepacked / F.linear")
     print("| rows | product | F.linear | oneDNN prepacked | MKL prepacked | oneDNN / F.linear "
           "| MKL / F.linear |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for rows in map(int, args.rows.split(",")):
         for name, (n, k) in products.items():
-            x, weight = torch.randn(rows, k), torch.randn(n, k)
-            onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-            mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+            x = torch.randn(rows, k)
+            weights = [torch.randn(n, k) for _ in range(args.rotate)]
+            onednn = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+            mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
+            turn = [0]
+
+            def nth() -> int:
+                turn[0] = (turn[0] + 1) % args.rotate
+                return turn[0]
+
+            def by_onednn(i: int) -> torch.Tensor:
+                return torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
+
+            def by_mkl(i: int) -> torch.Tensor:
+                return torch.ops.mkl._mkl_linear(x, mkl[i], weights[i], None, rows)
+
             calls = {
-                "linear": lambda: F.linear(x, weight),
-                "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
-                "mkl": lambda: torch.ops.mkl._mkl_linear(x, mkl, weight, None, rows),
+                "linear": lambda: F.linear(x, weights[nth()]),
+                "onednn": lambda: by_onednn(nth()),
+                "mkl": lambda: by_mkl(nth()),
             }
-            reference = calls["linear"]()
-            for other in ("onednn", "mkl"):
-                torch.testing.assert_close(calls[other](), reference, rtol=1e-4, atol=1e-4)
+            for i, w in enumerate(weights):
+                for other in (by_onednn, by_mkl):
+                    torch.testing.assert_close(other(i), F.linear(x, w), rtol=1e-4, atol=1e-4)
             us = {key: per_call_us(call, args.calls) for key, call in calls.items()}
             print(f"| {rows} | {name} {n}x{k} | {us['linear']:.1f} | {us['onednn']:.1f} | {us['mkl']:.1f} | "
                   f"{us['onednn'] / us['linear']:.2f} | {us['mkl'] / us['linear']:.2f} |")

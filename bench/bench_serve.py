@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -42,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
@@ -54,6 +56,10 @@ SHAPES = {
                        "max_position_embeddings=512"]),
 }
 MIMIR = "import sys; from mimir_megatron.cli import main; sys.exit(main(sys.argv[1:]))"
+# One key for this run's servers, given through their environment (never their command line:
+# ``ps`` shows that), sent by every request.
+API_KEY = secrets.token_urlsafe(24)
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def _free_port() -> int:
@@ -85,8 +91,12 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); see {self.log}")
             try:
-                with urllib.request.urlopen(self.url + "/models", timeout=5) as r:
+                request = urllib.request.Request(self.url + "/models", headers=AUTH)
+                with urllib.request.urlopen(request, timeout=5) as r:
                     return json.load(r)["data"][0]["id"]
+            except urllib.error.HTTPError as e:  # it answers, but refuses: waiting would not help
+                raise RuntimeError(f"{self.name} answered HTTP {e.code} to GET /models; "
+                                   f"see {self.log}") from e
             except OSError:
                 time.sleep(1)
         raise RuntimeError(f"{self.name} did not start in {timeout:.0f} s; see {self.log}")
@@ -137,7 +147,7 @@ async def _closed_loop(url: str, model: str, prompts: list[list[int]], clients: 
             text, n, _ = await _complete(session, url, model, prompt, max_tokens, False)
             texts[i], tokens = text, tokens + n
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), headers=AUTH) as session:
         start = time.perf_counter()
         await asyncio.gather(*(client(session) for _ in range(clients)))
         seconds = time.perf_counter() - start
@@ -147,7 +157,7 @@ async def _closed_loop(url: str, model: str, prompts: list[list[int]], clients: 
 async def _ttft(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> float:
     import aiohttp
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), headers=AUTH) as session:
         firsts = [(await _complete(session, url, model, p, max_tokens, True))[2] for p in prompts]
     return statistics.median(firsts)
 
@@ -243,7 +253,7 @@ def _run(args: argparse.Namespace, levels: list[int], work: Path) -> int:
     most = max(levels) * args.requests_per_client
     prompts = torch.randint(8, 1024, (most + args.ttft_requests, args.prompt_tokens), generator=g).tolist()
     ttft_prompts, prompts = prompts[most:], prompts[:most]
-    threads = {"OMP_NUM_THREADS": str(args.threads)}
+    threads = {"OMP_NUM_THREADS": str(args.threads), "MIMIR_API_KEY": API_KEY}
     serve = [sys.executable, "-c", MIMIR, "serve", "--hf", str(hf), "--port", "{port}", "--max-batch-size",
              str(max(levels)), "--max-queue", str(4 * most)]
     if args.compile_decode:
@@ -259,7 +269,7 @@ def _run(args: argparse.Namespace, levels: list[int], work: Path) -> int:
                           "--dtype", "float32", "--port", "{port}", "--max-num-seqs", str(max(levels)),
                           "--served-model-name", "bench"],
                          {**threads, "VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                          "VLLM_CPU_KVCACHE_SPACE": "2"})
+                          "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_API_KEY": API_KEY})
     results: dict[str, dict] = {}
     texts: dict[str, list[str]] = {}
     with ExitStack() as stack:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
+from typing import Callable, TypeVar
 
 import torch
 
@@ -34,6 +36,8 @@ from mimir_megatron.gpus import GpuSpec, spec_for_device
 from mimir_megatron.logging_setup import quiet_known_noise
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _ACTIVE = False
 _ORIGINALS: dict[str, object] = {}  # what setup() replaced, by name
@@ -147,6 +151,43 @@ def uses_cuda_graphs(device: torch.device) -> bool:
     cache's buffers) must then stay at one address and shape: marked static, allocated up front
     and never reallocated (:func:`decode_compile_options`)."""
     return device.type == "cuda"
+
+
+def prepacks_weights(device: torch.device) -> bool:
+    """Whether the inference engine's eager products on ``device`` read weights prepacked once
+    for the GEMM library (``inference/products.py``): on CPU where torch has oneDNN, whose
+    product on its own blocked layout beats MKL's sgemm re-packing the weight every call at a
+    decoding step's rows; on a GPU cuBLAS reads the weights as they are."""
+    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def run_in_own_thread(work: Callable[[], T], name: str = "mimir-load") -> T:
+    """``work()`` on a thread of its own that ends with it; its result returned, its exception raised.
+
+    For setting up what another thread then computes with (the model a server's scheduler thread
+    decodes with): torch's CPU threads are libgomp's, which gives every thread that starts
+    parallel work a pool of its own and, while the pools together hold more threads than the
+    machine has cores, lets idle workers spin only briefly before sleeping, so each product
+    wakes them again. A thread that ends frees its pool: loading here leaves the caller's thread
+    without one, and the scheduler's pool alone. Measured on 2 cores: a decoding step's products
+    took ~2x as long on a second thread once the first had run parallel work. On a GPU ``work``
+    runs in the caller's thread (CUDA's current device is per thread; its compute is not the CPU's)."""
+    if has_gpu():
+        return work()
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = work()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["result"]  # type: ignore[return-value]
 
 
 def setup() -> None:

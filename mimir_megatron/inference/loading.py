@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from mimir_megatron import backend
 from mimir_megatron import checkpoint as checkpoint_pkg
 from mimir_megatron.inference.engine import InferenceEngine
 
@@ -37,7 +38,18 @@ def load_engine(
 
     The tokenizer comes from ``tokenizer``, else from the model's own directory or config.
     ``compile_decode``: see :class:`InferenceEngine`.
+
+    Loads on a thread of its own (:func:`mimir_megatron.backend.run_in_own_thread`): the thread
+    that decodes afterwards, a server's scheduler, then owns the process's only CPU thread pool.
     """
+    return backend.run_in_own_thread(lambda: _load(
+        model=model, checkpoint=checkpoint, ema=ema, weights=weights, hf=hf, tokenizer=tokenizer,
+        tensor_parallel_size=tensor_parallel_size, max_batch_size=max_batch_size,
+        max_context=max_context, compile_decode=compile_decode))
+
+
+def _load(*, model, checkpoint, ema, weights, hf, tokenizer, tensor_parallel_size, max_batch_size,
+          max_context, compile_decode) -> InferenceEngine:
     if isinstance(model, checkpoint_pkg.ModelDir) and checkpoint is weights is hf is None:
         found = model
     else:

@@ -17,8 +17,10 @@ The arithmetic is the model's, in its order (``inference/fast_stack.py`` spells 
 parameterless RMSNorm (``torch.rms_norm``, the same operations in one call), the fused q / gate /
 k / v projection, RoPE on q and k together (rotate-half, the pass's table: equal to
 :class:`~mimir_megatron.model.rope.RotaryTable`), the sigmoid output gate (fp32 for a bf16 model,
-cast back), SwiGLU, the residual adds fused into the output projections (``addmm``), the stack's
-exit norm after every application. Parameters are read from the modules at each call (no copy).
+cast back), SwiGLU, the residual adds after the output projections, the stack's exit norm after
+every application. Parameters are read from the modules at each call; the weight products go
+through ``inference/products.py`` (on CPU: on weights prepacked once for oneDNN, remade when a
+weight changes in place).
 ``tests/integration/test_inference.py`` checks it against megatron's layers and a full forward.
 
 Not covered (:meth:`StepForward.of` returns None; the engine then runs the model's own recurrence
@@ -38,6 +40,7 @@ from megatron.core import parallel_state
 
 from mimir_megatron import backend
 from mimir_megatron.inference.kv_cache import DecodeRows, KVCache
+from mimir_megatron.inference.products import Products, products_for
 from mimir_megatron.model.rope import RotaryTable, rotary_angles
 
 
@@ -75,6 +78,7 @@ class StepForward:
         self._stacks = {"L": self._layers(model.L), "H": self._layers(model.H)}
         self._exit_eps = {"L": model.L.final_layernorm.eps, "H": model.H.final_layernorm.eps}
         device = next(model.parameters()).device
+        self._products = products_for(device)
         self._compiled = None
         if compile_decode:  # decoding-only steps compiled (see _compiled_decode)
             self._compiled = torch.compile(self._decode_graph, **backend.decode_compile_options(device))
@@ -140,7 +144,7 @@ class StepForward:
         positions_t = torch.tensor(positions, dtype=torch.long, device=device)
         rotary = RotaryTable(rotary_angles(positions_t[None], self.cfg.head_dim, self.cfg.rope_theta))
         z_H = self.model._embed(ids_t[None]).view(len(ids), -1)  # [tokens, hidden]
-        z_H = self._recurrence(z_H, cache.buffers, plan.schedule, rotary, decode, groups)
+        z_H = self._recurrence(z_H, cache.buffers, plan.schedule, rotary, decode, groups, self._products)
         cache.commit([1] * decoding)
         cache.add_rows([len(p) for p in prompts])
         if not prompts:
@@ -151,15 +155,15 @@ class StepForward:
         return z_H.index_select(0, torch.tensor(last, device=device))
 
     def _recurrence(self, z_H: torch.Tensor, buffers, schedule: tuple[str, ...], rotary: RotaryTable,
-                    decode: DecodeRows | None, groups: list[_Prompts]) -> torch.Tensor:
+                    decode: DecodeRows | None, groups: list[_Prompts], products: Products) -> torch.Tensor:
         """The applications of ``schedule`` from the embedded tokens ``z_H``; ``buffers(slot,
         like)``: the cache's key and value buffers of a slot."""
         z_L = self.model.z_L_init.to(z_H.dtype).expand_as(z_H)
         for application, module in enumerate(schedule):
             if module == "L":
-                z_L = self._stack("L", z_L + z_H, buffers, application, rotary, decode, groups)
+                z_L = self._stack("L", z_L + z_H, buffers, application, rotary, decode, groups, products)
             else:
-                z_H = self._stack("H", z_H + z_L, buffers, application, rotary, decode, groups)
+                z_H = self._stack("H", z_H + z_L, buffers, application, rotary, decode, groups, products)
         return z_H
 
     def _compiled_decode(self, cache: KVCache, tokens: list[int], plan) -> torch.Tensor:
@@ -201,10 +205,13 @@ class StepForward:
                             torch.arange(rows, device=ids.device))
         rotary = RotaryTable(rotary_angles(positions[None], self.cfg.head_dim, self.cfg.rope_theta))
         z_H = self.model._embed(ids[None]).view(rows, -1)
-        return self._recurrence(z_H, lambda slot, like: buffers[slot], schedule, rotary, decode, [])
+        # The weights as stored: the compiler chooses its own kernels (prepacked ones on CPU).
+        return self._recurrence(z_H, lambda slot, like: buffers[slot], schedule, rotary, decode, [],
+                                Products())
 
     def _stack(self, name: str, hidden: torch.Tensor, buffers, application: int,
-               rotary: RotaryTable, decode: DecodeRows | None, groups: list[_Prompts]) -> torch.Tensor:
+               rotary: RotaryTable, decode: DecodeRows | None, groups: list[_Prompts],
+               products: Products) -> torch.Tensor:
         tokens, width = hidden.shape
         cos, sin_signed = rotary.cos.view(tokens, 1, 1, -1), rotary.sin_signed.view(tokens, 1, 1, -1)
         if cos.dtype != hidden.dtype:  # a bf16 model: the table cast once per stack call
@@ -212,7 +219,7 @@ class StepForward:
         for number, layer in enumerate(self._stacks[name], start=1):
             x = torch.rms_norm(hidden, (width,), None, layer.eps_attention)
             # The fused projection holds, per head (one head per query group), q, gate, k, v.
-            mixed = F.linear(x, layer.qkv.weight).view(tokens, layer.heads, 4, layer.head_dim)
+            mixed = products.linear(x, layer.qkv.weight).view(tokens, layer.heads, 4, layer.head_dim)
             qk = mixed[:, :, 0::2]  # q and k: RoPE on both at once
             half = layer.head_dim // 2
             qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin_signed
@@ -223,17 +230,18 @@ class StepForward:
                 context = torch.sigmoid(gate).view(tokens, -1).mul_(context)
             else:  # megatron's gate: the sigmoid in fp32, the product cast back
                 context = (context * torch.sigmoid(gate.float()).view(tokens, -1)).to(hidden.dtype)
-            hidden = self._residual(hidden, context, layer.proj.weight)
-            up_gate, up = torch.chunk(F.linear(torch.rms_norm(hidden, (width,), None, layer.eps_mlp),
-                                               layer.fc1.weight), 2, dim=-1)
-            hidden = self._residual(hidden, F.silu(up_gate).mul_(up), layer.fc2.weight)
+            hidden = self._residual(hidden, context, layer.proj.weight, products)
+            up_gate, up = torch.chunk(products.linear(torch.rms_norm(hidden, (width,), None, layer.eps_mlp),
+                                                      layer.fc1.weight), 2, dim=-1)
+            hidden = self._residual(hidden, F.silu(up_gate).mul_(up), layer.fc2.weight, products)
         return torch.rms_norm(hidden, (width,), None, self._exit_eps[name])
 
-    def _residual(self, hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _residual(self, hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                  products: Products) -> torch.Tensor:
         """``hidden + x W^T``; row-parallel under TP (the product all-reduced first, as megatron)."""
         if not self._reduce:
-            return torch.addmm(hidden, x, weight.t())
-        out = F.linear(x, weight)
+            return products.add_linear(hidden, x, weight)
+        out = products.linear(x, weight)
         torch.distributed.all_reduce(out, group=self._group)
         return hidden + out
 

@@ -1,0 +1,85 @@
+"""The inference step's weight products (inference/products.py) and the loader thread
+(backend.run_in_own_thread): equal to F.linear within float rounding, remade when a weight
+changes, and a load that leaves the caller's thread as it was."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mimir_megatron import backend
+from mimir_megatron.inference.products import PrepackedProducts, Products, products_for
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+
+
+def _weight(n: int = 96, k: int = 64) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)))
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 8, 33])
+def test_prepacked_products_equal_f_linear(rows):
+    products, weight = PrepackedProducts(), _weight()
+    x = torch.randn(rows, 64)
+    hidden = torch.randn(rows, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(products.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(products.add_linear(hidden, x, weight), hidden + F.linear(x, weight),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_prepacked_products_use_the_prepacked_copy_from_two_rows():
+    products, weight = PrepackedProducts(), _weight()
+    with torch.no_grad():
+        products.linear(torch.randn(1, 64), weight)
+        assert not products._packed  # one row: F.linear on the weight as stored
+        products.linear(torch.randn(2, 64), weight)
+        assert len(products._packed) == 1
+
+
+@needs_onednn
+def test_a_weight_changed_in_place_is_packed_again():
+    products, weight = PrepackedProducts(), _weight()
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        products.linear(x, weight)
+        weight.mul_(-2.0)  # an optimizer step, load_state_dict: the same tensor, new values
+        torch.testing.assert_close(products.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        weight.copy_(torch.zeros_like(weight))
+        assert products.add_linear(torch.ones(4, 96), x, weight).eq(1).all()
+
+
+@needs_onednn
+def test_other_dtypes_keep_the_stored_weight_exactly():
+    products, weight = PrepackedProducts(), _weight().to(torch.bfloat16)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(products.linear(x, weight), F.linear(x, weight))
+    assert not products._packed
+
+
+def test_products_as_stored_are_f_linear_and_addmm_exactly():
+    products, weight = Products(), _weight()
+    x, hidden = torch.randn(8, 64), torch.randn(8, 96)
+    with torch.no_grad():
+        assert torch.equal(products.linear(x, weight), F.linear(x, weight))
+        assert torch.equal(products.add_linear(hidden, x, weight), torch.addmm(hidden, x, weight.t()))
+
+
+def test_the_cpu_backend_prepacks_where_torch_has_onednn():
+    chosen = products_for(torch.device("cpu"))
+    assert isinstance(chosen, PrepackedProducts) == torch.backends.mkldnn.is_available()
+    assert not backend.prepacks_weights(torch.device("meta"))
+
+
+@pytest.mark.skipif(backend.has_gpu(), reason="on a GPU the work runs in the caller's thread")
+def test_run_in_own_thread_runs_elsewhere_and_passes_results_and_errors_back():
+    caller = threading.get_ident()
+    assert backend.run_in_own_thread(threading.get_ident) != caller
+    with pytest.raises(KeyError, match="missing"):
+        backend.run_in_own_thread(lambda: {}["missing"])
