@@ -1,12 +1,12 @@
 """The inference step's weight products ``x W^T``: as stored, or on weights prepacked once.
 
 On CPU, ``F.linear`` hands an fp32 product to MKL's sgemm, which packs the weight into its
-blocked layout again on every call. At a decoding step's few rows that packing and the weight's
-trip through the cache cost more than the arithmetic: over a tiny model's 16 layer applications,
-the products of 2-32 rows took 1.4-1.9x the time of oneDNN's product on weights reordered once
-into oneDNN's layout (``torch.ops.mkldnn._reorder_linear_weight``, what vLLM's CPU backend and
-Inductor's CPU freezing use; ``bench/bench_linear.py --rotate``). One row is the exception (a
-matrix-vector product, where sgemm is faster), so it keeps ``F.linear``.
+blocked layout again on every call. oneDNN's product on weights reordered once into its own
+layout (``torch.ops.mkldnn._reorder_linear_weight``, what vLLM's CPU backend and Inductor's CPU
+freezing use) took 0.36-0.81x of ``F.linear``'s time for the QKV and MLP-up products at 2-32 rows
+(0.80-1.21x for the down product; ``bench/bench_linear.py --rotate 16``), and the engine's
+decoding steps at batch 8 and 32 ran 1.19x faster (docs/performance.md#serving). One row keeps
+``F.linear``: over a step's one-row products oneDNN took ~1.4x its time.
 
 :func:`products_for` picks by the backend (``backend.prepacks_weights``): prepacked on CPU where
 torch has oneDNN, as stored elsewhere (cuBLAS reads the weights as they are). A prepacked weight

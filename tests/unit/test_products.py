@@ -83,3 +83,12 @@ def test_run_in_own_thread_runs_elsewhere_and_passes_results_and_errors_back():
     assert backend.run_in_own_thread(threading.get_ident) != caller
     with pytest.raises(KeyError, match="missing"):
         backend.run_in_own_thread(lambda: {}["missing"])
+
+
+@pytest.mark.skipif(backend.has_gpu(), reason="on a GPU the work runs in the caller's thread")
+def test_load_engine_loads_on_a_thread_of_its_own(monkeypatch):
+    from mimir_megatron.inference import loading
+
+    monkeypatch.setattr(loading, "_load", lambda **kwargs: (threading.get_ident(), kwargs["max_batch_size"]))
+    loader, batch = loading.load_engine(hf="unused", max_batch_size=3)
+    assert loader != threading.get_ident() and batch == 3
