@@ -14,6 +14,7 @@ layers' weights one after another (N = 1: one weight, hot in the cache, which fl
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from typing import Callable
 
@@ -44,6 +45,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,512")
     parser.add_argument("--rotate", type=int, default=1, help="distinct weights per product, used in turn")
     args = parser.parse_args()
+    if args.rotate < 1:
+        parser.error(f"--rotate must be >= 1, got {args.rotate}")
     torch.set_num_threads(args.threads)
     hidden, ffn = SHAPES[args.shape]
     products = {"qkv": (4 * hidden, hidden), "up": (2 * ffn, hidden), "down": (hidden, ffn)}
@@ -58,11 +61,7 @@ def main() -> None:
             weights = [torch.randn(n, k) for _ in range(args.rotate)]
             onednn = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
             mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
-            turn = [0]
-
-            def nth() -> int:
-                turn[0] = (turn[0] + 1) % args.rotate
-                return turn[0]
+            order = itertools.cycle(range(args.rotate))
 
             def by_onednn(i: int) -> torch.Tensor:
                 return torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
@@ -71,9 +70,9 @@ def main() -> None:
                 return torch.ops.mkl._mkl_linear(x, mkl[i], weights[i], None, rows)
 
             calls = {
-                "linear": lambda: F.linear(x, weights[nth()]),
-                "onednn": lambda: by_onednn(nth()),
-                "mkl": lambda: by_mkl(nth()),
+                "linear": lambda: F.linear(x, weights[next(order)]),
+                "onednn": lambda: by_onednn(next(order)),
+                "mkl": lambda: by_mkl(next(order)),
             }
             for i, w in enumerate(weights):
                 for other in (by_onednn, by_mkl):

@@ -53,15 +53,18 @@ class PrepackedProducts(Products):
     def _applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return x.shape[0] >= self.MIN_ROWS and weight.dtype == torch.float32 and x.dtype == torch.float32
 
+    def _onednn(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._prepacked(weight), None, "none", [], "")
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not self._applies(x, weight):
-            return F.linear(x, weight)
-        return torch.ops.mkldnn._linear_pointwise(x, self._prepacked(weight), None, "none", [], "")
+            return super().linear(x, weight)
+        return self._onednn(x, weight)
 
     def add_linear(self, hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not self._applies(x, weight):
-            return torch.addmm(hidden, x, weight.t())
-        return hidden + torch.ops.mkldnn._linear_pointwise(x, self._prepacked(weight), None, "none", [], "")
+            return super().add_linear(hidden, x, weight)
+        return hidden + self._onednn(x, weight)
 
 
 def products_for(device: torch.device) -> Products:
