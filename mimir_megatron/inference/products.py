@@ -5,8 +5,11 @@ blocked layout again on every call. oneDNN's product on weights reordered once i
 layout (``torch.ops.mkldnn._reorder_linear_weight``, what vLLM's CPU backend and Inductor's CPU
 freezing use) took 0.36-0.81x of ``F.linear``'s time for the QKV and MLP-up products at 2-32 rows
 (0.80-1.21x for the down product; ``bench/bench_linear.py --rotate 16``), and the engine's
-decoding steps at batch 8 and 32 ran 1.19x faster (docs/performance.md#serving). One row keeps
-``F.linear``: over a step's one-row products oneDNN took ~1.4x its time.
+decoding steps at batch 8 and 32 ran 1.19x faster (docs/performance.md#serving). One row is a
+matrix-vector product bound by reading the weight: a weight of 2 MiB or more streams from memory,
+and oneDNN's blocked layout streams faster (the mid512 model's one-row decoding step: 37.7 against
+48.4 ms); a smaller one stays in the caches, where MKL's product on the weight as stored is faster
+(the tiny model: 10.5 against 12.1 ms a step with oneDNN), so it keeps ``F.linear``.
 
 :func:`products_for` picks by the backend (``backend.prepacks_weights``): prepacked on CPU where
 torch has oneDNN, as stored elsewhere (cuBLAS reads the weights as they are). A prepacked weight
@@ -35,9 +38,10 @@ class Products:
 
 
 class PrepackedProducts(Products):
-    """Products of two rows or more on fp32 weights prepacked for oneDNN; the rest as stored."""
+    """Products on fp32 weights prepacked for oneDNN (two rows or more, or one row and a weight of
+    at least :attr:`ONE_ROW_MIN_BYTES`); the rest as stored."""
 
-    MIN_ROWS = 2  # one row: F.linear's matrix-vector product is faster (module docstring)
+    ONE_ROW_MIN_BYTES = 2 * 2**20  # below it one row is faster on the weight as stored (module docstring)
     ROWS_HINT = 32  # the row count oneDNN's layout is chosen for; any count runs on it
 
     def __init__(self) -> None:
@@ -51,7 +55,9 @@ class PrepackedProducts(Products):
         return entry[2]
 
     def _applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return x.shape[0] >= self.MIN_ROWS and weight.dtype == torch.float32 and x.dtype == torch.float32
+        if weight.dtype != torch.float32 or x.dtype != torch.float32:
+            return False
+        return x.shape[0] >= 2 or weight.numel() * weight.element_size() >= self.ONE_ROW_MIN_BYTES
 
     def _onednn(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self._prepacked(weight), None, "none", [], "")

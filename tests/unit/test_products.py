@@ -4,6 +4,7 @@ changes, and a load that leaves the caller's thread as it was."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from mimir_megatron import backend
 from mimir_megatron.inference.products import PrepackedProducts, Products, products_for
+from polling import wait_for
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 
@@ -33,13 +35,17 @@ def test_prepacked_products_equal_f_linear(rows):
 
 
 @needs_onednn
-def test_prepacked_products_use_the_prepacked_copy_from_two_rows():
+def test_prepacked_products_use_the_prepacked_copy_from_two_rows_or_for_a_large_weight():
     products, weight = PrepackedProducts(), _weight()
     with torch.no_grad():
         products.linear(torch.randn(1, 64), weight)
-        assert not products._packed  # one row: F.linear on the weight as stored
+        assert not products._packed  # one row, a small weight: F.linear on the weight as stored
         products.linear(torch.randn(2, 64), weight)
         assert len(products._packed) == 1
+        large = _weight(2048, 256)  # 2 MiB of fp32: streamed from memory, prepacked even for one row
+        x = torch.randn(1, 256)
+        torch.testing.assert_close(products.linear(x, large), F.linear(x, large), rtol=1e-5, atol=1e-5)
+        assert len(products._packed) == 2
 
 
 @needs_onednn
@@ -92,3 +98,50 @@ def test_load_engine_loads_on_a_thread_of_its_own(monkeypatch):
     monkeypatch.setattr(loading, "_load", lambda **kwargs: (threading.get_ident(), kwargs["max_batch_size"]))
     loader, batch = loading.load_engine(hf="unused", max_batch_size=3)
     assert loader != threading.get_ident() and batch == 3
+
+
+@pytest.mark.skipif(backend._libgomp() is None, reason="torch's OpenMP is not a loaded libgomp")
+def test_release_cpu_thread_pool_ends_the_calling_threads_workers():
+    """The OS threads of the process: a parallel region gives a fresh thread a pool of
+    (threads - 1) workers; releasing it ends them; the next region makes them again."""
+    def tasks() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    seen: dict[str, object] = {}
+
+    def work() -> None:
+        torch.ones(1 << 22).sum()  # parallel: this thread's own pool
+        seen["with_pool"] = with_pool = tasks()
+        seen["released"] = backend.release_cpu_thread_pool()
+        wait_for(lambda: tasks() <= with_pool - 1, "the released workers to end", timeout=10)
+        torch.ones(1 << 22).sum()
+        seen["again"] = tasks()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert seen["released"] is True and seen["again"] == seen["with_pool"]
+
+
+def test_evaluation_in_process_releases_the_callers_pool_before_serving(monkeypatch):
+    """run_suite_on_engine frees the waiting thread's workers before the server's scheduler decodes."""
+    from mimir_megatron.evaluation import runner
+    from mimir_megatron.evaluation.suite import SuiteSpec
+    from mimir_megatron.inference import server
+
+    calls: list[str] = []
+    monkeypatch.setattr(backend, "release_cpu_thread_pool", lambda: calls.append("released") or True)
+
+    def serving(*args, **kwargs):
+        calls.append("served")
+        raise RuntimeError("no server in this test")
+
+    monkeypatch.setattr(server, "serve_in_thread", serving)
+    with pytest.raises(RuntimeError, match="no server"):
+        runner.run_suite_on_engine(object(), SuiteSpec(name="empty"))
+    assert calls == ["released", "served"]
