@@ -59,6 +59,9 @@ SHAPES = {
                        "max_position_embeddings=512"]),
 }
 MIMIR = "import sys; from mimir_megatron.cli import main; sys.exit(main(sys.argv[1:]))"
+# -P: without it ``-c`` puts the working directory (this checkout, run from its root) ahead of
+# PYTHONPATH, and a baseline server would run this checkout's code.
+PYTHON = [sys.executable, "-P"]
 WHERE = "import pathlib, mimir_megatron; print(pathlib.Path(mimir_megatron.__file__).resolve().parent.parent)"
 # One key for this run's servers, given through their environment (never their command line:
 # ``ps`` shows that), sent by every request.
@@ -80,7 +83,7 @@ def _code_path(checkout: Path) -> str:
 def _checkout_of(env: dict, expected: Path) -> str:
     """The commit of the checkout a server started with ``env`` imports, after checking that it
     is ``expected`` (a baseline that silently ran this checkout would compare it with itself)."""
-    found = subprocess.run([sys.executable, "-P", "-c", WHERE], env={**os.environ, **env}, check=True,
+    found = subprocess.run([*PYTHON, "-c", WHERE], env={**os.environ, **env}, check=True,
                            capture_output=True, text=True).stdout.strip()
     if Path(found) != expected.resolve():
         raise RuntimeError(f"a server would import mimir_megatron from {found}, not from {expected}")
@@ -275,7 +278,7 @@ def _run(args: argparse.Namespace, levels: list[int], work: Path) -> int:
     prompts = torch.randint(8, 1024, (most + args.ttft_requests, args.prompt_tokens), generator=g).tolist()
     ttft_prompts, prompts = prompts[most:], prompts[:most]
     threads = {"OMP_NUM_THREADS": str(args.threads), "MIMIR_API_KEY": API_KEY}
-    serve = [sys.executable, "-P", "-c", MIMIR, "serve", "--hf", str(hf), "--port", "{port}",
+    serve = [*PYTHON, "-c", MIMIR, "serve", "--hf", str(hf), "--port", "{port}",
              "--max-batch-size", str(max(levels)), "--max-queue", str(4 * most)]
     if args.compile_decode:
         serve.append("--compile-decode")

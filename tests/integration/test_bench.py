@@ -108,6 +108,26 @@ def test_bench_runs_from_an_installed_copy_outside_a_checkout(tmp_path):
     assert "mimir-megatron                5" in proc.stdout
 
 
+def test_bench_serve_checks_which_checkout_each_server_imports(tmp_path, monkeypatch):
+    """bench_serve's baseline is another checkout through PYTHONPATH; run from this checkout's
+    root, ``python -c`` would import this one instead (the working directory comes first) and
+    compare it with itself. The servers start with ``-P`` and the bench refuses a mismatch."""
+    import importlib.util
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("bench_serve", repo / "bench" / "bench_serve.py")
+    bench_serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_serve)
+    other = tmp_path / "other"
+    (other / "mimir_megatron").mkdir(parents=True)
+    (other / "mimir_megatron" / "__init__.py").write_text("")
+    monkeypatch.chdir(repo)  # where users run it from
+    assert bench_serve._checkout_of({"PYTHONPATH": bench_serve._code_path(other)}, other) == "unknown commit"
+    bench_serve._checkout_of({"PYTHONPATH": bench_serve._code_path(repo)}, repo)  # no mismatch
+    with pytest.raises(RuntimeError, match="would import mimir_megatron from"):
+        bench_serve._checkout_of({"PYTHONPATH": ""}, other)
+
+
 def test_bench_tiny_on_cpu(tmp_path, capsys, monkeypatch):
     """Two windows on the same models, the peer with gradient checkpointing right after ours;
     ours is timed through the trainer's own train_step."""
