@@ -30,6 +30,7 @@ import functools
 import importlib
 import logging
 import threading
+from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
@@ -212,15 +213,18 @@ def release_cpu_thread_pool() -> bool:
 
 @functools.cache
 def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp this process has loaded (torch's own copy in its wheel), if any."""
+    """The libgomp torch runs on, as this process has loaded it: torch's own copy in its wheel
+    where there is one (other wheels may bring copies of their own), else the only one loaded."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/libgomp" in line}
+            paths = sorted({line.split()[-1] for line in maps if "/libgomp" in line})
     except OSError:
         return None
-    if not paths:
+    torch_dir = str(Path(torch.__file__).resolve().parent) + "/"
+    ours = [p for p in paths if p.startswith(torch_dir)] or (paths if len(paths) == 1 else [])
+    if not ours:
         return None
-    gomp = ctypes.CDLL(sorted(paths)[0])  # already loaded: the same instance torch uses
+    gomp = ctypes.CDLL(ours[0])  # already loaded: the same instance torch uses
     return gomp if hasattr(gomp, "omp_pause_resource_all") else None
 
 
