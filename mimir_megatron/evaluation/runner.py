@@ -209,11 +209,9 @@ def run_suite_on_engine(engine, suite: SuiteSpec | str | Path, *, limit: int | N
     """In-process evaluation for training: serve ``engine`` on a 127.0.0.1 thread and run the
     suite through InspectAI exactly as ``mimir eval`` does. Returns MLflow-ready metrics
     (``eval/<task>``, ``eval/avg/<category>``); tasks that cannot run are logged and left out.
-    The thread's server asks for a fresh API key: other users of the machine cannot use it.
-    The caller's thread, which waits meanwhile, gives up its OpenMP workers first
-    (:func:`~mimir_megatron.backend.release_cpu_thread_pool`: the server's scheduler decodes at
-    full speed beside a trainer's thread)."""
-    from mimir_megatron import backend
+    The thread's server asks for a fresh API key: other users of the machine cannot use it, and
+    decodes beside a trainer's thread at full speed (``serve_in_thread`` frees the caller's
+    OpenMP workers)."""
     from mimir_megatron.inference.api_keys import ApiKeys, new_key
     from mimir_megatron.inference.server import serve_in_thread
 
@@ -224,7 +222,6 @@ def run_suite_on_engine(engine, suite: SuiteSpec | str | Path, *, limit: int | N
         suite = load_suite(suite)
     tokenizer = getattr(engine, "tokenizer", None)
     key = new_key()
-    backend.release_cpu_thread_pool()
     with serve_in_thread(engine, port=0, api_keys=ApiKeys([key])) as base_url:
         endpoint = Endpoint(base_url, key)
         model_name = getattr(engine, "model_name", None) or server_model_name(endpoint)

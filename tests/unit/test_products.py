@@ -128,20 +128,22 @@ def test_release_cpu_thread_pool_ends_the_calling_threads_workers():
     assert seen["released"] is True and seen["again"] == seen["with_pool"]
 
 
-def test_evaluation_in_process_releases_the_callers_pool_before_serving(monkeypatch):
-    """run_suite_on_engine frees the waiting thread's workers before the server's scheduler decodes."""
-    from mimir_megatron.evaluation import runner
-    from mimir_megatron.evaluation.suite import SuiteSpec
-    from mimir_megatron.inference import server
+def test_serving_in_a_thread_releases_the_callers_pool_before_the_server_starts(monkeypatch):
+    """serve_in_thread (the evaluation during training, tests, notebooks) frees the waiting
+    thread's workers before the server's scheduler decodes."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+
+    from mimir_megatron.inference.server import serve_app_in_thread
 
     calls: list[str] = []
     monkeypatch.setattr(backend, "release_cpu_thread_pool", lambda: calls.append("released") or True)
 
-    def serving(*args, **kwargs):
-        calls.append("served")
-        raise RuntimeError("no server in this test")
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        calls.append("server started")
+        yield
 
-    monkeypatch.setattr(server, "serve_in_thread", serving)
-    with pytest.raises(RuntimeError, match="no server"):
-        runner.run_suite_on_engine(object(), SuiteSpec(name="empty"))
-    assert calls == ["released", "served"]
+    with serve_app_in_thread(FastAPI(lifespan=lifespan)):
+        assert calls == ["released", "server started"]
