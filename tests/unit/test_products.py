@@ -35,6 +35,16 @@ def test_prepacked_products_equal_f_linear(rows):
 
 
 @needs_onednn
+@pytest.mark.parametrize("rows", [2, 8, 64])
+def test_the_residual_added_in_the_products_epilogue_is_the_separate_sum_bit_for_bit(rows):
+    """oneDNN adds ``hidden`` to the accumulated product and rounds once, as ``hidden + product``."""
+    products, weight = PrepackedProducts(), _weight(512, 1536)
+    x, hidden = torch.randn(rows, 1536), torch.randn(rows, 512)
+    with torch.no_grad():
+        assert torch.equal(products.add_linear(hidden, x, weight), hidden + products.linear(x, weight))
+
+
+@needs_onednn
 def test_prepacked_products_use_the_prepacked_copy_from_two_rows_or_for_a_large_weight():
     products, weight = PrepackedProducts(), _weight()
     with torch.no_grad():
@@ -43,7 +53,8 @@ def test_prepacked_products_use_the_prepacked_copy_from_two_rows_or_for_a_large_
         products.linear(torch.randn(2, 64), weight)
         assert len(products._packed) == 1
         large = _weight(2048, 256)  # 2 MiB of fp32: streamed from memory, prepacked even for one row
-        x = torch.randn(1, 256)
+        large.div_(256 ** 0.5)  # a layer's scale: outputs of order 1, where the tolerance is meant
+        x = torch.randn(1, 256, generator=torch.Generator().manual_seed(0))
         torch.testing.assert_close(products.linear(x, large), F.linear(x, large), rtol=1e-5, atol=1e-5)
         assert len(products._packed) == 2
 
