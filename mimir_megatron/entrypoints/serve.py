@@ -48,8 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "64 bytes per context token, at least 1 MiB)")
     p.add_argument("--compile-decode", action="store_true",
                    help="run decoding-only steps through torch.compile: CUDA graphs on a GPU; on CPU "
-                        "Inductor with dynamic shapes, one compile per schedule (~1 min on a small CPU), "
-                        "measured slower than eager there (docs/performance.md); measure it with "
+                        "Inductor with dynamic shapes, one compile per schedule (1-5 min on 2 cores), "
+                        "measured 0.45-0.9x eager's speed there (docs/performance.md); measure it with "
                         "bench/bench_serve.py before turning it on")
     p.add_argument("--max-cycles-factor", type=int, default=4,
                    help="a request's h_cycles / l_cycles may be at most this many times the trained ones "
