@@ -56,9 +56,7 @@ class StreamingText:
     """
 
     def __init__(self, tokenizer, stop_strings: tuple[str, ...], skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
         self.stop_strings = stop_strings
-        self.skip_special_tokens = skip_special_tokens
         self._decode = ids_decoder(tokenizer, skip_special_tokens)
         self._backend = _rust_backend(tokenizer)
         self._stream = None
