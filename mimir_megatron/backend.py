@@ -164,6 +164,14 @@ def prepacks_weights(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
+def fused_cache_attention(device: torch.device) -> bool:
+    """Whether the inference step's attention half of a layer on ``device`` is one call of the C
+    kernel ``mimir_kernels.cache_attention`` (fp32, where the install built it;
+    ``inference/step_attention.py``): on CPU, where torch's ten operations and a padded, masked
+    SDPA took 3-10x the kernel's time at a decoding step; on a GPU torch's SDPA and operations."""
+    return device.type == "cpu"
+
+
 def run_in_own_thread(work: Callable[[], T], name: str = "mimir-load") -> T:
     """``work()`` on a thread of its own that ends with it; its result returned, its exception raised.
 

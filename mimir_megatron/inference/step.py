@@ -41,17 +41,8 @@ from megatron.core import parallel_state
 from mimir_megatron import backend
 from mimir_megatron.inference.kv_cache import DecodeRows, KVCache
 from mimir_megatron.inference.products import Products, products_for
+from mimir_megatron.inference.step_attention import Prompts, StepTokens, TorchAttention, attention_for
 from mimir_megatron.model.rope import RotaryTable, rotary_angles
-
-
-@dataclass
-class _Prompts:
-    """Joining prompts of one length, in consecutive cache rows and consecutive flat tokens."""
-
-    first_row: int
-    count: int
-    length: int
-    offset: int  # of their first token in the flat sequence
 
 
 @dataclass
@@ -77,12 +68,13 @@ class StepForward:
         self._reduce = parallel_state.get_tensor_model_parallel_world_size() > 1
         self._stacks = {"L": self._layers(model.L), "H": self._layers(model.H)}
         self._exit_eps = {"L": model.L.final_layernorm.eps, "H": model.H.final_layernorm.eps}
-        device = next(model.parameters()).device
-        self._products = products_for(device)
+        first = next(model.parameters())
+        self._products = products_for(first.device)
+        self._attention = attention_for(first.device, first.dtype)
         self._compiled = None
         if compile_decode:  # decoding-only steps compiled (see _compiled_decode)
-            self._compiled = torch.compile(self._decode_graph, **backend.decode_compile_options(device))
-        self._static_shapes = backend.uses_cuda_graphs(device)
+            self._compiled = torch.compile(self._decode_graph, **backend.decode_compile_options(first.device))
+        self._static_shapes = backend.uses_cuda_graphs(first.device)
 
     @classmethod
     def of(cls, model, compile_decode: bool = False) -> "StepForward | None":
@@ -124,14 +116,14 @@ class StepForward:
         device = cache.device
         decoding = len(tokens)
         decode = cache.decode_rows(decoding) if decoding else None
-        groups: list[_Prompts] = []
+        groups: list[Prompts] = []
         offset, row = decoding, cache.rows
         for prompt in prompts:
             n = len(prompt)
             if groups and groups[-1].length == n:
                 groups[-1].count += 1
             else:
-                groups.append(_Prompts(row, 1, n, offset))
+                groups.append(Prompts(row, 1, n, offset))
             offset, row = offset + n, row + 1
         cache.reserve(row, max([decode.key_length if decode else 0, *map(len, prompts)]))
 
@@ -144,7 +136,9 @@ class StepForward:
         positions_t = torch.tensor(positions, dtype=torch.long, device=device)
         rotary = RotaryTable(rotary_angles(positions_t[None], self.cfg.head_dim, self.cfg.rope_theta))
         z_H = self.model._embed(ids_t[None]).view(len(ids), -1)  # [tokens, hidden]
-        z_H = self._recurrence(z_H, cache.buffers, plan.schedule, rotary, decode, groups, self._products)
+        step = StepTokens.of(decode, groups, rotary)
+        self._attention.prepare(step)
+        z_H = self._recurrence(z_H, cache.buffers, plan.schedule, step, self._products, self._attention)
         cache.commit([1] * decoding)
         cache.add_rows([len(p) for p in prompts])
         if not prompts:
@@ -154,16 +148,16 @@ class StepForward:
             last.extend(g.offset + (i + 1) * g.length - 1 for i in range(g.count))
         return z_H.index_select(0, torch.tensor(last, device=device))
 
-    def _recurrence(self, z_H: torch.Tensor, buffers, schedule: tuple[str, ...], rotary: RotaryTable,
-                    decode: DecodeRows | None, groups: list[_Prompts], products: Products) -> torch.Tensor:
+    def _recurrence(self, z_H: torch.Tensor, buffers, schedule: tuple[str, ...], step: StepTokens,
+                    products: Products, attention: TorchAttention) -> torch.Tensor:
         """The applications of ``schedule`` from the embedded tokens ``z_H``; ``buffers(slot,
         like)``: the cache's key and value buffers of a slot."""
         z_L = self.model.z_L_init.to(z_H.dtype).expand_as(z_H)
         for application, module in enumerate(schedule):
             if module == "L":
-                z_L = self._stack("L", z_L + z_H, buffers, application, rotary, decode, groups, products)
+                z_L = self._stack("L", z_L + z_H, buffers, application, step, products, attention)
             else:
-                z_H = self._stack("H", z_H + z_L, buffers, application, rotary, decode, groups, products)
+                z_H = self._stack("H", z_H + z_L, buffers, application, step, products, attention)
         return z_H
 
     def _compiled_decode(self, cache: KVCache, tokens: list[int], plan) -> torch.Tensor:
@@ -205,31 +199,20 @@ class StepForward:
                             torch.arange(rows, device=ids.device))
         rotary = RotaryTable(rotary_angles(positions[None], self.cfg.head_dim, self.cfg.rope_theta))
         z_H = self.model._embed(ids[None]).view(rows, -1)
-        # The weights as stored: the compiler chooses its own kernels (prepacked ones on CPU).
-        return self._recurrence(z_H, lambda slot, like: buffers[slot], schedule, rotary, decode, [],
-                                Products())
+        # The weights as stored and torch's attention: the compiler chooses its own kernels.
+        step = StepTokens.of(decode, [], rotary)
+        return self._recurrence(z_H, lambda slot, like: buffers[slot], schedule, step, Products(),
+                                TorchAttention())
 
-    def _stack(self, name: str, hidden: torch.Tensor, buffers, application: int,
-               rotary: RotaryTable, decode: DecodeRows | None, groups: list[_Prompts],
-               products: Products) -> torch.Tensor:
+    def _stack(self, name: str, hidden: torch.Tensor, buffers, application: int, step: StepTokens,
+               products: Products, attention: TorchAttention) -> torch.Tensor:
         tokens, width = hidden.shape
-        cos, sin_signed = rotary.cos.view(tokens, 1, 1, -1), rotary.sin_signed.view(tokens, 1, 1, -1)
-        if cos.dtype != hidden.dtype:  # a bf16 model: the table cast once per stack call
-            cos, sin_signed = cos.to(hidden.dtype), sin_signed.to(hidden.dtype)
         for number, layer in enumerate(self._stacks[name], start=1):
             x = torch.rms_norm(hidden, (width,), None, layer.eps_attention)
             # The fused projection holds, per head (one head per query group), q, gate, k, v.
             mixed = products.linear(x, layer.qkv.weight).view(tokens, layer.heads, 4, layer.head_dim)
-            qk = mixed[:, :, 0::2]  # q and k: RoPE on both at once
-            half = layer.head_dim // 2
-            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin_signed
-            context = self._attend(buffers, (application, number), qk[:, :, 0], qk[:, :, 1], mixed[:, :, 3],
-                                   layer, decode, groups)
-            gate = mixed[:, :, 1]
-            if gate.dtype == torch.float32:
-                context = torch.sigmoid(gate).view(tokens, -1).mul_(context)
-            else:  # megatron's gate: the sigmoid in fp32, the product cast back
-                context = (context * torch.sigmoid(gate.float()).view(tokens, -1)).to(hidden.dtype)
+            keys, values = buffers((application, number), mixed[:, :, 2])
+            context = attention(mixed, keys, values, step, layer.scale, hidden.dtype)
             hidden = self._residual(hidden, context, layer.proj.weight, products)
             up_gate, up = torch.chunk(products.linear(torch.rms_norm(hidden, (width,), None, layer.eps_mlp),
                                                       layer.fc1.weight), 2, dim=-1)
@@ -244,35 +227,3 @@ class StepForward:
         out = products.linear(x, weight)
         torch.distributed.all_reduce(out, group=self._group)
         return hidden + out
-
-    @staticmethod
-    def _attend(buffers, slot: tuple[int, int], query: torch.Tensor, key: torch.Tensor,
-                value: torch.Tensor, layer: _Layer, decode: DecodeRows | None,
-                groups: list[_Prompts]) -> torch.Tensor:
-        """Store the step's keys and values; ``[tokens, heads * head_dim]`` attention outputs.
-        ``query``, ``key``, ``value``: ``[tokens, heads, head_dim]``."""
-        keys, values = buffers(slot, key)
-        heads, head_dim = layer.heads, layer.head_dim
-        parts = []
-        if decode is not None:
-            n = decode.count
-            if decode.write_at is not None:
-                keys[:n, :, decode.write_at] = key[:n]
-                values[:n, :, decode.write_at] = value[:n]
-            else:
-                keys[decode.row_index, :, decode.positions] = key[:n]
-                values[decode.row_index, :, decode.positions] = value[:n]
-            out = F.scaled_dot_product_attention(
-                query[:n, :, None], keys[:n, :, : decode.key_length], values[:n, :, : decode.key_length],
-                attn_mask=decode.mask, scale=layer.scale)  # [rows, heads, 1, head_dim]
-            parts.append(out.reshape(n, heads * head_dim))
-        for g in groups:
-            flat = slice(g.offset, g.offset + g.count * g.length)
-            q, k, v = (t[flat].view(g.count, g.length, heads, head_dim).transpose(1, 2)
-                       for t in (query, key, value))
-            rows = slice(g.first_row, g.first_row + g.count)
-            keys[rows, :, : g.length] = k
-            values[rows, :, : g.length] = v
-            out = F.scaled_dot_product_attention(q, k, v, scale=layer.scale)  # the prefix: bidirectional
-            parts.append(out.transpose(1, 2).reshape(g.count * g.length, heads * head_dim))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)

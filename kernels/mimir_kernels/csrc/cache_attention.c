@@ -1,0 +1,131 @@
+/* The attention half of a layer in the inference step, for fp32 on the CPU: RoPE on each token's
+   query and key, its key and value written into the KV cache, its query attending its row's first
+   `attended` cached positions, the context times the sigmoid of its output gate. One call does a
+   whole step's tokens (decoding rows and joining prompts alike), where torch took ten operations
+   and one SDPA call over every row padded to the longest under a mask
+   (mimir_kernels/cache_attention.py says what it replaces and what it measured).
+
+   Built at install time by setuptools (pyproject.toml, [[tool.setuptools.ext-modules]], optional)
+   into mimir_kernels/_cache_attention<EXT_SUFFIX>: a plain shared library with no Python API,
+   loaded with ctypes. Threads: OpenMP, the caller's count (torch's); the library is loaded after
+   torch, so its libgomp.so.1 is the one torch already loaded (one pool, not two).
+
+   The arithmetic: RoPE as inference/step.py writes it, q * cos + rotate_half(q) * sin_signed,
+   each product and the sum rounded on its own (no FMA contraction: -ffp-contract=off), so the
+   cached keys are bit for bit torch's. The softmax and the weighted sum differ from SDPA's only
+   in summation order (scores are exact dot products, the maximum subtracted before exp). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* One build for every x86 CPU: the hot loops compiled three times, the best the CPU runs picked
+   when the library loads (an ifunc). */
+#define CLONES __attribute__((target_clones("default", "avx2", "arch=x86-64-v4")))
+#else
+#define CLONES
+#endif
+
+#define MAX_HEAD_DIM 512
+
+/* RoPE one head's query (into q_out) and key (into the cache at k_out), copy its value (v_out). */
+CLONES static void rope_and_store(const float *restrict m, const float *restrict cos_, const float *restrict sin_,
+                                  int64_t hd, float *restrict q_out, float *restrict k_out,
+                                  float *restrict v_out) {
+    const float *mq = m, *mk = m + 2 * hd, *mv = m + 3 * hd;
+    int64_t half = hd / 2;
+    for (int64_t i = 0; i < hd; i++) {
+        int64_t j = i < half ? i + half : i - half;
+        float qa = mq[i] * cos_[i], qb = mq[j] * sin_[i];
+        float ka = mk[i] * cos_[i], kb = mk[j] * sin_[i];
+        q_out[i] = qa + qb;
+        k_out[i] = ka + kb;
+        v_out[i] = mv[i];
+    }
+}
+
+/* One head of one token: softmax(q . keys[0, n) * scale) . values[0, n), times sigmoid(gate),
+   into out (which holds q on entry). scores: n floats of scratch. */
+CLONES static void attend(float *restrict out, const float *restrict gate, const float *restrict keys,
+                          const float *restrict values, int64_t n, int64_t hd, float scale,
+                          float *restrict scores) {
+    float q[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
+    for (int64_t i = 0; i < hd; i++) {
+        q[i] = out[i];
+        acc[i] = 0.f;
+    }
+    float top = -INFINITY;
+    for (int64_t p = 0; p < n; p++) {
+        const float *k = keys + p * hd;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < hd; i++) s += q[i] * k[i];
+        s *= scale;
+        scores[p] = s;
+        top = s > top ? s : top;
+    }
+    float sum = 0.f;
+    for (int64_t p = 0; p < n; p++) {
+        float e = expf(scores[p] - top);
+        scores[p] = e;
+        sum += e;
+    }
+    for (int64_t p = 0; p < n; p++) {
+        const float *v = values + p * hd;
+        float w = scores[p];
+#pragma omp simd
+        for (int64_t i = 0; i < hd; i++) acc[i] += w * v[i];
+    }
+    for (int64_t i = 0; i < hd; i++) out[i] = (1.f / (1.f + expf(-gate[i]))) * (acc[i] / sum);
+}
+
+/* The step's `tokens` tokens, token t of cache row row[t] at position position[t], attending that
+   row's positions [0, attended[t]). mixed: [tokens, heads, 4, hd] (q, gate, k, v per head);
+   cos_, sin_: [tokens, hd] (sin with rotate-half's signs); keys, values: [rows_room, heads,
+   positions_room, hd]; out: [tokens, heads * hd]. Every token's key and value are written before
+   any token attends, so a prompt's tokens see each other (PrefixLM's prefix) and a decoding
+   token sees itself. Returns 0, or 1 for a head width over MAX_HEAD_DIM or odd, 2 for a row,
+   position or attended length outside the buffers, 3 for scratch memory not allocated.
+   Exported by name for ctypes, whatever visibility the interpreter's CFLAGS set. */
+__attribute__((visibility("default")))
+int mimir_cache_attention(const float *mixed, const float *cos_, const float *sin_, float *keys, float *values,
+                          const int64_t *row, const int64_t *position, const int64_t *attended, int64_t tokens,
+                          int64_t heads, int64_t hd, int64_t rows_room, int64_t positions_room, float scale,
+                          int threads, float *out) {
+    if (hd > MAX_HEAD_DIM || hd % 2 != 0) return 1;
+    int64_t longest = 1;
+    for (int64_t t = 0; t < tokens; t++) {
+        if (row[t] < 0 || row[t] >= rows_room || position[t] < 0 || position[t] >= positions_room ||
+            attended[t] < 1 || attended[t] > positions_room)
+            return 2;
+        longest = attended[t] > longest ? attended[t] : longest;
+    }
+    int failed = 0;
+    int64_t work = tokens * heads;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < work; w++) {
+            int64_t t = w / heads, h = w % heads;
+            int64_t at = ((row[t] * heads + h) * positions_room + position[t]) * hd;
+            rope_and_store(mixed + w * 4 * hd, cos_ + t * hd, sin_ + t * hd, hd, out + w * hd, keys + at,
+                           values + at);
+        }  /* the loop's barrier: every key is stored before any token attends */
+        float *scores = malloc(sizeof(float) * (size_t)longest);
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 3;
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < work; w++) {
+            if (scores == NULL) continue;
+            int64_t t = w / heads, h = w % heads;
+            int64_t slot = (row[t] * heads + h) * positions_room * hd;
+            attend(out + w * hd, mixed + (w * 4 + 1) * hd, keys + slot, values + slot, attended[t], hd, scale,
+                   scores);
+        }
+        free(scores);
+    }
+    return failed;
+}

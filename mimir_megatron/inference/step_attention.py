@@ -1,0 +1,165 @@
+"""The attention half of each layer in the inference step: RoPE, the KV cache's writes, attention
+and the output gate, from the fused projection's output to the context the output projection takes.
+
+Two ways, the same arithmetic up to float rounding, picked per model by :func:`attention_for`:
+
+- :class:`TorchAttention`: torch's operations. RoPE on q and k together (rotate-half, the pass's
+  table), the decoding rows' keys and values written at each row's length and one SDPA call for
+  every row over the longest row's positions (a mask when the lengths differ), one SDPA call per
+  run of equal-length joining prompts (bidirectional inside each prompt: PrefixLM's prefix), the
+  sigmoid gate (fp32 for a bf16 model, cast back). Any device and dtype, and what
+  ``torch.compile`` traces for compiled decoding.
+- :class:`KernelAttention`: the same for every token of the step in one C call
+  (``mimir_kernels.cache_attention``): fp32 models on the CPU where the install built the kernel
+  (``backend.fused_cache_attention``). Each token attends its own row's positions, no padding and
+  no mask; the cached keys and values are bit for bit :class:`TorchAttention`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from mimir_kernels import cache_attention as kernel
+
+from mimir_megatron import backend
+from mimir_megatron.inference.kv_cache import DecodeRows
+from mimir_megatron.model.rope import RotaryTable
+
+
+@dataclass
+class Prompts:
+    """Joining prompts of one length, in consecutive cache rows and consecutive flat tokens."""
+
+    first_row: int
+    count: int
+    length: int
+    offset: int  # of their first token in the flat sequence
+
+
+@dataclass
+class StepTokens:
+    """Where one step's flat tokens sit: the decoding rows first (rows ``0 .. count - 1``, one new
+    token each), then the joining prompts; and their RoPE table (``[tokens, head_dim]`` fp32,
+    :class:`~mimir_megatron.model.rope.RotaryTable`'s ``cos`` and ``sin_signed``)."""
+
+    decode: DecodeRows | None
+    prompts: list[Prompts]
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    decode_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """The kernel's per decoding row (row, position, attended length), int64, built once a step."""
+    prompts_alone: "StepTokens | None" = None
+    """The joining prompts as a step of their own (their tokens first), when rows also decode."""
+
+    @classmethod
+    def of(cls, decode: DecodeRows | None, prompts: list[Prompts], rotary: RotaryTable) -> "StepTokens":
+        tokens = rotary.cos.shape[0]
+        return cls(decode, prompts, rotary.cos.view(tokens, -1), rotary.sin_signed.view(tokens, -1))
+
+    def __post_init__(self) -> None:
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin_signed)`` in ``dtype`` (a bf16 model's cast once a step, not once a layer)."""
+        if dtype not in self._tables:
+            self._tables[dtype] = (self.cos.to(dtype), self.sin_signed.to(dtype))
+        return self._tables[dtype]
+
+
+class TorchAttention:
+    """Torch's operations (module docstring)."""
+
+    def prepare(self, step: StepTokens) -> None:
+        """Per-step set-up before the first layer (nothing for torch's operations)."""
+
+    def __call__(self, mixed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepTokens,
+                 scale: float | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """``[tokens, heads * head_dim]`` gated contexts from ``mixed`` ``[tokens, heads, 4,
+        head_dim]`` (per head q, gate, k, v); the step's keys and values stored in ``keys``,
+        ``values`` (``[room rows, heads, room positions, head_dim]``)."""
+        tokens, heads, _, head_dim = mixed.shape
+        cos, sin_signed = (t.view(tokens, 1, 1, -1) for t in step.rope_table(mixed.dtype))
+        qk = mixed[:, :, 0::2]  # q and k: RoPE on both at once
+        half = head_dim // 2
+        qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin_signed
+        context = self._attend(keys, values, qk[:, :, 0], qk[:, :, 1], mixed[:, :, 3], step, scale)
+        gate = mixed[:, :, 1]
+        if gate.dtype == torch.float32:
+            return torch.sigmoid(gate).view(tokens, -1).mul_(context)
+        # megatron's gate: the sigmoid in fp32, the product cast back
+        return (context * torch.sigmoid(gate.float()).view(tokens, -1)).to(out_dtype)
+
+    @staticmethod
+    def _attend(keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, step: StepTokens, scale: float | None) -> torch.Tensor:
+        """Store the step's keys and values; ``[tokens, heads * head_dim]`` attention outputs.
+        ``query``, ``key``, ``value``: ``[tokens, heads, head_dim]``."""
+        _, heads, head_dim = query.shape
+        parts = []
+        decode = step.decode
+        if decode is not None:
+            n = decode.count
+            if decode.write_at is not None:
+                keys[:n, :, decode.write_at] = key[:n]
+                values[:n, :, decode.write_at] = value[:n]
+            else:
+                keys[decode.row_index, :, decode.positions] = key[:n]
+                values[decode.row_index, :, decode.positions] = value[:n]
+            out = F.scaled_dot_product_attention(
+                query[:n, :, None], keys[:n, :, : decode.key_length], values[:n, :, : decode.key_length],
+                attn_mask=decode.mask, scale=scale)  # [rows, heads, 1, head_dim]
+            parts.append(out.reshape(n, heads * head_dim))
+        for g in step.prompts:
+            flat = slice(g.offset, g.offset + g.count * g.length)
+            q, k, v = (t[flat].view(g.count, g.length, heads, head_dim).transpose(1, 2)
+                       for t in (query, key, value))
+            rows = slice(g.first_row, g.first_row + g.count)
+            keys[rows, :, : g.length] = k
+            values[rows, :, : g.length] = v
+            out = F.scaled_dot_product_attention(q, k, v, scale=scale)  # the prefix: bidirectional
+            parts.append(out.transpose(1, 2).reshape(g.count * g.length, heads * head_dim))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class KernelAttention(TorchAttention):
+    """The C kernel for the decoding rows' tokens of an fp32 model; torch's operations for the
+    joining prompts (a prompt's tokens attend each other: SDPA's blocked products beat the
+    kernel's token-by-token loop from a few prompts on, 1.35x at 32 prompts of 64 tokens, 3.3x at
+    one of 512) and for any other dtype."""
+
+    def __init__(self, lib) -> None:
+        self._lib = lib
+
+    def prepare(self, step: StepTokens) -> None:
+        if step.decode is None:
+            return
+        n = step.decode.count
+        lengths = step.decode.positions
+        step.decode_index = (torch.arange(n), lengths, lengths + 1)
+        if step.prompts:
+            moved = [Prompts(g.first_row, g.count, g.length, g.offset - n) for g in step.prompts]
+            step.prompts_alone = StepTokens(None, moved, step.cos[n:], step.sin_signed[n:])
+
+    def __call__(self, mixed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepTokens,
+                 scale: float | None, out_dtype: torch.dtype) -> torch.Tensor:
+        if mixed.dtype != torch.float32 or step.decode_index is None:
+            return super().__call__(mixed, keys, values, step, scale, out_dtype)
+        n = step.decode.count
+        context = kernel.cache_attention(
+            self._lib, mixed[:n].contiguous(), step.cos[:n], step.sin_signed[:n], keys, values,
+            *step.decode_index, mixed.shape[-1] ** -0.5 if scale is None else scale)
+        if step.prompts_alone is None:
+            return context
+        prompts = super().__call__(mixed[n:], keys, values, step.prompts_alone, scale, out_dtype)
+        return torch.cat((context, prompts))
+
+
+def attention_for(device: torch.device, dtype: torch.dtype) -> TorchAttention:
+    """The step's attention for a model of ``dtype`` on ``device`` (module docstring)."""
+    if backend.fused_cache_attention(device) and dtype == torch.float32:
+        lib = kernel.library()
+        if lib is not None:
+            return KernelAttention(lib)
+    return TorchAttention()

@@ -1,0 +1,163 @@
+"""The inference step's attention half of a layer (inference/step_attention.py): the C kernel
+(mimir_kernels/cache_attention.py) against torch's operations, the same step fed to both: the
+same cached keys and values bit for bit, the same gated contexts within float rounding, for
+decoding rows of equal and of different lengths, with and without joining prompts; the kernel
+picked where it applies and built by the install; bad input refused in one line."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from mimir_kernels import cache_attention as kernel
+
+from mimir_megatron.inference.kv_cache import KVCache
+from mimir_megatron.inference.step_attention import (
+    KernelAttention,
+    Prompts,
+    StepTokens,
+    TorchAttention,
+    attention_for,
+)
+from mimir_megatron.model.rope import RotaryTable, rotary_angles
+
+torch_only = os.environ.get("MIMIR_CPU_ATTENTION", "").lower() == "torch"
+needs_kernel = pytest.mark.skipif(torch_only, reason="MIMIR_CPU_ATTENTION=torch")
+
+
+@pytest.fixture
+def fresh_library():
+    """mimir_kernels.cache_attention, its loaded library forgotten before and after the test."""
+    kernel.library.cache_clear()
+    yield kernel
+    kernel.library.cache_clear()
+
+
+def _step(lengths: list[int], prompt_lengths: list[int], heads: int, head_dim: int, seed: int):
+    """A cache whose rows ``0 .. len(lengths) - 1`` hold ``lengths`` random tokens, a step that
+    decodes one token for each and prefills ``prompt_lengths`` (runs of equal lengths grouped as
+    the engine groups them), and that step's fused q / gate / k / v projection output."""
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache()
+    decoding = len(lengths)
+    cache.reserve(decoding + len(prompt_lengths), max([n + 1 for n in lengths] + prompt_lengths + [1]))
+    keys, values = cache.buffers((0, 1), torch.empty(1, heads, head_dim))
+    keys.copy_(torch.randn(keys.shape, generator=g))
+    values.copy_(torch.randn(values.shape, generator=g))
+    cache.add_rows(lengths)
+    decode = cache.decode_rows(decoding) if decoding else None
+    prompts: list[Prompts] = []
+    offset, row = decoding, decoding
+    for n in prompt_lengths:
+        if prompts and prompts[-1].length == n:
+            prompts[-1].count += 1
+        else:
+            prompts.append(Prompts(row, 1, n, offset))
+        offset, row = offset + n, row + 1
+    positions = lengths + [p for n in prompt_lengths for p in range(n)]
+    rotary = RotaryTable(rotary_angles(torch.tensor(positions)[None], head_dim, 10000.0))
+    mixed = torch.randn(len(positions), heads, 4, head_dim, generator=g)
+    return StepTokens.of(decode, prompts, rotary), mixed, keys, values
+
+
+def _both(lengths, prompt_lengths, heads=4, head_dim=32, seed=0, scale=None):
+    step, mixed, keys, values = _step(lengths, prompt_lengths, heads, head_dim, seed)
+    torch_keys, torch_values = keys.clone(), values.clone()
+    expected = TorchAttention()(mixed, torch_keys, torch_values, step, scale, torch.float32)
+    attention = KernelAttention(kernel.library())
+    attention.prepare(step)
+    got = attention(mixed, keys, values, step, scale, torch.float32)
+    return (expected, torch_keys, torch_values), (got, keys, values)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("lengths", "prompt_lengths"), [
+    ([5], []),  # one decoding row
+    ([7, 7, 7], []),  # equal lengths: torch writes at one position, no mask
+    ([1, 9, 4, 30, 2], []),  # different lengths: torch pads to the longest under a mask
+    ([3, 12], [6, 6, 2]),  # decoding rows and joining prompts in one step
+    ([], [4, 9]),  # prompts alone: torch's operations for both
+])
+def test_the_kernel_caches_torchs_keys_bit_for_bit_and_attends_as_sdpa_does(lengths, prompt_lengths):
+    (expected, torch_keys, torch_values), (got, keys, values) = _both(lengths, prompt_lengths)
+    assert torch.equal(keys, torch_keys) and torch.equal(values, torch_values)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "head_dim", "scale"), [(1, 2, None), (8, 64, None), (3, 128, 0.3),
+                                                          (2, 512, None)])
+def test_the_kernel_attends_as_sdpa_does_at_any_head_shape_and_scale(heads, head_dim, scale):
+    (expected, torch_keys, _), (got, keys, _) = _both([2, 17, 40], [5], heads, head_dim, seed=head_dim, scale=scale)
+    assert torch.equal(keys, torch_keys)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_the_kernels_result_does_not_depend_on_the_thread_count():
+    """Each (token, head) is one thread's work from start to end: any count sums in one order."""
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(_both([3, 50, 21, 8], [], heads=5, head_dim=64)[1][0])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@needs_kernel
+def test_the_kernel_refuses_what_would_write_outside_the_cache_in_one_line():
+    step, mixed, keys, values = _step([4, 6], [], heads=2, head_dim=8, seed=1)
+    lib = kernel.library()
+    rows, positions, attended = torch.arange(2), torch.tensor([4, keys.shape[2]]), torch.tensor([5, 7])
+    with pytest.raises(ValueError, match="outside the cache's buffers"):
+        kernel.cache_attention(lib, mixed, step.cos, step.sin_signed, keys, values, rows, positions, attended, 0.3)
+    with pytest.raises(ValueError, match="outside the cache's buffers"):
+        kernel.cache_attention(lib, mixed, step.cos, step.sin_signed, keys, values, torch.tensor([0, 9]),
+                               torch.tensor([4, 6]), attended, 0.3)
+    with pytest.raises(ValueError, match="fp32 contiguous CPU tensors"):
+        kernel.cache_attention(lib, mixed.double(), step.cos, step.sin_signed, keys, values, rows,
+                               torch.tensor([4, 6]), attended, 0.3)
+    wide = torch.zeros(1, 1, 4, kernel.MAX_HEAD_DIM + 2)
+    table = torch.zeros(1, kernel.MAX_HEAD_DIM + 2)
+    cache = torch.zeros(1, 1, 4, kernel.MAX_HEAD_DIM + 2)
+    with pytest.raises(ValueError, match="head width over 512"):
+        kernel.cache_attention(lib, wide, table, table, cache, cache.clone(), torch.tensor([0]), torch.tensor([0]),
+                               torch.tensor([1]), 0.3)
+
+
+@needs_kernel
+def test_the_install_built_the_kernel_and_fp32_cpu_steps_use_it(fresh_library):
+    """The test environment installs the package with a C compiler (tests/run.sh): its CPU step
+    attends through the built kernel, never a silent fall back to torch's operations."""
+    assert fresh_library.library_path() is not None, (
+        "the install built no mimir_kernels/_cache_attention: install a C compiler (apt-get install gcc) "
+        "and pip install -e . again")
+    assert type(attention_for(torch.device("cpu"), torch.float32)) is KernelAttention
+    assert type(attention_for(torch.device("cpu"), torch.bfloat16)) is TorchAttention
+    assert type(attention_for(torch.device("meta"), torch.float32)) is TorchAttention
+
+
+def test_without_the_built_kernel_the_step_uses_torch_and_says_so_once(fresh_library, tmp_path, monkeypatch,
+                                                                      caplog):
+    broken = tmp_path / "_cache_attention.so"
+    broken.write_bytes(b"not a shared library")
+    for where, cause in ((None, "was not built at install time"), (broken, "does not load")):
+        monkeypatch.setattr(fresh_library, "library_path", lambda where=where: where)
+        fresh_library.library.cache_clear()
+        caplog.clear()
+        with caplog.at_level("INFO", logger="mimir_kernels.cache_attention"):
+            for _ in range(2):
+                assert type(attention_for(torch.device("cpu"), torch.float32)) is TorchAttention
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and cause in lines[0] and "torch's operations" in lines[0], lines
+    monkeypatch.undo()
+    monkeypatch.setenv("MIMIR_CPU_ATTENTION", "torch")
+    fresh_library.library.cache_clear()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mimir_kernels.cache_attention"):
+        assert type(attention_for(torch.device("cpu"), torch.float32)) is TorchAttention
+    assert not caplog.records
