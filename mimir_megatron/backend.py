@@ -164,11 +164,11 @@ def prepacks_weights(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
-def fused_cache_attention(device: torch.device) -> bool:
-    """Whether the inference step's attention half of a layer on ``device`` is one call of the C
-    kernel ``mimir_kernels.cache_attention`` (fp32, where the install built it;
-    ``inference/step_attention.py``): on CPU, where torch's ten operations and a padded, masked
-    SDPA took 3-10x the kernel's time at a decoding step; on a GPU torch's SDPA and operations."""
+def native_cpu_step_ops(device: torch.device) -> bool:
+    """Whether the inference step's norms and decoding attention on ``device`` run the C kernels of
+    ``mimir_kernels.cpu_step`` (fp32, where the install built them; ``inference/step_ops.py``): on
+    CPU, where torch's operations cost ~1.1-1.3x the kernels' time per decoding step, mostly
+    dispatch and a padded, masked SDPA; on a GPU torch's SDPA and operations."""
     return device.type == "cpu"
 
 

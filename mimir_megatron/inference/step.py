@@ -6,21 +6,19 @@ layer application is one matrix product over all of them (the weights are read o
 not once for the decoding rows and again for the prompts), and only attention looks at rows:
 
 - decoding rows (``0 .. d - 1`` of the :class:`~mimir_megatron.inference.kv_cache.KVCache`): the
-  new keys and values are written at each row's length, and one SDPA call attends every row's
-  new query over its cached tokens (a mask, built once per step, only when the rows' lengths
-  differ);
+  new keys and values are written at each row's length, and each row's new query attends its
+  cached tokens;
 - joining prompts (rows ``d ..``): their keys and values fill fresh rows, and attention is
-  bidirectional inside each prompt (PrefixLM: the prompt is the prefix), one SDPA call per run of
-  equal-length prompts, without a mask.
+  bidirectional inside each prompt (PrefixLM: the prompt is the prefix).
 
 The arithmetic is the model's, in its order (``inference/fast_stack.py`` spells it out): the
-parameterless RMSNorm (``torch.rms_norm``, the same operations in one call), the fused q / gate /
-k / v projection, RoPE on q and k together (rotate-half, the pass's table: equal to
-:class:`~mimir_megatron.model.rope.RotaryTable`), the sigmoid output gate (fp32 for a bf16 model,
-cast back), SwiGLU, the residual adds after the output projections, the stack's exit norm after
-every application. Parameters are read from the modules at each call; the weight products go
-through ``inference/products.py`` (on CPU: on weights prepacked once for oneDNN, remade when a
-weight changes in place).
+parameterless RMSNorm, the fused q / gate / k / v projection, RoPE on q and k (rotate-half, the
+pass's table: equal to :class:`~mimir_megatron.model.rope.RotaryTable`), the sigmoid output gate
+(fp32 for a bf16 model, cast back), SwiGLU, the residual adds after the output projections, the
+stack's exit norm after every application. Parameters are read from the modules at each call;
+the weight products go through ``inference/products.py`` (on CPU: on weights prepacked once for
+oneDNN, remade when a weight changes in place), the norms and the attention half of each layer
+through ``inference/step_ops.py`` (on CPU for fp32: C kernels; elsewhere torch's operations).
 ``tests/integration/test_inference.py`` checks it against megatron's layers and a full forward.
 
 Not covered (:meth:`StepForward.of` returns None; the engine then runs the model's own recurrence
@@ -41,7 +39,7 @@ from megatron.core import parallel_state
 from mimir_megatron import backend
 from mimir_megatron.inference.kv_cache import DecodeRows, KVCache
 from mimir_megatron.inference.products import Products, products_for
-from mimir_megatron.inference.step_attention import Prompts, StepTokens, TorchAttention, attention_for
+from mimir_megatron.inference.step_ops import Prompts, StepTokens, TorchOps, ops_for
 from mimir_megatron.model.rope import RotaryTable, rotary_angles
 
 
@@ -70,7 +68,7 @@ class StepForward:
         self._exit_eps = {"L": model.L.final_layernorm.eps, "H": model.H.final_layernorm.eps}
         first = next(model.parameters())
         self._products = products_for(first.device)
-        self._attention = attention_for(first.device, first.dtype)
+        self._ops = ops_for(first.device, first.dtype)
         self._compiled = None
         if compile_decode:  # decoding-only steps compiled (see _compiled_decode)
             self._compiled = torch.compile(self._decode_graph, **backend.decode_compile_options(first.device))
@@ -137,8 +135,8 @@ class StepForward:
         rotary = RotaryTable(rotary_angles(positions_t[None], self.cfg.head_dim, self.cfg.rope_theta))
         z_H = self.model._embed(ids_t[None]).view(len(ids), -1)  # [tokens, hidden]
         step = StepTokens.of(decode, groups, rotary)
-        self._attention.prepare(step)
-        z_H = self._recurrence(z_H, cache.buffers, plan.schedule, step, self._products, self._attention)
+        self._ops.prepare(step)
+        z_H = self._recurrence(z_H, cache.buffers, plan.schedule, step, self._products, self._ops)
         cache.commit([1] * decoding)
         cache.add_rows([len(p) for p in prompts])
         if not prompts:
@@ -149,15 +147,15 @@ class StepForward:
         return z_H.index_select(0, torch.tensor(last, device=device))
 
     def _recurrence(self, z_H: torch.Tensor, buffers, schedule: tuple[str, ...], step: StepTokens,
-                    products: Products, attention: TorchAttention) -> torch.Tensor:
+                    products: Products, ops: TorchOps) -> torch.Tensor:
         """The applications of ``schedule`` from the embedded tokens ``z_H``; ``buffers(slot,
         like)``: the cache's key and value buffers of a slot."""
         z_L = self.model.z_L_init.to(z_H.dtype).expand_as(z_H)
         for application, module in enumerate(schedule):
             if module == "L":
-                z_L = self._stack("L", z_L + z_H, buffers, application, step, products, attention)
+                z_L = self._stack("L", z_L + z_H, buffers, application, step, products, ops)
             else:
-                z_H = self._stack("H", z_H + z_L, buffers, application, step, products, attention)
+                z_H = self._stack("H", z_H + z_L, buffers, application, step, products, ops)
         return z_H
 
     def _compiled_decode(self, cache: KVCache, tokens: list[int], plan) -> torch.Tensor:
@@ -199,25 +197,25 @@ class StepForward:
                             torch.arange(rows, device=ids.device))
         rotary = RotaryTable(rotary_angles(positions[None], self.cfg.head_dim, self.cfg.rope_theta))
         z_H = self.model._embed(ids[None]).view(rows, -1)
-        # The weights as stored and torch's attention: the compiler chooses its own kernels.
+        # The weights as stored and torch's operations: the compiler chooses its own kernels.
         step = StepTokens.of(decode, [], rotary)
         return self._recurrence(z_H, lambda slot, like: buffers[slot], schedule, step, Products(),
-                                TorchAttention())
+                                TorchOps())
 
     def _stack(self, name: str, hidden: torch.Tensor, buffers, application: int, step: StepTokens,
-               products: Products, attention: TorchAttention) -> torch.Tensor:
+               products: Products, ops: TorchOps) -> torch.Tensor:
         tokens, width = hidden.shape
         for number, layer in enumerate(self._stacks[name], start=1):
-            x = torch.rms_norm(hidden, (width,), None, layer.eps_attention)
+            x = ops.norm(hidden, layer.eps_attention)
             # The fused projection holds, per head (one head per query group), q, gate, k, v.
             mixed = products.linear(x, layer.qkv.weight).view(tokens, layer.heads, 4, layer.head_dim)
             keys, values = buffers((application, number), mixed[:, :, 2])
-            context = attention(mixed, keys, values, step, layer.scale, hidden.dtype)
+            context = ops.attend(mixed, keys, values, step, layer.scale, hidden.dtype)
             hidden = self._residual(hidden, context, layer.proj.weight, products)
-            up_gate, up = torch.chunk(products.linear(torch.rms_norm(hidden, (width,), None, layer.eps_mlp),
-                                                      layer.fc1.weight), 2, dim=-1)
+            up = products.linear(ops.norm(hidden, layer.eps_mlp), layer.fc1.weight)
+            up_gate, up = torch.chunk(up, 2, dim=-1)
             hidden = self._residual(hidden, F.silu(up_gate).mul_(up), layer.fc2.weight, products)
-        return torch.rms_norm(hidden, (width,), None, self._exit_eps[name])
+        return ops.norm(hidden, self._exit_eps[name])
 
     def _residual(self, hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                   products: Products) -> torch.Tensor:

@@ -3,11 +3,11 @@
    `attended` cached positions, the context times the sigmoid of its output gate. One call does a
    whole step's tokens (decoding rows and joining prompts alike), where torch took ten operations
    and one SDPA call over every row padded to the longest under a mask
-   (mimir_kernels/cache_attention.py says what it replaces and what it measured).
+   (mimir_kernels/cpu_step.py says what it replaces and what it measured).
 
    Built at install time by setuptools (pyproject.toml, [[tool.setuptools.ext-modules]], optional)
-   into mimir_kernels/_cache_attention<EXT_SUFFIX>: a plain shared library with no Python API,
-   loaded with ctypes. Threads: OpenMP, the caller's count (torch's); the library is loaded after
+   into mimir_kernels/_cpu_step<EXT_SUFFIX> with rms_norm.c: a plain shared library with no Python
+   API, loaded with ctypes. Threads: OpenMP, the caller's count (torch's); the library is loaded after
    torch, so its libgomp.so.1 is the one torch already loaded (one pool, not two).
 
    The arithmetic: RoPE as inference/step.py writes it, q * cos + rotate_half(q) * sin_signed,

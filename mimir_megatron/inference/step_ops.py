@@ -1,18 +1,20 @@
-"""The attention half of each layer in the inference step: RoPE, the KV cache's writes, attention
-and the output gate, from the fused projection's output to the context the output projection takes.
+"""The inference step's operations other than the weight products: each layer's attention half
+(RoPE, the KV cache's writes, attention and the output gate, from the fused projection's output
+to the context the output projection takes) and the RMSNorms.
 
-Two ways, the same arithmetic up to float rounding, picked per model by :func:`attention_for`:
+Two ways, the same arithmetic up to float rounding, picked per model by :func:`ops_for`:
 
-- :class:`TorchAttention`: torch's operations. RoPE on q and k together (rotate-half, the pass's
-  table), the decoding rows' keys and values written at each row's length and one SDPA call for
-  every row over the longest row's positions (a mask when the lengths differ), one SDPA call per
-  run of equal-length joining prompts (bidirectional inside each prompt: PrefixLM's prefix), the
-  sigmoid gate (fp32 for a bf16 model, cast back). Any device and dtype, and what
+- :class:`TorchOps`: torch's operations. RoPE on q and k together (rotate-half, the pass's table),
+  the decoding rows' keys and values written at each row's length and one SDPA call for every row
+  over the longest row's positions (a mask when the lengths differ), one SDPA call per run of
+  equal-length joining prompts (bidirectional inside each prompt: PrefixLM's prefix), the sigmoid
+  gate (fp32 for a bf16 model, cast back); ``torch.rms_norm``. Any device and dtype, and what
   ``torch.compile`` traces for compiled decoding.
-- :class:`KernelAttention`: the same for every token of the step in one C call
-  (``mimir_kernels.cache_attention``): fp32 models on the CPU where the install built the kernel
-  (``backend.fused_cache_attention``). Each token attends its own row's positions, no padding and
-  no mask; the cached keys and values are bit for bit :class:`TorchAttention`'s.
+- :class:`NativeOps`: fp32 models on the CPU where the install built the C kernels
+  (``mimir_kernels.cpu_step``, ``backend.native_cpu_step_ops``): the decoding rows' attention
+  half of a layer in one call, each row attending its own positions (no padding, no mask; the
+  cached keys and values bit for bit :class:`TorchOps`'s), the joining prompts through torch's
+  SDPA, and the norms in one call each.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from mimir_kernels import cache_attention as kernel
+from mimir_kernels import cpu_step
 
 from mimir_megatron import backend
 from mimir_megatron.inference.kv_cache import DecodeRows
@@ -68,13 +70,17 @@ class StepTokens:
         return self._tables[dtype]
 
 
-class TorchAttention:
+class TorchOps:
     """Torch's operations (module docstring)."""
 
     def prepare(self, step: StepTokens) -> None:
         """Per-step set-up before the first layer (nothing for torch's operations)."""
 
-    def __call__(self, mixed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepTokens,
+    def norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """The model's parameterless RMSNorm of ``[tokens, width]``."""
+        return torch.rms_norm(x, (x.shape[-1],), None, eps)
+
+    def attend(self, mixed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepTokens,
                  scale: float | None, out_dtype: torch.dtype) -> torch.Tensor:
         """``[tokens, heads * head_dim]`` gated contexts from ``mixed`` ``[tokens, heads, 4,
         head_dim]`` (per head q, gate, k, v); the step's keys and values stored in ``keys``,
@@ -123,11 +129,11 @@ class TorchAttention:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-class KernelAttention(TorchAttention):
-    """The C kernel for the decoding rows' tokens of an fp32 model; torch's operations for the
-    joining prompts (a prompt's tokens attend each other: SDPA's blocked products beat the
-    kernel's token-by-token loop from a few prompts on, 1.35x at 32 prompts of 64 tokens, 3.3x at
-    one of 512) and for any other dtype."""
+class NativeOps(TorchOps):
+    """The C kernels for an fp32 model: the norms, and the attention half of a layer for the
+    decoding rows' tokens; torch's SDPA for the joining prompts (a prompt's tokens attend each
+    other, where SDPA's blocked products beat the kernel's token-by-token loop from a few prompts
+    on: 1.35x at 32 prompts of 64 tokens, 3.3x at one of 512)."""
 
     def __init__(self, lib) -> None:
         self._lib = lib
@@ -142,24 +148,27 @@ class KernelAttention(TorchAttention):
             moved = [Prompts(g.first_row, g.count, g.length, g.offset - n) for g in step.prompts]
             step.prompts_alone = StepTokens(None, moved, step.cos[n:], step.sin_signed[n:])
 
-    def __call__(self, mixed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepTokens,
-                 scale: float | None, out_dtype: torch.dtype) -> torch.Tensor:
-        if mixed.dtype != torch.float32 or step.decode_index is None:
-            return super().__call__(mixed, keys, values, step, scale, out_dtype)
+    def norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        return cpu_step.rms_norm(self._lib, x.contiguous(), eps)
+
+    def attend(self, mixed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepTokens,
+               scale: float | None, out_dtype: torch.dtype) -> torch.Tensor:
+        if step.decode_index is None:
+            return super().attend(mixed, keys, values, step, scale, out_dtype)
         n = step.decode.count
-        context = kernel.cache_attention(
+        context = cpu_step.cache_attention(
             self._lib, mixed[:n].contiguous(), step.cos[:n], step.sin_signed[:n], keys, values,
             *step.decode_index, mixed.shape[-1] ** -0.5 if scale is None else scale)
         if step.prompts_alone is None:
             return context
-        prompts = super().__call__(mixed[n:], keys, values, step.prompts_alone, scale, out_dtype)
+        prompts = super().attend(mixed[n:], keys, values, step.prompts_alone, scale, out_dtype)
         return torch.cat((context, prompts))
 
 
-def attention_for(device: torch.device, dtype: torch.dtype) -> TorchAttention:
-    """The step's attention for a model of ``dtype`` on ``device`` (module docstring)."""
-    if backend.fused_cache_attention(device) and dtype == torch.float32:
-        lib = kernel.library()
+def ops_for(device: torch.device, dtype: torch.dtype) -> TorchOps:
+    """The step's operations for a model of ``dtype`` on ``device`` (module docstring)."""
+    if backend.native_cpu_step_ops(device) and dtype == torch.float32:
+        lib = cpu_step.library()
         if lib is not None:
-            return KernelAttention(lib)
-    return TorchAttention()
+            return NativeOps(lib)
+    return TorchOps()

@@ -1,8 +1,8 @@
-"""The inference step's attention half of a layer (inference/step_attention.py): the C kernel
-(mimir_kernels/cache_attention.py) against torch's operations, the same step fed to both: the
-same cached keys and values bit for bit, the same gated contexts within float rounding, for
-decoding rows of equal and of different lengths, with and without joining prompts; the kernel
-picked where it applies and built by the install; bad input refused in one line."""
+"""The inference step's operations besides the products (inference/step_ops.py): the C kernels
+(mimir_kernels/cpu_step.py) against torch's operations, the same step fed to both: the same
+cached keys and values bit for bit, the same gated contexts and norms within float rounding, for
+decoding rows of equal and of different lengths, with and without joining prompts; the kernels
+picked where they apply and built by the install; bad input refused in one line."""
 
 from __future__ import annotations
 
@@ -10,25 +10,19 @@ import os
 
 import pytest
 import torch
-from mimir_kernels import cache_attention as kernel
+from mimir_kernels import cpu_step as kernel
 
 from mimir_megatron.inference.kv_cache import KVCache
-from mimir_megatron.inference.step_attention import (
-    KernelAttention,
-    Prompts,
-    StepTokens,
-    TorchAttention,
-    attention_for,
-)
+from mimir_megatron.inference.step_ops import NativeOps, Prompts, StepTokens, TorchOps, ops_for
 from mimir_megatron.model.rope import RotaryTable, rotary_angles
 
-torch_only = os.environ.get("MIMIR_CPU_ATTENTION", "").lower() == "torch"
-needs_kernel = pytest.mark.skipif(torch_only, reason="MIMIR_CPU_ATTENTION=torch")
+torch_only = os.environ.get("MIMIR_CPU_KERNELS", "").lower() == "torch"
+needs_kernel = pytest.mark.skipif(torch_only, reason="MIMIR_CPU_KERNELS=torch")
 
 
 @pytest.fixture
 def fresh_library():
-    """mimir_kernels.cache_attention, its loaded library forgotten before and after the test."""
+    """mimir_kernels.cpu_step, its loaded library forgotten before and after the test."""
     kernel.library.cache_clear()
     yield kernel
     kernel.library.cache_clear()
@@ -64,10 +58,10 @@ def _step(lengths: list[int], prompt_lengths: list[int], heads: int, head_dim: i
 def _both(lengths, prompt_lengths, heads=4, head_dim=32, seed=0, scale=None):
     step, mixed, keys, values = _step(lengths, prompt_lengths, heads, head_dim, seed)
     torch_keys, torch_values = keys.clone(), values.clone()
-    expected = TorchAttention()(mixed, torch_keys, torch_values, step, scale, torch.float32)
-    attention = KernelAttention(kernel.library())
-    attention.prepare(step)
-    got = attention(mixed, keys, values, step, scale, torch.float32)
+    expected = TorchOps().attend(mixed, torch_keys, torch_values, step, scale, torch.float32)
+    ops = NativeOps(kernel.library())
+    ops.prepare(step)
+    got = ops.attend(mixed, keys, values, step, scale, torch.float32)
     return (expected, torch_keys, torch_values), (got, keys, values)
 
 
@@ -109,6 +103,19 @@ def test_the_kernels_result_does_not_depend_on_the_thread_count():
 
 
 @needs_kernel
+@pytest.mark.parametrize(("rows", "width"), [(1, 512), (3, 7), (32, 1536), (200, 256)])
+def test_the_norm_kernel_is_torchs_rms_norm(rows, width):
+    """Every row's scale within float rounding; 200 x 256 is split over the threads."""
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)) * 3 + 0.5
+    got = NativeOps(kernel.library()).norm(x, 1e-5)
+    torch.testing.assert_close(got, TorchOps().norm(x, 1e-5), rtol=2e-6, atol=1e-6)
+    tiny = torch.full((2, 16), 1e-4)  # the eps inside the root, not added outside it
+    torch.testing.assert_close(NativeOps(kernel.library()).norm(tiny, 1e-5), TorchOps().norm(tiny, 1e-5))
+    with pytest.raises(ValueError, match="fp32 contiguous"):
+        kernel.rms_norm(kernel.library(), x.double(), 1e-5)
+
+
+@needs_kernel
 def test_the_kernel_refuses_what_would_write_outside_the_cache_in_one_line():
     step, mixed, keys, values = _step([4, 6], [], heads=2, head_dim=8, seed=1)
     lib = kernel.library()
@@ -134,30 +141,30 @@ def test_the_install_built_the_kernel_and_fp32_cpu_steps_use_it(fresh_library):
     """The test environment installs the package with a C compiler (tests/run.sh): its CPU step
     attends through the built kernel, never a silent fall back to torch's operations."""
     assert fresh_library.library_path() is not None, (
-        "the install built no mimir_kernels/_cache_attention: install a C compiler (apt-get install gcc) "
+        "the install built no mimir_kernels/_cpu_step: install a C compiler (apt-get install gcc) "
         "and pip install -e . again")
-    assert type(attention_for(torch.device("cpu"), torch.float32)) is KernelAttention
-    assert type(attention_for(torch.device("cpu"), torch.bfloat16)) is TorchAttention
-    assert type(attention_for(torch.device("meta"), torch.float32)) is TorchAttention
+    assert type(ops_for(torch.device("cpu"), torch.float32)) is NativeOps
+    assert type(ops_for(torch.device("cpu"), torch.bfloat16)) is TorchOps
+    assert type(ops_for(torch.device("meta"), torch.float32)) is TorchOps
 
 
 def test_without_the_built_kernel_the_step_uses_torch_and_says_so_once(fresh_library, tmp_path, monkeypatch,
                                                                       caplog):
-    broken = tmp_path / "_cache_attention.so"
+    broken = tmp_path / "_cpu_step.so"
     broken.write_bytes(b"not a shared library")
-    for where, cause in ((None, "was not built at install time"), (broken, "does not load")):
+    for where, cause in ((None, "were not built at install time"), (broken, "do not load")):
         monkeypatch.setattr(fresh_library, "library_path", lambda where=where: where)
         fresh_library.library.cache_clear()
         caplog.clear()
-        with caplog.at_level("INFO", logger="mimir_kernels.cache_attention"):
+        with caplog.at_level("INFO", logger="mimir_kernels.cpu_step"):
             for _ in range(2):
-                assert type(attention_for(torch.device("cpu"), torch.float32)) is TorchAttention
+                assert type(ops_for(torch.device("cpu"), torch.float32)) is TorchOps
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 1 and cause in lines[0] and "torch's operations" in lines[0], lines
     monkeypatch.undo()
-    monkeypatch.setenv("MIMIR_CPU_ATTENTION", "torch")
+    monkeypatch.setenv("MIMIR_CPU_KERNELS", "torch")
     fresh_library.library.cache_clear()
     caplog.clear()
-    with caplog.at_level("INFO", logger="mimir_kernels.cache_attention"):
-        assert type(attention_for(torch.device("cpu"), torch.float32)) is TorchAttention
+    with caplog.at_level("INFO", logger="mimir_kernels.cpu_step"):
+        assert type(ops_for(torch.device("cpu"), torch.float32)) is TorchOps
     assert not caplog.records

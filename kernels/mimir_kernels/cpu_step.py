@@ -1,0 +1,111 @@
+"""The inference step's CPU kernels for fp32, each one C call where torch ran several operations.
+
+- :func:`cache_attention` (``csrc/cache_attention.c``): the attention half of a layer for a step's
+  decoding rows. For each row's new token: RoPE on its query and key, its key and value written
+  into the KV cache at its row and position, its query attending its row's first ``attended``
+  positions, the context times the sigmoid of its output gate. In torch the same took ten
+  operations per layer and one SDPA call over every row padded to the longest under a mask; on
+  2 cores (8 heads of 64, cached lengths 64-127) that half of a layer took 183 / 282 / 866 µs at
+  1 / 8 / 32 rows, the C call 19 / 79 / 302 µs. The keys and values it caches are torch's bit for
+  bit; its contexts differ from SDPA's by float rounding (another summation order).
+- :func:`rms_norm` (``csrc/rms_norm.c``): the model's parameterless RMSNorm, where torch's CPU
+  ``rms_norm`` ran ~10 operations (~16-23 µs a call at 1-32 rows of 512, almost all dispatch).
+  Equal to torch's to float rounding (the squares summed in another order).
+
+``pip install`` builds them (pyproject.toml's optional ``ext-modules``) into this package as
+``_cpu_step<EXT_SUFFIX>``, a plain shared library loaded with ctypes: nothing is compiled at run
+time. Without a C compiler the install still succeeds and the step runs torch's operations (said
+once in the log). ``MIMIR_CPU_KERNELS=torch`` uses torch's operations too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sysconfig
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_DIM = 512  # csrc/cache_attention.c's query and accumulator arrays
+_ERRORS = {
+    1: f"a head width over {MAX_HEAD_DIM} or odd",
+    2: "a row, position or attended length outside the cache's buffers",
+    3: "no memory for the scores' scratch",
+}
+
+
+def library_path() -> Path | None:
+    """Where the install put the built kernels, if it did."""
+    path = Path(__file__).resolve().parent / ("_cpu_step" + sysconfig.get_config_var("EXT_SUFFIX"))
+    return path if path.is_file() else None
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None (``MIMIR_CPU_KERNELS=torch``, or not built at install time)."""
+    if os.environ.get("MIMIR_CPU_KERNELS", "").lower() == "torch":
+        return None
+    path = library_path()
+    try:
+        lib = ctypes.CDLL(str(path)) if path else None
+        why = "were not built at install time (no C compiler?)"
+    except OSError as exc:
+        lib, why = None, f"do not load ({exc})"
+    if lib is None:
+        log.info("inference: the C kernels of the CPU step (mimir_kernels/_cpu_step) %s, so it runs "
+                 "torch's operations (decoding ~1.1-1.3x slower); reinstall with a C compiler "
+                 "(apt-get install gcc) to build them", why)
+        return None
+    lib.mimir_cache_attention.restype = ctypes.c_int
+    lib.mimir_cache_attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [
+        ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+    lib.mimir_rms_norm.restype = None
+    lib.mimir_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def _floats(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+
+
+def cache_attention(lib: ctypes.CDLL, mixed: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                    keys: torch.Tensor, values: torch.Tensor, row: torch.Tensor, position: torch.Tensor,
+                    attended: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[tokens, heads * head_dim]``: each token's gated attention context (module docstring).
+
+    ``mixed``: ``[tokens, heads, 4, head_dim]`` (per head q, gate, k, v); ``cos``, ``sin_signed``:
+    ``[tokens, head_dim]``; ``keys``, ``values``: ``[rows, heads, positions, head_dim]``, written
+    at ``(row[t], position[t])``; ``row``, ``position``, ``attended``: ``[tokens]`` int64. All fp32
+    (the indices int64), contiguous and on the CPU."""
+    tokens, heads, four, head_dim = mixed.shape
+    rows_room, _, positions_room, _ = keys.shape
+    indices = (row, position, attended)
+    if (four != 4 or not _floats(mixed, cos, sin_signed, keys, values)
+            or any(t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (tokens,) for t in indices)
+            or cos.shape != (tokens, head_dim) or sin_signed.shape != cos.shape
+            or keys.shape != values.shape or keys.shape[1] != heads or keys.shape[3] != head_dim):
+        raise ValueError("cache_attention: fp32 contiguous CPU tensors of the documented shapes, "
+                         "int64 indices")
+    out = torch.empty(tokens, heads * head_dim)
+    failed = lib.mimir_cache_attention(
+        mixed.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), keys.data_ptr(), values.data_ptr(),
+        row.data_ptr(), position.data_ptr(), attended.data_ptr(), tokens, heads, head_dim, rows_room,
+        positions_room, scale, torch.get_num_threads(), out.data_ptr())
+    if failed:
+        raise ValueError(f"cache_attention: {_ERRORS.get(failed, f'error {failed}')}")
+    return out
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``torch.rms_norm(x, (width,), None, eps)`` of a ``[rows, width]`` fp32 contiguous CPU tensor."""
+    if x.dim() != 2 or not _floats(x):
+        raise ValueError("rms_norm: a [rows, width] fp32 contiguous CPU tensor")
+    out = torch.empty_like(x)
+    lib.mimir_rms_norm(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
