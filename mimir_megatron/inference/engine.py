@@ -190,6 +190,12 @@ class InferenceEngine:
     def max_context(self) -> int:
         return self.limits.max_context
 
+    @property
+    def step_forward(self) -> StepForward | None:
+        """The flattened step (``inference/step.py``), or None where the model's own recurrence
+        runs (megatron's layers, TE, FP8, sequence parallelism)."""
+        return self._step
+
     def plan(self, h: int, low: int):
         """The window plan of an (H, L) schedule, without gradients (inference runs under no_grad)."""
         return self.model.window_plan(1, h, low)

@@ -68,7 +68,8 @@ class StepForward:
         self._exit_eps = {"L": model.L.final_layernorm.eps, "H": model.H.final_layernorm.eps}
         first = next(model.parameters())
         self._products = products_for(first.device)
-        self._ops = ops_for(first.device, first.dtype)
+        self.ops: TorchOps = ops_for(first.device, first.dtype)
+        """The norms and attention (``inference/step_ops.py``); a benchmark may swap them."""
         self._compiled = None
         if compile_decode:  # decoding-only steps compiled (see _compiled_decode)
             self._compiled = torch.compile(self._decode_graph, **backend.decode_compile_options(first.device))
@@ -135,8 +136,8 @@ class StepForward:
         rotary = RotaryTable(rotary_angles(positions_t[None], self.cfg.head_dim, self.cfg.rope_theta))
         z_H = self.model._embed(ids_t[None]).view(len(ids), -1)  # [tokens, hidden]
         step = StepTokens.of(decode, groups, rotary)
-        self._ops.prepare(step)
-        z_H = self._recurrence(z_H, cache.buffers, plan.schedule, step, self._products, self._ops)
+        self.ops.prepare(step)
+        z_H = self._recurrence(z_H, cache.buffers, plan.schedule, step, self._products, self.ops)
         cache.commit([1] * decoding)
         cache.add_rows([len(p) for p in prompts])
         if not prompts:

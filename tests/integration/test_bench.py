@@ -5,6 +5,7 @@ import json
 import re
 import os
 import shutil
+import sys
 import subprocess
 from pathlib import Path
 
@@ -216,3 +217,20 @@ def test_gpu_check_limits_clamp_and_kill_a_stuck_process(tmp_path):
     assert [c.split()[1] for c in calls] == ["pytest", "mimir_megatron.cli"]
     assert "--durations=0" in calls[0] and "--window 5,8" in calls[1] and "--warmup 1" in calls[1]
     assert {p.name for p in results.iterdir()} == {"env.txt", "tests.log", "bench.log", "summary.md"}
+
+
+@pytest.mark.timeout(300)
+def test_bench_step_ops_times_torchs_operations_against_the_kernels_in_the_engine():
+    """bench/bench_step_ops.py on the tiny model: one table row per row count, both columns timed
+    (the script swaps the engine step's operations, so both kinds ran)."""
+    if os.environ.get("MIMIR_CPU_KERNELS", "").lower() == "torch":
+        pytest.skip("MIMIR_CPU_KERNELS=torch")
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_step_ops.py"), "--shape", "tiny",
+                           "--rows", "1,3", "--rounds", "1", "--steps", "2"],
+                          capture_output=True, text=True, timeout=hang_limit(240))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "3"], proc.stdout
+    for row in rows:
+        cells = [float(c) for c in row.strip("|").split("|")[1:]]
+        assert all(c > 0 for c in cells), row

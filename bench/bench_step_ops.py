@@ -1,0 +1,104 @@
+"""The inference step's operations besides the products: torch's against the C kernels, in the engine.
+
+    .venv/bin/python bench/bench_step_ops.py [--shape tiny|mid512] [--rows 1,8,32] [--rounds 3]
+        [--steps 24] [--threads 2]
+
+One random model of the shape; for each row count, a session of that many requests (prompts of
+64-79 tokens, so the rows' lengths differ as under real traffic and torch's attention needs its
+mask), then decoding steps. Each round runs the session once with ``TorchOps`` (torch's
+operations: RoPE, the cache writes, SDPA over the longest row under a mask, the gate,
+``torch.rms_norm``) and once with ``NativeOps`` (``mimir_kernels.cpu_step``'s C kernels), in turn
+in one process; it prints the median decoding step of each (median over ``--steps`` steps, then
+over rounds), their ratio, and the prefill step of the joining prompts (both through SDPA: a
+check that the kernels cost prompts nothing). The same comparison, end to end over HTTP, is
+``bench/bench_serve.py`` with ``--baseline-src`` on a checkout before the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+SHAPES = {
+    "tiny": ("tiny", ["vocab_size=1024"]),
+    "mid512": ("mid", ["hidden_size=512", "num_attention_heads=8", "ffn_hidden_size=1536", "vocab_size=1024",
+                       "max_position_embeddings=512"]),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="mid512")
+    parser.add_argument("--rows", default="1,8,32", help="decoding rows, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=24, help="decoding steps timed per session")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    from mimir_megatron.process import setup_process
+
+    setup_process(megatron=True)
+    torch.set_num_threads(args.threads)
+    from mimir_kernels import cpu_step
+
+    from mimir_megatron.bench.shapes import model_config
+    from mimir_megatron.inference import GenerationRequest, InferenceEngine, SamplingParams
+    from mimir_megatron.inference.step_ops import NativeOps, TorchOps
+    from mimir_megatron.model import build_model
+
+    lib = cpu_step.library()
+    if lib is None:
+        raise SystemExit("bench_step_ops: the C kernels are not built (mimir_kernels/_cpu_step): "
+                         "install a C compiler and pip install -e . again, and unset MIMIR_CPU_KERNELS")
+    torch.manual_seed(0)
+    base, overrides = SHAPES[args.shape]
+    engine = InferenceEngine(build_model(model_config(base, None, overrides)), None, max_batch_size=64)
+    step = engine.step_forward
+    if step is None:
+        raise SystemExit("bench_step_ops: this model runs megatron's recurrence, not the flattened step")
+    variants = {"torch": TorchOps(), "native": NativeOps(lib)}
+
+    def session(rows: int, ops) -> tuple[float, float]:
+        step.ops = ops
+        s = engine.open_session()
+        g = torch.Generator().manual_seed(1)
+        for i in range(rows):
+            prompt = torch.randint(8, 1024, (64 + i % 16,), generator=g).tolist()
+            params = SamplingParams(max_new_tokens=args.steps + 8, use_default_stops=False)
+            s.add(GenerationRequest(prompt, params))
+        start = time.perf_counter()
+        s.step()
+        prefill = time.perf_counter() - start
+        for _ in range(3):
+            s.step()
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            s.step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3, prefill * 1e3
+
+    print(f"{args.shape}, {args.threads} threads, medians of {args.rounds} alternated rounds "
+          f"of {args.steps} decoding steps")
+    print("| rows | torch ms/step | kernels ms/step | kernels / torch | prefill torch ms "
+          "| prefill kernels ms |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for rows in (int(r) for r in args.rows.split(",")):
+        decode = {name: [] for name in variants}
+        prefill = {name: [] for name in variants}
+        for _ in range(args.rounds):
+            for name, ops in variants.items():
+                d, p = session(rows, ops)
+                decode[name].append(d)
+                prefill[name].append(p)
+        d = {name: statistics.median(v) for name, v in decode.items()}
+        p = {name: statistics.median(v) for name, v in prefill.items()}
+        print(f"| {rows} | {d['torch']:.2f} | {d['native']:.2f} | {d['native'] / d['torch']:.2f} "
+              f"| {p['torch']:.1f} | {p['native']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
