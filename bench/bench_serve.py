@@ -51,13 +51,10 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
+from mimir_megatron.bench.shapes import SERVING_SHAPES
+
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer"
-SHAPES = {
-    "tiny": ("tiny", ["vocab_size=1024"]),
-    "mid512": ("mid", ["hidden_size=512", "num_attention_heads=8", "ffn_hidden_size=1536", "vocab_size=1024",
-                       "max_position_embeddings=512"]),
-}
 MIMIR = "import sys; from mimir_megatron.cli import main; sys.exit(main(sys.argv[1:]))"
 # -P: without it ``-c`` puts the working directory (this checkout, run from its root) ahead of
 # PYTHONPATH, and a baseline server would run this checkout's code.
@@ -227,7 +224,7 @@ class TransformersPeer:
 
 def _export(shape: str, work: Path) -> Path:
     """The random model of ``shape`` as a transformers directory with the demo tokenizer."""
-    base, overrides = SHAPES[shape]
+    base, overrides = SERVING_SHAPES[shape]
     code = ("import sys; from mimir_megatron.process import setup_process; setup_process(megatron=True)\n"
             "from mimir_megatron.bench.shapes import model_config\n"
             "from mimir_megatron.interop import export_hf\nfrom mimir_megatron.model import build_model\n"
@@ -241,7 +238,7 @@ def _export(shape: str, work: Path) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--shape", choices=sorted(SERVING_SHAPES), default="tiny")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=64)

@@ -17,16 +17,13 @@ import argparse
 import json
 import time
 
-SHAPES = {
-    "tiny": ("tiny", ["vocab_size=1024"]),
-    "mid512": ("mid", ["hidden_size=512", "num_attention_heads=8", "ffn_hidden_size=1536", "vocab_size=1024",
-                       "max_position_embeddings=512"]),
-}
+from mimir_megatron.bench.shapes import SERVING_SHAPES
+
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--shape", choices=sorted(SERVING_SHAPES), default="tiny")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
@@ -42,7 +39,7 @@ def main() -> None:
     from mimir_megatron.model import build_model
 
     torch.manual_seed(0)
-    base, overrides = SHAPES[args.shape]
+    base, overrides = SERVING_SHAPES[args.shape]
     engine = InferenceEngine(build_model(model_config(base, None, overrides)), None, max_batch_size=64)
 
     def closed_loop(clients: int, new: int = 64) -> list[list[int]]:

@@ -22,16 +22,13 @@ import time
 
 import torch
 
-SHAPES = {
-    "tiny": ("tiny", ["vocab_size=1024"]),
-    "mid512": ("mid", ["hidden_size=512", "num_attention_heads=8", "ffn_hidden_size=1536", "vocab_size=1024",
-                       "max_position_embeddings=512"]),
-}
+from mimir_megatron.bench.shapes import SERVING_SHAPES
+
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="mid512")
+    parser.add_argument("--shape", choices=sorted(SERVING_SHAPES), default="mid512")
     parser.add_argument("--rows", default="1,8,32", help="decoding rows, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=24, help="decoding steps timed per session")
@@ -54,7 +51,7 @@ def main() -> None:
         raise SystemExit("bench_step_ops: the C kernels are not built (mimir_kernels/_cpu_step): "
                          "install a C compiler and pip install -e . again, and unset MIMIR_CPU_KERNELS")
     torch.manual_seed(0)
-    base, overrides = SHAPES[args.shape]
+    base, overrides = SERVING_SHAPES[args.shape]
     engine = InferenceEngine(build_model(model_config(base, None, overrides)), None, max_batch_size=64)
     step = engine.step_forward
     if step is None:

@@ -29,6 +29,16 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+# The serving benchmarks' models (bench/bench_serve.py, bench_sessions.py, bench_step_ops.py): a
+# shape above and its overrides. ``mid512`` is small enough to serve on 2 cores and large enough
+# that its weights (118 MB) stream from memory at every decoding step.
+SERVING_SHAPES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tiny": ("tiny", ("vocab_size=1024",)),
+    "mid512": ("mid", ("hidden_size=512", "num_attention_heads=8", "ffn_hidden_size=1536", "vocab_size=1024",
+                       "max_position_embeddings=512")),
+}
+
+
 def model_config(shape: str | None, config: str | Path | None, overrides: Sequence[str] = ()) -> ModelConfig:
     """The named shape, or a model YAML (``--config``), with ``key=value`` overrides."""
     from mimir_megatron.config import load_config, model_config_from_dict
