@@ -19,6 +19,7 @@ Two ways, the same arithmetic up to float rounding, picked per model by :func:`o
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -135,7 +136,7 @@ class NativeOps(TorchOps):
     other, where SDPA's blocked products beat the kernel's token-by-token loop from a few prompts
     on: 1.35x at 32 prompts of 64 tokens, 3.3x at one of 512)."""
 
-    def __init__(self, lib) -> None:
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
 
     def prepare(self, step: StepTokens) -> None:
