@@ -22,7 +22,7 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 /* One build for every x86 CPU: the hot loops compiled three times, the best the CPU runs picked
    when the library loads (an ifunc). */
-#define CLONES __attribute__((target_clones("default", "avx2", "arch=x86-64-v4")))
+#define CLONES __attribute__((target_clones("default", "avx2", "avx512f")))
 #else
 #define CLONES
 #endif

@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CLONES __attribute__((target_clones("default", "avx2", "arch=x86-64-v4")))
+#define CLONES __attribute__((target_clones("default", "avx2", "avx512f")))
 #else
 #define CLONES
 #endif
