@@ -82,7 +82,7 @@ class TorchOps:
         return torch.rms_norm(x, (x.shape[-1],), None, eps)
 
     def attend(self, mixed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepTokens,
-                 scale: float | None, out_dtype: torch.dtype) -> torch.Tensor:
+               scale: float | None, out_dtype: torch.dtype) -> torch.Tensor:
         """``[tokens, heads * head_dim]`` gated contexts from ``mixed`` ``[tokens, heads, 4,
         head_dim]`` (per head q, gate, k, v); the step's keys and values stored in ``keys``,
         ``values`` (``[room rows, heads, room positions, head_dim]``)."""
