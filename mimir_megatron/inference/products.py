@@ -14,7 +14,11 @@ residual ``hidden + x W^T`` is added in oneDNN's epilogue (its binary post-op), 
 separate sum, 2-8 % faster a product at 1-64 rows.
 
 :func:`products_for` picks by the backend (``backend.prepacks_weights``): prepacked on CPU where
-torch has oneDNN, as stored elsewhere (cuBLAS reads the weights as they are). A prepacked weight
+torch has oneDNN, as stored elsewhere (cuBLAS reads the weights as they are). On CPU, where the
+install built the step's C kernels (``backend.native_cpu_step_ops``), a decoding step's products
+at 1-:attr:`NativeProducts.MAX_ROWS` rows go to ``mimir_kernels.cpu_step.small_gemm`` instead: a
+loop that streams each weight once for every row, ~1.3-2.4x faster there than oneDNN's GEMM
+(module docstring of ``mimir_kernels.cpu_step``); from 12-16 rows on oneDNN's is faster. A prepacked weight
 is a second copy of it (the model's own is kept: training, scoring and checkpoints read it), made
 at its first product and made again whenever the weight changed in place since (its version
 counter: an optimizer step, ``load_state_dict``). Results equal ``F.linear``'s to float rounding
@@ -23,8 +27,11 @@ counter: an optimizer step, ``load_state_dict``). Results equal ``F.linear``'s t
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
+from mimir_kernels import cpu_step
 
 from mimir_megatron import backend
 
@@ -77,6 +84,33 @@ class PrepackedProducts(Products):
         return torch.ops.mkldnn._linear_pointwise.binary(x, hidden, self._prepacked(weight), None, "add")
 
 
+class NativeProducts(PrepackedProducts):
+    """fp32 products at 1-:attr:`MAX_ROWS` rows through the C kernel; the rest prepacked as above."""
+
+    MAX_ROWS = 8  # the mid512 model's products, kernel against oneDNN: 0.63-0.76x at 1-8 rows, 1.3x at 16
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        super().__init__()
+        self._lib = lib
+
+    def _native(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (x.dim() == 2 and 0 < x.shape[0] <= self.MAX_ROWS and x.dtype == torch.float32
+                and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous())
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self._native(x, weight):
+            return super().linear(x, weight)
+        return cpu_step.small_gemm(self._lib, x, weight)
+
+    def add_linear(self, hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not (self._native(x, weight) and hidden.is_contiguous() and hidden.dtype == torch.float32):
+            return super().add_linear(hidden, x, weight)
+        return cpu_step.small_gemm(self._lib, x, weight, hidden)
+
+
 def products_for(device: torch.device) -> Products:
     """The products the inference step uses on ``device`` (module docstring)."""
-    return PrepackedProducts() if backend.prepacks_weights(device) else Products()
+    if not backend.prepacks_weights(device):
+        return Products()
+    lib = cpu_step.library() if backend.native_cpu_step_ops(device) else None
+    return NativeProducts(lib) if lib is not None else PrepackedProducts()

@@ -1,6 +1,7 @@
-"""The inference step's weight products (inference/products.py) and the loader thread
-(backend.run_in_own_thread): equal to F.linear within float rounding, remade when a weight
-changes, and a load that leaves the caller's thread as it was."""
+"""The inference step's weight products (inference/products.py, the C kernel of
+mimir_kernels.cpu_step.small_gemm) and the loader thread (backend.run_in_own_thread): equal to
+F.linear within float rounding, each row's result independent of its neighbours and of the thread
+count, remade when a weight changes, and a load that leaves the caller's thread as it was."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mimir_kernels import cpu_step
+
 from mimir_megatron import backend
-from mimir_megatron.inference.products import PrepackedProducts, Products, products_for
+from mimir_megatron.inference.products import NativeProducts, PrepackedProducts, Products, products_for
 from polling import wait_for
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+needs_kernel = pytest.mark.skipif(os.environ.get("MIMIR_CPU_KERNELS", "").lower() == "torch",
+                                  reason="MIMIR_CPU_KERNELS=torch")
 
 
 def _weight(n: int = 96, k: int = 64) -> torch.nn.Parameter:
@@ -92,6 +97,76 @@ def test_the_cpu_backend_prepacks_where_torch_has_onednn():
     chosen = products_for(torch.device("cpu"))
     assert isinstance(chosen, PrepackedProducts) == torch.backends.mkldnn.is_available()
     assert not backend.prepacks_weights(torch.device("meta"))
+
+
+def _layer_weight(out: int, width: int, seed: int = 0) -> torch.Tensor:
+    """A layer's scale: outputs of order 1, where the tolerances are meant."""
+    return torch.randn(out, width, generator=torch.Generator().manual_seed(seed)) / width ** 0.5
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "width", "out"), [
+    (1, 512, 2048),   # mid512's QKV projection, split over the threads
+    (2, 1536, 512),   # its down projection
+    (3, 37, 5),       # no 8-wide stride, one thread
+    (5, 300, 96),     # 32-wide strides, an 8-wide tail and a scalar tail
+    (8, 256, 1536),
+])
+def test_the_small_product_kernel_is_f_linear_and_adds_the_residual_last(rows, width, out):
+    lib = cpu_step.library()
+    weight = _layer_weight(out, width)
+    x, hidden = torch.randn(rows, width), torch.randn(rows, out)
+    product = cpu_step.small_gemm(lib, x, weight)
+    torch.testing.assert_close(product, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert torch.equal(cpu_step.small_gemm(lib, x, weight, hidden), hidden + product)
+
+
+@needs_kernel
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it_nor_on_the_thread_count():
+    """Batch-invariant: a request's tokens are the same whatever else the step decodes."""
+    lib = cpu_step.library()
+    weight = _layer_weight(1024, 520)  # 520 = 16 strides of 32, one of 8
+    x = torch.randn(8, 520)
+    alone = torch.cat([cpu_step.small_gemm(lib, x[r:r + 1].contiguous(), weight) for r in range(8)])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for rows in range(1, 9):
+                assert torch.equal(cpu_step.small_gemm(lib, x[:rows], weight), alone[:rows]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_the_small_product_kernel_refuses_other_inputs_in_one_line():
+    lib, weight = cpu_step.library(), torch.randn(16, 8)
+    for x, w, add in ((torch.randn(2, 8, dtype=torch.float64), weight, None),
+                      (torch.randn(8, 2).t(), weight, None),  # not contiguous
+                      (torch.randn(2, 7), weight, None),
+                      (torch.randn(2, 8), weight, torch.randn(2, 15))):
+        with pytest.raises(ValueError, match="^small_gemm: fp32 contiguous CPU tensors"):
+            cpu_step.small_gemm(lib, x, w, add)
+
+
+@needs_kernel
+@needs_onednn
+def test_cpu_steps_send_one_to_eight_fp32_rows_to_the_kernel_and_more_to_onednn(monkeypatch):
+    products = products_for(torch.device("cpu"))
+    assert type(products) is NativeProducts
+    calls = []
+    kernel = cpu_step.small_gemm
+    monkeypatch.setattr(cpu_step, "small_gemm", lambda *a, **k: calls.append(a[1].shape[0]) or kernel(*a, **k))
+    weight = _layer_weight(96, 64)
+    with torch.no_grad():
+        for rows in (1, 8, 9, 33):
+            x, hidden = torch.randn(rows, 64), torch.randn(rows, 96)
+            torch.testing.assert_close(products.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(products.add_linear(hidden, x, weight), hidden + F.linear(x, weight),
+                                       rtol=1e-5, atol=1e-5)
+        products.linear(torch.randn(4, 64, dtype=torch.bfloat16), weight.to(torch.bfloat16))
+        products.linear(torch.randn(64, 4).t(), weight)  # not contiguous: oneDNN's
+    assert calls == [1, 1, 8, 8]
 
 
 @pytest.mark.skipif(backend.has_gpu(), reason="on a GPU the work runs in the caller's thread")
