@@ -121,7 +121,8 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def small_gemm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+def small_gemm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
+               add: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` (``+ add``, rounded as ``add + product``) of a ``[rows, in]`` x and an
     ``[out, in]`` weight; ``add``: ``[rows, out]``. All fp32, contiguous and on the CPU."""
     if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not _floats(x, weight)
