@@ -1,16 +1,22 @@
-"""The inference step's operations besides the products: torch's against the C kernels, in the engine.
+"""The inference step's CPU kernels against torch's operations and oneDNN's products, in the engine.
 
     .venv/bin/python bench/bench_step_ops.py [--shape tiny|mid512] [--rows 1,8,32] [--rounds 3]
         [--steps 24] [--threads 2]
 
 One random model of the shape; for each row count, a session of that many requests (prompts of
 64-79 tokens, so the rows' lengths differ as under real traffic and torch's attention needs its
-mask), then decoding steps. Each round runs the session once with ``TorchOps`` (torch's
-operations: RoPE, the cache writes, SDPA over the longest row under a mask, the gate,
-``torch.rms_norm``) and once with ``NativeOps`` (``mimir_kernels.cpu_step``'s C kernels), in turn
-in one process; it prints the median decoding step of each (median over ``--steps`` steps, then
-over rounds), their ratio, and the prefill step of the joining prompts (both through SDPA: a
-check that the kernels cost prompts nothing). The same comparison, end to end over HTTP, is
+mask), then decoding steps. Each round runs the session three ways, in turn in one process:
+
+- ``torch``: ``TorchOps`` (torch's operations: RoPE, the cache writes, SDPA over the longest row
+  under a mask, the gate, ``torch.rms_norm``) and ``PrepackedProducts`` (oneDNN's GEMM on
+  prepacked weights, MKL's ``F.linear`` for one row of a small weight);
+- ``ops``: ``NativeOps`` (the attention half and the norms in C), the same products;
+- ``all``: ``NativeOps`` and ``NativeProducts`` (the products at 1-8 rows in C too), what the
+  engine runs.
+
+It prints the median decoding step of each (median over ``--steps`` steps, then over rounds),
+the ratios to ``torch``, and the prefill step of the joining prompts (every way through SDPA and
+oneDNN: a check that the kernels cost prompts nothing). The same comparison, end to end over HTTP, is
 ``bench/bench_serve.py`` with ``--baseline-src`` on a checkout before the kernels.
 """
 
@@ -43,6 +49,7 @@ def main() -> None:
 
     from mimir_megatron.bench.shapes import model_config
     from mimir_megatron.inference import GenerationRequest, InferenceEngine, SamplingParams
+    from mimir_megatron.inference.products import NativeProducts, PrepackedProducts
     from mimir_megatron.inference.step_ops import NativeOps, TorchOps
     from mimir_megatron.model import build_model
 
@@ -56,10 +63,11 @@ def main() -> None:
     step = engine.step_forward
     if step is None:
         raise SystemExit("bench_step_ops: this model runs megatron's recurrence, not the flattened step")
-    variants = {"torch": TorchOps(), "native": NativeOps(lib)}
+    variants = {"torch": (TorchOps(), PrepackedProducts()), "ops": (NativeOps(lib), PrepackedProducts()),
+                "all": (NativeOps(lib), NativeProducts(lib))}
 
-    def session(rows: int, ops) -> tuple[float, float]:
-        step.ops = ops
+    def session(rows: int, ops, products) -> tuple[float, float]:
+        step.ops, step._products = ops, products
         s = engine.open_session()
         g = torch.Generator().manual_seed(1)
         for i in range(rows):
@@ -80,21 +88,22 @@ def main() -> None:
 
     print(f"{args.shape}, {args.threads} threads, medians of {args.rounds} alternated rounds "
           f"of {args.steps} decoding steps")
-    print("| rows | torch ms/step | kernels ms/step | kernels / torch | prefill torch ms "
-          "| prefill kernels ms |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| rows | torch ms/step | ops ms/step | all ms/step | ops / torch | all / torch "
+          "| prefill torch / ops / all ms |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for rows in (int(r) for r in args.rows.split(",")):
         decode = {name: [] for name in variants}
         prefill = {name: [] for name in variants}
         for _ in range(args.rounds):
-            for name, ops in variants.items():
-                d, p = session(rows, ops)
+            for name, (ops, products) in variants.items():
+                d, p = session(rows, ops, products)
                 decode[name].append(d)
                 prefill[name].append(p)
         d = {name: statistics.median(v) for name, v in decode.items()}
         p = {name: statistics.median(v) for name, v in prefill.items()}
-        print(f"| {rows} | {d['torch']:.2f} | {d['native']:.2f} | {d['native'] / d['torch']:.2f} "
-              f"| {p['torch']:.1f} | {p['native']:.1f} |", flush=True)
+        print(f"| {rows} | {d['torch']:.2f} | {d['ops']:.2f} | {d['all']:.2f} | {d['ops'] / d['torch']:.2f} "
+              f"| {d['all'] / d['torch']:.2f} | {p['torch']:.1f} / {p['ops']:.1f} / {p['all']:.1f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

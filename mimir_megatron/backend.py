@@ -165,10 +165,11 @@ def prepacks_weights(device: torch.device) -> bool:
 
 
 def native_cpu_step_ops(device: torch.device) -> bool:
-    """Whether the inference step's norms and decoding attention on ``device`` run the C kernels of
-    ``mimir_kernels.cpu_step`` (fp32, where the install built them; ``inference/step_ops.py``): on
-    CPU, where torch's operations cost ~1.1-1.3x the kernels' time per decoding step, mostly
-    dispatch and a padded, masked SDPA; on a GPU torch's SDPA and operations."""
+    """Whether the inference step's norms, decoding attention and products at 1-8 rows on
+    ``device`` run the C kernels of ``mimir_kernels.cpu_step`` (fp32, where the install built them;
+    ``inference/step_ops.py``, ``inference/products.py``): on CPU, where torch's operations and
+    oneDNN's products cost ~1.2-2.3x the kernels' time per decoding step (dispatch, a padded and
+    masked SDPA, GEMMs that read one-row weights slower than a plain loop); on a GPU torch's."""
     return device.type == "cpu"
 
 

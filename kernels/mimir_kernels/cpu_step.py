@@ -65,7 +65,7 @@ def library() -> ctypes.CDLL | None:
         lib, why = None, f"do not load ({exc})"
     if lib is None:
         log.info("inference: the C kernels of the CPU step (mimir_kernels/_cpu_step) %s, so it runs "
-                 "torch's operations (decoding ~1.1-1.3x slower); reinstall with a C compiler "
+                 "torch's operations (decoding steps ~1.2-2.3x slower); reinstall with a C compiler "
                  "(apt-get install gcc) to build them", why)
         return None
     lib.mimir_cache_attention.restype = ctypes.c_int

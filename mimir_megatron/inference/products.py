@@ -17,12 +17,13 @@ separate sum, 2-8 % faster a product at 1-64 rows.
 torch has oneDNN, as stored elsewhere (cuBLAS reads the weights as they are). On CPU, where the
 install built the step's C kernels (``backend.native_cpu_step_ops``), a decoding step's products
 at 1-:attr:`NativeProducts.MAX_ROWS` rows go to ``mimir_kernels.cpu_step.small_gemm`` instead: a
-loop that streams each weight once for every row, ~1.3-2.4x faster there than oneDNN's GEMM
-(module docstring of ``mimir_kernels.cpu_step``); from 12-16 rows on oneDNN's is faster. A prepacked weight
-is a second copy of it (the model's own is kept: training, scoring and checkpoints read it), made
-at its first product and made again whenever the weight changed in place since (its version
-counter: an optimizer step, ``load_state_dict``). Results equal ``F.linear``'s to float rounding
-(oneDNN sums in another order), not bit for bit.
+loop that streams each weight once for every row, 1.3-1.6x faster there than oneDNN's GEMM at
+mid512, 1.8-3.5x at tiny (``bench/bench_linear.py``; docs/performance.md#serving); from 12-16
+rows on oneDNN's is faster. A prepacked weight is a second copy of it (the model's own is kept:
+training, scoring and checkpoints read it), made at its first product and made again whenever
+the weight changed in place since (its version counter: an optimizer step, ``load_state_dict``).
+Results equal ``F.linear``'s to float rounding (oneDNN and the C loop sum in other orders), not bit
+for bit.
 """
 
 from __future__ import annotations

@@ -221,8 +221,8 @@ def test_gpu_check_limits_clamp_and_kill_a_stuck_process(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_bench_step_ops_times_torchs_operations_against_the_kernels_in_the_engine():
-    """bench/bench_step_ops.py on the tiny model: one table row per row count, both columns timed
-    (the script swaps the engine step's operations, so both kinds ran)."""
+    """bench/bench_step_ops.py on the tiny model: one table row per row count, every way timed
+    (the script swaps the engine step's operations and products, so all three ran)."""
     if os.environ.get("MIMIR_CPU_KERNELS", "").lower() == "torch":
         pytest.skip("MIMIR_CPU_KERNELS=torch")
     proc = subprocess.run([sys.executable, str(BENCH / "bench_step_ops.py"), "--shape", "tiny",
@@ -232,5 +232,6 @@ def test_bench_step_ops_times_torchs_operations_against_the_kernels_in_the_engin
     rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "3"], proc.stdout
     for row in rows:
-        cells = [float(c) for c in row.strip("|").split("|")[1:]]
-        assert all(c > 0 for c in cells), row
+        *steps, prefills = row.strip().strip("|").split("|")[1:]
+        cells = [float(c) for c in steps] + [float(c) for c in prefills.split("/")]
+        assert len(cells) == 8 and all(c > 0 for c in cells), row

@@ -10,7 +10,8 @@
    pairwise, the lanes pairwise, then the scalar tail; `add` last, as `add + product` rounds.
    So a row's result does not depend on the rows beside it in the step (batch-invariant), and
    differs from torch's GEMMs by float rounding only. Products and sums rounded one at a time
-   (-ffp-contract=off, the library's flag): on a step bound by memory FMA would save nothing.
+   (-ffp-contract=off, the library's flag): bound by memory up to ~4-8 rows, FMA would save
+   nothing there, and from 9 rows the step uses oneDNN's GEMM.
 
    Part of the library mimir_kernels/_cpu_step (mimir_kernels/cpu_step.py). */
 
