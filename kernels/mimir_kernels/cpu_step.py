@@ -8,6 +8,10 @@
   2 cores (8 heads of 64, cached lengths 64-127) that half of a layer took 183 / 282 / 866 µs at
   1 / 8 / 32 rows, the C call 19 / 79 / 302 µs. The keys and values it caches are torch's bit for
   bit; its contexts differ from SDPA's by float rounding (another summation order).
+- :func:`rope_store` and :func:`gate` (``csrc/cache_attention.c``): the same work for joining
+  prompts around torch's SDPA, which attends a prompt's tokens to each other faster than a
+  token-by-token loop: RoPE on the queries and keys and the cache's writes in one call, the
+  output gate in another, where torch ran six operations.
 - :func:`rms_norm` (``csrc/rms_norm.c``): the model's parameterless RMSNorm, where torch's CPU
   ``rms_norm`` ran ~10 operations (~16-23 µs a call at 1-32 rows of 512, almost all dispatch).
   Equal to torch's to float rounding (the squares summed in another order).
@@ -71,6 +75,11 @@ def library() -> ctypes.CDLL | None:
     lib.mimir_cache_attention.restype = ctypes.c_int
     lib.mimir_cache_attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [
         ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+    lib.mimir_rope_store.restype = ctypes.c_int
+    lib.mimir_rope_store.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [
+        ctypes.c_int, ctypes.c_void_p]
+    lib.mimir_gate.restype = None
+    lib.mimir_gate.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mimir_small_gemm.restype = None
     lib.mimir_small_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -110,6 +119,41 @@ def cache_attention(lib: ctypes.CDLL, mixed: torch.Tensor, cos: torch.Tensor, si
     if failed:
         raise ValueError(f"cache_attention: {_ERRORS.get(failed, f'error {failed}')}")
     return out
+
+
+def rope_store(lib: ctypes.CDLL, mixed: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+               keys: torch.Tensor, values: torch.Tensor, row: torch.Tensor,
+               position: torch.Tensor) -> torch.Tensor:
+    """``[tokens, heads, head_dim]``: each token's query after RoPE; its key (after RoPE) and value
+    written into ``keys``, ``values`` at ``(row[t], position[t])``. Arguments as
+    :func:`cache_attention`'s."""
+    tokens, heads, four, head_dim = mixed.shape
+    rows_room, _, positions_room, _ = keys.shape
+    if (four != 4 or not _floats(mixed, cos, sin_signed, keys, values)
+            or any(t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (tokens,)
+                   for t in (row, position))
+            or cos.shape != (tokens, head_dim) or sin_signed.shape != cos.shape
+            or keys.shape != values.shape or keys.shape[1] != heads or keys.shape[3] != head_dim):
+        raise ValueError("rope_store: fp32 contiguous CPU tensors of the documented shapes, int64 indices")
+    queries = torch.empty(tokens, heads, head_dim)
+    failed = lib.mimir_rope_store(
+        mixed.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), keys.data_ptr(), values.data_ptr(),
+        row.data_ptr(), position.data_ptr(), tokens, heads, head_dim, rows_room, positions_room,
+        torch.get_num_threads(), queries.data_ptr())
+    if failed:
+        raise ValueError(f"rope_store: {_ERRORS.get(failed, f'error {failed}')}")
+    return queries
+
+
+def gate(lib: ctypes.CDLL, context: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+    """``context`` (``[tokens, heads * head_dim]``) times the sigmoid of each head's output gate
+    (``mixed[:, :, 1]``), in place; returned."""
+    tokens, heads, four, head_dim = mixed.shape
+    if four != 4 or context.shape != (tokens, heads * head_dim) or not _floats(context, mixed):
+        raise ValueError("gate: fp32 contiguous CPU tensors context [tokens, heads * head_dim], "
+                         "mixed [tokens, heads, 4, head_dim]")
+    lib.mimir_gate(context.data_ptr(), mixed.data_ptr(), tokens, heads, head_dim, torch.get_num_threads())
+    return context
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, eps: float) -> torch.Tensor:

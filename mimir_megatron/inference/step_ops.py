@@ -13,8 +13,8 @@ Two ways, the same arithmetic up to float rounding, picked per model by :func:`o
 - :class:`NativeOps`: fp32 models on the CPU where the install built the C kernels
   (``mimir_kernels.cpu_step``, ``backend.native_cpu_step_ops``): the decoding rows' attention
   half of a layer in one call, each row attending its own positions (no padding, no mask; the
-  cached keys and values bit for bit :class:`TorchOps`'s), the joining prompts through torch's
-  SDPA, and the norms in one call each.
+  cached keys and values bit for bit :class:`TorchOps`'s), the joining prompts' RoPE, cache writes
+  and gate in C around torch's SDPA, and the norms in one call each.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ class StepTokens:
     """The kernel's per decoding row (row, position, attended length), int64, built once a step."""
     prompts_alone: "StepTokens | None" = None
     """The joining prompts as a step of their own (their tokens first), when rows also decode."""
+    prompt_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The kernels' per prompt token (row, position), int64, built once a step."""
 
     @classmethod
     def of(cls, decode: DecodeRows | None, prompts: list[Prompts], rotary: RotaryTable) -> "StepTokens":
@@ -132,22 +134,30 @@ class TorchOps:
 
 class NativeOps(TorchOps):
     """The C kernels for an fp32 model: the norms, and the attention half of a layer for the
-    decoding rows' tokens; torch's SDPA for the joining prompts (a prompt's tokens attend each
-    other, where SDPA's blocked products beat the kernel's token-by-token loop from a few prompts
-    on: 1.35x at 32 prompts of 64 tokens, 3.3x at one of 512)."""
+    decoding rows' tokens; for the joining prompts RoPE, the cache's writes and the gate in C
+    around torch's SDPA (a prompt's tokens attend each other, where SDPA's blocked products beat
+    the kernel's token-by-token loop from a few prompts on: 1.35x at 32 prompts of 64 tokens,
+    3.3x at one of 512)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
 
     def prepare(self, step: StepTokens) -> None:
-        if step.decode is None:
+        n = 0
+        if step.decode is not None:
+            n = step.decode.count
+            lengths = step.decode.positions
+            step.decode_index = (torch.arange(n), lengths, lengths + 1)
+        if not step.prompts:
             return
-        n = step.decode.count
-        lengths = step.decode.positions
-        step.decode_index = (torch.arange(n), lengths, lengths + 1)
-        if step.prompts:
-            moved = [Prompts(g.first_row, g.count, g.length, g.offset - n) for g in step.prompts]
-            step.prompts_alone = StepTokens(None, moved, step.cos[n:], step.sin_signed[n:])
+        moved = [Prompts(g.first_row, g.count, g.length, g.offset - n) for g in step.prompts]
+        alone = StepTokens(None, moved, step.cos[n:], step.sin_signed[n:]) if n else step
+        alone.prompt_index = (
+            torch.cat([torch.arange(g.first_row, g.first_row + g.count).repeat_interleave(g.length)
+                       for g in moved]),
+            torch.cat([torch.arange(g.length).repeat(g.count) for g in moved]))
+        if n:
+            step.prompts_alone = alone
 
     def norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         return cpu_step.rms_norm(self._lib, x.contiguous(), eps)
@@ -155,15 +165,32 @@ class NativeOps(TorchOps):
     def attend(self, mixed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepTokens,
                scale: float | None, out_dtype: torch.dtype) -> torch.Tensor:
         if step.decode_index is None:
-            return super().attend(mixed, keys, values, step, scale, out_dtype)
+            return self._prompts(mixed.contiguous(), keys, values, step, scale)
         n = step.decode.count
         context = cpu_step.cache_attention(
             self._lib, mixed[:n].contiguous(), step.cos[:n], step.sin_signed[:n], keys, values,
             *step.decode_index, mixed.shape[-1] ** -0.5 if scale is None else scale)
         if step.prompts_alone is None:
             return context
-        prompts = super().attend(mixed[n:], keys, values, step.prompts_alone, scale, out_dtype)
+        prompts = self._prompts(mixed[n:].contiguous(), keys, values, step.prompts_alone, scale)
         return torch.cat((context, prompts))
+
+    def _prompts(self, mixed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepTokens,
+                 scale: float | None) -> torch.Tensor:
+        """The joining prompts' gated contexts: RoPE and the cache's writes in C, SDPA over each
+        run of equal-length prompts (their keys and values read back from the cache), the gate in C."""
+        tokens, heads, _, head_dim = mixed.shape
+        queries = cpu_step.rope_store(self._lib, mixed, step.cos, step.sin_signed, keys, values,
+                                      *step.prompt_index)
+        parts = []
+        for g in step.prompts:
+            q = queries[g.offset:g.offset + g.count * g.length].view(g.count, g.length, heads, head_dim)
+            rows = slice(g.first_row, g.first_row + g.count)
+            out = F.scaled_dot_product_attention(  # the prefix: bidirectional
+                q.transpose(1, 2), keys[rows, :, :g.length], values[rows, :, :g.length], scale=scale)
+            parts.append(out.transpose(1, 2).reshape(g.count * g.length, heads * head_dim))
+        context = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return cpu_step.gate(self._lib, context.contiguous(), mixed)
 
 
 def ops_for(device: torch.device, dtype: torch.dtype) -> TorchOps:

@@ -71,7 +71,7 @@ def _both(lengths, prompt_lengths, heads=4, head_dim=32, seed=0, scale=None):
     ([7, 7, 7], []),  # equal lengths: torch writes at one position, no mask
     ([1, 9, 4, 30, 2], []),  # different lengths: torch pads to the longest under a mask
     ([3, 12], [6, 6, 2]),  # decoding rows and joining prompts in one step
-    ([], [4, 9]),  # prompts alone: torch's operations for both
+    ([], [4, 9]),  # prompts alone: RoPE, the writes and the gate in C around SDPA
 ])
 def test_the_kernel_caches_torchs_keys_bit_for_bit_and_attends_as_sdpa_does(lengths, prompt_lengths):
     (expected, torch_keys, torch_values), (got, keys, values) = _both(lengths, prompt_lengths)
@@ -128,12 +128,20 @@ def test_the_kernel_refuses_what_would_write_outside_the_cache_in_one_line():
     with pytest.raises(ValueError, match="fp32 contiguous CPU tensors"):
         kernel.cache_attention(lib, mixed.double(), step.cos, step.sin_signed, keys, values, rows,
                                torch.tensor([4, 6]), attended, 0.3)
+    with pytest.raises(ValueError, match="^rope_store: a row, position or attended length outside"):
+        kernel.rope_store(lib, mixed, step.cos, step.sin_signed, keys, values, rows, positions)
+    with pytest.raises(ValueError, match="^rope_store: fp32 contiguous CPU tensors"):
+        kernel.rope_store(lib, mixed, step.cos, step.sin_signed, keys, values, rows, torch.tensor([4.0, 6.0]))
+    with pytest.raises(ValueError, match="^gate: fp32 contiguous CPU tensors"):
+        kernel.gate(lib, torch.zeros(2, 15), mixed)
     wide = torch.zeros(1, 1, 4, kernel.MAX_HEAD_DIM + 2)
     table = torch.zeros(1, kernel.MAX_HEAD_DIM + 2)
     cache = torch.zeros(1, 1, 4, kernel.MAX_HEAD_DIM + 2)
     with pytest.raises(ValueError, match="head width over 512"):
         kernel.cache_attention(lib, wide, table, table, cache, cache.clone(), torch.tensor([0]), torch.tensor([0]),
                                torch.tensor([1]), 0.3)
+    with pytest.raises(ValueError, match="head width over 512"):
+        kernel.rope_store(lib, wide, table, table, cache, cache.clone(), torch.tensor([0]), torch.tensor([0]))
 
 
 @needs_kernel

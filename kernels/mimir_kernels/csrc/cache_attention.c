@@ -129,3 +129,39 @@ int mimir_cache_attention(const float *mixed, const float *cos_, const float *si
     }
     return failed;
 }
+
+/* The joining prompts' half of that work around torch's SDPA: RoPE on each token's query (into
+   q_out, [tokens, heads, hd]) and key, its key and value written into the cache at (row[t],
+   position[t]). The attention between a prompt's tokens is SDPA's, whose blocked products beat a
+   token-by-token loop once a prompt is long; then mimir_gate. Returns 0, or 1 / 2 as
+   mimir_cache_attention. */
+__attribute__((visibility("default")))
+int mimir_rope_store(const float *mixed, const float *cos_, const float *sin_, float *keys, float *values,
+                     const int64_t *row, const int64_t *position, int64_t tokens, int64_t heads, int64_t hd,
+                     int64_t rows_room, int64_t positions_room, int threads, float *q_out) {
+    if (hd > MAX_HEAD_DIM || hd % 2 != 0) return 1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (row[t] < 0 || row[t] >= rows_room || position[t] < 0 || position[t] >= positions_room) return 2;
+    int64_t work = tokens * heads;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) if (work * hd >= 32768)
+    for (int64_t w = 0; w < work; w++) {
+        int64_t t = w / heads, h = w % heads;
+        int64_t at = ((row[t] * heads + h) * positions_room + position[t]) * hd;
+        rope_and_store(mixed + w * 4 * hd, cos_ + t * hd, sin_ + t * hd, hd, q_out + w * hd, keys + at,
+                       values + at);
+    }
+    return 0;
+}
+
+/* context [tokens, heads * hd] times the sigmoid of each head's output gate (mixed[t, h, 1]), in
+   place: the gate of mimir_cache_attention for contexts SDPA computed. */
+CLONES static void gate_head(float *restrict context, const float *restrict gate, int64_t hd) {
+    for (int64_t i = 0; i < hd; i++) context[i] = (1.f / (1.f + expf(-gate[i]))) * context[i];
+}
+
+__attribute__((visibility("default")))
+void mimir_gate(float *context, const float *mixed, int64_t tokens, int64_t heads, int64_t hd, int threads) {
+    int64_t work = tokens * heads;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) if (work * hd >= 32768)
+    for (int64_t w = 0; w < work; w++) gate_head(context + w * hd, mixed + (w * 4 + 1) * hd, hd);
+}
