@@ -93,6 +93,18 @@ def _floats(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
 
 
+def _check_attention(name: str, mixed: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                     keys: torch.Tensor, values: torch.Tensor, indices: tuple[torch.Tensor, ...]) -> None:
+    """The attention kernels' inputs as :func:`cache_attention` documents them, or a one-line
+    ValueError (the kernels take raw pointers: a wrong shape would read or write elsewhere)."""
+    tokens, heads, four, head_dim = mixed.shape
+    if (four != 4 or not _floats(mixed, cos, sin_signed, keys, values)
+            or any(t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (tokens,) for t in indices)
+            or cos.shape != (tokens, head_dim) or sin_signed.shape != cos.shape
+            or keys.shape != values.shape or keys.shape[1] != heads or keys.shape[3] != head_dim):
+        raise ValueError(f"{name}: fp32 contiguous CPU tensors of the documented shapes, int64 indices")
+
+
 def cache_attention(lib: ctypes.CDLL, mixed: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                     keys: torch.Tensor, values: torch.Tensor, row: torch.Tensor, position: torch.Tensor,
                     attended: torch.Tensor, scale: float) -> torch.Tensor:
@@ -102,15 +114,9 @@ def cache_attention(lib: ctypes.CDLL, mixed: torch.Tensor, cos: torch.Tensor, si
     ``[tokens, head_dim]``; ``keys``, ``values``: ``[rows, heads, positions, head_dim]``, written
     at ``(row[t], position[t])``; ``row``, ``position``, ``attended``: ``[tokens]`` int64. All fp32
     (the indices int64), contiguous and on the CPU."""
-    tokens, heads, four, head_dim = mixed.shape
+    _check_attention("cache_attention", mixed, cos, sin_signed, keys, values, (row, position, attended))
+    tokens, heads, _, head_dim = mixed.shape
     rows_room, _, positions_room, _ = keys.shape
-    indices = (row, position, attended)
-    if (four != 4 or not _floats(mixed, cos, sin_signed, keys, values)
-            or any(t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (tokens,) for t in indices)
-            or cos.shape != (tokens, head_dim) or sin_signed.shape != cos.shape
-            or keys.shape != values.shape or keys.shape[1] != heads or keys.shape[3] != head_dim):
-        raise ValueError("cache_attention: fp32 contiguous CPU tensors of the documented shapes, "
-                         "int64 indices")
     out = torch.empty(tokens, heads * head_dim)
     failed = lib.mimir_cache_attention(
         mixed.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), keys.data_ptr(), values.data_ptr(),
@@ -127,14 +133,9 @@ def rope_store(lib: ctypes.CDLL, mixed: torch.Tensor, cos: torch.Tensor, sin_sig
     """``[tokens, heads, head_dim]``: each token's query after RoPE; its key (after RoPE) and value
     written into ``keys``, ``values`` at ``(row[t], position[t])``. Arguments as
     :func:`cache_attention`'s."""
-    tokens, heads, four, head_dim = mixed.shape
+    _check_attention("rope_store", mixed, cos, sin_signed, keys, values, (row, position))
+    tokens, heads, _, head_dim = mixed.shape
     rows_room, _, positions_room, _ = keys.shape
-    if (four != 4 or not _floats(mixed, cos, sin_signed, keys, values)
-            or any(t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (tokens,)
-                   for t in (row, position))
-            or cos.shape != (tokens, head_dim) or sin_signed.shape != cos.shape
-            or keys.shape != values.shape or keys.shape[1] != heads or keys.shape[3] != head_dim):
-        raise ValueError("rope_store: fp32 contiguous CPU tensors of the documented shapes, int64 indices")
     queries = torch.empty(tokens, heads, head_dim)
     failed = lib.mimir_rope_store(
         mixed.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), keys.data_ptr(), values.data_ptr(),
