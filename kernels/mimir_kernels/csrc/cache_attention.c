@@ -29,6 +29,9 @@
 
 #define MAX_HEAD_DIM 512
 
+/* The output gate: x times the sigmoid of its gate value (decoding rows and prompts alike). */
+static inline float gated(float x, float gate) { return (1.f / (1.f + expf(-gate))) * x; }
+
 /* RoPE one head's query (into q_out) and key (into the cache at k_out), copy its value (v_out). */
 CLONES static void rope_and_store(const float *restrict m, const float *restrict cos_, const float *restrict sin_,
                                   int64_t hd, float *restrict q_out, float *restrict k_out,
@@ -77,7 +80,7 @@ CLONES static void attend(float *restrict out, const float *restrict gate, const
 #pragma omp simd
         for (int64_t i = 0; i < hd; i++) acc[i] += w * v[i];
     }
-    for (int64_t i = 0; i < hd; i++) out[i] = (1.f / (1.f + expf(-gate[i]))) * (acc[i] / sum);
+    for (int64_t i = 0; i < hd; i++) out[i] = gated(acc[i] / sum, gate[i]);
 }
 
 /* The step's `tokens` tokens, token t of cache row row[t] at position position[t], attending that
@@ -156,7 +159,7 @@ int mimir_rope_store(const float *mixed, const float *cos_, const float *sin_, f
 /* context [tokens, heads * hd] times the sigmoid of each head's output gate (mixed[t, h, 1]), in
    place: the gate of mimir_cache_attention for contexts SDPA computed. */
 CLONES static void gate_head(float *restrict context, const float *restrict gate, int64_t hd) {
-    for (int64_t i = 0; i < hd; i++) context[i] = (1.f / (1.f + expf(-gate[i]))) * context[i];
+    for (int64_t i = 0; i < hd; i++) context[i] = gated(context[i], gate[i]);
 }
 
 __attribute__((visibility("default")))
