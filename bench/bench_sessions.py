@@ -20,7 +20,6 @@ import time
 from mimir_megatron.bench.shapes import SERVING_SHAPES
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SERVING_SHAPES), default="tiny")

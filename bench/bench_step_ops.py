@@ -15,9 +15,10 @@ mask), then decoding steps. Each round runs the session three ways, in turn in o
   engine runs.
 
 It prints the median decoding step of each (median over ``--steps`` steps, then over rounds),
-the ratios to ``torch``, and the prefill step of the joining prompts (every way through SDPA and
-oneDNN: a check that the kernels cost prompts nothing). The same comparison, end to end over HTTP, is
-``bench/bench_serve.py`` with ``--baseline-src`` on a checkout before the kernels.
+the ratios to ``torch``, and the prefill step of the joining prompts (their products oneDNN's
+every way; under ``ops`` and ``all`` their RoPE, cache writes and gate in C around SDPA). The
+same comparison, end to end over HTTP, is ``bench/bench_serve.py`` with ``--baseline-src`` on a
+checkout before the kernels.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import time
 import torch
 
 from mimir_megatron.bench.shapes import SERVING_SHAPES
-
 
 
 def main() -> None:
@@ -67,7 +67,7 @@ def main() -> None:
                 "all": (NativeOps(lib), NativeProducts(lib))}
 
     def session(rows: int, ops, products) -> tuple[float, float]:
-        step.ops, step._products = ops, products
+        step.ops, step.products = ops, products
         s = engine.open_session()
         g = torch.Generator().manual_seed(1)
         for i in range(rows):

@@ -67,7 +67,8 @@ class StepForward:
         self._stacks = {"L": self._layers(model.L), "H": self._layers(model.H)}
         self._exit_eps = {"L": model.L.final_layernorm.eps, "H": model.H.final_layernorm.eps}
         first = next(model.parameters())
-        self._products = products_for(first.device)
+        self.products: Products = products_for(first.device)
+        """The weight products (``inference/products.py``); a benchmark may swap them."""
         self.ops: TorchOps = ops_for(first.device, first.dtype)
         """The norms and attention (``inference/step_ops.py``); a benchmark may swap them."""
         self._compiled = None
@@ -137,7 +138,7 @@ class StepForward:
         z_H = self.model._embed(ids_t[None]).view(len(ids), -1)  # [tokens, hidden]
         step = StepTokens.of(decode, groups, rotary)
         self.ops.prepare(step)
-        z_H = self._recurrence(z_H, cache.buffers, plan.schedule, step, self._products, self.ops)
+        z_H = self._recurrence(z_H, cache.buffers, plan.schedule, step, self.products, self.ops)
         cache.commit([1] * decoding)
         cache.add_rows([len(p) for p in prompts])
         if not prompts:
