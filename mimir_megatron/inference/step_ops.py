@@ -143,21 +143,20 @@ class NativeOps(TorchOps):
         self._lib = lib
 
     def prepare(self, step: StepTokens) -> None:
-        n = 0
+        prompts = step  # the prompts' tokens first: the step itself, or a step of their own
         if step.decode is not None:
             n = step.decode.count
             lengths = step.decode.positions
             step.decode_index = (torch.arange(n), lengths, lengths + 1)
-        if not step.prompts:
-            return
-        moved = [Prompts(g.first_row, g.count, g.length, g.offset - n) for g in step.prompts]
-        alone = StepTokens(None, moved, step.cos[n:], step.sin_signed[n:]) if n else step
-        alone.prompt_index = (
-            torch.cat([torch.arange(g.first_row, g.first_row + g.count).repeat_interleave(g.length)
-                       for g in moved]),
-            torch.cat([torch.arange(g.length).repeat(g.count) for g in moved]))
-        if n:
-            step.prompts_alone = alone
+            if step.prompts:
+                moved = [Prompts(g.first_row, g.count, g.length, g.offset - n) for g in step.prompts]
+                prompts = step.prompts_alone = StepTokens(None, moved, step.cos[n:], step.sin_signed[n:])
+        if step.prompts:
+            groups = prompts.prompts
+            prompts.prompt_index = (
+                torch.cat([torch.arange(g.first_row, g.first_row + g.count).repeat_interleave(g.length)
+                           for g in groups]),
+                torch.cat([torch.arange(g.length).repeat(g.count) for g in groups]))
 
     def norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         return cpu_step.rms_norm(self._lib, x.contiguous(), eps)
@@ -179,7 +178,7 @@ class NativeOps(TorchOps):
                  scale: float | None) -> torch.Tensor:
         """The joining prompts' gated contexts: RoPE and the cache's writes in C, SDPA over each
         run of equal-length prompts (their keys and values read back from the cache), the gate in C."""
-        tokens, heads, _, head_dim = mixed.shape
+        heads, head_dim = mixed.shape[1], mixed.shape[3]
         queries = cpu_step.rope_store(self._lib, mixed, step.cos, step.sin_signed, keys, values,
                                       *step.prompt_index)
         parts = []
