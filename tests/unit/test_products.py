@@ -16,11 +16,10 @@ from mimir_kernels import cpu_step
 
 from mimir_megatron import backend
 from mimir_megatron.inference.products import NativeProducts, PrepackedProducts, Products, products_for
+from kernel_marks import needs_kernel
 from polling import wait_for
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
-needs_kernel = pytest.mark.skipif(os.environ.get("MIMIR_CPU_KERNELS", "").lower() == "torch",
-                                  reason="MIMIR_CPU_KERNELS=torch")
 
 
 def _weight(n: int = 96, k: int = 64) -> torch.nn.Parameter:

@@ -6,8 +6,6 @@ picked where they apply and built by the install; bad input refused in one line.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from mimir_kernels import cpu_step as kernel
@@ -15,9 +13,7 @@ from mimir_kernels import cpu_step as kernel
 from mimir_megatron.inference.kv_cache import KVCache
 from mimir_megatron.inference.step_ops import NativeOps, Prompts, StepTokens, TorchOps, ops_for
 from mimir_megatron.model.rope import RotaryTable, rotary_angles
-
-torch_only = os.environ.get("MIMIR_CPU_KERNELS", "").lower() == "torch"
-needs_kernel = pytest.mark.skipif(torch_only, reason="MIMIR_CPU_KERNELS=torch")
+from kernel_marks import needs_kernel
 
 
 @pytest.fixture
