@@ -29,6 +29,7 @@ import ctypes
 import functools
 import importlib
 import logging
+import re
 import threading
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -165,12 +166,45 @@ def prepacks_weights(device: torch.device) -> bool:
 
 
 def native_cpu_step_ops(device: torch.device) -> bool:
-    """Whether the inference step's norms, decoding attention and products at 1-8 rows on
-    ``device`` run the C kernels of ``mimir_kernels.cpu_step`` (fp32, where the install built them;
-    ``inference/step_ops.py``, ``inference/products.py``): on CPU, where torch's operations and
-    oneDNN's products cost ~1.2-2.3x the kernels' time per decoding step (dispatch, a padded and
-    masked SDPA, GEMMs that read one-row weights slower than a plain loop); on a GPU torch's."""
+    """Whether the inference step's norms, decoding attention and (where :func:`few_row_products`
+    picks them) products at 1-8 rows on ``device`` run the C kernels of ``mimir_kernels.cpu_step``
+    (fp32, where the install built them; ``inference/step_ops.py``, ``inference/products.py``): on
+    CPU, where torch's operations and oneDNN's products cost ~1.2-2.3x the kernels' time per
+    decoding step (dispatch, a padded and masked SDPA, GEMMs that read one-row weights slower than
+    a plain loop); on a GPU torch's."""
     return device.type == "cpu"
+
+
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's vendor id (GenuineIntel, AuthenticAMD; empty where ``cpuinfo`` does not say)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ""
+    found = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.MULTILINE)
+    return found.group(1) if found else ""
+
+
+def few_row_products(device: torch.device) -> str | None:
+    """The kernel of the inference step's fp32 weight products at a decoding step's 1-8 rows on
+    ``device`` (``inference/products.py``), or None for the GEMM of more rows:
+
+    - ``"mkl"`` on Intel CPUs where torch has MKL: its sgemm on the weights as stored (``F.linear``),
+      which MKL runs through its small-matrix path there. On the 2-core Xeon (AVX-512) its
+      decoding steps took 0.70-0.92x the C loop's at mid512 and 0.87-0.99x at tiny;
+    - ``"native"`` on other CPUs where the install built the C kernels (:func:`native_cpu_step_ops`):
+      ``mimir_kernels.cpu_step.small_gemm``, a loop that streams each weight once for every row.
+      MKL takes slower paths on other vendors' CPUs; on the AMD EPYC (AVX2) the loop's steps took
+      0.74-0.94x oneDNN's at mid512.
+
+    A choice by vendor, not by timing at start-up, so that a CPU of one kind always computes
+    the same tokens (docs/performance.md#serving has the measurements).
+    """
+    if device.type != "cpu":
+        return None
+    if cpu_vendor() == "GenuineIntel" and torch.backends.mkl.is_available():
+        return "mkl"
+    return "native" if native_cpu_step_ops(device) else None
 
 
 def run_in_own_thread(work: Callable[[], T], name: str = "mimir-load") -> T:

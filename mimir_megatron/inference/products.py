@@ -14,12 +14,15 @@ residual ``hidden + x W^T`` is added in oneDNN's epilogue (its binary post-op), 
 separate sum, 2-8 % faster a product at 1-64 rows.
 
 :func:`products_for` picks by the backend (``backend.prepacks_weights``): prepacked on CPU where
-torch has oneDNN, as stored elsewhere (cuBLAS reads the weights as they are). On CPU, where the
-install built the step's C kernels (``backend.native_cpu_step_ops``), a decoding step's products
-at 1-:attr:`NativeProducts.MAX_ROWS` rows go to ``mimir_kernels.cpu_step.small_gemm`` instead: a
-loop that streams each weight once for every row, 1.3-1.6x faster there than oneDNN's GEMM at
-mid512, 1.8-3.5x at tiny (``bench/bench_linear.py``; docs/performance.md#serving); from 12-16
-rows on oneDNN's is faster. A prepacked weight is a second copy of it (the model's own is kept:
+torch has oneDNN, as stored elsewhere (cuBLAS reads the weights as they are). On CPU a decoding
+step's products at 1-:attr:`FewRowProducts.MAX_ROWS` rows go to a kernel made for few rows, picked
+by the CPU's vendor (``backend.few_row_products``): on Intel CPUs MKL's sgemm on the weights as
+stored (:class:`MklProducts`; its decoding steps 0.70-0.92x the C loop's at mid512 there), on
+others, where the install built the step's C kernels, ``mimir_kernels.cpu_step.small_gemm``
+(:class:`NativeProducts`): a loop that streams each weight once for every row, 1.3-1.6x faster
+there than oneDNN's GEMM at mid512, 1.8-3.5x at tiny on the AMD EPYC (AVX2), where MKL takes slower
+paths (``bench/bench_linear.py``; docs/performance.md#serving); from 12-16 rows on oneDNN's is
+faster on both. A prepacked weight is a second copy of it (the model's own is kept:
 training, scoring and checkpoints read it), made at its first product and made again whenever
 the weight changed in place since (its version counter: an optimizer step, ``load_state_dict``).
 Results equal ``F.linear``'s to float rounding (oneDNN and the C loop sum in other orders), not bit
@@ -85,33 +88,55 @@ class PrepackedProducts(Products):
         return torch.ops.mkldnn._linear_pointwise.binary(x, hidden, self._prepacked(weight), None, "add")
 
 
-class NativeProducts(PrepackedProducts):
-    """fp32 products at 1-:attr:`MAX_ROWS` rows through the C kernel; the rest prepacked as above."""
+class FewRowProducts(PrepackedProducts):
+    """fp32 products of 1-:attr:`MAX_ROWS` contiguous rows through a kernel made for a decoding
+    step's few rows (:meth:`_few`); the rest prepacked as above."""
 
-    MAX_ROWS = 8  # the mid512 model's products, kernel against oneDNN: 0.63-0.76x at 1-8 rows, 1.3x at 16
+    MAX_ROWS = 8  # mid512's products against oneDNN's from 16 rows on: 1.3x (C loop, AMD), 1.27x (MKL, Intel)
+
+    def _applies_few(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (x.dim() == 2 and 0 < x.shape[0] <= self.MAX_ROWS and x.dtype == torch.float32
+                and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous())
+
+    def _few(self, x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self._applies_few(x, weight):
+            return super().linear(x, weight)
+        return self._few(x, weight)
+
+    def add_linear(self, hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not (self._applies_few(x, weight) and hidden.is_contiguous() and hidden.dtype == torch.float32):
+            return super().add_linear(hidden, x, weight)
+        return self._few(x, weight, hidden)
+
+
+class NativeProducts(FewRowProducts):
+    """A decoding step's few rows through the C loop (``mimir_kernels.cpu_step.small_gemm``):
+    each row's result independent of the rows beside it and of the thread count."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         super().__init__()
         self._lib = lib
 
-    def _native(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (x.dim() == 2 and 0 < x.shape[0] <= self.MAX_ROWS and x.dtype == torch.float32
-                and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous())
+    def _few(self, x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        return cpu_step.small_gemm(self._lib, x, weight, add)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not self._native(x, weight):
-            return super().linear(x, weight)
-        return cpu_step.small_gemm(self._lib, x, weight)
 
-    def add_linear(self, hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not (self._native(x, weight) and hidden.is_contiguous() and hidden.dtype == torch.float32):
-            return super().add_linear(hidden, x, weight)
-        return cpu_step.small_gemm(self._lib, x, weight, hidden)
+class MklProducts(FewRowProducts):
+    """A decoding step's few rows through MKL's sgemm on the weights as stored (Intel CPUs)."""
+
+    def _few(self, x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        return Products.linear(self, x, weight) if add is None else Products.add_linear(self, add, x, weight)
 
 
 def products_for(device: torch.device) -> Products:
     """The products the inference step uses on ``device`` (module docstring)."""
     if not backend.prepacks_weights(device):
         return Products()
-    lib = cpu_step.library() if backend.native_cpu_step_ops(device) else None
+    kernel = backend.few_row_products(device)
+    if kernel == "mkl":
+        return MklProducts()
+    lib = cpu_step.library() if kernel == "native" else None
     return NativeProducts(lib) if lib is not None else PrepackedProducts()

@@ -187,12 +187,8 @@ def cpu_kind() -> str:
 
 def cpu_vendor() -> str:
     """The CPU's vendor id (GenuineIntel, AuthenticAMD; empty where /proc/cpuinfo does not say)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    found = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.MULTILINE)
-    return found.group(1) if found else ""
+    from mimir_megatron.backend import cpu_vendor
+    return cpu_vendor()
 
 
 def recorded_cpu_kind() -> str:

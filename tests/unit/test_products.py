@@ -15,7 +15,13 @@ import torch.nn.functional as F
 from mimir_kernels import cpu_step
 
 from mimir_megatron import backend
-from mimir_megatron.inference.products import NativeProducts, PrepackedProducts, Products, products_for
+from mimir_megatron.inference.products import (
+    MklProducts,
+    NativeProducts,
+    PrepackedProducts,
+    Products,
+    products_for,
+)
 from kernel_marks import needs_kernel
 from polling import wait_for
 
@@ -148,14 +154,9 @@ def test_the_small_product_kernel_refuses_other_inputs_in_one_line():
             cpu_step.small_gemm(lib, x, w, add)
 
 
-@needs_kernel
-@needs_onednn
-def test_cpu_steps_send_one_to_eight_fp32_rows_to_the_kernel_and_more_to_onednn(monkeypatch):
-    products = products_for(torch.device("cpu"))
-    assert type(products) is NativeProducts
-    calls = []
-    kernel = cpu_step.small_gemm
-    monkeypatch.setattr(cpu_step, "small_gemm", lambda *a, **k: calls.append(a[1].shape[0]) or kernel(*a, **k))
+def _route_rows(products) -> None:
+    """1, 8, 9 and 33 fp32 rows, each result checked against ``F.linear``; then bf16 rows and
+    non-contiguous rows."""
     weight = _layer_weight(96, 64)
     with torch.no_grad():
         for rows in (1, 8, 9, 33):
@@ -165,7 +166,62 @@ def test_cpu_steps_send_one_to_eight_fp32_rows_to_the_kernel_and_more_to_onednn(
                                        rtol=1e-5, atol=1e-5)
         products.linear(torch.randn(4, 64, dtype=torch.bfloat16), weight.to(torch.bfloat16))
         products.linear(torch.randn(64, 4).t(), weight)  # not contiguous: oneDNN's
+
+
+@needs_kernel
+@needs_onednn
+def test_native_products_send_one_to_eight_fp32_rows_to_the_c_loop_and_more_to_onednn(monkeypatch):
+    calls = []
+    kernel = cpu_step.small_gemm
+    monkeypatch.setattr(cpu_step, "small_gemm", lambda *a, **k: calls.append(a[1].shape[0]) or kernel(*a, **k))
+    _route_rows(NativeProducts(cpu_step.library()))
     assert calls == [1, 1, 8, 8]
+
+
+@needs_onednn
+def test_mkl_products_send_one_to_eight_fp32_rows_to_the_weights_as_stored(monkeypatch):
+    """The few rows' results are F.linear's and addmm's bit for bit: MKL's sgemm, not oneDNN's."""
+    products, weight = MklProducts(), _layer_weight(96, 64)
+    x, hidden = torch.randn(8, 64), torch.randn(8, 96)
+    with torch.no_grad():
+        assert torch.equal(products.linear(x, weight), F.linear(x, weight))
+        assert torch.equal(products.add_linear(hidden, x, weight), torch.addmm(hidden, x, weight.t()))
+    calls = []
+    linear, add_linear = Products.linear, Products.add_linear
+    monkeypatch.setattr(Products, "linear", lambda self, x, w: calls.append(x.shape[0]) or linear(self, x, w))
+    monkeypatch.setattr(Products, "add_linear",
+                        lambda self, h, x, w: calls.append(x.shape[0]) or add_linear(self, h, x, w))
+    _route_rows(products)
+    assert calls == [1, 1, 8, 8, 4]  # and the bf16 product: as stored, not oneDNN's fp32 layout
+
+
+@needs_onednn
+@pytest.mark.parametrize(("vendor", "kernels", "chosen"), [
+    ("GenuineIntel", "", MklProducts),
+    ("AuthenticAMD", "", NativeProducts),
+    ("", "", NativeProducts),  # /proc/cpuinfo silent
+    ("AuthenticAMD", "torch", PrepackedProducts),  # the C kernels turned off
+])
+def test_the_few_rows_kernel_is_picked_by_the_cpus_vendor(monkeypatch, vendor, kernels, chosen):
+    monkeypatch.setattr(backend, "cpu_vendor", lambda: vendor)
+    monkeypatch.setenv("MIMIR_CPU_KERNELS", kernels)
+    cpu_step.library.cache_clear()
+    try:
+        if chosen is NativeProducts and cpu_step.library() is None:
+            pytest.skip("the C kernels are not built")
+        assert type(products_for(torch.device("cpu"))) is chosen
+    finally:
+        cpu_step.library.cache_clear()
+    assert backend.few_row_products(torch.device("meta")) is None
+
+
+def test_cpu_vendor_reads_proc_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n")
+    assert backend.cpu_vendor(cpuinfo) == "GenuineIntel"
+    cpuinfo.write_text("processor\t: 0\nisa\t\t: rv64imafdc\n")  # no vendor_id (RISC-V, some ARM)
+    assert backend.cpu_vendor(cpuinfo) == ""
+    assert backend.cpu_vendor(tmp_path / "missing") == ""
 
 
 @pytest.mark.skipif(backend.has_gpu(), reason="on a GPU the work runs in the caller's thread")
