@@ -179,8 +179,9 @@ def test_native_products_send_one_to_eight_fp32_rows_to_the_c_loop_and_more_to_o
 
 
 @needs_onednn
-def test_mkl_products_send_one_to_eight_fp32_rows_to_the_weights_as_stored(monkeypatch):
-    """The few rows' results are F.linear's and addmm's bit for bit: MKL's sgemm, not oneDNN's."""
+def test_mkl_products_send_few_rows_and_small_weights_to_the_weights_as_stored(monkeypatch):
+    """The few rows' results are F.linear's and addmm's bit for bit: MKL's sgemm, not oneDNN's;
+    more rows too for a weight under 2 MiB, oneDNN's for a larger one."""
     products, weight = MklProducts(), _layer_weight(96, 64)
     x, hidden = torch.randn(8, 64), torch.randn(8, 96)
     with torch.no_grad():
@@ -191,8 +192,14 @@ def test_mkl_products_send_one_to_eight_fp32_rows_to_the_weights_as_stored(monke
     monkeypatch.setattr(Products, "linear", lambda self, x, w: calls.append(x.shape[0]) or linear(self, x, w))
     monkeypatch.setattr(Products, "add_linear",
                         lambda self, h, x, w: calls.append(x.shape[0]) or add_linear(self, h, x, w))
-    _route_rows(products)
-    assert calls == [1, 1, 8, 8, 4]  # and the bf16 product: as stored, not oneDNN's fp32 layout
+    _route_rows(products)  # a weight in the caches: every product as stored, bf16 and non-contiguous too
+    assert calls == [1, 1, 8, 8, 9, 9, 33, 33, 4, 4]
+    calls.clear()
+    big, x = _layer_weight(1024, 512), torch.randn(9, 512)  # 2 MiB: streams from memory
+    with torch.no_grad():
+        torch.testing.assert_close(products.linear(x, big), F.linear(x, big), rtol=1e-5, atol=1e-5)
+        products.linear(x[:8], big)
+    assert calls == [8]  # 9 rows of it: oneDNN's
 
 
 @needs_onednn
