@@ -16,15 +16,15 @@ separate sum, 2-8 % faster a product at 1-64 rows.
 :func:`products_for` picks by the backend (``backend.prepacks_weights``): prepacked on CPU where
 torch has oneDNN, as stored elsewhere (cuBLAS reads the weights as they are). On CPU a decoding
 step's products at 1-:attr:`FewRowProducts.MAX_ROWS` rows go to a kernel made for few rows, picked
-by the CPU's vendor (``backend.few_row_products``): on Intel CPUs MKL's sgemm on the weights as
-stored (:class:`MklProducts`; its decoding steps 0.70-0.92x the C loop's at mid512 there; there
-weights under 2 MiB take it at every row count), on
-others, where the install built the step's C kernels, ``mimir_kernels.cpu_step.small_gemm``
-(:class:`NativeProducts`): a loop that streams each weight once for every row, 1.3-1.6x faster
-there than oneDNN's GEMM at mid512, 1.8-3.5x at tiny on the AMD EPYC (AVX2), where MKL takes slower
-paths (``bench/bench_linear.py``; docs/performance.md#serving); from 12-16 rows on oneDNN's is
-faster on both. A prepacked weight is a second copy of it (the model's own is kept:
-training, scoring and checkpoints read it), made at its first product and made again whenever
+by the CPU's vendor (``backend.few_row_products``). On Intel CPUs: MKL's sgemm on the weights as
+stored (:class:`MklProducts`; its decoding steps took 0.70-0.92x the C loop's at mid512 there),
+which weights under 2 MiB also take at every row count. On others, where the install built the
+step's C kernels: ``mimir_kernels.cpu_step.small_gemm`` (:class:`NativeProducts`), a loop that
+streams each weight once for every row, 1.3-1.6x faster than oneDNN's GEMM at mid512, 1.8-3.5x at
+tiny on the AMD EPYC (AVX2), where MKL takes slower paths (``bench/bench_linear.py``;
+docs/performance.md#serving). From 12-16 rows on oneDNN's GEMM is faster on both. A prepacked
+weight is a second copy of it (the model's own is kept: training, scoring and checkpoints read
+it), made at its first product and made again whenever
 the weight changed in place since (its version counter: an optimizer step, ``load_state_dict``).
 Results equal ``F.linear``'s to float rounding (oneDNN and the C loop sum in other orders), not bit
 for bit.
