@@ -1,7 +1,7 @@
 """The inference step's CPU kernels against torch's operations and oneDNN's products, in the engine.
 
     .venv/bin/python bench/bench_step_ops.py [--shape tiny|mid512] [--rows 1,8,32] [--rounds 3]
-        [--steps 24] [--threads 2]
+        [--steps 24] [--threads 2] [--products]
 
 One random model of the shape; for each row count, a session of that many requests (prompts of
 64-79 tokens, so the rows' lengths differ as under real traffic and torch's attention needs its
@@ -11,8 +11,14 @@ mask), then decoding steps. Each round runs the session three ways, in turn in o
   under a mask, the gate, ``torch.rms_norm``) and ``PrepackedProducts`` (oneDNN's GEMM on
   prepacked weights, MKL's ``F.linear`` for one row of a small weight);
 - ``ops``: ``NativeOps`` (the attention half and the norms in C), the same products;
-- ``all``: ``NativeOps`` and ``NativeProducts`` (the products at 1-8 rows in C too), what the
-  engine runs.
+- ``all``: ``NativeOps`` and the products ``products_for`` picks on this CPU, what the engine
+  runs (the products at 1-8 rows through a kernel for few rows: MKL's sgemm on Intel CPUs, the
+  C loop on others; the script names it).
+
+With ``--products`` it compares the few rows' kernels instead, all with ``NativeOps``:
+``onednn`` (``PrepackedProducts``), ``c_loop`` (``NativeProducts``) and ``mkl``
+(``MklProducts``), the prefill steps likewise (``mkl`` also takes a weight under 2 MiB at every
+row count).
 
 It prints the median decoding step of each (median over ``--steps`` steps, then over rounds),
 the ratios to ``torch``, and the prefill step of the joining prompts (their products oneDNN's
@@ -39,6 +45,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=24, help="decoding steps timed per session")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--products", action="store_true",
+                        help="compare the few rows' product kernels (oneDNN, C loop, MKL) instead")
     args = parser.parse_args()
 
     from mimir_megatron.process import setup_process
@@ -49,7 +57,7 @@ def main() -> None:
 
     from mimir_megatron.bench.shapes import model_config
     from mimir_megatron.inference import GenerationRequest, InferenceEngine, SamplingParams
-    from mimir_megatron.inference.products import NativeProducts, PrepackedProducts
+    from mimir_megatron.inference.products import MklProducts, NativeProducts, PrepackedProducts, products_for
     from mimir_megatron.inference.step_ops import NativeOps, TorchOps
     from mimir_megatron.model import build_model
 
@@ -63,8 +71,13 @@ def main() -> None:
     step = engine.step_forward
     if step is None:
         raise SystemExit("bench_step_ops: this model runs megatron's recurrence, not the flattened step")
-    variants = {"torch": (TorchOps(), PrepackedProducts()), "ops": (NativeOps(lib), PrepackedProducts()),
-                "all": (NativeOps(lib), NativeProducts(lib))}
+    if args.products:
+        variants = {"onednn": (NativeOps(lib), PrepackedProducts()),
+                    "c_loop": (NativeOps(lib), NativeProducts(lib)), "mkl": (NativeOps(lib), MklProducts())}
+    else:
+        engine_products = products_for(torch.device("cpu"))
+        variants = {"torch": (TorchOps(), PrepackedProducts()), "ops": (NativeOps(lib), PrepackedProducts()),
+                    "all": (NativeOps(lib), engine_products)}
 
     def session(rows: int, ops, products) -> tuple[float, float]:
         step.ops, step.products = ops, products
@@ -86,11 +99,15 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e3, prefill * 1e3
 
+    names = list(variants)
+    first, others = names[0], names[1:]
     print(f"{args.shape}, {args.threads} threads, medians of {args.rounds} alternated rounds "
           f"of {args.steps} decoding steps")
-    print("| rows | torch ms/step | ops ms/step | all ms/step | ops / torch | all / torch "
-          "| prefill torch / ops / all ms |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    if not args.products:
+        print(f"all: {type(engine_products).__name__} (products_for on this CPU)")
+    print("| rows | " + " | ".join(f"{n} ms/step" for n in names) + " | "
+          + " | ".join(f"{n} / {first}" for n in others) + f" | prefill {' / '.join(names)} ms |")
+    print("| ---: |" + " ---: |" * (2 * len(names)))
     for rows in (int(r) for r in args.rows.split(",")):
         decode = {name: [] for name in variants}
         prefill = {name: [] for name in variants}
@@ -101,10 +118,9 @@ def main() -> None:
                 prefill[name].append(p)
         d = {name: statistics.median(v) for name, v in decode.items()}
         p = {name: statistics.median(v) for name, v in prefill.items()}
-        print(f"| {rows} | {d['torch']:.2f} | {d['ops']:.2f} | {d['all']:.2f} | {d['ops'] / d['torch']:.2f} "
-              f"| {d['all'] / d['torch']:.2f} | {p['torch']:.1f} / {p['ops']:.1f} / {p['all']:.1f} |",
-              flush=True)
-
+        print(f"| {rows} | " + " | ".join(f"{d[n]:.2f}" for n in names) + " | "
+              + " | ".join(f"{d[n] / d[first]:.2f}" for n in others) + " | "
+              + " / ".join(f"{p[n]:.1f}" for n in names) + " |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -16,18 +16,21 @@ separate sum, 2-8 % faster a product at 1-64 rows.
 :func:`products_for` picks by the backend (``backend.prepacks_weights``): prepacked on CPU where
 torch has oneDNN, as stored elsewhere (cuBLAS reads the weights as they are). On CPU a decoding
 step's products at 1-:attr:`FewRowProducts.MAX_ROWS` rows go to a kernel made for few rows, picked
-by the CPU's vendor (``backend.few_row_products``). On Intel CPUs: MKL's sgemm on the weights as
-stored (:class:`MklProducts`; its decoding steps took 0.70-0.92x the C loop's at mid512 there),
-which weights under 2 MiB also take at every row count. On others, where the install built the
-step's C kernels: ``mimir_kernels.cpu_step.small_gemm`` (:class:`NativeProducts`), a loop that
-streams each weight once for every row, 1.3-1.6x faster than oneDNN's GEMM at mid512, 1.8-3.5x at
-tiny on the AMD EPYC (AVX2), where MKL takes slower paths (``bench/bench_linear.py``;
-docs/performance.md#serving). From 12-16 rows on oneDNN's GEMM is faster on both. A prepacked
-weight is a second copy of it (the model's own is kept: training, scoring and checkpoints read
-it), made at its first product and made again whenever
-the weight changed in place since (its version counter: an optimizer step, ``load_state_dict``).
-Results equal ``F.linear``'s to float rounding (oneDNN and the C loop sum in other orders), not bit
-for bit.
+by the CPU's vendor (``backend.few_row_products``):
+
+- on Intel CPUs, MKL's sgemm on the weights as stored (:class:`MklProducts`; its decoding steps
+  took 0.70-0.92x the C loop's at mid512 there): a weight under 2 MiB at every row count, a larger
+  one at 1-3 rows (oneDNN's GEMM from 4);
+- on others, where the install built the step's C kernels, ``mimir_kernels.cpu_step.small_gemm``
+  (:class:`NativeProducts`): a loop that streams each weight once for every row, 1.3-1.6x faster
+  than oneDNN's GEMM at mid512, 1.8-3.5x at tiny on the AMD EPYC (AVX2), where MKL takes slower
+  paths (``bench/bench_linear.py``; docs/performance.md#serving). From 12-16 rows on oneDNN's
+  GEMM is faster.
+
+A prepacked weight is a second copy of it (the model's own is kept: training, scoring and
+checkpoints read it), made at its first product and made again whenever the weight changed in
+place since (its version counter: an optimizer step, ``load_state_dict``). Results equal
+``F.linear``'s to float rounding (oneDNN and the C loop sum in other orders), not bit for bit.
 """
 
 from __future__ import annotations
@@ -130,10 +133,18 @@ class NativeProducts(FewRowProducts):
 
 
 class MklProducts(FewRowProducts):
-    """A decoding step's few rows through MKL's sgemm on the weights as stored (Intel CPUs), and
-    every product of a weight under :attr:`ONE_ROW_MIN_BYTES`, which stays in the caches: there
+    """A decoding step's few rows through MKL's sgemm on the weights as stored (Intel CPUs): 1-8
+    rows of a weight under :attr:`ONE_ROW_MIN_BYTES`, 1-:attr:`STREAMED_MAX_ROWS` of a larger one.
+    And every product of a weight under :attr:`ONE_ROW_MIN_BYTES`, which stays in the caches: there
     MKL's is faster at any row count too (the tiny model's prompt of 64 tokens: 0.80x oneDNN's
     prefill; 16 and 32 decoding rows 0.90-0.96x; 32 prompts at once 0.89-1.07x, within the noise)."""
+
+    STREAMED_MAX_ROWS = 3  # a weight of 2 MiB or more: MKL at 1-3 rows, oneDNN's GEMM from 4
+
+    def _applies_few(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        # mid512's steps against oneDNN on every product: 0.75-0.80x at 1-3 rows, 1.00-1.11x at 4-8
+        return super()._applies_few(x, weight) and (x.shape[0] <= self.STREAMED_MAX_ROWS
+                                                    or not self._streams(weight))
 
     def _applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return super()._applies(x, weight) and self._streams(weight)

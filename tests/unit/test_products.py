@@ -181,7 +181,7 @@ def test_native_products_send_one_to_eight_fp32_rows_to_the_c_loop_and_more_to_o
 @needs_onednn
 def test_mkl_products_send_few_rows_and_small_weights_to_the_weights_as_stored(monkeypatch):
     """The few rows' results are F.linear's and addmm's bit for bit: MKL's sgemm, not oneDNN's;
-    more rows too for a weight under 2 MiB, oneDNN's for a larger one."""
+    more rows too for a weight under 2 MiB; a larger one from 4 rows on oneDNN's."""
     products, weight = MklProducts(), _layer_weight(96, 64)
     x, hidden = torch.randn(8, 64), torch.randn(8, 96)
     with torch.no_grad():
@@ -197,9 +197,10 @@ def test_mkl_products_send_few_rows_and_small_weights_to_the_weights_as_stored(m
     calls.clear()
     big, x = _layer_weight(1024, 512), torch.randn(9, 512)  # 2 MiB: streams from memory
     with torch.no_grad():
-        torch.testing.assert_close(products.linear(x, big), F.linear(x, big), rtol=1e-5, atol=1e-5)
-        products.linear(x[:8], big)
-    assert calls == [8]  # 9 rows of it: oneDNN's
+        for rows in (9, 4, 3):
+            torch.testing.assert_close(products.linear(x[:rows], big), F.linear(x[:rows], big),
+                                       rtol=1e-5, atol=1e-5)
+    assert calls == [3]  # 4 and 9 rows of it: oneDNN's
 
 
 @needs_onednn
