@@ -83,6 +83,22 @@ CLONES static void attend(float *restrict out, const float *restrict gate, const
     for (int64_t i = 0; i < hd; i++) out[i] = gated(acc[i] / sum, gate[i]);
 }
 
+/* Whether (row, position) lies inside the cache's buffers of rows_room x positions_room. */
+static inline int in_cache(int64_t row, int64_t position, int64_t rows_room, int64_t positions_room) {
+    return row >= 0 && row < rows_room && position >= 0 && position < positions_room;
+}
+
+/* Work item w = (token w / heads, head w % heads) of a step: RoPE its query into q_out + w * hd, its
+   key and its value into the cache at (row[t], position[t]). */
+static inline void store_item(int64_t w, const float *mixed, const float *cos_, const float *sin_,
+                              float *keys, float *values, const int64_t *row, const int64_t *position,
+                              int64_t heads, int64_t hd, int64_t positions_room, float *q_out) {
+    int64_t t = w / heads, h = w % heads;
+    int64_t at = ((row[t] * heads + h) * positions_room + position[t]) * hd;
+    rope_and_store(mixed + w * 4 * hd, cos_ + t * hd, sin_ + t * hd, hd, q_out + w * hd, keys + at,
+                   values + at);
+}
+
 /* The step's `tokens` tokens, token t of cache row row[t] at position position[t], attending that
    row's positions [0, attended[t]). mixed: [tokens, heads, 4, hd] (q, gate, k, v per head);
    cos_, sin_: [tokens, hd] (sin with rotate-half's signs); keys, values: [rows_room, heads,
@@ -99,8 +115,8 @@ int mimir_cache_attention(const float *mixed, const float *cos_, const float *si
     if (hd > MAX_HEAD_DIM || hd % 2 != 0) return 1;
     int64_t longest = 1;
     for (int64_t t = 0; t < tokens; t++) {
-        if (row[t] < 0 || row[t] >= rows_room || position[t] < 0 || position[t] >= positions_room ||
-            attended[t] < 1 || attended[t] > positions_room)
+        if (!in_cache(row[t], position[t], rows_room, positions_room) || attended[t] < 1 ||
+            attended[t] > positions_room)
             return 2;
         longest = attended[t] > longest ? attended[t] : longest;
     }
@@ -109,12 +125,9 @@ int mimir_cache_attention(const float *mixed, const float *cos_, const float *si
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t w = 0; w < work; w++) {
-            int64_t t = w / heads, h = w % heads;
-            int64_t at = ((row[t] * heads + h) * positions_room + position[t]) * hd;
-            rope_and_store(mixed + w * 4 * hd, cos_ + t * hd, sin_ + t * hd, hd, out + w * hd, keys + at,
-                           values + at);
-        }  /* the loop's barrier: every key is stored before any token attends */
+        for (int64_t w = 0; w < work; w++)
+            store_item(w, mixed, cos_, sin_, keys, values, row, position, heads, hd, positions_room, out);
+        /* the loop's barrier: every key is stored before any token attends */
         float *scores = malloc(sizeof(float) * (size_t)longest);
         if (scores == NULL) {
 #pragma omp atomic write
@@ -144,15 +157,11 @@ int mimir_rope_store(const float *mixed, const float *cos_, const float *sin_, f
                      int64_t rows_room, int64_t positions_room, int threads, float *q_out) {
     if (hd > MAX_HEAD_DIM || hd % 2 != 0) return 1;
     for (int64_t t = 0; t < tokens; t++)
-        if (row[t] < 0 || row[t] >= rows_room || position[t] < 0 || position[t] >= positions_room) return 2;
+        if (!in_cache(row[t], position[t], rows_room, positions_room)) return 2;
     int64_t work = tokens * heads;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) if (work * hd >= 32768)
-    for (int64_t w = 0; w < work; w++) {
-        int64_t t = w / heads, h = w % heads;
-        int64_t at = ((row[t] * heads + h) * positions_room + position[t]) * hd;
-        rope_and_store(mixed + w * 4 * hd, cos_ + t * hd, sin_ + t * hd, hd, q_out + w * hd, keys + at,
-                       values + at);
-    }
+    for (int64_t w = 0; w < work; w++)
+        store_item(w, mixed, cos_, sin_, keys, values, row, position, heads, hd, positions_room, q_out);
     return 0;
 }
 
