@@ -182,13 +182,9 @@ def cpu_kind() -> str:
     and the CPU's vendor, since the BLAS library picks its own kernels by vendor too (an AMD
     and an Intel CPU, both AVX512 to torch, ended the demo 0.007 apart in exact match)."""
     import torch
-    return f"{torch.backends.cpu.get_cpu_capability()} {cpu_vendor()}".strip()
 
-
-def cpu_vendor() -> str:
-    """The CPU's vendor id (GenuineIntel, AuthenticAMD; empty where /proc/cpuinfo does not say)."""
     from mimir_megatron.backend import cpu_vendor
-    return cpu_vendor()
+    return f"{torch.backends.cpu.get_cpu_capability()} {cpu_vendor()}".strip()
 
 
 def recorded_cpu_kind() -> str:
