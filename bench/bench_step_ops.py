@@ -71,9 +71,11 @@ def main() -> None:
     step = engine.step_forward
     if step is None:
         raise SystemExit("bench_step_ops: this model runs megatron's recurrence, not the flattened step")
-    if args.products:
+    if args.products:  # each kernel at every few-row count, whatever the weight's size
+        rows = NativeProducts.MAX_ROWS
         variants = {"onednn": (NativeOps(lib), PrepackedProducts()),
-                    "c_loop": (NativeOps(lib), NativeProducts(lib)), "mkl": (NativeOps(lib), MklProducts())}
+                    "c_loop": (NativeOps(lib), NativeProducts(lib, rows)),
+                    "mkl": (NativeOps(lib), MklProducts(rows))}
     else:
         engine_products = products_for(torch.device("cpu"))
         variants = {"torch": (TorchOps(), PrepackedProducts()), "ops": (NativeOps(lib), PrepackedProducts()),
@@ -104,7 +106,9 @@ def main() -> None:
     print(f"{args.shape}, {args.threads} threads, medians of {args.rounds} alternated rounds "
           f"of {args.steps} decoding steps")
     if not args.products:
-        print(f"all: {type(engine_products).__name__} (products_for on this CPU)")
+        few = getattr(engine_products, "streamed_max_rows", None)
+        print(f"all: {type(engine_products).__name__} (products_for on this CPU"
+              + (f"; a weight of 2 MiB or more at 1-{few} rows)" if few else ")"))
     print("| rows | " + " | ".join(f"{n} ms/step" for n in names) + " | "
           + " | ".join(f"{n} / {first}" for n in others) + f" | prefill {' / '.join(names)} ms |")
     print("| ---: |" + " ---: |" * (2 * len(names)))

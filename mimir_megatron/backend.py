@@ -32,7 +32,7 @@ import logging
 import re
 import threading
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
 
@@ -185,26 +185,41 @@ def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return found.group(1) if found else ""
 
 
-def few_row_products(device: torch.device) -> str | None:
+class FewRowKernel(NamedTuple):
+    """The kernel of a decoding step's few-row products on this CPU (:func:`few_row_products`)."""
+
+    name: str
+    """``"mkl"`` or ``"native"`` (``inference/products.py``'s ``MklProducts``, ``NativeProducts``)."""
+    streamed_max_rows: int
+    """The most rows it takes of a weight of 2 MiB or more (one that streams from memory); oneDNN's
+    GEMM takes more. A smaller weight, in the caches, goes to it at every few-row count."""
+
+
+def few_row_products(device: torch.device) -> FewRowKernel | None:
     """The kernel of the inference step's fp32 weight products at a decoding step's 1-8 rows on
     ``device`` (``inference/products.py``), or None for the GEMM of more rows:
 
     - ``"mkl"`` on Intel CPUs where torch has MKL: its sgemm on the weights as stored (``F.linear``),
       which MKL runs through its small-matrix path there. On the 2-core Xeon (AVX-512) its
-      decoding steps took 0.70-0.92x the C loop's at mid512 and 0.87-0.99x at tiny;
+      decoding steps took 0.70-0.92x the C loop's at mid512 and 0.87-0.99x at tiny; for mid512's
+      weights, which stream from memory, oneDNN's GEMM was as fast from 4 rows on;
     - ``"native"`` on other CPUs where the install built the C kernels (:func:`native_cpu_step_ops`):
       ``mimir_kernels.cpu_step.small_gemm``, a loop that streams each weight once for every row.
-      MKL takes slower paths on other vendors' CPUs; on the AMD EPYC (AVX2) the loop's steps took
-      0.74-0.94x oneDNN's at mid512.
+      MKL takes slower paths on other vendors' CPUs. On the AMD EPYC with AVX2 the loop's steps
+      took 0.74-0.94x oneDNN's at mid512 up to 8 rows. With AVX-512, where oneDNN's GEMM computes
+      16 floats an instruction and the loop 8, 0.52-0.93x at 1-4 rows and 1.17-1.34x at 6-8, so
+      there a streamed weight takes the loop at 1-4 rows only.
 
-    A choice by vendor, not by timing at start-up, so that a CPU of one kind always computes
-    the same tokens (docs/performance.md#serving has the measurements).
+    A choice by the CPU's kind, not by timing at start-up, so that a CPU of one kind always
+    computes the same tokens (docs/performance.md#serving has the measurements).
     """
     if device.type != "cpu":
         return None
     if cpu_vendor() == "GenuineIntel" and torch.backends.mkl.is_available():
-        return "mkl"
-    return "native" if native_cpu_step_ops(device) else None
+        return FewRowKernel("mkl", 3)
+    if not native_cpu_step_ops(device):
+        return None
+    return FewRowKernel("native", 4 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8)
 
 
 def run_in_own_thread(work: Callable[[], T], name: str = "mimir-load") -> T:

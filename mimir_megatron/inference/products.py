@@ -25,7 +25,9 @@ by the CPU's vendor (``backend.few_row_products``):
   (:class:`NativeProducts`): a loop that streams each weight once for every row, 1.3-1.6x faster
   than oneDNN's GEMM at mid512, 1.8-3.5x at tiny on the AMD EPYC (AVX2), where MKL takes slower
   paths (``bench/bench_linear.py``; docs/performance.md#serving). From 12-16 rows on oneDNN's
-  GEMM is faster.
+  GEMM is faster; with AVX-512, where oneDNN's instructions are twice as wide as the loop's,
+  already from 5 rows for a weight of 2 MiB or more (mid512's), which then takes the loop at 1-4
+  rows only.
 
 A prepacked weight is a second copy of it (the model's own is kept: training, scoring and
 checkpoints read it), made at its first product and made again whenever the weight changed in
@@ -98,13 +100,21 @@ class PrepackedProducts(Products):
 
 class FewRowProducts(PrepackedProducts):
     """fp32 products of 1-:attr:`MAX_ROWS` contiguous rows through a kernel made for a decoding
-    step's few rows (:meth:`_few`); the rest prepacked as above."""
+    step's few rows (:meth:`_few`): every such product of a weight under
+    :attr:`~PrepackedProducts.ONE_ROW_MIN_BYTES`, which stays in the caches, and of a larger one,
+    which streams from memory, at 1-``streamed_max_rows`` rows (``backend.FewRowKernel``); the rest
+    prepacked as above."""
 
     MAX_ROWS = 8  # mid512's products against oneDNN's from 16 rows on: 1.3x (C loop, AMD), 1.27x (MKL, Intel)
 
+    def __init__(self, streamed_max_rows: int) -> None:
+        super().__init__()
+        self.streamed_max_rows = streamed_max_rows
+
     def _applies_few(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return (x.dim() == 2 and 0 < x.shape[0] <= self.MAX_ROWS and x.dtype == torch.float32
-                and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous())
+                and weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous()
+                and (x.shape[0] <= self.streamed_max_rows or not self._streams(weight)))
 
     def _few(self, x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -124,8 +134,8 @@ class NativeProducts(FewRowProducts):
     """A decoding step's few rows through the C loop (``mimir_kernels.cpu_step.small_gemm``):
     each row's result independent of the rows beside it and of the thread count."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        super().__init__()
+    def __init__(self, lib: ctypes.CDLL, streamed_max_rows: int) -> None:
+        super().__init__(streamed_max_rows)
         self._lib = lib
 
     def _few(self, x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,18 +143,10 @@ class NativeProducts(FewRowProducts):
 
 
 class MklProducts(FewRowProducts):
-    """A decoding step's few rows through MKL's sgemm on the weights as stored (Intel CPUs): 1-8
-    rows of a weight under :attr:`ONE_ROW_MIN_BYTES`, 1-:attr:`STREAMED_MAX_ROWS` of a larger one.
-    And every product of a weight under :attr:`ONE_ROW_MIN_BYTES`, which stays in the caches: there
+    """A decoding step's few rows through MKL's sgemm on the weights as stored (Intel CPUs), and
+    every product of a weight under :attr:`ONE_ROW_MIN_BYTES`, which stays in the caches: there
     MKL's is faster at any row count too (the tiny model's prompt of 64 tokens: 0.80x oneDNN's
     prefill; 16 and 32 decoding rows 0.90-0.96x; 32 prompts at once 0.89-1.07x, within the noise)."""
-
-    STREAMED_MAX_ROWS = 3  # a weight of 2 MiB or more: MKL at 1-3 rows, oneDNN's GEMM from 4
-
-    def _applies_few(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        # mid512's steps against oneDNN on every product: 0.75-0.80x at 1-3 rows, 1.00-1.11x at 4-8
-        return super()._applies_few(x, weight) and (x.shape[0] <= self.STREAMED_MAX_ROWS
-                                                    or not self._streams(weight))
 
     def _applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return super()._applies(x, weight) and self._streams(weight)
@@ -158,7 +160,7 @@ def products_for(device: torch.device) -> Products:
     if not backend.prepacks_weights(device):
         return Products()
     kernel = backend.few_row_products(device)
-    if kernel == "mkl":
-        return MklProducts()
-    lib = cpu_step.library() if kernel == "native" else None
-    return NativeProducts(lib) if lib is not None else PrepackedProducts()
+    if kernel is not None and kernel.name == "mkl":
+        return MklProducts(kernel.streamed_max_rows)
+    lib = cpu_step.library() if kernel is not None and kernel.name == "native" else None
+    return NativeProducts(lib, kernel.streamed_max_rows) if lib is not None else PrepackedProducts()

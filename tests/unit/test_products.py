@@ -174,7 +174,7 @@ def test_native_products_send_one_to_eight_fp32_rows_to_the_c_loop_and_more_to_o
     calls = []
     kernel = cpu_step.small_gemm
     monkeypatch.setattr(cpu_step, "small_gemm", lambda *a, **k: calls.append(a[1].shape[0]) or kernel(*a, **k))
-    _route_rows(NativeProducts(cpu_step.library()))
+    _route_rows(NativeProducts(cpu_step.library(), 8))
     assert calls == [1, 1, 8, 8]
 
 
@@ -182,7 +182,7 @@ def test_native_products_send_one_to_eight_fp32_rows_to_the_c_loop_and_more_to_o
 def test_mkl_products_send_few_rows_and_small_weights_to_the_weights_as_stored(monkeypatch):
     """The few rows' results are F.linear's and addmm's bit for bit: MKL's sgemm, not oneDNN's;
     more rows too for a weight under 2 MiB; a larger one from 4 rows on oneDNN's."""
-    products, weight = MklProducts(), _layer_weight(96, 64)
+    products, weight = MklProducts(3), _layer_weight(96, 64)
     x, hidden = torch.randn(8, 64), torch.randn(8, 96)
     with torch.no_grad():
         assert torch.equal(products.linear(x, weight), F.linear(x, weight))
@@ -203,15 +203,38 @@ def test_mkl_products_send_few_rows_and_small_weights_to_the_weights_as_stored(m
     assert calls == [3]  # 4 and 9 rows of it: oneDNN's
 
 
+@needs_kernel
 @needs_onednn
-@pytest.mark.parametrize(("vendor", "kernels", "chosen"), [
-    ("GenuineIntel", "", MklProducts),
-    ("AuthenticAMD", "", NativeProducts),
-    ("", "", NativeProducts),  # /proc/cpuinfo silent
-    ("AuthenticAMD", "torch", PrepackedProducts),  # the C kernels turned off
+def test_native_products_take_a_streamed_weight_up_to_their_limit_and_a_cached_one_at_every_few_row_count(
+        monkeypatch):
+    """With AVX-512's limit (4 rows) a 2 MiB weight goes to the C loop at 1-4 rows and to oneDNN at
+    5 and 8; a weight in the caches to the C loop at 8."""
+    calls = []
+    kernel = cpu_step.small_gemm
+    monkeypatch.setattr(cpu_step, "small_gemm",
+                        lambda *a, **k: calls.append((a[1].shape[0], a[2].shape[0])) or kernel(*a, **k))
+    products = NativeProducts(cpu_step.library(), 4)
+    big, small, x = _layer_weight(1024, 512), _layer_weight(96, 512), torch.randn(8, 512)
+    with torch.no_grad():
+        for rows in (1, 4, 5, 8):
+            torch.testing.assert_close(products.linear(x[:rows], big), F.linear(x[:rows], big),
+                                       rtol=1e-5, atol=1e-5)
+        products.linear(x, small)
+    assert calls == [(1, 1024), (4, 1024), (8, 96)]
+
+
+@needs_onednn
+@pytest.mark.parametrize(("vendor", "isa", "kernels", "chosen", "streamed"), [
+    ("GenuineIntel", "AVX512", "", MklProducts, 3),
+    ("AuthenticAMD", "AVX2", "", NativeProducts, 8),
+    ("AuthenticAMD", "AVX512", "", NativeProducts, 4),  # oneDNN's instructions twice as wide
+    ("", "AVX2", "", NativeProducts, 8),  # /proc/cpuinfo silent
+    ("AuthenticAMD", "AVX2", "torch", PrepackedProducts, None),  # the C kernels turned off
 ])
-def test_the_few_rows_kernel_is_picked_by_the_cpus_vendor(monkeypatch, vendor, kernels, chosen):
+def test_the_few_rows_kernel_is_picked_by_the_cpus_vendor_and_its_limit_by_the_isa(
+        monkeypatch, vendor, isa, kernels, chosen, streamed):
     monkeypatch.setattr(backend, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: isa)
     monkeypatch.setenv("MIMIR_CPU_KERNELS", kernels)
     cpu_step.library.cache_clear()
     try:
@@ -219,7 +242,9 @@ def test_the_few_rows_kernel_is_picked_by_the_cpus_vendor(monkeypatch, vendor, k
             pytest.skip("the C kernels are not built")
         if chosen is MklProducts and not torch.backends.mkl.is_available():
             pytest.skip("torch without MKL")
-        assert type(products_for(torch.device("cpu"))) is chosen
+        products = products_for(torch.device("cpu"))
+        assert type(products) is chosen
+        assert getattr(products, "streamed_max_rows", None) == streamed
     finally:
         cpu_step.library.cache_clear()
     assert backend.few_row_products(torch.device("meta")) is None
