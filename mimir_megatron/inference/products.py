@@ -160,7 +160,9 @@ def products_for(device: torch.device) -> Products:
     if not backend.prepacks_weights(device):
         return Products()
     kernel = backend.few_row_products(device)
-    if kernel is not None and kernel.name == "mkl":
+    if kernel is None:
+        return PrepackedProducts()
+    if kernel.name == "mkl":
         return MklProducts(kernel.streamed_max_rows)
-    lib = cpu_step.library() if kernel is not None and kernel.name == "native" else None
+    lib = cpu_step.library()
     return NativeProducts(lib, kernel.streamed_max_rows) if lib is not None else PrepackedProducts()
