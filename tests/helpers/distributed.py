@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from polling import hang_limit
 
+from mimir_megatron.ops.mlflow_server import free_port
+
 WORKERS = Path(__file__).resolve().parent.parent / "workers"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(worker: str, world_size: int, *args: str, timeout: float = 600) -> None:
