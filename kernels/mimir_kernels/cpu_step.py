@@ -12,6 +12,9 @@
   prompts around torch's SDPA, which attends a prompt's tokens to each other faster than a
   token-by-token loop: RoPE on the queries and keys and the cache's writes in one call, the
   output gate in another, where torch ran six operations.
+- Their exponentials (the softmax weights, the output gate's sigmoid) through ``mimir_exp``
+  (``csrc/exp.c``): libm's ``expf`` bit for bit, four values at a time where the CPU has AVX2 and
+  FMA (0.85 against 3.2 ns a value; the output gate of a 64-token prompt 3x faster).
 - :func:`rms_norm` (``csrc/rms_norm.c``): the model's parameterless RMSNorm, where torch's CPU
   ``rms_norm`` ran ~10 operations (~16-23 µs a call at 1-32 rows of 512, almost all dispatch).
   Equal to torch's to float rounding (the squares summed in another order).
@@ -83,6 +86,11 @@ def library() -> ctypes.CDLL | None:
     lib.mimir_small_gemm.restype = None
     lib.mimir_small_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    for name in ("mimir_exp", "mimir_exp_libm"):  # csrc/exp.c: in place over n floats
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.mimir_exp_uses_lanes.restype = ctypes.c_int
+    lib.mimir_exp_uses_lanes.argtypes = []
     lib.mimir_rms_norm.restype = None
     lib.mimir_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_float, ctypes.c_int]

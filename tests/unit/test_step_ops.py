@@ -172,3 +172,35 @@ def test_without_the_built_kernel_the_step_uses_torch_and_says_so_once(fresh_lib
     with caplog.at_level("INFO", logger="mimir_kernels.cpu_step"):
         assert type(ops_for(torch.device("cpu"), torch.float32)) is TorchOps
     assert not caplog.records
+
+
+@needs_kernel
+def test_the_exp_kernel_is_libms_expf_bit_for_bit_on_vector_lanes(fresh_library):
+    """csrc/exp.c: every 64th float bit pattern (every exponent and sign, inf and nan among them)
+    gives libm's expf bit for bit, and where torch sees AVX2 (which it takes with FMA) through the
+    vector lanes, not a fall back to expf one value at a time."""
+    lib = fresh_library.library()
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert lib.mimir_exp_uses_lanes() == 1
+    chunk = 1 << 22
+    for start in range(0, 1 << 32, chunk * 64):
+        patterns = torch.arange(start, start + chunk * 64, 64, dtype=torch.int64)
+        values = (patterns - (patterns >= 1 << 31).long() * (1 << 32)).to(torch.int32).view(torch.float32)
+        got, expected = values.clone(), values.clone()
+        lib.mimir_exp(got.data_ptr(), got.numel())
+        lib.mimir_exp_libm(expected.data_ptr(), expected.numel())
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), hex(start)
+
+
+@needs_kernel
+def test_the_gate_kernel_is_the_sigmoid_formula_with_libms_expf(fresh_library):
+    """The output gate: context * (1 / (1 + expf(-gate))), each operation rounded on its own."""
+    lib = fresh_library.library()
+    g = torch.Generator().manual_seed(4)
+    mixed = torch.randn(37, 3, 4, 40, generator=g) * 6
+    context = torch.randn(37, 3 * 40, generator=g)
+    e = (-mixed[:, :, 1]).contiguous()
+    lib.mimir_exp_libm(e.data_ptr(), e.numel())
+    expected = (1.0 / (1.0 + e)).view(37, -1) * context
+    got = kernel.gate(lib, context.clone(), mixed)
+    assert torch.equal(got, expected)

@@ -29,8 +29,16 @@
 
 #define MAX_HEAD_DIM 512
 
-/* The output gate: x times the sigmoid of its gate value (decoding rows and prompts alike). */
-static inline float gated(float x, float gate) { return (1.f / (1.f + expf(-gate))) * x; }
+void mimir_exp(float *x, int64_t n); /* exp.c: expf over an array, bit for bit */
+
+/* The output gate of one head, in place: x[i] times the sigmoid of gate[i], 1 / (1 + expf(-gate[i]))
+   (decoding rows and prompts alike). */
+CLONES static void gate_head(float *restrict x, const float *restrict gate, int64_t hd) {
+    float e[MAX_HEAD_DIM];
+    for (int64_t i = 0; i < hd; i++) e[i] = -gate[i];
+    mimir_exp(e, hd);
+    for (int64_t i = 0; i < hd; i++) x[i] = (1.f / (1.f + e[i])) * x[i];
+}
 
 /* RoPE one head's query (into q_out) and key (into the cache at k_out), copy its value (v_out). */
 CLONES static void rope_and_store(const float *restrict m, const float *restrict cos_, const float *restrict sin_,
@@ -68,19 +76,18 @@ CLONES static void attend(float *restrict out, const float *restrict gate, const
         scores[p] = s;
         top = s > top ? s : top;
     }
+    for (int64_t p = 0; p < n; p++) scores[p] -= top;
+    mimir_exp(scores, n);
     float sum = 0.f;
-    for (int64_t p = 0; p < n; p++) {
-        float e = expf(scores[p] - top);
-        scores[p] = e;
-        sum += e;
-    }
+    for (int64_t p = 0; p < n; p++) sum += scores[p];
     for (int64_t p = 0; p < n; p++) {
         const float *v = values + p * hd;
         float w = scores[p];
 #pragma omp simd
         for (int64_t i = 0; i < hd; i++) acc[i] += w * v[i];
     }
-    for (int64_t i = 0; i < hd; i++) out[i] = gated(acc[i] / sum, gate[i]);
+    for (int64_t i = 0; i < hd; i++) out[i] = acc[i] / sum;
+    gate_head(out, gate, hd);
 }
 
 /* Whether (row, position) lies inside the cache's buffers of rows_room x positions_room. */
@@ -167,10 +174,6 @@ int mimir_rope_store(const float *mixed, const float *cos_, const float *sin_, f
 
 /* context [tokens, heads * hd] times the sigmoid of each head's output gate (mixed[t, h, 1]), in
    place: the gate of mimir_cache_attention for contexts SDPA computed. */
-CLONES static void gate_head(float *restrict context, const float *restrict gate, int64_t hd) {
-    for (int64_t i = 0; i < hd; i++) context[i] = gated(context[i], gate[i]);
-}
-
 __attribute__((visibility("default")))
 void mimir_gate(float *context, const float *mixed, int64_t tokens, int64_t heads, int64_t hd, int threads) {
     int64_t work = tokens * heads;
