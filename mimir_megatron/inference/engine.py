@@ -98,6 +98,7 @@ class InferenceEngine:
             raise ValueError("compile_decode needs the engine's flattened step (inference/step.py), which "
                              "does not run with megatron_layers, sequence parallelism, TE layers or FP8")
         self._compile_decode = compile_decode
+        self._spare_cache: KVCache | None = None  # release_cache
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
                              f"got {logprobs_mode!r}")
@@ -223,8 +224,24 @@ class InferenceEngine:
 
     def new_cache(self, capacity: int = 0) -> KVCache:
         """An empty cache for a session's rows (see :meth:`forward`), ``capacity`` positions per
-        row allocated at once (no growth, and so no new static graph, below it)."""
+        row allocated at once (no growth, and so no new static graph, below it): the cache the
+        last session handed back (:meth:`release_cache`) where there is one and no capacity is
+        asked for, else a new one."""
+        spare, self._spare_cache = self._spare_cache, None
+        if spare is not None and capacity == 0:
+            return spare
         return KVCache(self.device, capacity, static=self.static_decode_shapes)
+
+    def release_cache(self, cache: KVCache) -> None:
+        """Take back the cache of a session whose rows have all left, cleared, for the next
+        session: its first step (a request's first token) then allocates no buffers (allocating
+        and zeroing them was ~6 % of a 64-token prompt's prefill on 2 CPU cores). Kept: one
+        cache, at the room its batch grew to, as a serving engine keeps its KV space; not a
+        static one (CUDA graphs), whose sessions ask for their capacity."""
+        if cache.static:
+            return
+        cache.clear()
+        self._spare_cache = cache
 
     @torch.no_grad()
     def forward(self, cache: KVCache, tokens: list[int], prompts: list[list[int]], plan) -> torch.Tensor:

@@ -83,6 +83,7 @@ class KVCache:
         """Positions allocated up front per row (the requests' prompts + new tokens): no growth below it."""
         self._row_room = 0
         self._position_room = 0
+        self._written = (0, 0)  # the rows and positions reserved since the last clear: all ever written
         self._slots: dict[Slot, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pass: tuple[int, int, int] | None = None  # (first row, rows, new): see pass_over
 
@@ -101,7 +102,9 @@ class KVCache:
     # -- room ---------------------------------------------------------------------------------------
 
     def reserve(self, rows: int, positions: int) -> None:
-        """Room for ``rows`` rows of ``positions`` tokens each (buffers double when they grow)."""
+        """Room for ``rows`` rows of ``positions`` tokens each (buffers double when they grow).
+        Every writer reserves what it writes first."""
+        self._written = (max(self._written[0], rows), max(self._written[1], positions))
         grow_rows = rows > self._row_room
         grow_positions = positions > self._position_room
         if not (grow_rows or grow_positions):
@@ -117,6 +120,16 @@ class KVCache:
             for dst, src in zip(grown, stored):
                 dst[:used_rows, :, :used] = src[:used_rows, :, :used]
             self._slots[slot] = grown
+
+    def clear(self) -> None:
+        """Drop every row and keep the buffers, with their room: what the rows wrote is zeroed, so
+        the cache is as a new one that allocates nothing (``InferenceEngine.release_cache``)."""
+        rows, positions = self._written
+        for stored in self._slots.values():
+            for t in stored:
+                t[:rows, :, :positions].zero_()
+        self.lengths = []
+        self._written = (0, 0)
 
     @property
     def position_room(self) -> int:

@@ -1,7 +1,7 @@
 """Decoding sessions: the rows that decode together under one (H, L) schedule, joining at step
 boundaries. A session drives the engine through its public surface (``plan``, ``new_cache``,
-``forward``, ``next_seed``, ``limits``); ``generate`` and the server's scheduler drive
-sessions."""
+``forward``, ``release_cache`` once its rows have all left, ``next_seed``, ``limits``);
+``generate`` and the server's scheduler drive sessions."""
 
 from __future__ import annotations
 
@@ -209,4 +209,5 @@ class DecodeSession:
         order = self._cache.remove([i for i, r in enumerate(self._rows) if r.handle in finished])
         self._rows = [self._rows[i] for i in order]
         if not self._rows:
+            self.engine.release_cache(self._cache)
             self._cache = None

@@ -171,6 +171,58 @@ def test_kv_cache_rows_grow_leave_and_mask_by_length():
     assert cache.decode_rows(1).write_at == 3 and cache.decode_rows(1).mask is None
 
 
+def test_a_cleared_kv_cache_keeps_its_buffers_and_zeroes_what_was_written():
+    """A session's cache, handed back, serves the next session as a new one would: no row, the
+    same buffers at their room (nothing allocated), zeros wherever any row wrote."""
+    cache = KVCache("cpu")
+    cache.reserve(2, 5)
+    like = torch.zeros(1, 1, 2)
+    cache.buffers((0, 1), like)[0][:2, :, :5] = 1.0
+    cache.add_rows([5, 3])
+    cache.reserve(3, 20)  # grows, keeping what was written; then a third row writes 20 positions
+    keys, values = cache.buffers((0, 1), like)
+    keys[2, :, :20], values[:3, :, :20] = 2.0, 3.0
+    room = cache.position_room
+    cache.clear()
+    assert cache.rows == 0 and cache.position_room == room >= 20
+    again = cache.buffers((0, 1), like)
+    assert again[0] is keys and again[1] is values and not keys.any() and not values.any()
+
+
+@pytest.mark.parametrize("ops", ["native", "torch"])
+def test_a_session_after_another_reuses_its_cache_and_computes_as_on_a_new_one(model, ops, monkeypatch):
+    """The next session takes the cache the last one handed back: no cache is made for it, and its
+    logits equal, bit for bit, those of the same requests on an engine's first, new cache (rows of
+    different lengths: torch's operations attend under a mask over positions the first session
+    wrote; the C kernels attend each row's own)."""
+    from mimir_megatron.inference import engine as engine_module
+    from mimir_megatron.inference.step_ops import TorchOps
+
+    def logged(engine):
+        if ops == "torch":
+            engine.step_forward.ops = TorchOps()
+        steps, forward = [], engine.forward
+        engine.forward = lambda *a: steps.append(forward(*a)) or steps[-1]
+        return steps
+
+    first = [GenerationRequest(p, SamplingParams(max_new_tokens=n))
+             for p, n in zip(random_prompts([30, 7, 19, 12], seed=31), (9, 4, 7, 5))]
+    second = [GenerationRequest(p, SamplingParams(max_new_tokens=n))
+              for p, n in zip(random_prompts([4, 11, 6], seed=32), (6, 3, 8))]
+    reusing, new = InferenceEngine(model, None, max_batch_size=64), InferenceEngine(model, None, max_batch_size=64)
+    reused_steps, new_steps = logged(reusing), logged(new)
+    reusing.generate(first)
+    reused_steps.clear()
+    made = []
+    monkeypatch.setattr(engine_module, "KVCache", lambda *a, **k: made.append(1) or KVCache(*a, **k))
+    reused = reusing.generate(second)
+    assert not made
+    fresh = new.generate(second)
+    assert made and [r.token_ids for r in reused] == [r.token_ids for r in fresh]
+    assert len(reused_steps) == len(new_steps)
+    assert all(torch.equal(a, b) for a, b in zip(reused_steps, new_steps))
+
+
 def test_matches_transformers_generate(model, tmp_path):
     transformers = pytest.importorskip("transformers")
     from mimir_megatron.interop import export_hf
