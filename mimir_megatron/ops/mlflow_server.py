@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,35 +25,9 @@ from pathlib import Path
 from typing import Self
 
 from mimir_megatron.checkpoint.run_directory import RunDirectory
+from mimir_megatron.ports import free_port
 
 DEFAULT_HOST = "127.0.0.1"
-
-
-EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-
-
-def free_port(host: str = DEFAULT_HOST, tries: int = 64) -> int:
-    """A TCP port that nothing listens on right now, for a server that binds it seconds later.
-
-    Picked at random below the kernel's ephemeral range (``EPHEMERAL_RANGE``, 32768-60999 by
-    default), where the kernel never hands ports out on its own: a port the OS picks (bind to 0)
-    is an ephemeral one, and any outgoing connection or other server on the machine may be given
-    it before ours binds (seen: an MLflow server that starts in ~7 s found its port taken). The
-    OS's pick where no port below the range is free."""
-    try:
-        low = int(EPHEMERAL_RANGE.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    below = range(max(1024, low // 2), low)
-    candidates = random.sample(below, min(tries, len(below)))
-    for port in [*candidates, 0]:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError(f"no free TCP port on {host}")
 
 
 def server_command(

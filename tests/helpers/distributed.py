@@ -9,7 +9,7 @@ from pathlib import Path
 
 from polling import hang_limit
 
-from mimir_megatron.ops.mlflow_server import free_port
+from mimir_megatron.ports import free_port
 
 WORKERS = Path(__file__).resolve().parent.parent / "workers"
 

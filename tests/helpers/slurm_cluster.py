@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mimir_megatron.ports import free_port
+
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue",
             "sinfo", "scancel", "srun", "runuser")
 NETNS_BINARIES = ("ip", "nsenter", "unshare", "mount", "hostname")
@@ -83,12 +85,6 @@ def missing(nodes: int = 1) -> str | None:
             return (f"the {nodes}-node Slurm cannot create namespaces here (unshare: "
                     f"{probe.stderr.strip()}); it needs CAP_SYS_ADMIN and CAP_NET_ADMIN")
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_scontrol(text: str) -> dict[str, str]:
@@ -250,7 +246,7 @@ class SlurmCluster:
         memory = hardware.get("RealMemory", "1000")
         auth = f"socket={self.munge_socket},cred_expire={CRED_EXPIRE_S}"
         # In namespaces every node has its own ports; on this host, take free ones.
-        ports = (6817, 6818) if self.switch else (_free_port(), _free_port())
+        ports = (6817, 6818) if self.switch else (free_port(), free_port())
         r, first = self.root, self.nodes[0]
         node_lines = "\n".join(
             f"NodeName={n.name} NodeAddr={n.addr} CPUs={self.cpus} RealMemory={memory} "

@@ -29,11 +29,11 @@ pytest.importorskip("flask", reason="the MLflow server needs the full mlflow, no
 
 from mimir_megatron.ops.mlflow_server import (
     MlflowServer,
-    free_port,
     get_json,
     post_json,
     wait_healthy,
 )
+from mimir_megatron.ports import free_port
 from mimir_megatron.train.tracking import metric_name
 
 STEPS = 40  # long enough for the outage to fall inside the run

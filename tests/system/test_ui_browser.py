@@ -26,7 +26,8 @@ from conftest import REPO, train_overrides
 
 pytest.importorskip("flask", reason="the MLflow UI needs the full mlflow, not mlflow-skinny")
 
-from mimir_megatron.ops.mlflow_server import free_port, get_json, wait_healthy  # noqa: E402
+from mimir_megatron.ops.mlflow_server import get_json, wait_healthy  # noqa: E402
+from mimir_megatron.ports import free_port  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium; tests/run.sh does)")
