@@ -14,9 +14,13 @@ CLI, worker and benchmark scripts, the test configuration) calls :func:`setup_pr
 
 Each step is idempotent: calling it again (a command that needs megatron-core once its input
 paths are checked) only adds what was not done.
+
+A long-running service calls :func:`freeze_startup_objects` once it is built.
 """
 
 from __future__ import annotations
+
+import gc
 
 
 def setup_process(*, verbose: bool = False, megatron: bool = False, configure_logging: bool = True) -> None:
@@ -31,3 +35,15 @@ def setup_process(*, verbose: bool = False, megatron: bool = False, configure_lo
         from mimir_megatron import backend
 
         backend.setup()
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive now (the imported libraries, the model, the app) out of the
+    garbage collector's reach, as vLLM's server does; returns how many are frozen. Python's full
+    collection scans all of them, and in ``mimir serve`` (~490,000 objects once torch, megatron-
+    core and the server are loaded) one took ~220 ms on 2 CPU cores, a stall of every stream it
+    hit; after the freeze it scans only what serving made since (<1 ms). The frozen objects are
+    never collected: only start-up's, which live as long as the process."""
+    gc.collect()  # start-up's garbage goes first, not into the permanent generation
+    gc.freeze()
+    return gc.get_freeze_count()

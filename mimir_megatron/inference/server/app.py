@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mimir_megatron import backend
+from mimir_megatron.process import freeze_startup_objects
 from mimir_megatron.inference.api_keys import ApiKeys
 from mimir_megatron.inference.engine import InferenceEngine
 from mimir_megatron.inference.server.auth import RequireApiKey
@@ -273,6 +274,7 @@ def serve(engine: InferenceEngine, host: str = "127.0.0.1", port: int = 8000, *,
 
     config = uvicorn.Config(build_app(engine, api_keys=api_keys, **limits), host=host, port=port,
                             log_level="info")
+    freeze_startup_objects()
     # uvicorn sends the SIGTERM it handled again once its shutdown is complete, to the handler in
     # place before it started: Python's default would end the process by the signal (exit 143,
     # logs unflushed) after a clean drain. This one lets `mimir serve` return and exit 0.
