@@ -23,9 +23,14 @@ Every request is ``POST /v1/completions`` with the prompt as token ids, greedy, 
 (no early stop: every request makes ``--max-tokens`` tokens). Throughput at concurrency ``c``:
 ``c`` clients each send ``--requests-per-client`` requests one after another (a closed loop, so
 rows join and leave a running batch as they would under real traffic); tokens/s = completion
-tokens / wall time. Time to first token: streamed requests at ``c`` = 1, from sending to the
-first token's event. The engines alternate round by round (reversed every other round), each
-figure is the median over ``--repeats`` rounds, and ratios compare engines of the same run.
+tokens / wall time. The engines alternate round by round (reversed every other round), each
+starting once the machine is idle (an engine goes on using CPU after its last request: vLLM's
+processes keep a core busy for ~1 s), and each figure is the median over ``--repeats`` rounds.
+Time to first token: streamed requests at ``c`` = 1, from sending to the first token's event;
+each round's ``--ttft-requests`` prompts go to every engine in turn, once the machine is idle
+again (the order reversed from one prompt to the next, so a host whose speed drifts weighs on
+every engine alike). The table gives each engine's median over all of them, the ratio the median
+of the per-prompt ratios. Ratios compare engines of the same run.
 The greedy texts of every engine are compared with mimir's (``same text``). Each server runs with
 ``--threads`` torch threads (OMP_NUM_THREADS); the client (aiohttp, this process) shares the
 machine. Not a test: the numbers depend on the machine and its load (printed with them).
@@ -40,7 +45,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +56,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from mimir_megatron.bench.shapes import SERVING_SHAPES
+from mimir_megatron.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "data_prep" / "mimir_data_prep" / "demo" / "tokenizer"
@@ -64,12 +69,6 @@ WHERE = "import pathlib, mimir_megatron; print(pathlib.Path(mimir_megatron.__fil
 # ``ps`` shows that), sent by every request.
 API_KEY = secrets.token_urlsafe(24)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _code_path(checkout: Path) -> str:
@@ -93,11 +92,36 @@ def _load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def _busy_ticks() -> tuple[int, int]:
+    """(busy, all) CPU time of the whole machine so far, in clock ticks (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # less idle and iowait
+
+
+def _quiet(window: float = 0.2, busy_share: float = 0.05, most: float = 10.0) -> float:
+    """Wait until the machine is idle (under ``busy_share`` of its CPU time busy over ``window``
+    seconds), at most ``most`` seconds; returns the seconds waited. An engine goes on using CPU
+    after its last request: vLLM 0.32.0's processes keep one core busy for ~1 s, and an engine
+    measured then would share the cores with it (seen: mimir's first token 300-800 ms instead of
+    21 ms). Where ``/proc/stat`` is missing, no wait."""
+    if not os.path.exists("/proc/stat"):
+        return 0.0
+    start = time.perf_counter()
+    while time.perf_counter() - start < most:
+        busy, total = _busy_ticks()
+        time.sleep(window)
+        busy2, total2 = _busy_ticks()
+        if busy2 - busy <= busy_share * max(1, total2 - total):
+            break
+    return time.perf_counter() - start
+
+
 class Server:
     """One engine's server process, on a free port of 127.0.0.1."""
 
     def __init__(self, name: str, cmd: list[str], env: dict, log: Path) -> None:
-        self.name, self.port = name, _free_port()
+        self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         cmd = [c.replace("{port}", str(self.port)) for c in cmd]
         self.log = log
@@ -175,12 +199,24 @@ async def _closed_loop(url: str, model: str, prompts: list[list[int]], clients: 
     return tokens / seconds, [texts[i] for i in range(len(prompts))]
 
 
-async def _ttft(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> float:
+async def _ttft_interleaved(engines: list[str], servers: dict, models: dict, peer, prompts: list[list[int]],
+                            max_tokens: int) -> dict[str, list[float]]:
+    """Seconds to each prompt's first token on every engine in turn, the order reversed from one
+    prompt to the next: every engine meets the same moments of a host whose speed drifts."""
     import aiohttp
 
+    times: dict[str, list[float]] = {name: [] for name in engines}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), headers=AUTH) as session:
-        firsts = [(await _complete(session, url, model, p, max_tokens, True))[2] for p in prompts]
-    return statistics.median(firsts)
+        for i, prompt in enumerate(prompts):
+            for name in engines if i % 2 == 0 else engines[::-1]:
+                _quiet()
+                if name == "transformers":
+                    times[name].append(peer.first_token(prompt))
+                else:
+                    url = servers[name].url
+                    times[name].append((await _complete(session, url, models[name], prompt, max_tokens,
+                                                        True))[2])
+    return times
 
 
 class TransformersPeer:
@@ -213,13 +249,10 @@ class TransformersPeer:
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
         return len(prompts) * max_tokens / seconds, texts
 
-    def ttft(self, prompts: list[list[int]]) -> float:
-        times = []
-        for p in prompts:
-            start = time.perf_counter()
-            self.generate([p], 1)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+    def first_token(self, prompt: list[int]) -> float:
+        start = time.perf_counter()
+        self.generate([prompt], 1)
+        return time.perf_counter() - start
 
 
 def _export(shape: str, work: Path) -> Path:
@@ -244,7 +277,8 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-client", type=int, default=2)
-    parser.add_argument("--ttft-requests", type=int, default=5)
+    parser.add_argument("--ttft-requests", type=int, default=8, help="streamed prompts a round, each sent "
+                        "to every engine in turn")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every engine")
     parser.add_argument("--baseline-src", type=Path, help="another checkout of this project (before/after)")
     parser.add_argument("--vllm-python", help="a Python interpreter with vLLM installed")
@@ -310,7 +344,9 @@ def _run(args: argparse.Namespace, levels: list[int], work: Path) -> int:
         for name in engines:
             results[name] = {"tok_s": {c: [] for c in levels}, "ttft_ms": []}
         for repeat in range(args.repeats):
-            for name in engines if repeat % 2 == 0 else engines[::-1]:
+            order = engines if repeat % 2 == 0 else engines[::-1]
+            for name in order:
+                _quiet()  # the engine before has stopped using the CPU
                 for c in levels:
                     batch = prompts[: c * args.requests_per_client]
                     if name == "transformers":
@@ -321,11 +357,10 @@ def _run(args: argparse.Namespace, levels: list[int], work: Path) -> int:
                     results[name]["tok_s"][c].append(rate)
                     if c == max(levels):
                         texts[name] = got
-                if name == "transformers":
-                    ttft = peer.ttft(ttft_prompts)
-                else:
-                    ttft = asyncio.run(_ttft(servers[name].url, models[name], ttft_prompts, args.max_tokens))
-                results[name]["ttft_ms"].append(1000 * ttft)
+            firsts = asyncio.run(_ttft_interleaved(order, servers, models, peer, ttft_prompts,
+                                                   args.max_tokens))
+            for name, seconds in firsts.items():
+                results[name]["ttft_ms"].extend(1000 * t for t in seconds)
             print(f"round {repeat + 1}/{args.repeats} done; load average {_load()}", flush=True)
     reference = texts.get("mimir")
     rows = []
@@ -349,7 +384,8 @@ def _run(args: argparse.Namespace, levels: list[int], work: Path) -> int:
         print(f"\n| {ratio_head} | TTFT mimir / " + " | TTFT mimir / ".join(peers) + " |")
         print("| ---: " * (len(peers) * (len(levels) + 1)) + "|")
         cells = [f"{mine['mimir'][0][c] / mine[p][0][c]:.2f}" for p in peers for c in levels]
-        cells += [f"{mine['mimir'][1] / mine[p][1]:.2f}" for p in peers]
+        pairs = {p: zip(results["mimir"]["ttft_ms"], results[p]["ttft_ms"]) for p in peers}
+        cells += [f"{statistics.median(a / b for a, b in pairs[p]):.2f}" for p in peers]
         print("| " + " | ".join(cells) + " |")
     if args.json:
         args.json.write_text(json.dumps({"setup": vars(args) | {"baseline_src": str(args.baseline_src),
