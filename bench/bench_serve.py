@@ -206,7 +206,11 @@ async def _ttft_interleaved(engines: list[str], servers: dict, models: dict, pee
     import aiohttp
 
     times: dict[str, list[float]] = {name: [] for name in engines}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), headers=AUTH) as session:
+    # A new connection for every request: a kept-alive one sits idle while the other engines run,
+    # and uvicorn closes it after 5 s (aiohttp would then send on a closed connection).
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600),
+                                     headers=AUTH) as session:
         for i, prompt in enumerate(prompts):
             for name in engines if i % 2 == 0 else engines[::-1]:
                 _quiet()

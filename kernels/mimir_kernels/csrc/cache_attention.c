@@ -35,9 +35,12 @@ void mimir_exp(float *x, int64_t n); /* exp.c: expf over an array, bit for bit *
    (decoding rows and prompts alike). */
 CLONES static void gate_head(float *restrict x, const float *restrict gate, int64_t hd) {
     float e[MAX_HEAD_DIM];
-    for (int64_t i = 0; i < hd; i++) e[i] = -gate[i];
-    mimir_exp(e, hd);
-    for (int64_t i = 0; i < hd; i++) x[i] = (1.f / (1.f + e[i])) * x[i];
+    for (int64_t at = 0; at < hd; at += MAX_HEAD_DIM) {  /* any width (mimir_gate does not bound it) */
+        int64_t n = hd - at < MAX_HEAD_DIM ? hd - at : MAX_HEAD_DIM;
+        for (int64_t i = 0; i < n; i++) e[i] = -gate[at + i];
+        mimir_exp(e, n);
+        for (int64_t i = 0; i < n; i++) x[at + i] = (1.f / (1.f + e[i])) * x[at + i];
+    }
 }
 
 /* RoPE one head's query (into q_out) and key (into the cache at k_out), copy its value (v_out). */
