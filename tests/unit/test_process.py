@@ -20,8 +20,7 @@ def unfrozen():
 
 def test_start_up_objects_leave_the_collectors_reach(unfrozen):
     """After the freeze a full collection scans none of start-up's objects (a module's dict, say)."""
-    frozen = freeze_startup_objects()
-    assert frozen == gc.get_freeze_count() > 1000
+    assert freeze_startup_objects() > 1000  # the count itself moves as other threads free objects
     assert not any(o is server_app.__dict__ for o in gc.get_objects())
 
 
