@@ -87,6 +87,16 @@ def missing(nodes: int = 1) -> str | None:
     return None
 
 
+def _two_free_ports() -> tuple[int, int]:
+    """slurmctld's and slurmd's ports on this host: each free, and not the same one (each pick is
+    random below the ephemeral range, so two picks may meet)."""
+    first = free_port()
+    second = free_port()
+    while second == first:
+        second = free_port()
+    return first, second
+
+
 def parse_scontrol(text: str) -> dict[str, str]:
     """``scontrol show job`` output -> {field: value} (values may contain spaces only in a few
     fields such as Command; those are not needed here)."""
@@ -246,7 +256,7 @@ class SlurmCluster:
         memory = hardware.get("RealMemory", "1000")
         auth = f"socket={self.munge_socket},cred_expire={CRED_EXPIRE_S}"
         # In namespaces every node has its own ports; on this host, take free ones.
-        ports = (6817, 6818) if self.switch else (free_port(), free_port())
+        ports = (6817, 6818) if self.switch else _two_free_ports()
         r, first = self.root, self.nodes[0]
         node_lines = "\n".join(
             f"NodeName={n.name} NodeAddr={n.addr} CPUs={self.cpus} RealMemory={memory} "
