@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 
 from mimir_megatron.errors import UserError
-from mimir_megatron.ports import free_port
 from mimir_megatron.inference.api_keys import ENV_VAR, Endpoint, new_key
+from mimir_megatron.ports import free_port
 
 log = logging.getLogger(__name__)
 

@@ -227,8 +227,8 @@ class InferenceEngine:
         row allocated at once (no growth, and so no new static graph, below it): the cache the
         last session handed back (:meth:`release_cache`) where there is one and no capacity is
         asked for, else a new one."""
-        spare, self._spare_cache = self._spare_cache, None
-        if spare is not None and capacity == 0:
+        if capacity == 0 and self._spare_cache is not None:
+            spare, self._spare_cache = self._spare_cache, None
             return spare
         return KVCache(self.device, capacity, static=self.static_decode_shapes)
 

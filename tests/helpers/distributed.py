@@ -14,8 +14,6 @@ from mimir_megatron.ports import free_port
 WORKERS = Path(__file__).resolve().parent.parent / "workers"
 
 
-
-
 def run_ranks(worker: str, world_size: int, *args: str, timeout: float = 600) -> None:
     """Start ``tests/workers/<worker>`` once per rank; fail with every rank's output on error
     (``timeout``, scaled by :func:`polling.hang_limit`, only detects a hang)."""

@@ -25,7 +25,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mimir_megatron import backend
-from mimir_megatron.process import freeze_startup_objects
 from mimir_megatron.inference.api_keys import ApiKeys
 from mimir_megatron.inference.engine import InferenceEngine
 from mimir_megatron.inference.server.auth import RequireApiKey
@@ -47,6 +46,7 @@ from mimir_megatron.inference.server.responses_api import (
     list_input_items,
     sse_events,
 )
+from mimir_megatron.process import freeze_startup_objects
 
 log = logging.getLogger(__name__)
 B = TypeVar("B", bound=BaseModel)
