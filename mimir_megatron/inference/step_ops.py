@@ -13,8 +13,9 @@ Two ways, the same arithmetic up to float rounding, picked per model by :func:`o
 - :class:`NativeOps`: fp32 models on the CPU where the install built the C kernels
   (``mimir_kernels.cpu_step``, ``backend.native_cpu_step_ops``): the decoding rows' attention
   half of a layer in one call, each row attending its own positions (no padding, no mask; the
-  cached keys and values bit for bit :class:`TorchOps`'s), the joining prompts' RoPE, cache writes
-  and gate in C around torch's SDPA, and the norms in one call each.
+  cached keys and values bit for bit :class:`TorchOps`'s), the joining prompts' in another (up to
+  :attr:`NativeOps.PROMPT_KERNEL_MAX`; longer prompts' RoPE, cache writes and gate in C around
+  torch's SDPA), and the norms in one call each.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class StepTokens:
     """The joining prompts as a step of their own (their tokens first), when rows also decode."""
     prompt_index: tuple[torch.Tensor, torch.Tensor] | None = None
     """The kernels' per prompt token (row, position), int64, built once a step."""
+    prompt_table: torch.Tensor | None = None
+    """The kernel's per prompt (cache row, first token, length), ``[prompts, 3]`` int64."""
 
     @classmethod
     def of(cls, decode: DecodeRows | None, prompts: list[Prompts], rotary: RotaryTable) -> "StepTokens":
@@ -133,11 +136,15 @@ class TorchOps:
 
 
 class NativeOps(TorchOps):
-    """The C kernels for an fp32 model: the norms, and the attention half of a layer for the
-    decoding rows' tokens; for the joining prompts RoPE, the cache's writes and the gate in C
-    around torch's SDPA (a prompt's tokens attend each other, where SDPA's blocked products beat
-    the kernel's token-by-token loop from a few prompts on: 1.35x at 32 prompts of 64 tokens,
-    3.3x at one of 512)."""
+    """The C kernels for an fp32 model: the norms, and the attention half of a layer in one call
+    for the decoding rows' tokens (a token-by-token loop over each row's cache) and in another for
+    the joining prompts (blocked products, a prompt's tokens attending each other); long prompts'
+    attention through torch's SDPA between RoPE and the cache's writes in C and the gate in C."""
+
+    # The longest prompt times the head width up to which the prompts' kernel attends: 128 tokens
+    # of 64 wide, 64 of 128. From about twice that, SDPA's blocked products are faster
+    # (mimir_kernels/cpu_step.py).
+    PROMPT_KERNEL_MAX = 8_192
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
@@ -157,6 +164,8 @@ class NativeOps(TorchOps):
                 torch.cat([torch.arange(g.first_row, g.first_row + g.count).repeat_interleave(g.length)
                            for g in groups]),
                 torch.cat([torch.arange(g.length).repeat(g.count) for g in groups]))
+            prompts.prompt_table = torch.tensor([(g.first_row + i, g.offset + i * g.length, g.length)
+                                                 for g in groups for i in range(g.count)], dtype=torch.int64)
 
     def norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         return cpu_step.rms_norm(self._lib, x.contiguous(), eps)
@@ -176,9 +185,15 @@ class NativeOps(TorchOps):
 
     def _prompts(self, mixed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepTokens,
                  scale: float | None) -> torch.Tensor:
-        """The joining prompts' gated contexts: RoPE and the cache's writes in C, SDPA over each
-        run of equal-length prompts (their keys and values read back from the cache), the gate in C."""
+        """The joining prompts' gated contexts, each token attending its own prompt's positions: in
+        one C call up to :attr:`PROMPT_KERNEL_MAX` (the longest prompt times the head width), else
+        RoPE and the cache's writes in C, SDPA over each run of equal-length prompts (their keys
+        and values read back from the cache), the gate in C."""
         heads, head_dim = mixed.shape[1], mixed.shape[3]
+        if max(g.length for g in step.prompts) * head_dim <= self.PROMPT_KERNEL_MAX:
+            return cpu_step.prompt_attention(self._lib, mixed, step.cos, step.sin_signed, keys, values,
+                                             *step.prompt_index, step.prompt_table,
+                                             head_dim ** -0.5 if scale is None else scale)
         queries = cpu_step.rope_store(self._lib, mixed, step.cos, step.sin_signed, keys, values,
                                       *step.prompt_index)
         parts = []

@@ -67,7 +67,8 @@ def _both(lengths, prompt_lengths, heads=4, head_dim=32, seed=0, scale=None):
     ([7, 7, 7], []),  # equal lengths: torch writes at one position, no mask
     ([1, 9, 4, 30, 2], []),  # different lengths: torch pads to the longest under a mask
     ([3, 12], [6, 6, 2]),  # decoding rows and joining prompts in one step
-    ([], [4, 9]),  # prompts alone: RoPE, the writes and the gate in C around SDPA
+    ([], [4, 9]),  # prompts alone: the prompts' kernel
+    ([2], [300, 7]),  # 300 x 32 over NativeOps.PROMPT_KERNEL_MAX: RoPE, the writes and the gate in C around SDPA
 ])
 def test_the_kernel_caches_torchs_keys_bit_for_bit_and_attends_as_sdpa_does(lengths, prompt_lengths):
     (expected, torch_keys, torch_values), (got, keys, values) = _both(lengths, prompt_lengths)
@@ -76,12 +77,15 @@ def test_the_kernel_caches_torchs_keys_bit_for_bit_and_attends_as_sdpa_does(leng
 
 
 @needs_kernel
-@pytest.mark.parametrize(("heads", "head_dim", "scale"), [(1, 2, None), (8, 64, None), (3, 128, 0.3),
-                                                          (2, 512, None)])
-def test_the_kernel_attends_as_sdpa_does_at_any_head_shape_and_scale(heads, head_dim, scale):
+@pytest.mark.parametrize(("heads", "head_dim", "scale", "atol"), [
+    (1, 2, None, 1e-6), (8, 64, None, 1e-6), (2, 512, None, 1e-6),
+    # scores of +-15: SDPA and the kernels each land up to ~4e-6 from the float64 attention
+    (3, 128, 0.3, 8e-6),
+])
+def test_the_kernel_attends_as_sdpa_does_at_any_head_shape_and_scale(heads, head_dim, scale, atol):
     (expected, torch_keys, _), (got, keys, _) = _both([2, 17, 40], [5], heads, head_dim, seed=head_dim, scale=scale)
     assert torch.equal(keys, torch_keys)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=atol)
 
 
 @needs_kernel
@@ -205,3 +209,65 @@ def test_the_gate_kernel_is_the_sigmoid_formula_with_libms_expf(fresh_library):
         expected = (1.0 / (1.0 + e)).view(37, -1) * context
         got = kernel.gate(lib, context.clone(), mixed)
         assert torch.equal(got, expected)
+
+
+def _prompt_step(prompt_lengths: list[int], heads: int = 3, head_dim: int = 48, seed: int = 0):
+    """A step of joining prompts alone, prepared for the prompts' kernel."""
+    step, mixed, keys, values = _step([], prompt_lengths, heads, head_dim, seed)
+    NativeOps(kernel.library()).prepare(step)
+    return step, mixed, keys, values
+
+
+def _prompt_contexts(step, mixed, keys, values, scale=0.2):
+    return kernel.prompt_attention(kernel.library(), mixed, step.cos, step.sin_signed, keys, values,
+                                   *step.prompt_index, step.prompt_table, scale)
+
+
+@needs_kernel
+def test_the_prompt_kernels_result_depends_on_neither_threads_nor_the_prompts_beside_it():
+    """Each score and context element is summed in one fixed order, whoever computes it: any
+    thread count, and a prompt alone or among others (lengths that fill no vector, and over the
+    64-key tile), gives the same bits."""
+    lengths = [5, 70, 13, 64]
+    step, mixed, keys, values = _prompt_step(lengths)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(_prompt_contexts(step, mixed, keys.clone(), values.clone()))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    offset = 0
+    for n in lengths:
+        alone_step, _, alone_keys, alone_values = _prompt_step([n])
+        alone = _prompt_contexts(alone_step, mixed[offset:offset + n].contiguous(), alone_keys, alone_values)
+        assert torch.equal(alone, results[0][offset:offset + n]), n
+        offset += n
+
+
+@needs_kernel
+def test_prompts_up_to_the_kernels_limit_take_it_and_longer_ones_sdpa(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernel, "prompt_attention", lambda *a, real=kernel.prompt_attention: calls.append(1) or real(*a))
+    limit = NativeOps.PROMPT_KERNEL_MAX // 32
+    for prompts, expected in (([limit, 3], 1), ([limit + 1, 3], 0)):
+        calls.clear()
+        (reference, _, _), (got, _, _) = _both([], prompts)
+        torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
+        assert len(calls) == expected, prompts
+
+
+@needs_kernel
+def test_the_prompt_kernel_refuses_a_prompt_outside_the_step_or_the_cache_in_one_line():
+    step, mixed, keys, values = _prompt_step([4, 6], heads=2, head_dim=8)
+    lib = kernel.library()
+    args = (lib, mixed, step.cos, step.sin_signed, keys, values, *step.prompt_index)
+    for table in ([[0, 0, 4], [1, 4, 7]],  # past the step's last token
+                  [[0, 0, 4], [9, 4, 6]],  # a row outside the cache
+                  [[0, 0, 0], [1, 4, 6]]):  # an empty prompt
+        with pytest.raises(ValueError, match="^prompt_attention: a row, position or attended length outside"):
+            kernel.prompt_attention(*args, torch.tensor(table), 0.3)
+    with pytest.raises(ValueError, match="^prompt_attention: prompts is a contiguous"):
+        kernel.prompt_attention(*args, torch.tensor([0, 0, 4]), 0.3)
