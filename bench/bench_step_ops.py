@@ -22,7 +22,7 @@ row count).
 
 It prints the median decoding step of each (median over ``--steps`` steps, then over rounds),
 the ratios to ``torch``, and the prefill step of the joining prompts (their products oneDNN's
-every way; under ``ops`` and ``all`` their RoPE, cache writes and gate in C around SDPA). The
+every way; under ``ops`` and ``all`` their attention half in the prompts' C kernel). The
 same comparison, end to end over HTTP, is ``bench/bench_serve.py`` with ``--baseline-src`` on a
 checkout before the kernels.
 """

@@ -238,6 +238,24 @@ def test_bench_step_ops_times_torchs_operations_against_the_kernels_in_the_engin
     assert re.search(r"^all: (MklProducts|NativeProducts) \(products_for", proc.stdout, re.MULTILINE), proc.stdout
 
 
+def test_bench_prompt_attention_times_the_prompts_kernel_against_sdpa():
+    """bench/bench_prompt_attention.py: a row per case, both ways timed, their results within
+    float rounding, and the way the step takes on either side of NativeOps.PROMPT_KERNEL_MAX."""
+    if os.environ.get("MIMIR_CPU_KERNELS", "").lower() == "torch":
+        pytest.skip("MIMIR_CPU_KERNELS=torch")
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_prompt_attention.py"), "--heads", "2",
+                           "--head-dim", "32", "--prompts", "2x20,1x300", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=hang_limit(120))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.strip().strip("|").split("|") for line in proc.stdout.splitlines()
+            if re.match(r"\| \d+x\d+ \|", line)]
+    assert [r[0].strip() for r in rows] == ["2x20", "1x300"], proc.stdout
+    for case, kernel, sdpa, ratio, difference, takes in rows:
+        assert float(kernel.replace(",", "")) > 0 and float(sdpa.replace(",", "")) > 0, case
+        assert float(difference) < 1e-5, case
+    assert [r[5].strip() for r in rows] == ["kernel", "sdpa"], proc.stdout
+
+
 def test_bench_step_ops_compares_the_few_rows_product_kernels():
     """--products: oneDNN, the C loop and MKL in the engine, each timed."""
     if os.environ.get("MIMIR_CPU_KERNELS", "").lower() == "torch":
