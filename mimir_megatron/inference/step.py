@@ -15,7 +15,9 @@ The arithmetic is the model's, in its order (``inference/fast_stack.py`` spells 
 parameterless RMSNorm, the fused q / gate / k / v projection, RoPE on q and k (rotate-half, the
 pass's table: equal to :class:`~mimir_megatron.model.rope.RotaryTable`), the sigmoid output gate
 (fp32 for a bf16 model, cast back), SwiGLU, the residual adds after the output projections, the
-stack's exit norm after every application. Parameters are read from the modules at each call;
+stack's exit norm after every application; after the attention of the last layer of the last H
+application only each row's last token goes on (every token's keys and values are cached by then,
+and nothing reads the others' final states). Parameters are read from the modules at each call;
 the weight products go through ``inference/products.py`` (on CPU: on weights prepacked once for
 oneDNN, remade when a weight changes in place), the norms and the attention half of each layer
 through ``inference/step_ops.py`` (on CPU for fp32: C kernels; elsewhere torch's operations).
