@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from kernel_marks import needs_kernel
 from polling import hang_limit
 
 from mimir_megatron.bench.peer import peer_l_bp_cycles
@@ -219,12 +220,11 @@ def test_gpu_check_limits_clamp_and_kill_a_stuck_process(tmp_path):
     assert {p.name for p in results.iterdir()} == {"env.txt", "tests.log", "bench.log", "summary.md"}
 
 
+@needs_kernel
 @pytest.mark.timeout(300)
 def test_bench_step_ops_times_torchs_operations_against_the_kernels_in_the_engine():
     """bench/bench_step_ops.py on the tiny model: one table row per row count, every way timed
     (the script swaps the engine step's operations and products, so all three ran)."""
-    if os.environ.get("MIMIR_CPU_KERNELS", "").lower() == "torch":
-        pytest.skip("MIMIR_CPU_KERNELS=torch")
     proc = subprocess.run([sys.executable, str(BENCH / "bench_step_ops.py"), "--shape", "tiny",
                            "--rows", "1,3", "--rounds", "1", "--steps", "2"],
                           capture_output=True, text=True, timeout=hang_limit(240))
@@ -238,11 +238,10 @@ def test_bench_step_ops_times_torchs_operations_against_the_kernels_in_the_engin
     assert re.search(r"^all: (MklProducts|NativeProducts) \(products_for", proc.stdout, re.MULTILINE), proc.stdout
 
 
+@needs_kernel
 def test_bench_prompt_attention_times_the_prompts_kernel_against_sdpa():
     """bench/bench_prompt_attention.py: a row per case, both ways timed, their results within
     float rounding, and the way the step takes on either side of NativeOps.PROMPT_KERNEL_MAX."""
-    if os.environ.get("MIMIR_CPU_KERNELS", "").lower() == "torch":
-        pytest.skip("MIMIR_CPU_KERNELS=torch")
     proc = subprocess.run([sys.executable, str(BENCH / "bench_prompt_attention.py"), "--heads", "2",
                            "--head-dim", "32", "--prompts", "2x20,1x300", "--rounds", "1"],
                           capture_output=True, text=True, timeout=hang_limit(120))
@@ -256,10 +255,9 @@ def test_bench_prompt_attention_times_the_prompts_kernel_against_sdpa():
     assert [r[5].strip() for r in rows] == ["kernel", "sdpa"], proc.stdout
 
 
+@needs_kernel
 def test_bench_step_ops_compares_the_few_rows_product_kernels():
     """--products: oneDNN, the C loop and MKL in the engine, each timed."""
-    if os.environ.get("MIMIR_CPU_KERNELS", "").lower() == "torch":
-        pytest.skip("MIMIR_CPU_KERNELS=torch")
     proc = subprocess.run([sys.executable, str(BENCH / "bench_step_ops.py"), "--shape", "tiny", "--products",
                            "--rows", "2", "--rounds", "1", "--steps", "2"],
                           capture_output=True, text=True, timeout=hang_limit(240))
