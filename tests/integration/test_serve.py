@@ -254,6 +254,20 @@ def test_streaming_gives_the_same_text(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
 
 
+def test_a_completion_streams_a_chunk_for_every_token(client):
+    """A token whose text is held back (here: it could start a stop string) still streams, as an
+    empty text, as vLLM's do: the client hears of every token when it is made."""
+    whole = client.completions.create(model="tiny", prompt="Hold", max_tokens=6, temperature=0, logprobs=0)
+    tokens = whole.choices[0].logprobs.tokens
+    held = next(i for i, t in enumerate(tokens[:-1]) if i and t.strip() and "\ufffd" not in t)
+    stop = tokens[held] + "\x00never"  # starts with that token's text, never completes
+    chunks = list(client.completions.create(model="tiny", prompt="Hold", max_tokens=6, temperature=0,
+                                            stop=[stop], stream=True))
+    texts = [c.choices[0].text for c in chunks]
+    assert len(texts) == len(tokens) == whole.usage.completion_tokens
+    assert texts[held] == "" and "".join(texts) == whole.choices[0].text
+
+
 def test_n_choices_use_consecutive_seeds(client):
     both = client.completions.create(model="tiny", prompt="Seeds", max_tokens=4, temperature=1.0, seed=5, n=2)
     single = [client.completions.create(model="tiny", prompt="Seeds", max_tokens=4, temperature=1.0, seed=s)

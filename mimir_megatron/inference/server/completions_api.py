@@ -116,8 +116,9 @@ class CompletionBodies:
             offsets: dict[int, int] = {}
             async for index, event in events:
                 completion_tokens += 1
-                if not (event.text or event.finished or want_logprobs):
-                    continue
+                # A chunk for every token, as vLLM streams: one whose text is held back (an
+                # incomplete character, a possible stop string's start) carries "", and the
+                # client hears of the first token when it is made, not a step or more later.
                 choice = {"index": index, "text": event.text or "", "logprobs": None,
                           "finish_reason": event.finish_reason}
                 if want_logprobs:
