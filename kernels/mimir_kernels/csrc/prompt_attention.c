@@ -23,6 +23,9 @@
 #include "head_ops.h"
 
 #define QUERY_BLOCK 64 /* queries a work item takes */
+
+/* The work items of one head of a prompt of `length` tokens: its blocks of QUERY_BLOCK queries. */
+static inline int64_t query_blocks(int64_t length) { return (length + QUERY_BLOCK - 1) / QUERY_BLOCK; }
 #define KEY_TILE 64    /* keys transposed at a time (16 KiB at a head width of 64: L1) */
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -211,21 +214,21 @@ int mimir_prompt_attention(const float *mixed, const float *cos_, const float *s
     if (hd > MAX_HEAD_DIM || hd % 2 != 0) return 1;
     for (int64_t t = 0; t < tokens; t++)
         if (!in_cache(row[t], position[t], rows_room, positions_room)) return 2;
-    int64_t longest = 1, items = 0;
+    int64_t longest = 1;
     for (int64_t p = 0; p < count; p++) {
         int64_t prow = prompts[3 * p], offset = prompts[3 * p + 1], length = prompts[3 * p + 2];
         if (prow < 0 || prow >= rows_room || offset < 0 || length < 1 || length > positions_room ||
             offset + length > tokens)
             return 2;
         longest = length > longest ? length : longest;
-        items += heads * ((length + QUERY_BLOCK - 1) / QUERY_BLOCK);
     }
     /* item_start[p]: the first work item of prompt p (its heads' query blocks, head-major) */
     int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(count + 1));
     if (item_start == NULL) return 3;
     item_start[0] = 0;
     for (int64_t p = 0; p < count; p++)
-        item_start[p + 1] = item_start[p] + heads * ((prompts[3 * p + 2] + QUERY_BLOCK - 1) / QUERY_BLOCK);
+        item_start[p + 1] = item_start[p] + heads * query_blocks(prompts[3 * p + 2]);
+    int64_t items = item_start[count];
     int failed = 0;
     int64_t work = tokens * heads;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
@@ -249,7 +252,7 @@ int mimir_prompt_attention(const float *mixed, const float *cos_, const float *s
         for (int64_t item = 0; item < items; item++) {
             if (mem == NULL) continue;
             while (item >= item_start[p + 1]) p++;  /* items arrive in increasing order per thread */
-            int64_t blocks = (prompts[3 * p + 2] + QUERY_BLOCK - 1) / QUERY_BLOCK;
+            int64_t blocks = query_blocks(prompts[3 * p + 2]);
             int64_t local = item - item_start[p], h = local / blocks, first = (local % blocks) * QUERY_BLOCK;
             int64_t length = prompts[3 * p + 2], rows = length - first < QUERY_BLOCK ? length - first : QUERY_BLOCK;
             attend_block(mixed, keys, values, out, prompts[3 * p], prompts[3 * p + 1], length, h, first, rows,
