@@ -13,12 +13,14 @@ mask), then decoding steps. Each round runs the session three ways, in turn in o
 - ``ops``: ``NativeOps`` (the attention half and the norms in C), the same products;
 - ``all``: ``NativeOps`` and the products ``products_for`` picks on this CPU, what the engine
   runs (the products at 1-8 rows through a kernel for few rows: MKL's sgemm on Intel CPUs, the
-  C loop on others; the script names it).
+  C loop on others; on others with AVX-512 the C GEMM on packed weights from two rows; the
+  script names it).
 
-With ``--products`` it compares the few rows' kernels instead, all with ``NativeOps``:
-``onednn`` (``PrepackedProducts``), ``c_loop`` (``NativeProducts``) and ``mkl``
-(``MklProducts``), the prefill steps likewise (``mkl`` also takes a weight under 2 MiB at every
-row count).
+With ``--products`` it compares the product kernels instead, all with ``NativeOps``:
+``onednn`` (``PrepackedProducts``), ``c_loop`` (``NativeProducts``, oneDNN's beyond 8 rows),
+``mkl`` (``MklProducts``) and, where the CPU has AVX-512, ``packed`` (``NativeGemmProducts``:
+the C GEMM from two rows, the C loop at one), the prefill steps likewise (``mkl`` also takes a
+weight under 2 MiB at every row count).
 
 It prints the median decoding step of each (median over ``--steps`` steps, then over rounds),
 the ratios to ``torch``, and the prefill step of the joining prompts (their products oneDNN's
@@ -46,7 +48,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24, help="decoding steps timed per session")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--products", action="store_true",
-                        help="compare the few rows' product kernels (oneDNN, C loop, MKL) instead")
+                        help="compare the product kernels (oneDNN, C loop, MKL, packed GEMM) instead")
     args = parser.parse_args()
 
     from mimir_megatron.process import setup_process
@@ -57,7 +59,13 @@ def main() -> None:
 
     from mimir_megatron.bench.shapes import model_config
     from mimir_megatron.inference import GenerationRequest, InferenceEngine, SamplingParams
-    from mimir_megatron.inference.products import MklProducts, NativeProducts, PrepackedProducts, products_for
+    from mimir_megatron.inference.products import (
+        MklProducts,
+        NativeGemmProducts,
+        NativeProducts,
+        PrepackedProducts,
+        products_for,
+    )
     from mimir_megatron.inference.step_ops import NativeOps, TorchOps
     from mimir_megatron.model import build_model
 
@@ -76,6 +84,8 @@ def main() -> None:
         variants = {"onednn": (NativeOps(lib), PrepackedProducts()),
                     "c_loop": (NativeOps(lib), NativeProducts(lib, rows)),
                     "mkl": (NativeOps(lib), MklProducts(rows))}
+        if cpu_step.packed_gemm_available(lib):
+            variants["packed"] = (NativeOps(lib), NativeGemmProducts(lib))
     else:
         engine_products = products_for(torch.device("cpu"))
         variants = {"torch": (TorchOps(), PrepackedProducts()), "ops": (NativeOps(lib), PrepackedProducts()),

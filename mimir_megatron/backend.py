@@ -222,6 +222,18 @@ def few_row_products(device: torch.device) -> FewRowKernel | None:
     return FewRowKernel("native", 4 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8)
 
 
+def native_gemm(device: torch.device) -> bool:
+    """Whether the inference step's fp32 products beyond :func:`few_row_products`' rows on ``device``
+    run the C GEMM of ``mimir_kernels.cpu_step`` on weights packed for it (``packed_gemm``, where
+    the CPU has AVX-512) instead of oneDNN's: on CPUs other than Intel's, with AVX-512 (checked
+    again by the library), where the install built the C kernels. On the 2-core AMD EPYC (Zen 4)
+    mid512's products took 0.89-0.92x oneDNN's time at a prompt's 64 rows and 0.53-0.78x at a
+    decoding step's 8-32 (oneDNN's GEMM spends ~10 µs a call on its bookkeeping and streams the
+    next weight less early); Intel's CPUs keep oneDNN's, where this was not measured."""
+    return (native_cpu_step_ops(device) and cpu_vendor() != "GenuineIntel"
+            and torch.backends.cpu.get_cpu_capability() == "AVX512")
+
+
 def run_in_own_thread(work: Callable[[], T], name: str = "mimir-load") -> T:
     """``work()`` on a thread of its own that ends with it; its result returned, its exception raised.
 

@@ -106,6 +106,15 @@ def library() -> ctypes.CDLL | None:
     lib.mimir_rms_norm.restype = None
     lib.mimir_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_float, ctypes.c_int]
+    lib.mimir_pack_weight.restype = None
+    lib.mimir_pack_weight.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_int]
+    lib.mimir_packed_gemm.restype = ctypes.c_int
+    lib.mimir_packed_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_int]
+    lib.mimir_packed_gemm_available.restype = ctypes.c_int
+    lib.mimir_packed_gemm_available.argtypes = []
     return lib
 
 
@@ -220,4 +229,44 @@ def small_gemm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(x.shape[0], weight.shape[0])
     lib.mimir_small_gemm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
                          None if add is None else add.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+PACK_PANEL = 32  # csrc/packed_gemm.c's outputs per panel
+
+
+def packed_gemm_available(lib: ctypes.CDLL) -> bool:
+    """Whether :func:`packed_gemm` runs here: the CPU has AVX-512 (and the build its kernel)."""
+    return bool(lib.mimir_packed_gemm_available())
+
+
+def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """An ``[out, in]`` fp32 weight packed for :func:`packed_gemm`: panels of 32 outputs, each its
+    inputs one after another, zero beyond ``out`` (a copy; the weight itself is untouched)."""
+    if weight.dim() != 2 or not _floats(weight):
+        raise ValueError("pack_weight: an fp32 contiguous CPU weight [out, in]")
+    out, width = weight.shape
+    packed = torch.empty(-(-out // PACK_PANEL) * PACK_PANEL * width)
+    lib.mimir_pack_weight(weight.data_ptr(), out, width, packed.data_ptr(), torch.get_num_threads())
+    return packed
+
+
+def packed_gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T`` (``+ add``, rounded as ``add + product``) of a ``[rows, in]`` fp32 x whose
+    rows may be strided (its columns not) and a weight packed by :func:`pack_weight`; ``add``:
+    ``[rows, out_features]``, contiguous. Each result one chain of fused multiply-adds in input
+    order: independent of the rows beside it and of the thread count."""
+    rows, width = x.shape if x.dim() == 2 else (0, 0)
+    if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1
+            or (rows > 1 and x.stride(0) < width) or not _floats(packed)
+            or packed.numel() != -(-out_features // PACK_PANEL) * PACK_PANEL * width
+            or (add is not None and (add.shape != (rows, out_features) or not _floats(add)))):
+        raise ValueError("packed_gemm: fp32 CPU x [rows, in] (columns contiguous), a weight packed for "
+                         "[out_features, in], add [rows, out_features] contiguous")
+    out = torch.empty(rows, out_features)
+    if rows and lib.mimir_packed_gemm(x.data_ptr(), rows, width, x.stride(0), packed.data_ptr(), out_features,
+                                      None if add is None else add.data_ptr(), out.data_ptr(),
+                                      torch.get_num_threads()):
+        raise RuntimeError("packed_gemm: this CPU has no AVX-512 (check packed_gemm_available first)")
     return out

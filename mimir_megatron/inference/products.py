@@ -69,9 +69,21 @@ class PrepackedProducts(Products):
     def _prepacked(self, weight: torch.Tensor) -> torch.Tensor:
         entry = self._packed.get(id(weight))
         if entry is None or entry[0] is not weight or entry[1] != weight._version:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.ROWS_HINT)
-            entry = self._packed[id(weight)] = (weight, weight._version, packed)
+            entry = self._packed[id(weight)] = (weight, weight._version, self._pack(weight.detach()))
         return entry[2]
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight's packed copy (:meth:`_prepacked` keeps it)."""
+        return torch.ops.mkldnn._reorder_linear_weight(weight, self.ROWS_HINT)
+
+    def _product(self, x: torch.Tensor, weight: torch.Tensor,
+                 add: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T`` (``add +`` it) on the packed weight."""
+        if add is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._prepacked(weight), None, "none", [], "")
+        # The residual added in the product's epilogue (oneDNN's binary post-op): the same sum,
+        # rounded once as ``add + product`` is, without a second pass over the rows.
+        return torch.ops.mkldnn._linear_pointwise.binary(x, add, self._prepacked(weight), None, "add")
 
     def _applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         if weight.dtype != torch.float32 or x.dtype != torch.float32:
@@ -82,20 +94,15 @@ class PrepackedProducts(Products):
         """Whether the weight is large enough to stream from memory (:attr:`ONE_ROW_MIN_BYTES`)."""
         return weight.numel() * weight.element_size() >= self.ONE_ROW_MIN_BYTES
 
-    def _onednn(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self._prepacked(weight), None, "none", [], "")
-
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not self._applies(x, weight):
             return super().linear(x, weight)
-        return self._onednn(x, weight)
+        return self._product(x, weight)
 
     def add_linear(self, hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not self._applies(x, weight):
             return super().add_linear(hidden, x, weight)
-        # The residual added in the product's epilogue (oneDNN's binary post-op): the same sum,
-        # rounded once as ``hidden + product`` is, without a second pass over the rows.
-        return torch.ops.mkldnn._linear_pointwise.binary(x, hidden, self._prepacked(weight), None, "add")
+        return self._product(x, weight, hidden)
 
 
 class FewRowProducts(PrepackedProducts):
@@ -155,6 +162,35 @@ class MklProducts(FewRowProducts):
         return Products.linear(self, x, weight) if add is None else Products.add_linear(self, add, x, weight)
 
 
+class NativeGemmProducts(NativeProducts):
+    """fp32 products from two rows up through the C GEMM on weights packed for it
+    (``mimir_kernels.cpu_step.packed_gemm``, AVX-512), one row through the few-row C loop: each
+    result one chain of fused multiply-adds in input order, whatever the rows beside it and the
+    thread count. On the 2-core AMD EPYC (Zen 4), against oneDNN's GEMM and the C loop it replaces
+    there (docs/performance.md#serving): a 64-token prompt's prefill 0.93x (mid512) and 0.87x
+    (tiny); a decoding step of 2 / 4 / 8 rows 0.89 / 0.79 / 0.73x (mid512), 4 / 8 rows 0.92 /
+    0.82x (tiny); of one row it was 1.01-1.09x the C loop's, which keeps it."""
+
+    MAX_ROWS = 1
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        super().__init__(lib, streamed_max_rows=1)
+
+    def _applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.float32 and x.dtype == torch.float32
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return cpu_step.pack_weight(self._lib, weight.contiguous())
+
+    def _product(self, x: torch.Tensor, weight: torch.Tensor,
+                 add: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # the kernel takes strided rows, not strided columns
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        add = None if add is None else add.reshape(rows.shape[0], -1).contiguous()
+        out = cpu_step.packed_gemm(self._lib, rows, self._prepacked(weight), weight.shape[0], add)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def products_for(device: torch.device) -> Products:
     """The products the inference step uses on ``device`` (module docstring)."""
     if not backend.prepacks_weights(device):
@@ -165,4 +201,8 @@ def products_for(device: torch.device) -> Products:
     if kernel.name == "mkl":
         return MklProducts(kernel.streamed_max_rows)
     lib = cpu_step.library()
-    return NativeProducts(lib, kernel.streamed_max_rows) if lib is not None else PrepackedProducts()
+    if lib is None:
+        return PrepackedProducts()
+    if backend.native_gemm(device) and cpu_step.packed_gemm_available(lib):
+        return NativeGemmProducts(lib)
+    return NativeProducts(lib, kernel.streamed_max_rows)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from kernel_marks import needs_kernel
+from mimir_kernels import cpu_step
 from polling import hang_limit
 
 from mimir_megatron.bench.peer import peer_l_bp_cycles
@@ -235,7 +236,7 @@ def test_bench_step_ops_times_torchs_operations_against_the_kernels_in_the_engin
         *steps, prefills = row.strip().strip("|").split("|")[1:]
         cells = [float(c) for c in steps] + [float(c) for c in prefills.split("/")]
         assert len(cells) == 8 and all(c > 0 for c in cells), row
-    assert re.search(r"^all: (MklProducts|NativeProducts) \(products_for", proc.stdout, re.MULTILINE), proc.stdout
+    assert re.search(r"^all: (MklProducts|NativeProducts|NativeGemmProducts) \(products_for", proc.stdout, re.MULTILINE), proc.stdout
 
 
 @needs_kernel
@@ -257,14 +258,16 @@ def test_bench_prompt_attention_times_the_prompts_kernel_against_sdpa():
 
 @needs_kernel
 def test_bench_step_ops_compares_the_few_rows_product_kernels():
-    """--products: oneDNN, the C loop and MKL in the engine, each timed."""
+    """--products: oneDNN, the C loop, MKL and (with AVX-512) the packed GEMM in the engine, each timed."""
     proc = subprocess.run([sys.executable, str(BENCH / "bench_step_ops.py"), "--shape", "tiny", "--products",
                            "--rows", "2", "--rounds", "1", "--steps", "2"],
                           capture_output=True, text=True, timeout=hang_limit(240))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "| rows | onednn ms/step | c_loop ms/step | mkl ms/step |" in proc.stdout, proc.stdout
+    packed = cpu_step.packed_gemm_available(cpu_step.library())
+    header = "| rows | onednn ms/step | c_loop ms/step | mkl ms/step |" + (" packed ms/step |" if packed else "")
+    assert header in proc.stdout, proc.stdout
     rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
     assert len(rows) == 1 and rows[0].startswith("| 2 |"), proc.stdout
     *steps, prefills = rows[0].strip().strip("|").split("|")[1:]
     cells = [float(c) for c in steps] + [float(c) for c in prefills.split("/")]
-    assert len(cells) == 8 and all(c > 0 for c in cells), rows[0]
+    assert len(cells) == (11 if packed else 8) and all(c > 0 for c in cells), rows[0]

@@ -1,5 +1,5 @@
-"""The inference step's weight products (inference/products.py, the C kernel of
-mimir_kernels.cpu_step.small_gemm) and the loader thread (backend.run_in_own_thread): equal to
+"""The inference step's weight products (inference/products.py, the C kernels of
+mimir_kernels.cpu_step.small_gemm and packed_gemm) and the loader thread (backend.run_in_own_thread): equal to
 F.linear within float rounding, each row's result independent of its neighbours and of the thread
 count, remade when a weight changes, and a load that leaves the caller's thread as it was."""
 
@@ -17,6 +17,7 @@ from mimir_kernels import cpu_step
 from mimir_megatron import backend
 from mimir_megatron.inference.products import (
     MklProducts,
+    NativeGemmProducts,
     NativeProducts,
     PrepackedProducts,
     Products,
@@ -26,6 +27,14 @@ from kernel_marks import needs_kernel
 from polling import wait_for
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+
+
+def _packed_gemm_runs() -> bool:
+    lib = cpu_step.library()
+    return lib is not None and cpu_step.packed_gemm_available(lib)
+
+
+needs_packed_gemm = pytest.mark.skipif(not _packed_gemm_runs(), reason="no AVX-512 or the C kernels not built")
 
 
 def _weight(n: int = 96, k: int = 64) -> torch.nn.Parameter:
@@ -154,6 +163,66 @@ def test_the_small_product_kernel_refuses_other_inputs_in_one_line():
             cpu_step.small_gemm(lib, x, w, add)
 
 
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    return cpu_step.pack_weight(cpu_step.library(), weight)
+
+
+@needs_packed_gemm
+@pytest.mark.parametrize(("rows", "width", "out"), [
+    (1, 64, 96),      # one row, three panels
+    (2, 512, 2048),   # mid512's QKV projection at a decoding step's rows
+    (7, 300, 100),    # a row block short of 8, a last panel of 4 outputs
+    (8, 37, 5),       # fewer outputs than a panel
+    (64, 1536, 512),  # a prompt against mid512's down projection
+    (203, 1536, 40),  # three chunks of rows, the last block of 3
+])
+def test_the_packed_gemm_is_f_linear_and_adds_the_residual_last(rows, width, out):
+    lib = cpu_step.library()
+    weight = _layer_weight(out, width)
+    x, hidden = torch.randn(rows, width), torch.randn(rows, out)
+    product = cpu_step.packed_gemm(lib, x, _packed(weight), out)
+    exact = (x.double() @ weight.double().T).float()
+    torch.testing.assert_close(product, exact, rtol=1e-5, atol=2e-6 * width ** 0.5)
+    assert torch.equal(cpu_step.packed_gemm(lib, x, _packed(weight), out, hidden), hidden + product)
+
+
+@needs_packed_gemm
+def test_a_rows_packed_product_does_not_depend_on_the_rows_beside_it_nor_on_the_thread_count():
+    """Each result one chain over the inputs in order: a row alone, among 1-203 others (every row
+    block's length, several chunks), on 1-3 threads and read with a row stride, bit for bit."""
+    lib = cpu_step.library()
+    weight = _layer_weight(200, 1536)
+    packed = _packed(weight)
+    x = torch.randn(203, 1536)
+    alone = torch.cat([cpu_step.packed_gemm(lib, x[r:r + 1], packed, 200) for r in range(203)])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for rows in (*range(2, 10), 17, 64, 203):
+                assert torch.equal(cpu_step.packed_gemm(lib, x[:rows], packed, 200), alone[:rows]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
+    wide = torch.randn(203, 2000)
+    wide[:, 100:1636] = x
+    assert torch.equal(cpu_step.packed_gemm(lib, wide[:, 100:1636], packed, 200), alone)
+
+
+@needs_packed_gemm
+def test_the_packed_gemm_refuses_other_inputs_in_one_line():
+    lib, weight = cpu_step.library(), torch.randn(16, 8)
+    packed = _packed(weight)
+    for x, p, add in ((torch.randn(2, 8, dtype=torch.float64), packed, None),
+                      (torch.randn(8, 2).t(), packed, None),  # strided columns
+                      (torch.randn(2, 7), packed, None),  # packed for another width
+                      (torch.randn(2, 8), packed[:-1], None),
+                      (torch.randn(2, 8), packed, torch.randn(2, 15))):
+        with pytest.raises(ValueError, match="^packed_gemm: fp32 CPU x"):
+            cpu_step.packed_gemm(lib, x, p, 16, add)
+    with pytest.raises(ValueError, match="^pack_weight: an fp32 contiguous CPU weight"):
+        cpu_step.pack_weight(lib, weight.t())
+
+
 def _route_rows(products) -> None:
     """1, 8, 9 and 33 fp32 rows, each result checked against ``F.linear``; then bf16 rows and
     non-contiguous rows."""
@@ -176,6 +245,35 @@ def test_native_products_send_one_to_eight_fp32_rows_to_the_c_loop_and_more_to_o
     monkeypatch.setattr(cpu_step, "small_gemm", lambda *a, **k: calls.append(a[1].shape[0]) or kernel(*a, **k))
     _route_rows(NativeProducts(cpu_step.library(), 8))
     assert calls == [1, 1, 8, 8]
+
+
+@needs_packed_gemm
+def test_native_gemm_products_send_one_row_to_the_c_loop_and_more_to_the_packed_gemm(monkeypatch):
+    calls = []
+    loop, gemm = cpu_step.small_gemm, cpu_step.packed_gemm
+    monkeypatch.setattr(cpu_step, "small_gemm", lambda *a, **k: calls.append(("loop", a[1].shape[0])) or loop(*a, **k))
+    monkeypatch.setattr(cpu_step, "packed_gemm",
+                        lambda *a, **k: calls.append(("gemm", a[1].shape[0])) or gemm(*a, **k))
+    _route_rows(NativeGemmProducts(cpu_step.library()))  # bf16: F.linear's
+    assert calls == [("loop", 1), ("loop", 1)] + [("gemm", n) for n in (8, 8, 9, 9, 33, 33, 4)]
+    big, x = _layer_weight(1024, 512), torch.randn(3, 512)  # 2 MiB: one row still the C loop's
+    calls.clear()
+    with torch.no_grad():
+        NativeGemmProducts(cpu_step.library()).linear(x[:1], big)
+        NativeGemmProducts(cpu_step.library()).linear(x[:2], big)
+    assert calls == [("loop", 1), ("gemm", 2)]
+
+
+@needs_packed_gemm
+def test_the_packed_gemm_products_pack_a_weight_again_once_it_changed_in_place():
+    products, weight = NativeGemmProducts(cpu_step.library()), _layer_weight(96, 64)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        products.linear(x, weight)
+        weight.mul_(-2.0)
+        torch.testing.assert_close(products.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        out = products.linear(x.view(2, 2, 64), weight)  # leading dimensions kept, as F.linear's
+        assert out.shape == (2, 2, 96) and torch.equal(out.view(4, 96), products.linear(x, weight))
 
 
 @needs_onednn
@@ -227,7 +325,7 @@ def test_native_products_take_a_streamed_weight_up_to_their_limit_and_a_cached_o
 @pytest.mark.parametrize(("vendor", "isa", "kernels", "chosen", "streamed"), [
     ("GenuineIntel", "AVX512", "", MklProducts, 3),
     ("AuthenticAMD", "AVX2", "", NativeProducts, 8),
-    ("AuthenticAMD", "AVX512", "", NativeProducts, 4),  # oneDNN's instructions twice as wide
+    ("AuthenticAMD", "AVX512", "", NativeGemmProducts, 1),  # the packed GEMM from two rows
     ("", "AVX2", "", NativeProducts, 8),  # /proc/cpuinfo silent
     ("AuthenticAMD", "AVX2", "torch", PrepackedProducts, None),  # the C kernels turned off
 ])
@@ -238,8 +336,10 @@ def test_the_few_rows_kernel_is_picked_by_the_cpus_vendor_and_its_limit_by_the_i
     monkeypatch.setenv("MIMIR_CPU_KERNELS", kernels)
     cpu_step.library.cache_clear()
     try:
-        if chosen is NativeProducts and cpu_step.library() is None:
+        if chosen in (NativeProducts, NativeGemmProducts) and cpu_step.library() is None:
             pytest.skip("the C kernels are not built")
+        if chosen is NativeGemmProducts and not cpu_step.packed_gemm_available(cpu_step.library()):
+            chosen, streamed = NativeProducts, 4  # the library checks the CPU itself
         if chosen is MklProducts and not torch.backends.mkl.is_available():
             pytest.skip("torch without MKL")
         products = products_for(torch.device("cpu"))
