@@ -211,7 +211,8 @@ def few_row_products(device: torch.device) -> FewRowKernel | None:
       there a streamed weight takes the loop at 1-4 rows only.
 
     A choice by the CPU's kind, not by timing at start-up, so that a CPU of one kind always
-    computes the same tokens (docs/performance.md#serving has the measurements).
+    computes the same tokens (docs/performance.md#serving has the measurements). Where
+    :func:`native_gemm` holds, products from two rows up go to the packed GEMM whatever this says.
     """
     if device.type != "cpu":
         return None
