@@ -224,13 +224,13 @@ def few_row_products(device: torch.device) -> FewRowKernel | None:
 
 
 def native_gemm(device: torch.device) -> bool:
-    """Whether the inference step's fp32 products beyond :func:`few_row_products`' rows on ``device``
-    run the C GEMM of ``mimir_kernels.cpu_step`` on weights packed for it (``packed_gemm``, where
-    the CPU has AVX-512) instead of oneDNN's: on CPUs other than Intel's, with AVX-512 (checked
+    """Whether the inference step's fp32 products from two rows up on ``device`` run the C GEMM of
+    ``mimir_kernels.cpu_step`` on weights packed for it (``packed_gemm``, where the CPU has AVX-512)
+    instead of oneDNN's and the few-row kernel's: on CPUs other than Intel's, with AVX-512 (checked
     again by the library), where the install built the C kernels. On the 2-core AMD EPYC (Zen 4)
-    mid512's products took 0.89-0.92x oneDNN's time at a prompt's 64 rows and 0.53-0.78x at a
-    decoding step's 8-32 (oneDNN's GEMM spends ~10 µs a call on its bookkeeping and streams the
-    next weight less early); Intel's CPUs keep oneDNN's, where this was not measured."""
+    a mid512 prefill took 0.93x oneDNN's time and decoding steps of 8-32 rows 0.72-0.86x (torch's
+    call of oneDNN's GEMM spends ~10 µs on bookkeeping, and the GEMM reached ~80 % of the FMA units'
+    peak there); Intel's CPUs keep oneDNN's and MKL's, where this was not measured."""
     return (native_cpu_step_ops(device) and cpu_vendor() != "GenuineIntel"
             and torch.backends.cpu.get_cpu_capability() == "AVX512")
 

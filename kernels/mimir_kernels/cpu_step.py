@@ -37,9 +37,9 @@
 
 - :func:`packed_gemm` (``csrc/packed_gemm.c``): ``x W^T`` (plus a residual) from a few rows up, on a
   weight packed once by :func:`pack_weight` into panels of 32 outputs, with AVX-512: 8 rows by 32
-  outputs in 16 registers, one fused multiply-add per 16 results, the next panel fetched ahead.
+  outputs in 16 registers, one fused multiply-add per 16 results.
   On the 2-core AMD EPYC (Zen 4), mid512's 32 products in a row, weights streamed from memory:
-  0.89-0.92x oneDNN's time at 64 rows, 0.73-0.78x at 32, 0.53-0.63x at 8, level from 512; each
+  0.90-0.97x oneDNN's time at 64 rows, 0.82-0.94x at 32, 0.55-0.67x at 8, level from 512; each
   result one chain over the inputs in order (batch- and thread-invariant).
 
 ``pip install`` builds them (pyproject.toml's optional ``ext-modules``) into this package as

@@ -32,9 +32,10 @@ by the CPU's vendor (``backend.few_row_products``):
 On CPUs other than Intel's with AVX-512 (``backend.native_gemm``), every product from two rows up
 goes instead to a GEMM of our own on weights packed for it, ``mimir_kernels.cpu_step.packed_gemm``
 (:class:`NativeGemmProducts`; one row keeps the C loop): on the 2-core AMD EPYC (Zen 4) oneDNN's
-GEMM ran mid512's 64-row products at 182-191 GFLOP/s inside a prefill, of the FMA units' ~234,
-and spent ~10 µs a call in torch's bookkeeping; the packed GEMM ran them at 198-209, a prefill
-took 0.93x (mid512) and 0.87x (tiny), decoding steps of 2-32 rows 0.67-0.86x.
+GEMM ran mid512's 64-row products at 180-191 GFLOP/s inside a prefill, of the FMA units' ~234,
+and spent ~10 µs a call in torch's bookkeeping; the packed GEMM ran them at 198-205, a prefill
+took 0.93x (mid512) and 0.87x (tiny), decoding steps of 2-32 rows 0.67-0.86x oneDNN's
+(0.79-0.89x the C loop's at 2-4 rows).
 
 A prepacked weight is a second copy of it (the model's own is kept: training, scoring and
 checkpoints read it), made at its first product and made again whenever the weight changed in
@@ -191,8 +192,9 @@ class NativeGemmProducts(NativeProducts):
 
     def _product(self, x: torch.Tensor, weight: torch.Tensor,
                  add: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # the kernel takes strided rows, not strided columns
-        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        rows = x.reshape(-1, x.shape[-1])  # the kernel takes rows apart, not strided columns
+        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+            rows = rows.contiguous()
         add = None if add is None else add.reshape(rows.shape[0], -1).contiguous()
         out = cpu_step.packed_gemm(self._lib, rows, self._prepacked(weight), weight.shape[0], add)
         return out.view(*x.shape[:-1], weight.shape[0])

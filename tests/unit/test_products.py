@@ -274,6 +274,8 @@ def test_the_packed_gemm_products_pack_a_weight_again_once_it_changed_in_place()
         torch.testing.assert_close(products.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
         out = products.linear(x.view(2, 2, 64), weight)  # leading dimensions kept, as F.linear's
         assert out.shape == (2, 2, 96) and torch.equal(out.view(4, 96), products.linear(x, weight))
+        repeated = x[:1].expand(3, 64)  # rows that overlap (stride 0): copied before the kernel
+        assert torch.equal(products.linear(repeated, weight), products.linear(repeated.contiguous(), weight))
 
 
 @needs_onednn

@@ -5,12 +5,13 @@
    (32 consecutive floats per input), zero beyond the last output. A thread takes a contiguous
    range of panels; for each block of up to 8 rows of x it keeps the 8 x 32 results in 16 vector
    registers and, per input, loads the panel's 32 weights once and multiplies them by each row's
-   value broadcast (one fused multiply-add per 16 results). Rows are taken in chunks of ~256 KiB of
-   x, so that a chunk stays in the core's L2 while the thread's panels stream past it.
+   value broadcast (one fused multiply-add per 16 results). Rows are taken in chunks of ~512 KiB of
+   x, so that a chunk stays in the core's L2 while the thread's panels stream past it. (Fetching
+   the next panel into L2 ahead of its use was tried: faster alone, 1.00x inside the step.)
 
    Why not oneDNN's GEMM on its own prepacked layout (torch.ops.mkldnn._linear_pointwise), which
    the step used before: on the AMD EPYC (Zen 4, 2 cores) its products of 64 rows by mid512's
-   weights ran at 182-191 GFLOP/s inside a prefill, this loop at 198-209 (the FMA units' peak is
+   weights ran at 180-191 GFLOP/s inside a prefill, this loop at 198-205 (the FMA units' peak is
    ~234), and at 16 rows 113 against 158; torch's call also spends ~7-13 µs a call on ideep's
    bookkeeping (docs/performance.md#serving has the figures).
 
@@ -27,9 +28,7 @@
 
 #define PANEL 32      /* outputs per panel: two 16-float vectors */
 #define BLOCK_ROWS 8  /* rows per register block: 16 accumulators */
-#ifndef CHUNK_BYTES
 #define CHUNK_BYTES (512 * 1024)
-#endif
 
 void mimir_pack_weight(const float *restrict w, int64_t out, int64_t in, float *restrict packed, int threads) {
     const int64_t panels = (out + PANEL - 1) / PANEL;
@@ -56,16 +55,12 @@ int mimir_packed_gemm_available(void) {
 /* `rows` (1-8, a constant once inlined) rows of x against one panel: y's `cols` (1-32) columns. */
 AVX512 static inline __attribute__((always_inline)) void
 block(const int rows, const float *restrict x, int64_t x_stride, const float *restrict panel, int64_t in,
-      const float *restrict add, float *restrict y, int64_t y_stride, int cols, const float *ahead) {
+      const float *restrict add, float *restrict y, int64_t y_stride, int cols) {
     __m512 acc[BLOCK_ROWS][2];
     for (int r = 0; r < rows; r++)
         acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < in; k++) {
         const __m512 w0 = _mm512_loadu_ps(panel + k * PANEL), w1 = _mm512_loadu_ps(panel + k * PANEL + 16);
-#ifdef AHEAD
-        _mm_prefetch((const char *)(ahead + k * PANEL), AHEAD);
-        _mm_prefetch((const char *)(ahead + k * PANEL + 16), AHEAD);
-#endif
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             const __m512 a = _mm512_set1_ps(x[r * x_stride + k]);
@@ -88,10 +83,10 @@ block(const int rows, const float *restrict x, int64_t x_stride, const float *re
 
 /* Each row count its own unrolled copy, so that the accumulators stay in registers. */
 #define BLOCK_CASE(n) \
-    case n: block(n, x, x_stride, panel, in, add, y, y_stride, cols, ahead); break;
+    case n: block(n, x, x_stride, panel, in, add, y, y_stride, cols); break;
 
 AVX512 static void rows_block(int rows, const float *x, int64_t x_stride, const float *panel, int64_t in,
-                              const float *add, float *y, int64_t y_stride, int cols, const float *ahead) {
+                              const float *add, float *y, int64_t y_stride, int cols) {
     switch (rows) {
         BLOCK_CASE(1) BLOCK_CASE(2) BLOCK_CASE(3) BLOCK_CASE(4)
         BLOCK_CASE(5) BLOCK_CASE(6) BLOCK_CASE(7) BLOCK_CASE(8)
@@ -117,11 +112,10 @@ AVX512 static void gemm(const float *x, int64_t rows, int64_t in, int64_t x_stri
             for (int64_t p = p0; p < p1; p++) {
                 const float *panel = packed + p * in * PANEL;
                 const int cols = out - p * PANEL < PANEL ? (int)(out - p * PANEL) : PANEL;
-                const float *ahead = p + 1 < p1 ? panel + in * PANEL : panel;
                 for (int64_t r = r0; r < r1; r += BLOCK_ROWS) {
                     const int n = r1 - r < BLOCK_ROWS ? (int)(r1 - r) : BLOCK_ROWS;
                     rows_block(n, x + r * x_stride, x_stride, panel, in, add ? add + r * out + p * PANEL : 0,
-                               y + r * out + p * PANEL, out, cols, ahead);
+                               y + r * out + p * PANEL, out, cols);
                 }
             }
         }
