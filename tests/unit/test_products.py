@@ -175,6 +175,7 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
     (8, 37, 5),       # fewer outputs than a panel
     (64, 1536, 512),  # a prompt against mid512's down projection
     (203, 1536, 40),  # three chunks of rows, the last block of 3
+    (3, 0, 40),       # no inputs: zeros, the residual as it is
 ])
 def test_the_packed_gemm_is_f_linear_and_adds_the_residual_last(rows, width, out):
     lib = cpu_step.library()

@@ -96,7 +96,7 @@ AVX512 static void rows_block(int rows, const float *x, int64_t x_stride, const 
 AVX512 static void gemm(const float *x, int64_t rows, int64_t in, int64_t x_stride, const float *packed,
                         int64_t out, const float *add, float *y, int threads) {
     const int64_t panels = (out + PANEL - 1) / PANEL;
-    int64_t chunk = CHUNK_BYTES / (in * (int64_t)sizeof(float)) / BLOCK_ROWS * BLOCK_ROWS;
+    int64_t chunk = in > 0 ? CHUNK_BYTES / (in * (int64_t)sizeof(float)) / BLOCK_ROWS * BLOCK_ROWS : rows;
     if (chunk < BLOCK_ROWS)
         chunk = BLOCK_ROWS;
 #pragma omp parallel num_threads(threads)
