@@ -247,6 +247,13 @@ def packed_gemm_available(lib: ctypes.CDLL) -> bool:
     return bool(lib.mimir_packed_gemm_available())
 
 
+def packed_gemm_reads(x: torch.Tensor) -> bool:
+    """Whether :func:`packed_gemm` reads ``x``'s rows as they are: fp32 on the CPU, ``[rows, in]``,
+    each row's values contiguous and the rows apart (strided rows are fine, overlapping ones not)."""
+    return (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
+            and (x.shape[0] < 2 or x.stride(0) >= x.shape[1]))
+
+
 def pack_weight(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     """An ``[out, in]`` fp32 weight packed for :func:`packed_gemm`: panels of 32 outputs, each its
     inputs one after another, zero beyond ``out`` (a copy; the weight itself is untouched)."""
@@ -265,8 +272,7 @@ def packed_gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, out_fea
     ``[rows, out_features]``, contiguous. Each result one chain of fused multiply-adds in input
     order: independent of the rows beside it and of the thread count."""
     rows, width = x.shape if x.dim() == 2 else (0, 0)
-    if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1
-            or (rows > 1 and x.stride(0) < width) or not _floats(packed)
+    if (not packed_gemm_reads(x) or not _floats(packed)
             or packed.numel() != -(-out_features // PACK_PANEL) * PACK_PANEL * width
             or (add is not None and (add.shape != (rows, out_features) or not _floats(add)))):
         raise ValueError("packed_gemm: fp32 CPU x [rows, in] (columns contiguous), a weight packed for "

@@ -192,8 +192,8 @@ class NativeGemmProducts(NativeProducts):
 
     def _product(self, x: torch.Tensor, weight: torch.Tensor,
                  add: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # the kernel takes rows apart, not strided columns
-        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+        rows = x.reshape(-1, x.shape[-1])
+        if not cpu_step.packed_gemm_reads(rows):
             rows = rows.contiguous()
         add = None if add is None else add.reshape(rows.shape[0], -1).contiguous()
         out = cpu_step.packed_gemm(self._lib, rows, self._prepacked(weight), weight.shape[0], add)
