@@ -23,10 +23,10 @@
 #include "head_ops.h"
 
 #define QUERY_BLOCK 64 /* queries a work item takes */
+#define KEY_TILE 64    /* keys transposed at a time (16 KiB at a head width of 64: L1) */
 
 /* The work items of one head of a prompt of `length` tokens: its blocks of QUERY_BLOCK queries. */
 static inline int64_t query_blocks(int64_t length) { return (length + QUERY_BLOCK - 1) / QUERY_BLOCK; }
-#define KEY_TILE 64    /* keys transposed at a time (16 KiB at a head width of 64: L1) */
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
