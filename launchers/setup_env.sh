@@ -2,7 +2,10 @@
 # Create (or update) the project's virtual environment: bash launchers/setup_env.sh [extras]
 #
 # Finds a Python 3.12 (PYTHON, python3.12 on PATH, or a pyenv 3.12.x), makes $VENV (default
-# .venv), and installs this package editable with the given extras (default: test).
+# .venv), and installs this package editable with the given extras (default: test), at the versions
+# the Docker image pins (docker/requirements*.txt, as pip constraints): a run directory moves between
+# the host and the image, and what it holds is read by the version that wrote it or a later one
+# (MLflow's store schema, a checkpoint's torch). The tests run the versions the image ships.
 # Idempotent: a second run only installs what changed.
 set -euo pipefail
 
@@ -34,8 +37,9 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 log="$venv/setup.log"
 stamp="$venv/.mimir-pyproject.sha256"
-digest="$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)"
-# Installed already (this pyproject.toml, every requirement of the extra met): nothing to do. Re-running
+pins=("$repo/docker/requirements.txt" "$repo/docker/requirements-torch.txt")
+digest="$(cat "$repo/pyproject.toml" "${pins[@]}" | sha256sum | cut -d' ' -f1)"
+# Installed already (this pyproject.toml and pins, every requirement of the extra met): nothing to do. Re-running
 # pip would reinstall the editable package under the feet of anything running from this venv.
 if [ "$(cat "$stamp" 2>/dev/null)" = "$digest" ] && "$venv/bin/python" - "$extras" <<'PY' 2>/dev/null
 import sys
@@ -70,7 +74,8 @@ fi
 echo "setup_env: installing mimir-megatron[$extras] into $venv (torch is large on first install; log: $log)"
 # pip and setuptools are chatty about editable installs: keep their output in the log, show it on failure.
 if ! { "$venv/bin/python" -m pip install --upgrade pip \
-        && "$venv/bin/python" -m pip install -e "${repo}[${extras}]"; } >"$log" 2>&1; then
+        && "$venv/bin/python" -m pip install -e "${repo}[${extras}]" --constraint "${pins[0]}" \
+            --constraint "${pins[1]}"; } >"$log" 2>&1; then
     tail -n 40 "$log" >&2
     echo "setup_env: installation failed; full log: $log" >&2
     exit 1

@@ -8,18 +8,27 @@ MLflow version (kept in the user's cache directory); MLflow then opens it as an 
 database. The copy holds no experiment: MLflow creates its Default experiment on first open,
 with this store's own artifact location, as it does for a new file. Any problem with the cache
 (unwritable, half-written) falls back to MLflow creating the file itself.
+
+A sqlite store moves with its run directory between MLflow versions (the host and the image, two
+clusters). MLflow upgrades an older store's schema when it opens it; a store a newer MLflow wrote
+it cannot read, and says so in a traceback that suggests a migration. :func:`check_store_schema`
+says instead, in one line, which MLflow the store needs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import re
 import shutil
 import sqlite3
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from mimir_megatron.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +78,7 @@ def mlflow_client(uri: str, request_timeout_s: int | None = None, artifact_root:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(request_timeout_s))
     from mlflow.tracking import MlflowClient
 
+    check_store_schema(uri)
     seed_sqlite_store(uri)
     if artifact_root is not None and rebase_moved_store(uri, artifact_root):
         # MLflow keeps each run's artifact folder per run id for the process: a copy of a run
@@ -143,6 +153,47 @@ def mark_experiment_kind(client: Any, experiment: Any, kind: str = MODEL_TRAININ
     """Tag an existing experiment (an ``Experiment``) as ``kind`` unless it has a kind already."""
     if EXPERIMENT_KIND_TAG not in experiment.tags:
         client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, kind)
+
+
+def check_store_schema(uri: str) -> None:
+    """Raise a :class:`UserError` when ``uri``'s sqlite file was written by a newer MLflow than
+    the installed one: its schema revision is not among this MLflow's migrations. Other stores,
+    missing files and files that are not MLflow stores yet pass (MLflow makes or refuses them)."""
+    path = sqlite_path(uri)
+    if path is None or not path.is_file():
+        return
+    try:
+        read_only = f"{path.resolve().as_uri()}?mode=ro"
+        with contextlib.closing(sqlite3.connect(read_only, uri=True, timeout=30)) as conn:
+            row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
+    except sqlite3.Error:
+        return
+    known = schema_revisions()
+    if row is None or not known or row[0] in known:
+        return
+    from mlflow.version import VERSION
+
+    raise UserError(
+        f"MLflow store {path} was written by a newer MLflow than the installed {VERSION} (schema "
+        f"revision {row[0]} is not one of its migrations): open it with that MLflow or a later one "
+        "(launchers/setup_env.sh installs the image's, docker/requirements.txt)")
+
+
+@functools.cache
+def schema_revisions() -> frozenset[str]:
+    """The schema revisions the installed MLflow knows: those of its migration scripts (empty
+    where they cannot be found, which turns the check off)."""
+    from importlib.util import find_spec
+
+    spec = find_spec("mlflow.store.db_migrations")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    versions = Path(next(iter(spec.submodule_search_locations))) / "versions"
+    found = (_REVISION.search(script.read_text(encoding="utf-8")) for script in versions.glob("*.py"))
+    return frozenset(match.group(1) for match in found if match)
+
+
+_REVISION = re.compile(r"""^revision\s*=\s*["']([0-9a-f]+)["']""", re.MULTILINE)
 
 
 def seed_sqlite_store(uri: str) -> bool:

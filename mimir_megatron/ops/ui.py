@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mimir_megatron.errors import UserError
 from mimir_megatron.checkpoint.run_directory import RunDirectory
+from mimir_megatron.mlflow_store import check_store_schema
 from mimir_megatron.ops.mlflow_server import DEFAULT_HOST, server_command, server_env
 from mimir_megatron.ops.ui_app import APP_NAME, TRAINING_VIEW
 from mimir_megatron.ops.ui_login import ui_login
@@ -51,6 +52,7 @@ def ui_command(
         artifacts_dir = artifacts_dir or str(store.artifacts)
     if artifacts_dir is None:
         raise UserError("--backend-store-uri without --run-dir needs --artifacts-dir")
+    check_store_schema(backend_store_uri)  # before a server that would fail on it in its log
     return server_command(backend_store_uri, artifacts_dir, host=host, port=port,
                           app_name=APP_NAME if app_installed() else None)
 

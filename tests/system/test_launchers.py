@@ -182,13 +182,14 @@ fi
 
 
 def pyproject_digest() -> str:
-    """What setup_env.sh stamps a venv with: the sha256 of pyproject.toml."""
-    return hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()
+    """What setup_env.sh stamps a venv with: the sha256 of pyproject.toml and the image's pins."""
+    parts = ("pyproject.toml", "docker/requirements.txt", "docker/requirements-torch.txt")
+    return hashlib.sha256(b"".join((REPO / part).read_bytes() for part in parts)).hexdigest()
 
 
 def test_setup_env_installs_only_what_is_missing(tmp_path):
-    """pip runs when pyproject.toml changed since the last install or a requirement of the extra is
-    missing, and not otherwise: a second `setup_env.sh` must not reinstall the editable package
+    """pip runs when pyproject.toml or the image's pins changed since the last install or a
+    requirement of the extra is missing, and not otherwise: a second `setup_env.sh` must not reinstall the editable package
     under the processes running from the venv (the README check's demo runs it mid-suite)."""
     venv, calls = tmp_path / "venv", tmp_path / "calls.log"
     (venv / "bin").mkdir(parents=True)
@@ -202,7 +203,9 @@ def test_setup_env_installs_only_what_is_missing(tmp_path):
         assert proc.returncode == 0, proc.stderr
         return [line for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
 
-    assert len(setup(check_exit=0)) == 2  # no stamp yet: pip upgrades itself, then installs
+    upgrade, install = setup(check_exit=0)  # no stamp yet: pip upgrades itself, then installs
+    for pins in ("requirements.txt", "requirements-torch.txt"):  # at the image's versions
+        assert f"--constraint {REPO / 'docker' / pins}" in install, install
     assert (venv / ".mimir-pyproject.sha256").read_text().strip() == pyproject_digest()
     assert setup(check_exit=0) == []  # the same pyproject.toml, everything installed
     assert len(setup(check_exit=1)) == 2  # a requirement of the extra missing

@@ -146,3 +146,58 @@ def test_a_store_shared_by_run_directories_is_left_alone(tmp_path, cache):
     shutil.copyfile(shared / "mlflow.db", renamed)
     assert mlflow_store.rebase_moved_store(f"sqlite:///{renamed}", (renamed.parent / "mlartifacts").as_uri()) == 0
     assert _locations(shared, run_id) == before
+
+
+def from_a_newer_mlflow(path) -> str:
+    """A store as the next MLflow leaves it: its schema at a revision this MLflow has no migration
+    for (the one after the installed head, as a release that adds a migration writes it)."""
+    import sqlite3
+
+    assert mlflow_store.seed_sqlite_store(f"sqlite:///{path}")  # not opened here: MLflow caches what it opened
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = 'f00dfeedbeef'")
+    conn.close()
+    return f"sqlite:///{path}"
+
+
+def test_a_store_from_a_newer_mlflow_is_refused_in_one_line(tmp_path, cache):
+    """MLflow itself refuses such a store with a traceback that suggests `mlflow db upgrade` (which
+    cannot help: this MLflow has no way to the newer schema); every opener here says instead, in
+    one line, which MLflow the store needs: the trainer's tracker, evaluation's and `mimir ui`."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+    from mlflow.version import VERSION
+
+    from mimir_megatron.checkpoint.run_directory import RunDirectory
+    from mimir_megatron.errors import UserError
+    from mimir_megatron.ops.ui import ui_command
+    from mimir_megatron.train.tracking import Tracker
+
+    run_dir = tmp_path / "run"
+    uri = from_a_newer_mlflow(RunDirectory(run_dir).mlflow_db)
+    with pytest.raises(MlflowException, match="out-of-date database schema"):
+        MlflowClient(tracking_uri=uri).search_experiments()
+    with pytest.raises(UserError) as refused:
+        mlflow_store.mlflow_client(uri)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert f"{run_dir / 'mlflow.db'} was written by a newer MLflow than the installed {VERSION}" in message
+    assert "f00dfeedbeef" in message
+    with pytest.raises(UserError, match="newer MLflow"):
+        Tracker(None, run_dir, "e", enabled=True, retry_seconds=0.0)
+    with pytest.raises(UserError, match="newer MLflow"):
+        ui_command(str(run_dir), None, None)
+
+
+def test_stores_this_mlflow_can_open_pass_the_schema_check(tmp_path, cache):
+    """Its own store, a file that is no MLflow store yet (MLflow makes its tables), other URIs."""
+    import sqlite3
+
+    assert "f00dfeedbeef" not in mlflow_store.schema_revisions() and len(mlflow_store.schema_revisions()) > 50
+    own = f"sqlite:///{tmp_path / 'own.db'}"
+    mlflow_store.mlflow_client(own).search_experiments()
+    mlflow_store.check_store_schema(own)
+    sqlite3.connect(tmp_path / "empty.db").close()
+    mlflow_store.mlflow_client(f"sqlite:///{tmp_path / 'empty.db'}").search_experiments()
+    for other in ("http://127.0.0.1:1", "file:///nowhere", f"sqlite:///{tmp_path / 'missing.db'}"):
+        mlflow_store.check_store_schema(other)
