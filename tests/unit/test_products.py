@@ -38,7 +38,8 @@ def _why_no_packed_gemm() -> str | None:
     return None if cpu_step.packed_gemm_available(lib) else "the packed GEMM needs AVX-512, this CPU has none"
 
 
-needs_packed_gemm = pytest.mark.skipif(_why_no_packed_gemm() is not None, reason=_why_no_packed_gemm() or "")
+_NO_PACKED_GEMM = _why_no_packed_gemm()
+needs_packed_gemm = pytest.mark.skipif(_NO_PACKED_GEMM is not None, reason=_NO_PACKED_GEMM or "")
 
 
 def _weight(n: int = 96, k: int = 64) -> torch.nn.Parameter:
